@@ -1,0 +1,30 @@
+"""leangrad: gradients of neural networks with less memory or in less time than
+backprop, and honest measurements of what each method costs.
+
+Quick use::
+
+    import leangrad
+    eng = leangrad.engine("checkpoint", segments="sqrt")
+    result = eng.backward(model, x, lambda out: F.cross_entropy(out, y))
+    optimizer.step()
+"""
+
+from . import engines, measure
+from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
+from .engines import Engine, StepResult, available, engine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "EngineInputError",
+    "LeangradError",
+    "OptionalDependencyError",
+    "StepResult",
+    "UnknownNameError",
+    "__version__",
+    "available",
+    "engine",
+    "engines",
+    "measure",
+]

@@ -1,0 +1,38 @@
+"""Fresh-process peak-RSS worker: ``python -m leangrad.bench._rss_worker`` (JSON on stdin).
+
+Builds the workload and engine named in the payload, runs one warm-up step,
+frees what it left, trims the heap, resets the high-water mark, runs one step
+and prints ``{"rss_before": ..., "rss_peak": ...}``. Nothing is timed here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import torch
+
+from ..engines import engine
+from ..measure._rss import malloc_trim, proc_status_bytes, reset_peak_rss
+from ._workloads import build
+
+
+def main() -> None:
+    payload = json.loads(sys.stdin.read())
+    torch.set_num_threads(1)
+    wl = build(payload["config"])
+    eng = engine(payload["engine"], **payload.get("options", {}))
+    eng.backward(wl.model, wl.inputs, wl.loss_fn)
+    wl.model.zero_grad(set_to_none=True)
+    gc.collect()
+    malloc_trim()
+    reset_peak_rss()
+    before = proc_status_bytes("VmRSS")
+    eng.backward(wl.model, wl.inputs, wl.loss_fn)
+    peak = proc_status_bytes("VmHWM")
+    print(json.dumps({"rss_before": before, "rss_peak": peak}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Measure engines on one workload: memory, saved bytes, time ratio, gradient error.
+
+Every number in a record is measured in the same process run as the backprop
+reference it is compared with (except the RSS cross-check, which needs a fresh
+process by design).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import os
+import platform
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import engines
+from ..measure import (
+    MemoryTracker,
+    compare_grads,
+    grads_of,
+    run_rss_worker,
+    time_interleaved,
+)
+from ..measure._rss import rss_supported
+from ._workloads import Workload, build
+
+__all__ = ["EngineSpec", "machine_info", "measure_config", "RECORD_FIELDS"]
+
+RECORD_FIELDS = (
+    "engine",
+    "config",
+    "peak_bytes",
+    "saved_bytes",
+    "seconds_median",
+    "time_ratio",
+    "grad_max_rel_err",
+    "grad_cosine",
+)
+"""The fields every benchmark record has (``None`` where not applicable)."""
+
+RSS_TOLERANCE = 0.01
+"""The RSS cross-check flags a record whose fresh-process peak exceeds the tracker's by more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """An engine as a suite names it: registry name, options, display label, limits."""
+
+    name: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    label: str | None = None
+    max_params: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineSpec:
+        unknown = set(d) - {"name", "options", "label", "max_params"}
+        if unknown:
+            raise ValueError(f"unknown engine keys {sorted(unknown)} in suite entry {dict(d)}")
+        return cls(d["name"], dict(d.get("options", {})), d.get("label"), d.get("max_params"))
+
+    def make(self) -> engines.Engine:
+        return engines.engine(self.name, **self.options)
+
+    @property
+    def display(self) -> str:
+        return self.label or self.make().label
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+    return info
+
+
+def _reference_grads(config: Mapping[str, Any], device: str) -> dict[str, torch.Tensor]:
+    """Autograd's gradient of the same step in float64 (the oracle)."""
+    wl = build({**config, "dtype": "float64"}, device=device)
+    loss = wl.loss_fn(wl.model(*wl.inputs))
+    names = [n for n, p in wl.model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for n, p in wl.model.named_parameters() if p.requires_grad])
+    return dict(zip(names, grads, strict=True))
+
+
+def _step(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
+    def step() -> object:
+        wl.model.zero_grad(set_to_none=True)
+        return engine.backward(wl.model, wl.inputs, wl.loss_fn)
+
+    return step
+
+
+def _tracked(engine: engines.Engine, wl: Workload, *, prealloc: bool) -> MemoryTracker:
+    wl.model.zero_grad(set_to_none=True)
+    if prealloc:
+        for p in wl.model.parameters():
+            p.grad = torch.zeros_like(p)
+    gc.collect()
+    with MemoryTracker(baseline=(wl.model, wl.inputs, wl.targets)) as tracker:
+        engine.backward(wl.model, wl.inputs, wl.loss_fn)
+    return tracker
+
+
+def measure_config(
+    config: Mapping[str, Any],
+    specs: Sequence[EngineSpec],
+    *,
+    reference: str = "backprop",
+    repeats: int = 5,
+    warmup: int = 1,
+    rss: bool = True,
+    device: str = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Measure every engine of ``specs`` on the workload ``config``; one record each.
+
+    Memory: one tracked step per engine with ``.grad`` unset (``peak_bytes``) and
+    one with gradients pre-allocated (``peak_bytes_prealloc``), so new gradient
+    buffers do not hide activation differences. ``saved_bytes`` is the live
+    memory above baseline when the engine's forward phase ended. Time: medians
+    of interleaved repeats, ratio to ``reference`` (which must be among specs).
+    Gradients: compared with autograd's float64 gradient of the same step.
+    """
+
+    def tick(msg: str) -> None:
+        if progress is not None:
+            progress(msg)
+
+    ref_grads = _reference_grads(config, device)
+    base = build(config, device=device)
+    workloads: dict[str, Workload] = {}
+    records: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        label = spec.display
+        wl = copy.deepcopy(base)
+        rec: dict[str, Any] = {
+            "engine": label,
+            "engine_name": spec.name,
+            "options": spec.options,
+            "exact": spec.make().exact,
+            "config": dict(config),
+            "num_params": base.num_params,
+            "estimate": False,
+            "skipped": None,
+        }
+        for key in ("peak_bytes", "peak_bytes_prealloc", "saved_bytes", "baseline_bytes",
+                    "seconds_median", "seconds_min", "seconds_max", "time_ratio",
+                    "grad_max_rel_err", "grad_cosine", "rss_peak_bytes", "rss_exceeds_tracker"):
+            rec[key] = None
+        records[label] = rec
+        if spec.max_params is not None and base.num_params > spec.max_params:
+            rec["skipped"] = (
+                f"{base.num_params} parameters > max_params {spec.max_params} "
+                "(its time grows with the parameter count)"
+            )
+            continue
+        workloads[label] = wl
+        engine = spec.make()
+        _step(engine, wl)()  # warm-up: lazy initialisation is not the step's memory
+        tracker = _tracked(engine, wl, prealloc=False)
+        rep = tracker.report
+        cmp = compare_grads(grads_of(wl.model), ref_grads)
+        rec.update(
+            peak_bytes=rep.peak_bytes,
+            saved_bytes=rep.forward_live_bytes,
+            baseline_bytes=rep.baseline_bytes,
+            grad_max_rel_err=cmp.max_rel_err,
+            grad_cosine=cmp.cosine,
+            peak_bytes_prealloc=_tracked(engine, wl, prealloc=True).report.peak_bytes,
+        )
+        wl.model.zero_grad(set_to_none=True)
+        tick(f"memory {label}")
+        if rss and rss_supported() and device == "cpu":
+            r = run_rss_worker(
+                "leangrad.bench._rss_worker",
+                {"config": dict(config), "engine": spec.name, "options": spec.options},
+            )
+            rec["rss_peak_bytes"] = r.peak_above
+            rec["rss_exceeds_tracker"] = r.peak_above > rep.peak_bytes * (1 + RSS_TOLERANCE)
+            tick(f"rss {label}")
+    if workloads:
+        labels = list(workloads)
+        ref_label = next((lb for lb in labels if records[lb]["engine_name"] == reference), None)
+        fns = {lb: _step(spec.make(), workloads[lb]) for spec in specs
+               if (lb := spec.display) in workloads}
+        timings = time_interleaved(
+            fns, repeats=repeats, warmup=warmup, reference=ref_label,
+            progress=lambda: tick("time"),
+        )
+        for lb, t in timings.items():
+            records[lb].update(
+                seconds_median=t.median, seconds_min=t.minimum, seconds_max=t.maximum,
+                time_ratio=t.ratio,
+            )
+    return list(records.values())

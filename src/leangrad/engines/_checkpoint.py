@@ -1,0 +1,138 @@
+"""``checkpoint``: activation checkpointing over a sequence of blocks (non-reentrant).
+
+Chen et al., "Training deep nets with sublinear memory cost" (2016): keep only
+the inputs of ``s`` segments during the forward pass and recompute each
+segment's activations during the backward pass. With ``s ≈ √L`` memory grows as
+O(√L) instead of O(L), for one extra forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import _errors as E
+from ._backprop import grad_hooks
+from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
+from ._registry import register
+from ..measure._memory import FORWARD_END, mark
+
+__all__ = ["Checkpoint", "model_blocks", "split_segments"]
+
+NOT_SEQUENTIAL = (
+    "the checkpoint engine needs a model made of blocks run one after another: an "
+    "nn.Sequential, or a module with a `checkpoint_blocks()` method returning its blocks "
+    "in order; {model} is neither. Wrap the blocks in nn.Sequential"
+)
+BAD_SEGMENTS = "segments must be a positive int, 'sqrt' or None (one per block), got {value!r}"
+BATCHNORM_TWICE = (
+    "checkpoint recomputes {module} in training mode, so its running statistics are "
+    "updated twice per step; use eval-mode normalisation or a norm without running stats"
+)
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a Sequential-like model, in execution order."""
+    blocks_fn = getattr(model, "checkpoint_blocks", None)
+    if callable(blocks_fn):
+        return list(blocks_fn())
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    raise E.EngineInputError(NOT_SEQUENTIAL.format(model=type(model).__name__))
+
+
+def split_segments(n_blocks: int, segments: int) -> list[range]:
+    """Split ``range(n_blocks)`` into ``segments`` contiguous, near-equal ranges."""
+    segments = max(1, min(segments, n_blocks))
+    bounds = [round(i * n_blocks / segments) for i in range(segments + 1)]
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@register("checkpoint")
+class Checkpoint(Engine):
+    """Checkpointing over the blocks of an ``nn.Sequential``-like model.
+
+    Args:
+        segments: number of segments. ``None`` (default) checkpoints every block;
+            ``"sqrt"`` uses ⌈√L⌉ segments for L blocks (memory O(√L)); an int
+            uses that many. Every segment but the last is checkpointed: the
+            last one's activations are the first the backward pass needs, so
+            recomputing them would cost time and save no peak memory
+            (as ``torch.utils.checkpoint.checkpoint_sequential``).
+
+    Trade-off: one extra forward pass of the checkpointed segments; exact
+    gradients (RNG state is restored for dropout). BatchNorm running statistics
+    are updated twice (a warning says so).
+    """
+
+    exact = True
+
+    def __init__(self, *, segments: int | Literal["sqrt"] | None = None) -> None:
+        ok = segments is None or segments == "sqrt"
+        ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
+        if not ok:
+            raise ValueError(BAD_SEGMENTS.format(value=segments))
+        super().__init__(**({} if segments is None else {"segments": segments}))
+        self.segments = segments
+
+    def _backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        blocks = model_blocks(model)
+        _warn_batchnorm(blocks)
+        n = len(blocks)
+        if self.segments is None:
+            s = n
+        elif self.segments == "sqrt":
+            s = math.ceil(math.sqrt(n))
+        else:
+            s = int(self.segments)
+        groups = split_segments(n, s)
+
+        def run(xs: tuple[torch.Tensor, ...]) -> object:
+            out: object = xs
+            for i, group in enumerate(groups):
+                seg = _Segment([blocks[j] for j in group])
+                args = out if isinstance(out, tuple) else (out,)
+                if i < len(groups) - 1:
+                    out = checkpoint(seg, *args, use_reentrant=False)
+                else:
+                    out = seg(*args)
+            return out
+
+        loss = check_loss(loss_fn(run_forward(self.label, lambda *xs: run(xs), inputs)))
+        mark(FORWARD_END)
+        with grad_hooks(params, on_grad):
+            loss.backward()
+        return self._result(loss, segments=len(groups))
+
+
+class _Segment(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = blocks  # plain list: no re-registration of submodules
+
+    def forward(self, *xs: torch.Tensor) -> object:
+        out: object = self.blocks[0](*xs)
+        for block in self.blocks[1:]:
+            out = block(out)
+        return out
+
+
+def _warn_batchnorm(blocks: list[nn.Module]) -> None:
+    for block in blocks:
+        for m in block.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+                if m.track_running_stats:
+                    warnings.warn(BATCHNORM_TWICE.format(module=type(m).__name__), stacklevel=4)
+                    return

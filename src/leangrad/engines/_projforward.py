@@ -1,0 +1,127 @@
+"""``projforward``: the forward gradient, an unbiased estimate from random directional derivatives.
+
+Baydin et al., "Gradients without backpropagation" (2022); the ProjForward
+baseline of Moonwalk v1 (section 4, Table 1). For a random tangent v with
+E[v vᵀ] = I (standard Gaussian or Rademacher entries), one jvp gives the
+directional derivative ∇L·v, and g = (∇L·v) v satisfies E[g] = ∇L. The mean of
+``samples`` independent draws is returned; its variance falls as 1/samples.
+(Moonwalk v1 writes the projection with a unit-length u, which is biased by a
+factor 1/d; leangrad keeps the unbiased scaling.)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.func import jvp, vmap
+
+from ..measure._memory import FORWARD_END, mark
+from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad
+from ._forward import BAD_CHUNK
+from ._functional import BatchedBuffers, pure_loss
+from ._registry import register
+
+__all__ = ["ProjForward"]
+
+BAD_DISTRIBUTION = "distribution must be 'gaussian' or 'rademacher', got {value!r}"
+
+
+@register("projforward")
+class ProjForward(Engine):
+    """Forward-gradient estimator: mean of ``samples`` draws of (∇L·v) v.
+
+    Args:
+        samples: number of random tangents averaged (variance ∝ 1/samples).
+        distribution: ``"gaussian"`` (v ~ N(0, I); per-coordinate variance
+            ‖∇L‖² + ∂_j L²) or ``"rademacher"`` (v_j = ±1; variance ‖∇L‖² − ∂_j L²).
+        seed: seeds this engine's own generator, so a sequence of steps is
+            reproducible; ``None`` draws from PyTorch's global generator.
+        chunk_size: most tangents pushed through the model at once (``vmap``).
+
+    Trade-off: time about one forward pass with tangents per chunk and memory of
+    one forward pass (nothing stored for a backward); the estimate is unbiased
+    but noisy, with variance growing with the number of parameters.
+    """
+
+    exact = False
+
+    def __init__(
+        self,
+        *,
+        samples: int = 1,
+        distribution: Literal["gaussian", "rademacher"] = "gaussian",
+        seed: int | None = None,
+        chunk_size: int = 64,
+    ) -> None:
+        for name, value in (("samples", samples), ("chunk_size", chunk_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(BAD_CHUNK.format(name=name, value=value))
+        if distribution not in ("gaussian", "rademacher"):
+            raise ValueError(BAD_DISTRIBUTION.format(value=distribution))
+        opts: dict[str, object] = {}
+        if samples != 1:
+            opts["samples"] = samples
+        if distribution != "gaussian":
+            opts["distribution"] = distribution
+        super().__init__(**opts)
+        self.samples = samples
+        self.distribution = distribution
+        self.seed = seed
+        self.chunk_size = chunk_size
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def _draw(self, k: int, like: torch.Tensor) -> torch.Tensor:
+        gen = self._generator(like.device)
+        shape = (k, *like.shape)
+        if self.distribution == "gaussian":
+            return torch.randn(shape, generator=gen, dtype=like.dtype, device=like.device)
+        bits = torch.randint(0, 2, shape, generator=gen, device=like.device)
+        return bits.to(like.dtype).mul_(2).sub_(1)
+
+    def _backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        f = pure_loss(self.label, model, inputs, loss_fn, params)
+        primals = {n: p.detach() for n, p in params.items()}
+        bufs = BatchedBuffers(model)
+        mark(FORWARD_END)
+
+        def directional(
+            v: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return jvp(lambda values: f(values, b), (primals,), (v,))
+
+        batched = vmap(directional, randomness="same")
+        total = {n: torch.zeros_like(t) for n, t in primals.items()}
+        loss: torch.Tensor | None = None
+        for start in range(0, self.samples, self.chunk_size):
+            k = min(self.chunk_size, self.samples - start)
+            tangents = {n: self._draw(k, t) for n, t in primals.items()}
+            b = bufs.batched(k)
+            value, dloss = batched(tangents, b)
+            bufs.commit(b)
+            if loss is None:
+                loss = value[0]
+            for n, v in tangents.items():
+                total[n] += torch.tensordot(dloss, v, dims=1)
+            del tangents, value, dloss, b
+        assert loss is not None
+        for n, p in params.items():
+            accumulate_grad(p, total[n].div_(self.samples))
+            if on_grad is not None:
+                on_grad(n, p)
+        return self._result(loss, jvps=self.samples)

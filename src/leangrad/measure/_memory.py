@@ -1,0 +1,254 @@
+"""Allocator-level memory tracking of one training step.
+
+On CPU the tracker is a ``TorchDispatchMode``: every tensor an operator returns
+is looked up by its *storage* (``Tensor.untyped_storage()``, whose Python object
+PyTorch keeps alive exactly as long as the storage), so views and in-place
+results count once, and a weak-reference callback on the storage sees the
+moment it is freed. On CUDA it reads ``torch.cuda`` allocator statistics.
+
+Parameters, buffers, gradients and inputs are the *baseline*: counted
+explicitly when the tracker starts and reported apart, so ``peak_bytes`` is what
+the step itself allocates (activations, saved tensors, new gradients, scratch).
+
+Engines call :func:`mark` at phase boundaries (``"forward_end"``: what is kept
+for the backward phase); marks are free when no tracker is active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["FORWARD_END", "MemoryReport", "MemoryTracker", "baseline_bytes", "mark"]
+
+FORWARD_END = "forward_end"
+"""Mark name engines record once the forward phase is done (what is kept for backward)."""
+
+_ACTIVE: list[MemoryTracker] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """What one tracked region allocated, in bytes.
+
+    Attributes:
+        device: ``"cpu"`` or a CUDA device string.
+        baseline_bytes: parameters, buffers, existing gradients and inputs, counted
+            once by storage when the tracker started.
+        peak_bytes: peak of live bytes *above* the baseline inside the region.
+        end_bytes: live bytes above the baseline when the region ended.
+        marks: live bytes above the baseline at each :func:`mark` (first call wins).
+        estimate: ``True`` when measured on fake tensors (shapes only, nothing allocated).
+    """
+
+    device: str
+    baseline_bytes: int
+    peak_bytes: int
+    end_bytes: int
+    marks: dict[str, int]
+    estimate: bool = False
+
+    @property
+    def forward_live_bytes(self) -> int | None:
+        """Live bytes above baseline at the end of the forward phase, if an engine marked it."""
+        return self.marks.get(FORWARD_END)
+
+
+def _storages(objs: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+    for obj in objs:
+        if isinstance(obj, nn.Module):
+            tensors: list[torch.Tensor] = []
+            for p in obj.parameters():
+                tensors.append(p)
+                if p.grad is not None:
+                    tensors.append(p.grad)
+            tensors.extend(obj.buffers())
+        else:
+            tensors = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            st = _storage_of(t)
+            if st is not None:
+                yield st
+
+
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, some subclasses
+        return None
+
+
+def baseline_bytes(*objs: Any) -> int:
+    """Bytes of the distinct storages behind modules (params, grads, buffers) and tensors."""
+    seen: dict[int, int] = {}
+    for st in _storages(objs):
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+class _StorageMode(TorchDispatchMode):
+    """Sees every operator output and records storages it has not seen before."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if leaves:
+            inputs = {
+                id(st)
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and (st := _storage_of(t)) is not None
+            }
+            for t in leaves:
+                st = _storage_of(t)
+                if st is not None:
+                    self.tracker._see(st, external=id(st) in inputs)
+        return out
+
+
+class MemoryTracker:
+    """Track live tensor storage bytes over a region: forward *and* backward inside it.
+
+    Use it as a context manager around the whole step; read :attr:`report` after::
+
+        with MemoryTracker(baseline=(model, x)) as tracker:
+            engine.backward(model, x, loss_fn)
+        print(tracker.report.peak_bytes)
+
+    Args:
+        baseline: modules and tensors that exist before the step (parameters,
+            buffers, gradients, inputs). Their storages are counted once in
+            ``baseline_bytes`` and never as allocations of the step.
+        device: ``"cpu"`` (dispatch-mode tracking) or a CUDA device (allocator
+            statistics). ``None`` infers it from the first baseline tensor.
+        estimate: label the report as an estimate (set by
+            :func:`leangrad.measure.estimate_memory`, which runs on fake tensors).
+
+    On CPU, a storage first seen as the output of an operator that also took it
+    as input (a view or in-place op on a tensor made before tracking started)
+    is external and not counted; its later growth is.
+    """
+
+    def __init__(
+        self,
+        *,
+        baseline: Iterable[Any] | Any = (),
+        device: str | torch.device | None = None,
+        estimate: bool = False,
+    ) -> None:
+        objs = list(baseline) if isinstance(baseline, (list, tuple)) else [baseline]
+        self._baseline_objs = objs
+        self.device = torch.device(device) if device is not None else _infer_device(objs)
+        self.estimate = estimate
+        self.live = 0
+        self.peak = 0
+        self.marks: dict[str, int] = {}
+        self._baseline = 0
+        self._entries: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, bool]] = {}
+        self._mode: _StorageMode | None = None
+        self._cuda_start = 0
+        self._use_cuda = self.device.type == "cuda" and not estimate
+        self._report: MemoryReport | None = None
+
+    # -- bookkeeping (CPU) -------------------------------------------------
+    def _see(self, st: torch.UntypedStorage, *, external: bool) -> None:
+        key = id(st)
+        entry = self._entries.get(key)
+        nbytes = st.nbytes()
+        if entry is not None:
+            ref, old, counted = entry
+            if counted and nbytes != old:  # resized in place (e.g. an out= op)
+                self.live += nbytes - old
+                self.peak = max(self.peak, self.live)
+                self._entries[key] = (ref, nbytes, counted)
+            return
+        counted = not external
+        self._entries[key] = (weakref.ref(st, self._freed_callback(key)), nbytes, counted)
+        if counted:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def _freed_callback(self, key: int):  # type: ignore[no-untyped-def]
+        def freed(_ref: weakref.ref[torch.UntypedStorage]) -> None:
+            entry = self._entries.pop(key, None)
+            if entry is not None and entry[2]:
+                self.live -= entry[1]
+
+        return freed
+
+    # -- context protocol --------------------------------------------------
+    def __enter__(self) -> MemoryTracker:
+        storages = list(_storages(self._baseline_objs))
+        unique = {id(st): st for st in storages}
+        self._baseline = sum(st.nbytes() for st in unique.values())
+        if self._use_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_start = torch.cuda.memory_allocated(self.device)
+        else:
+            for st in unique.values():
+                self._see(st, external=True)
+            self._mode = _StorageMode(self)
+            self._mode.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.remove(self)
+        if self._use_cuda:
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
+            self.live = torch.cuda.memory_allocated(self.device) - self._cuda_start
+        else:
+            assert self._mode is not None
+            self._mode.__exit__(*exc)
+            self._mode = None
+        self._report = MemoryReport(
+            device=str(self.device),
+            baseline_bytes=self._baseline,
+            peak_bytes=max(self.peak, 0),
+            end_bytes=self.live,
+            marks=dict(self.marks),
+            estimate=self.estimate,
+        )
+        self._entries.clear()  # drops the weakrefs, so their callbacks never fire
+
+    def current_bytes(self) -> int:
+        """Live bytes above the baseline right now."""
+        if self._use_cuda:
+            return torch.cuda.memory_allocated(self.device) - self._cuda_start
+        return self.live
+
+    @property
+    def report(self) -> MemoryReport:
+        """The named result; available once the ``with`` block has ended."""
+        if self._report is None:
+            raise RuntimeError("MemoryTracker.report is available after the `with` block exits")
+        return self._report
+
+
+def _infer_device(objs: list[Any]) -> torch.device:
+    for st in _storages(objs):
+        if st.device.type == "cuda":
+            return st.device
+    return torch.device("cpu")
+
+
+def mark(name: str) -> None:
+    """Record the live bytes of every active tracker under ``name`` (first call wins).
+
+    Engines call ``mark(FORWARD_END)`` when their forward phase is done; without
+    an active tracker this does nothing and costs nothing.
+    """
+    for tracker in _ACTIVE:
+        tracker.marks.setdefault(name, tracker.current_bytes())

@@ -1,0 +1,105 @@
+"""Wall-clock timing: medians of interleaved repeats after warm-up, as ratios in one run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+__all__ = ["Timing", "num_threads", "time_interleaved"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds of one timed function over the repeats, and its ratio to the reference.
+
+    Attributes:
+        median, minimum, maximum: seconds per call over ``repeats`` calls.
+        ratio: ``median / reference median`` (``None`` without a reference).
+        repeats: how many calls were timed (after warm-up).
+    """
+
+    median: float
+    minimum: float
+    maximum: float
+    ratio: float | None
+    repeats: int
+
+
+@contextlib.contextmanager
+def num_threads(n: int | None) -> Iterator[None]:
+    """Set ``torch.set_num_threads(n)`` inside the block (``None`` leaves it)."""
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    reference: str | None = None,
+    threads: int | None = 1,
+    progress: Callable[[], None] | None = None,
+) -> dict[str, Timing]:
+    """Time several functions fairly: round-robin, so drifts hit all of them alike.
+
+    Each round calls every function once, in an order rotated by one each
+    round. Warm-up rounds are not timed. Times are medians, so one slow
+    outlier (a page fault, another process) does not move the result.
+
+    Args:
+        fns: name -> zero-argument callable (one training step each).
+        repeats: timed rounds.
+        warmup: untimed rounds first (allocator, caches, lazy init).
+        reference: name whose median the ratios divide by (e.g. ``"backprop"``).
+        threads: ``torch.set_num_threads`` during timing (1 by default; ``None`` leaves it).
+        progress: called after each timed call (e.g. a progress bar's update).
+    """
+    if reference is not None and reference not in fns:
+        raise KeyError(f"reference {reference!r} is not among the timed functions {list(fns)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    with num_threads(threads):
+        for _ in range(warmup):
+            for n in names:
+                fns[n]()
+        for r in range(repeats):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for n in order:
+                _sync()
+                t0 = time.perf_counter()
+                fns[n]()
+                _sync()
+                samples[n].append(time.perf_counter() - t0)
+                if progress is not None:
+                    progress()
+    ref = statistics.median(samples[reference]) if reference is not None else None
+    return {
+        n: Timing(
+            median=(med := statistics.median(s)),
+            minimum=min(s),
+            maximum=max(s),
+            ratio=(med / ref) if ref else None,
+            repeats=len(s),
+        )
+        for n, s in samples.items()
+    }
