@@ -82,6 +82,15 @@ class Engine(abc.ABC):
     def __repr__(self) -> str:
         return f"<leangrad engine {self.label}>"
 
+    def supports(self, model: nn.Module) -> str | None:
+        """``None`` if this engine can differentiate ``model``, else the reason it cannot.
+
+        Generic engines accept any module; engines that need layer rules
+        (e.g. a chain of submersive layers) override this.
+        """
+        del model
+        return None
+
     def backward(
         self,
         model: nn.Module,

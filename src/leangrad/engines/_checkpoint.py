@@ -80,6 +80,13 @@ class Checkpoint(Engine):
         super().__init__(**({} if segments is None else {"segments": segments}))
         self.segments = segments
 
+    def supports(self, model: nn.Module) -> str | None:
+        try:
+            model_blocks(model)
+        except E.EngineInputError as err:
+            return str(err)
+        return None
+
     def _backward(
         self,
         model: nn.Module,

@@ -29,7 +29,9 @@ class Forward(Engine):
 
     Args:
         chunk_size: most tangent directions pushed through the model at once
-            (``vmap``). More is faster until memory or cache runs out.
+            (``vmap``). Peak memory grows about linearly with it (each direction
+            carries its own tangent activations); on one CPU thread, 8 to 256
+            ran within 25% of each other in time, so the default is small.
         chunk_bytes: cap on the bytes of one chunk's tangents; the chunk shrinks
             for large parameters so memory stays bounded whatever the layer size.
 
@@ -40,7 +42,7 @@ class Forward(Engine):
 
     exact = True
 
-    def __init__(self, *, chunk_size: int = 256, chunk_bytes: int = 32 * 2**20) -> None:
+    def __init__(self, *, chunk_size: int = 16, chunk_bytes: int = 32 * 2**20) -> None:
         for name, value in (("chunk_size", chunk_size), ("chunk_bytes", chunk_bytes)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(BAD_CHUNK.format(name=name, value=value))

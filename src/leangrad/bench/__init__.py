@@ -1,0 +1,23 @@
+"""leangrad.bench: named benchmark suites (data), their runner, the demo and the report."""
+
+from ._demo import run_demo
+from ._report import render_report
+from ._run import run_suite
+from ._runner import RECORD_FIELDS, EngineSpec, machine_info, measure_config
+from ._suites import Suite, list_suites, load_suite
+from ._workloads import Workload, build
+
+__all__ = [
+    "RECORD_FIELDS",
+    "EngineSpec",
+    "Suite",
+    "Workload",
+    "build",
+    "list_suites",
+    "load_suite",
+    "machine_info",
+    "measure_config",
+    "render_report",
+    "run_demo",
+    "run_suite",
+]

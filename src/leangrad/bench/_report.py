@@ -1,0 +1,162 @@
+"""Render every ``*.json`` suite result in a directory into one Markdown report with plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .. import _errors as E
+
+__all__ = ["fmt_bytes", "load_records", "render_report"]
+
+MiB = 2**20
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes as MiB with three significant digits; ``—`` for missing."""
+    if n is None:
+        return "—"
+    v = n / MiB
+    return f"{v:.3g} MiB" if v >= 0.01 else f"{n / 1024:.3g} KiB"
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def load_records(directory: Path) -> dict[str, list[dict[str, Any]]]:
+    """Suite name -> records, from every ``*.json`` list of records in ``directory``."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(directory.glob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            continue  # not a suite result (e.g. a demo summary)
+        out[path.stem] = data
+    return out
+
+
+def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = recs[0].get("sweep", "x")
+    panels = [
+        ("peak_bytes", "peak memory above baseline (MiB)", MiB),
+        ("saved_bytes", "kept for backward (MiB)", MiB),
+        ("time_ratio", "time / backprop", 1.0),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    by_engine: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in recs:
+        by_engine[r["engine"]].append(r)
+    for ax, (key, title, scale) in zip(axes, panels, strict=True):
+        for engine, rs in by_engine.items():
+            pts = sorted((r["x"], r[key] / scale) for r in rs if r.get(key) is not None)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=engine)
+        ax.set_xlabel(sweep)
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{suite} — {series}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _growth(recs: list[dict[str, Any]], key: str) -> str:
+    pts = sorted((r["x"], r[key]) for r in recs if r.get(key) is not None)
+    if len(pts) < 2 or not pts[0][1]:
+        return "—"
+    (x0, y0), (x1, y1) = pts[0], pts[-1]
+    return f"×{y1 / y0:.2f} for ×{x1 / x0:g} {recs[0].get('sweep', 'x')}"
+
+
+def render_report(directory: str | Path, *, plots: bool = True) -> Path:
+    """Write ``directory/report.md`` (and ``plots/*.png``) from the suite JSON files there."""
+    directory = Path(directory)
+    suites = load_records(directory)
+    if not suites:
+        raise E.LeangradError(
+            f"no suite results (*.json lists of records) in {directory}; "
+            "run `leangrad bench SUITE --out DIR` first"
+        )
+    lines = ["# leangrad benchmark report", ""]
+    first = next(iter(suites.values()))[0]
+    m = first.get("machine", {})
+    lines += [
+        f"Machine: {m.get('processor', '?')}, {m.get('cpu_count', '?')} CPUs, "
+        f"torch {m.get('torch', '?')}, Python {m.get('python', '?')}.",
+        "",
+        "Memory is measured at the allocator level (live tensor storage bytes, above the "
+        "baseline of parameters, buffers and inputs). *saved* = live bytes when the forward "
+        "phase ended. *peak (grads prealloc.)* = peak with `.grad` buffers allocated "
+        "beforehand. Time ratios are medians of interleaved repeats in one process, "
+        "divided by backprop's. Gradient errors are against autograd in float64. *RSS* is "
+        "the peak resident memory of the same step in a fresh process; ⚠ marks RSS more "
+        "than 1% above the tracker (memory the tracker cannot see, e.g. kernel scratch).",
+        "",
+    ]
+    for suite, records in suites.items():
+        quick = " (quick)" if records and records[0].get("quick") else ""
+        lines += [f"## {suite}{quick}", ""]
+        by_series: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in records:
+            by_series[r.get("series", "")].append(r)
+        for series, recs in by_series.items():
+            cfg = {k: v for k, v in recs[0]["config"].items() if k != recs[0].get("sweep")}
+            lines += [f"### {series}", "", f"`{json.dumps(cfg)}`", ""]
+            if plots:
+                png = Path("plots") / f"{suite}-{series}.png"
+                _plot_series(suite, series, recs, directory / png)
+                lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+            lines += [
+                f"| engine | {recs[0].get('sweep', 'x')} | params | peak | peak (grads prealloc.)"
+                " | saved | RSS | time ratio | s median [min–max] | max rel err | cosine |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in sorted(recs, key=lambda r: (r["engine"], r["x"])):
+                if r.get("skipped"):
+                    lines.append(
+                        f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
+                        f"| skipped: {r['skipped']} | | | | | | | |"
+                    )
+                    continue
+                rss = fmt_bytes(r.get("rss_peak_bytes"))
+                if r.get("rss_exceeds_tracker"):
+                    rss += " ⚠"
+                est = " (estimate)" if r.get("estimate") else ""
+                secs = (
+                    f"{_fmt(r.get('seconds_median'), '.4f')} "
+                    f"[{_fmt(r.get('seconds_min'), '.4f')}–{_fmt(r.get('seconds_max'), '.4f')}]"
+                )
+                lines.append(
+                    f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
+                    f"| {fmt_bytes(r.get('peak_bytes'))}{est} "
+                    f"| {fmt_bytes(r.get('peak_bytes_prealloc'))} "
+                    f"| {fmt_bytes(r.get('saved_bytes'))} | {rss} "
+                    f"| {_fmt(r.get('time_ratio'), '.2f')} | {secs} "
+                    f"| {_fmt(r.get('grad_max_rel_err'), '.2e')} "
+                    f"| {_fmt(r.get('grad_cosine'), '.6f')} |"
+                )
+            lines += ["", "Growth from the smallest to the largest sweep value:", ""]
+            engines = sorted({r["engine"] for r in recs})
+            for eng in engines:
+                rs = [r for r in recs if r["engine"] == eng and not r.get("skipped")]
+                if rs:
+                    lines.append(
+                        f"- {eng}: peak {_growth(rs, 'peak_bytes')}; "
+                        f"time {_growth(rs, 'seconds_median')}"
+                    )
+            lines.append("")
+    path = directory / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

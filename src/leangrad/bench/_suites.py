@@ -1,0 +1,110 @@
+"""Named benchmark suites: TOML files in ``leangrad/bench/suites/`` (data, not code).
+
+A suite lists engines (registry name, options, optional label and
+``max_params``) and series: a base configuration (see :func:`~leangrad.bench.build`)
+swept over one key (``sweep``, e.g. ``depth``) with ``values`` (full run) and
+``quick_values`` (``--quick``). A series may restrict itself to some engine
+labels. A suite with ``runner = "module:function"`` is run by that function
+instead (for suites that train rather than sweep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import tomllib
+from importlib import resources
+from typing import Any
+
+from .. import _errors as E
+from ._runner import EngineSpec
+
+__all__ = ["Series", "Suite", "list_suites", "load_suite"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Series:
+    name: str
+    config: dict[str, Any]
+    values: list[Any]
+    quick_values: list[Any]
+    engines: list[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """A parsed suite file."""
+
+    name: str
+    description: str
+    reference: str
+    sweep: str
+    engines: list[EngineSpec]
+    series: list[Series]
+    settings: dict[str, Any]
+    runner: str | None = None
+
+    def engines_for(self, series: Series) -> list[EngineSpec]:
+        if series.engines is None:
+            return list(self.engines)
+        by_label = {e.display: e for e in self.engines}
+        missing = [lb for lb in series.engines if lb not in by_label]
+        if missing:
+            raise ValueError(
+                f"suite {self.name!r}, series {series.name!r}: unknown engine labels {missing}; "
+                f"the suite defines {sorted(by_label)}"
+            )
+        return [by_label[lb] for lb in series.engines]
+
+    def repeats(self, quick: bool) -> int:
+        key = "quick_repeats" if quick else "repeats"
+        return int(self.settings.get(key, self.settings.get("repeats", 5)))
+
+    def resolve_runner(self) -> Any:
+        assert self.runner is not None
+        module, _, func = self.runner.partition(":")
+        return getattr(importlib.import_module(module), func)
+
+
+def _files() -> dict[str, Any]:
+    root = resources.files("leangrad.bench") / "suites"
+    return {p.name.removesuffix(".toml"): p for p in root.iterdir() if p.name.endswith(".toml")}
+
+
+def list_suites() -> dict[str, str]:
+    """Suite name -> first line of its description."""
+    out = {}
+    for name in sorted(_files()):
+        desc = load_suite(name).description.strip().splitlines()
+        out[name] = desc[0] if desc else ""
+    return out
+
+
+def load_suite(name: str) -> Suite:
+    """Parse the suite ``name``; unknown names list the known ones."""
+    files = _files()
+    if name not in files:
+        raise E.UnknownNameError(
+            E.UNKNOWN_NAME.format(kind="suite", name=name, known=", ".join(sorted(files)))
+        )
+    data = tomllib.loads(files[name].read_text())
+    series = [
+        Series(
+            name=s["name"],
+            config=dict(s["config"]),
+            values=list(s["values"]),
+            quick_values=list(s.get("quick_values", s["values"])),
+            engines=s.get("engines"),
+        )
+        for s in data.get("series", [])
+    ]
+    return Suite(
+        name=name,
+        description=data.get("description", "").strip(),
+        reference=data.get("reference", "backprop"),
+        sweep=data.get("sweep", "depth"),
+        engines=[EngineSpec.from_dict(e) for e in data.get("engines", [])],
+        series=series,
+        settings=dict(data.get("settings", {})),
+        runner=data.get("runner"),
+    )

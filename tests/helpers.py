@@ -1,0 +1,106 @@
+"""Test helpers: small random problems and the autograd reference every engine is held to."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+from torch import nn
+
+from leangrad import models
+
+__all__ = [
+    "MODEL_KINDS",
+    "Problem",
+    "draw_problem",
+    "make_problem",
+    "reference_grads",
+    "trainable",
+]
+
+MODEL_KINDS = ("mlp", "cnn", "conv", "rnn")
+"""mlp: ``models.mlp``; cnn: ``models.small_cnn`` (8x8 inputs); conv: ``models.conv_stack``
+(any spatial size); rnn: ``models.rnn_classifier``."""
+
+
+@dataclasses.dataclass
+class Problem:
+    """A model, its inputs and a cross-entropy loss over random targets."""
+
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    targets: torch.Tensor
+
+    def loss_fn(self, out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, self.targets)
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Named parameters with ``requires_grad``, in registration order."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def make_problem(
+    kind: str, dtype: torch.dtype, *, seed: int = 0, sizes: dict[str, int] | None = None
+) -> Problem:
+    """Build a small ``kind`` problem; ``sizes`` overrides the defaults below."""
+    s = {
+        "batch": 3, "features": 4, "width": 5, "depth": 2, "classes": 3,
+        "channels": 2, "in_channels": 2, "height": 5, "wide": 4, "steps": 3,
+    }  # fmt: skip
+    s.update(sizes or {})
+    torch.manual_seed(seed)
+    b, c = s["batch"], s["classes"]
+    model: nn.Module
+    if kind == "mlp":
+        model = models.mlp(s["features"], s["width"], s["depth"], c)
+        x = torch.randn(b, s["features"], dtype=torch.float64)
+    elif kind == "cnn":
+        model = models.small_cnn(c, in_channels=1, channels=s["channels"])
+        x = torch.randn(b, 1, 8, 8, dtype=torch.float64)
+    elif kind == "conv":
+        model = models.conv_stack(s["in_channels"], s["channels"], s["depth"], c)
+        x = torch.randn(b, s["in_channels"], s["height"], s["wide"], dtype=torch.float64)
+    elif kind == "rnn":
+        model = models.rnn_classifier(s["features"], s["width"], c)
+        x = torch.randn(b, s["steps"], s["features"], dtype=torch.float64)
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    targets = torch.randint(0, c, (b,))
+    return Problem(model=model.to(dtype), inputs=(x.to(dtype),), targets=targets)
+
+
+def draw_problem(data: st.DataObject, kind: str, dtype: torch.dtype) -> Problem:
+    """A ``kind`` problem with sizes and seed drawn by hypothesis (kept small: the
+    ``forward`` engine costs one jvp per parameter)."""
+    ints: Callable[[int, int], st.SearchStrategy[int]] = st.integers
+    sizes = {
+        "batch": data.draw(ints(1, 4), label="batch"),
+        "features": data.draw(ints(1, 5), label="features"),
+        "width": data.draw(ints(1, 6), label="width"),
+        "depth": data.draw(ints(1, 3), label="depth"),
+        "classes": data.draw(ints(2, 4), label="classes"),
+        "channels": data.draw(ints(1, 3), label="channels"),
+        "in_channels": data.draw(ints(1, 2), label="in_channels"),
+        "height": data.draw(ints(1, 5), label="height"),
+        "wide": data.draw(ints(1, 5), label="wide"),
+        "steps": data.draw(ints(1, 4), label="steps"),
+    }
+    seed = data.draw(ints(0, 2**16), label="seed")
+    return make_problem(kind, dtype, seed=seed, sizes=sizes)
+
+
+def reference_grads(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The oracle: loss and ``torch.autograd.grad`` of it w.r.t. the trainable parameters.
+
+    ``autograd.grad`` leaves ``.grad`` untouched, so the model can be reused as is.
+    """
+    params = trainable(model)
+    loss = loss_fn(model(*inputs))
+    grads = torch.autograd.grad(loss, list(params.values()))
+    return loss.detach(), dict(zip(params, grads, strict=True))
