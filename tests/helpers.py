@@ -94,7 +94,9 @@ def draw_problem(data: st.DataObject, kind: str, dtype: torch.dtype) -> Problem:
 
 
 def reference_grads(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[torch.Tensor], torch.Tensor]
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The oracle: loss and ``torch.autograd.grad`` of it w.r.t. the trainable parameters.
 

@@ -49,8 +49,7 @@ LOSS_NO_GRAD = (
     "check that loss_fn uses the model output and that parameters have requires_grad=True"
 )
 NO_PARAMETERS = (
-    "model {model} has no parameters with requires_grad=True; "
-    "there is nothing to differentiate"
+    "model {model} has no parameters with requires_grad=True; there is nothing to differentiate"
 )
 INPUT_NOT_TENSOR = "inputs must be a tensor or a tuple of tensors, got {type} at position {index}"
 INPUT_DTYPE = (
@@ -64,4 +63,6 @@ INPUT_DEVICE = (
 FORWARD_FAILED = (
     "engine {engine!r}: the model's forward failed on inputs of shapes {shapes}: {error}"
 )
-MISSING_EXTRA = "{feature} needs the package {package!r}; install it with: pip install 'leangrad[{extra}]'"
+MISSING_EXTRA = (
+    "{feature} needs the package {package!r}; install it with: pip install 'leangrad[{extra}]'"
+)

@@ -1,9 +1,9 @@
 """The ``leangrad`` command: a thin layer over :mod:`leangrad.bench`.
 
-    leangrad demo [--out DIR]
-    leangrad bench --list
-    leangrad bench SUITE [--quick] [--out DIR] [--no-rss]
-    leangrad report DIR
+leangrad demo [--out DIR]
+leangrad bench --list
+leangrad bench SUITE [--quick] [--out DIR] [--no-rss]
+leangrad report DIR
 """
 
 from __future__ import annotations
@@ -22,13 +22,19 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="every engine on a small MLP and CNN on real digits",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="every engine on a small MLP and CNN on real digits",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     d.add_argument("--out", default="leangrad-demo", help="directory for demo.json and demo.png")
     d.add_argument("--repeats", type=int, default=5, help="timed repeats per engine")
     d.add_argument("--rss", action="store_true", help="also run the fresh-process RSS check")
-    b = sub.add_parser("bench", help="run a named benchmark suite",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b = sub.add_parser(
+        "bench",
+        help="run a named benchmark suite",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     b.add_argument("suite", nargs="?", help="suite name (see --list)")
     b.add_argument("--list", action="store_true", help="list the suites and exit")
     b.add_argument("--quick", action="store_true", help="smaller sweep and fewer repeats")
@@ -61,8 +67,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     if args.command == "demo":
         torch.set_num_threads(1)
-        bench.run_demo(out=args.out, repeats=args.repeats, rss=args.rss,
-                       progress=not args.no_progress)
+        bench.run_demo(
+            out=args.out, repeats=args.repeats, rss=args.rss, progress=not args.no_progress
+        )
         return 0
     if args.command == "bench":
         if args.list or not args.suite:
@@ -70,10 +77,18 @@ def _dispatch(args: argparse.Namespace) -> int:
                 print(f"{name:24s} {desc}")
             return 0
         torch.set_num_threads(1)
-        print(f"leangrad bench {args.suite}: quick={args.quick}, out={args.out}, "
-              f"rss={not args.no_rss}, device={args.device}, threads=1")
-        path = bench.run_suite(args.suite, out=args.out, quick=args.quick, rss=not args.no_rss,
-                               device=args.device, progress=not args.no_progress)
+        print(
+            f"leangrad bench {args.suite}: quick={args.quick}, out={args.out}, "
+            f"rss={not args.no_rss}, device={args.device}, threads=1"
+        )
+        path = bench.run_suite(
+            args.suite,
+            out=args.out,
+            quick=args.quick,
+            rss=not args.no_rss,
+            device=args.device,
+            progress=not args.no_progress,
+        )
         print(f"wrote {path}")
         return 0
     path = bench.render_report(args.dir)

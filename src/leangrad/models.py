@@ -39,7 +39,8 @@ def conv_stack(
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
     pad = kernel_size // 2
-    blocks: list[nn.Module] = [_block(nn.Conv2d(in_channels, channels, kernel_size, padding=pad), nn.ReLU())]
+    stem = nn.Conv2d(in_channels, channels, kernel_size, padding=pad)
+    blocks: list[nn.Module] = [_block(stem, nn.ReLU())]
     blocks += [
         _block(nn.Conv2d(channels, channels, kernel_size, padding=pad), nn.ReLU())
         for _ in range(depth - 1)

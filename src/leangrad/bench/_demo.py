@@ -17,10 +17,26 @@ from ._runner import EngineSpec, machine_info, measure_config
 __all__ = ["DEMO_CONFIGS", "demo_engines", "format_table", "run_demo"]
 
 DEMO_CONFIGS: dict[str, dict[str, Any]] = {
-    "mlp": {"model": "mlp", "data": "digits", "in_features": 64, "width": 64, "depth": 3,
-            "batch": 256, "classes": 10, "dtype": "float32", "seed": 0},
-    "cnn": {"model": "small_cnn", "data": "digits", "channels": 8, "batch": 256,
-            "classes": 10, "dtype": "float32", "seed": 0},
+    "mlp": {
+        "model": "mlp",
+        "data": "digits",
+        "in_features": 64,
+        "width": 64,
+        "depth": 3,
+        "batch": 256,
+        "classes": 10,
+        "dtype": "float32",
+        "seed": 0,
+    },
+    "cnn": {
+        "model": "small_cnn",
+        "data": "digits",
+        "channels": 8,
+        "batch": 256,
+        "classes": 10,
+        "dtype": "float32",
+        "seed": 0,
+    },
 }
 """The embedded default workloads: the first 256 scikit-learn digits (real, offline)."""
 
@@ -52,15 +68,17 @@ def format_table(records: list[dict[str, Any]]) -> str:
         if r.get("skipped"):
             rows.append((r["series"], r["engine"], "skipped", "", "", "", r["skipped"][:40]))
             continue
-        rows.append((
-            r["series"],
-            r["engine"],
-            fmt_bytes(r["peak_bytes"]),
-            fmt_bytes(r["saved_bytes"]),
-            f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else "—",
-            f"{r['grad_max_rel_err']:.1e}",
-            f"{r['grad_cosine']:.5f}",
-        ))
+        rows.append(
+            (
+                r["series"],
+                r["engine"],
+                fmt_bytes(r["peak_bytes"]),
+                fmt_bytes(r["saved_bytes"]),
+                f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else "—",
+                f"{r['grad_max_rel_err']:.1e}",
+                f"{r['grad_cosine']:.5f}",
+            )
+        )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -95,14 +113,21 @@ def _plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def run_demo(
-    *, out: str | Path = "leangrad-demo", repeats: int = 5, rss: bool = False,
-    progress: bool = True, stream: TextIO = sys.stdout,
+    *,
+    out: str | Path = "leangrad-demo",
+    repeats: int = 5,
+    rss: bool = False,
+    progress: bool = True,
+    stream: TextIO = sys.stdout,
 ) -> list[dict[str, Any]]:
     """Run every engine on the demo workloads; print the table; write JSON and a PNG."""
     out = Path(out)
     specs = demo_engines()
-    print(f"leangrad demo: engines {[s.display for s in specs]}, repeats={repeats}, "
-          f"threads=1, out={out}/", file=stream)
+    print(
+        f"leangrad demo: engines {[s.display for s in specs]}, repeats={repeats}, "
+        f"threads=1, out={out}/",
+        file=stream,
+    )
     records: list[dict[str, Any]] = []
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -110,12 +135,22 @@ def run_demo(
     for model, config in bar:
         bar.set_description(f"demo {model}")
         recs = measure_config(
-            config, specs, repeats=repeats, rss=rss,
+            config,
+            specs,
+            repeats=repeats,
+            rss=rss,
             progress=lambda msg: bar.set_postfix_str(msg, refresh=True),
         )
         for r in recs:
-            r.update(suite="demo", series=model, sweep="model", x=model, quick=False,
-                     machine=machine, created=created)
+            r.update(
+                suite="demo",
+                series=model,
+                sweep="model",
+                x=model,
+                quick=False,
+                machine=machine,
+                created=created,
+            )
         records += recs
     print(format_table(records), file=stream)
     write_records(records, out / "demo.json")

@@ -67,7 +67,14 @@ def _sweep(suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool)
             progress=lambda msg: bar.set_postfix_str(msg, refresh=True),
         )
         for r in recs:
-            r.update(suite=suite.name, series=series.name, sweep=suite.sweep, x=value,
-                     quick=quick, machine=machine, created=created)
+            r.update(
+                suite=suite.name,
+                series=series.name,
+                sweep=suite.sweep,
+                x=value,
+                quick=quick,
+                machine=machine,
+                created=created,
+            )
         records.extend(recs)
     return records

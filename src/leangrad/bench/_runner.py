@@ -28,7 +28,7 @@ from ..measure import (
 from ..measure._rss import rss_supported
 from ._workloads import Workload, build
 
-__all__ = ["EngineSpec", "machine_info", "measure_config", "RECORD_FIELDS"]
+__all__ = ["RECORD_FIELDS", "EngineSpec", "machine_info", "measure_config"]
 
 RECORD_FIELDS = (
     "engine",
@@ -89,9 +89,9 @@ def _reference_grads(config: Mapping[str, Any], device: str) -> dict[str, torch.
     """Autograd's gradient of the same step in float64 (the oracle)."""
     wl = build({**config, "dtype": "float64"}, device=device)
     loss = wl.loss_fn(wl.model(*wl.inputs))
-    names = [n for n, p in wl.model.named_parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, [p for n, p in wl.model.named_parameters() if p.requires_grad])
-    return dict(zip(names, grads, strict=True))
+    params = {n: p for n, p in wl.model.named_parameters() if p.requires_grad}
+    grads = torch.autograd.grad(loss, list(params.values()))
+    return dict(zip(params, grads, strict=True))
 
 
 def _step(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
@@ -155,9 +155,20 @@ def measure_config(
             "estimate": False,
             "skipped": None,
         }
-        for key in ("peak_bytes", "peak_bytes_prealloc", "saved_bytes", "baseline_bytes",
-                    "seconds_median", "seconds_min", "seconds_max", "time_ratio",
-                    "grad_max_rel_err", "grad_cosine", "rss_peak_bytes", "rss_exceeds_tracker"):
+        for key in (
+            "peak_bytes",
+            "peak_bytes_prealloc",
+            "saved_bytes",
+            "baseline_bytes",
+            "seconds_median",
+            "seconds_min",
+            "seconds_max",
+            "time_ratio",
+            "grad_max_rel_err",
+            "grad_cosine",
+            "rss_peak_bytes",
+            "rss_exceeds_tracker",
+        ):
             rec[key] = None
         records[label] = rec
         if spec.max_params is not None and base.num_params > spec.max_params:
@@ -193,15 +204,23 @@ def measure_config(
     if workloads:
         labels = list(workloads)
         ref_label = next((lb for lb in labels if records[lb]["engine_name"] == reference), None)
-        fns = {lb: _step(spec.make(), workloads[lb]) for spec in specs
-               if (lb := spec.display) in workloads}
+        fns = {
+            lb: _step(spec.make(), workloads[lb])
+            for spec in specs
+            if (lb := spec.display) in workloads
+        }
         timings = time_interleaved(
-            fns, repeats=repeats, warmup=warmup, reference=ref_label,
+            fns,
+            repeats=repeats,
+            warmup=warmup,
+            reference=ref_label,
             progress=lambda: tick("time"),
         )
         for lb, t in timings.items():
             records[lb].update(
-                seconds_median=t.median, seconds_min=t.minimum, seconds_max=t.maximum,
+                seconds_median=t.median,
+                seconds_min=t.minimum,
+                seconds_max=t.maximum,
                 time_ratio=t.ratio,
             )
     return list(records.values())

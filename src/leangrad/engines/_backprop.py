@@ -40,7 +40,7 @@ class Backprop(Engine):
         return self._result(loss)
 
 
-class grad_hooks:  # noqa: N801 - used as a context manager, reads like a function
+class grad_hooks:
     """Context manager: call ``on_grad(name, p)`` after autograd accumulates ``p.grad``."""
 
     def __init__(self, params: dict[str, nn.Parameter], on_grad: OnGrad | None) -> None:

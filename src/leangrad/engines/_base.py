@@ -159,9 +159,7 @@ def _check_inputs(xs: tuple[torch.Tensor, ...], params: dict[str, nn.Parameter])
             )
         if x.device != ref.device:
             raise E.EngineInputError(
-                E.INPUT_DEVICE.format(
-                    index=i, input_device=x.device, param_device=str(ref.device)
-                )
+                E.INPUT_DEVICE.format(index=i, input_device=x.device, param_device=str(ref.device))
             )
 
 

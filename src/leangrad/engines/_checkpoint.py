@@ -8,6 +8,7 @@ O(√L) instead of O(L), for one extra forward pass.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from typing import Literal
@@ -17,10 +18,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as E
+from ..measure._memory import FORWARD_END, mark
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
 from ._registry import register
-from ..measure._memory import FORWARD_END, mark
 
 __all__ = ["Checkpoint", "model_blocks", "split_segments"]
 
@@ -50,7 +51,7 @@ def split_segments(n_blocks: int, segments: int) -> list[range]:
     """Split ``range(n_blocks)`` into ``segments`` contiguous, near-equal ranges."""
     segments = max(1, min(segments, n_blocks))
     bounds = [round(i * n_blocks / segments) for i in range(segments + 1)]
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 @register("checkpoint")
@@ -139,7 +140,7 @@ class _Segment(nn.Module):
 def _warn_batchnorm(blocks: list[nn.Module]) -> None:
     for block in blocks:
         for m in block.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-                if m.track_running_stats:
-                    warnings.warn(BATCHNORM_TWICE.format(module=type(m).__name__), stacklevel=4)
-                    return
+            bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
+            if bn and m.training and m.track_running_stats:
+                warnings.warn(BATCHNORM_TWICE.format(module=type(m).__name__), stacklevel=4)
+                return

@@ -67,7 +67,8 @@ class Forward(Engine):
         for name, p in params.items():
             theta = primals[name]
             numel = theta.numel()
-            k_max = max(1, min(self.chunk_size, self.chunk_bytes // max(1, numel * theta.element_size())))
+            per_direction = max(1, numel * theta.element_size())
+            k_max = max(1, min(self.chunk_size, self.chunk_bytes // per_direction))
             grad = torch.empty(numel, dtype=theta.dtype, device=theta.device)
 
             def loss_along(

@@ -55,8 +55,6 @@ def engine(name: str, **options: Any) -> Engine:
     for key in options:
         if key not in known:
             raise E.UnknownNameError(
-                E.UNKNOWN_OPTION.format(
-                    engine=name, option=key, known=", ".join(known) or "(none)"
-                )
+                E.UNKNOWN_OPTION.format(engine=name, option=key, known=", ".join(known) or "(none)")
             )
     return cls(**options)

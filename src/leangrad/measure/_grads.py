@@ -140,9 +140,7 @@ def estimator_stats(
     se = (var / draws).sqrt()
     z = torch.where(se > 0, (mean - ex) / se.clamp_min(1e-300), torch.zeros_like(ex))
     sizes = [exact[n].numel() for n in names]
-    means = {
-        n: m.reshape(exact[n].shape) for n, m in zip(names, mean.split(sizes), strict=True)
-    }
+    means = {n: m.reshape(exact[n].shape) for n, m in zip(names, mean.split(sizes), strict=True)}
     ex_norm = ex.norm().item()
     return EstimatorStats(
         draws=draws,

@@ -12,6 +12,7 @@ be reset). Nothing is timed in that process.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -25,8 +26,8 @@ __all__ = [
     "malloc_trim",
     "proc_status_bytes",
     "reset_peak_rss",
-    "run_rss_worker",
     "rss_supported",
+    "run_rss_worker",
 ]
 
 
@@ -64,10 +65,8 @@ def reset_peak_rss() -> None:
 
 def malloc_trim() -> None:
     """Return free heap memory to the OS (glibc); a no-op elsewhere."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def run_rss_worker(module: str, payload: dict[str, Any], *, timeout: float = 600) -> RssReport:
@@ -89,6 +88,8 @@ def run_rss_worker(module: str, payload: dict[str, Any], *, timeout: float = 600
         check=False,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"RSS worker {module} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"RSS worker {module} failed ({proc.returncode}):\n{proc.stderr[-2000:]}"
+        )
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     return RssReport(rss_before=int(data["rss_before"]), rss_peak=int(data["rss_peak"]))
