@@ -137,6 +137,31 @@ def test_checkpoint_uses_checkpoint_blocks() -> None:
     assert compare_grads(grads_of(model), ref).max_rel_err <= TOL[torch.float64]
 
 
+class _PickOutput(nn.Module):
+    """Takes an LSTM's ``(output, (h, c))`` tuple and returns the last output step."""
+
+    def forward(self, out: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return out[0][:, -1]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="src bug (_checkpoint.py, run): a tuple output is unpacked into *args at segment "
+    "boundaries but passed whole inside a segment (and by nn.Sequential)",
+)
+@pytest.mark.parametrize("segments", [None, 3])
+def test_checkpoint_passes_tuple_outputs_like_sequential(segments: int | None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LSTM(3, 4, batch_first=True), _PickOutput(), nn.Linear(4, 2))
+    model = model.double()
+    x, y = torch.randn(2, 5, 3, dtype=torch.float64), torch.tensor([0, 1])
+    loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    _, ref = reference_grads(model, (x,), loss_fn)
+    leangrad.engine("checkpoint", segments=segments).backward(model, x, loss_fn)
+    assert compare_grads(grads_of(model), ref).max_rel_err <= TOL[torch.float64]
+
+
 # --- 2. on_grad ----------------------------------------------------------------------
 
 

@@ -118,10 +118,11 @@ def run_demo(
     repeats: int = 5,
     rss: bool = False,
     progress: bool = True,
-    stream: TextIO = sys.stdout,
+    stream: TextIO | None = None,
 ) -> list[dict[str, Any]]:
     """Run every engine on the demo workloads; print the table; write JSON and a PNG."""
     out = Path(out)
+    stream = stream if stream is not None else sys.stdout
     specs = demo_engines()
     print(
         f"leangrad demo: engines {[s.display for s in specs]}, repeats={repeats}, "

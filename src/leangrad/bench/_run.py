@@ -44,7 +44,7 @@ def run_suite(
         records = suite.resolve_runner()(suite, quick=quick, device=device, progress=progress)
     else:
         records = _sweep(suite, quick=quick, rss=rss, device=device, progress=progress)
-    return write_records(records, Path(out) / f"{name}.json")
+    return write_records(records, Path(out) / f"{suite.name}.json")
 
 
 def _sweep(suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool) -> list[dict]:

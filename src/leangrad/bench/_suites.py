@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import tomllib
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from .. import _errors as E
@@ -81,13 +82,23 @@ def list_suites() -> dict[str, str]:
 
 
 def load_suite(name: str) -> Suite:
-    """Parse the suite ``name``; unknown names list the known ones."""
-    files = _files()
-    if name not in files:
-        raise E.UnknownNameError(
-            E.UNKNOWN_NAME.format(kind="suite", name=name, known=", ".join(sorted(files)))
-        )
-    data = tomllib.loads(files[name].read_text())
+    """Parse the suite ``name``, or a suite file when ``name`` is a path ending in ``.toml``.
+
+    Unknown names raise with the list of known ones.
+    """
+    if name.endswith(".toml") and Path(name).is_file():
+        text, name = Path(name).read_text(), Path(name).stem
+    else:
+        files = _files()
+        if name not in files:
+            raise E.UnknownNameError(
+                E.UNKNOWN_NAME.format(kind="suite", name=name, known=", ".join(sorted(files)))
+            )
+        text = files[name].read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise E.LeangradError(f"suite {name!r} is not valid TOML: {err}") from err
     series = [
         Series(
             name=s["name"],

@@ -1,0 +1,162 @@
+"""Bench layer: workloads, the per-config runner, suites, the report and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from leangrad import UnknownNameError
+from leangrad._errors import LeangradError
+from leangrad.bench import (
+    RECORD_FIELDS,
+    EngineSpec,
+    build,
+    list_suites,
+    load_suite,
+    measure_config,
+    render_report,
+    run_suite,
+)
+from leangrad.cli import main
+
+TINY = {"model": "mlp", "in_features": 8, "width": 8, "depth": 2, "batch": 16, "classes": 3}
+
+TINY_SUITE = """
+description = "a tiny suite for the tests"
+reference = "backprop"
+sweep = "depth"
+[settings]
+repeats = 2
+quick_repeats = 1
+[[engines]]
+name = "backprop"
+[[engines]]
+name = "checkpoint"
+options = { segments = "sqrt" }
+[[engines]]
+name = "forward"
+max_params = 200
+[[series]]
+name = "mlp"
+values = [1, 2, 3]
+quick_values = [1, 3]
+config = { model = "mlp", in_features = 8, width = 8, batch = 16, classes = 3 }
+"""
+
+
+def test_build_is_deterministic_and_dtype_independent() -> None:
+    a, b = build(TINY), build({**TINY, "dtype": "float64"})
+    torch.testing.assert_close(a.inputs[0].double(), b.inputs[0])
+    assert torch.equal(a.targets, b.targets)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(pa.double(), pb)
+
+
+def test_build_rejects_unknown_model_and_dtype() -> None:
+    with pytest.raises(UnknownNameError, match=r"unknown model 'vit'; known models: mlp, conv"):
+        build({"model": "vit"})
+    with pytest.raises(UnknownNameError, match=r"unknown dtype 'float8'"):
+        build({**TINY, "dtype": "float8"})
+
+
+def test_measure_config_records_have_the_schema() -> None:
+    specs = [
+        EngineSpec("backprop"),
+        EngineSpec("checkpoint", {"segments": 2}),
+        EngineSpec("forward", max_params=10),  # TINY has more: skipped with a reason
+    ]
+    recs = measure_config(TINY, specs, repeats=2, rss=True)
+    assert [r["engine"] for r in recs] == ["backprop", "checkpoint(segments=2)", "forward"]
+    for r in recs:
+        assert set(RECORD_FIELDS) <= set(r)
+    bp, ck, fw = recs
+    assert bp["time_ratio"] == 1.0
+    for r in (bp, ck):
+        assert r["grad_max_rel_err"] < 1e-5  # float32 against the float64 oracle
+        assert r["grad_cosine"] > 1 - 1e-9
+        assert r["peak_bytes"] > 0 and r["saved_bytes"] > 0
+        assert r["seconds_min"] <= r["seconds_median"] <= r["seconds_max"]
+        assert r["rss_peak_bytes"] is not None
+    # Checkpointing two segments keeps less for the backward pass than backprop.
+    assert ck["saved_bytes"] < bp["saved_bytes"]
+    assert "max_params 10" in fw["skipped"]
+    assert all(fw[k] is None for k in RECORD_FIELDS if k not in ("engine", "config"))
+
+
+def test_suite_listing_and_unknown_suite() -> None:
+    suites = list_suites()
+    assert "baselines" in suites
+    suite = load_suite("baselines")
+    assert {s.name for s in suite.series} >= {"mlp", "conv"}
+    assert all(e.display for e in suite.engines)
+    with pytest.raises(UnknownNameError, match=r"unknown suite 'nope'; known suites: .*baselines"):
+        load_suite("nope")
+
+
+def test_series_naming_an_unknown_engine_label_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(TINY_SUITE.replace('name = "mlp"\n', 'name = "mlp"\nengines = ["nope"]\n'))
+    suite = load_suite(str(path))
+    with pytest.raises(ValueError, match=r"unknown engine labels \['nope'\]"):
+        suite.engines_for(suite.series[0])
+
+
+def test_run_suite_then_report(tmp_path: Path) -> None:
+    suite_file = tmp_path / "tiny.toml"
+    suite_file.write_text(TINY_SUITE)
+    out = tmp_path / "results"
+    path = run_suite(str(suite_file), out=out, quick=True, rss=False, progress=False)
+    assert path == out / "tiny.json"
+    records = json.loads(path.read_text())
+    assert isinstance(records, list)
+    assert {(r["engine"], r["x"]) for r in records} == {
+        (e, x) for e in ("backprop", "checkpoint(segments=sqrt)", "forward") for x in (1, 3)
+    }
+    for r in records:
+        assert set(RECORD_FIELDS) <= set(r)
+        assert r["suite"] == "tiny" and r["quick"] is True and "torch" in r["machine"]
+    # Depth 3 has more than 200 parameters: forward is skipped there, not at depth 1.
+    skipped = {r["x"] for r in records if r["engine"] == "forward" and r["skipped"]}
+    assert skipped == {3}
+    report = render_report(out)
+    text = report.read_text()
+    assert "## tiny (quick)" in text and "| backprop | 1 |" in text
+    assert "skipped:" in text
+    assert (out / "plots" / "tiny-mlp.png").stat().st_size > 1000
+
+
+def test_report_of_an_empty_directory_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(LeangradError, match="run `leangrad bench SUITE --out DIR` first"):
+        render_report(tmp_path)
+
+
+def test_cli_list_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--list"]) == 0
+    assert "baselines" in capsys.readouterr().out
+    assert main(["bench", "nope"]) == 2
+    assert "unknown suite 'nope'" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+
+
+def test_cli_demo_prints_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leangrad.bench import _demo
+
+    small = {k: {**v, "batch": 16} for k, v in _demo.DEMO_CONFIGS.items()}
+    small["mlp"]["width"] = 8
+    monkeypatch.setattr(_demo, "DEMO_CONFIGS", small)
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--repeats", "1", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    header = text.splitlines()[1]
+    for col in ("engine", "peak", "saved", "time ratio", "max rel err", "cosine"):
+        assert col in header
+    for engine in ("backprop", "checkpoint(per-block)", "forward", "projforward"):
+        assert engine in text
+    records = json.loads((out / "demo.json").read_text())
+    assert {r["series"] for r in records} == {"mlp", "cnn"}
+    assert (out / "demo.png").stat().st_size > 1000
