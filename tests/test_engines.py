@@ -144,14 +144,10 @@ class _PickOutput(nn.Module):
         return out[0][:, -1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="src bug (_checkpoint.py, run): a tuple output is unpacked into *args at segment "
-    "boundaries but passed whole inside a segment (and by nn.Sequential)",
-)
 @pytest.mark.parametrize("segments", [None, 3])
 def test_checkpoint_passes_tuple_outputs_like_sequential(segments: int | None) -> None:
+    """A block's tuple output reaches the next block as one argument, as in nn.Sequential,
+    whether or not a segment boundary lies between them."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.LSTM(3, 4, batch_first=True), _PickOutput(), nn.Linear(4, 2))
     model = model.double()
@@ -200,25 +196,7 @@ def _sgd_on_grad(lr: float):  # type: ignore[no-untyped-def]
     return on_grad
 
 
-FORWARD_ON_GRAD_BUG = (
-    "src bug: Forward keeps `primals = p.detach()` (aliases of the parameters), so an "
-    "in-place step in on_grad changes the point at which later parameters' gradients "
-    "are computed"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=FORWARD_ON_GRAD_BUG),
-        )
-        if n == "forward"
-        else n
-        for n in leangrad.available(exact=True)
-    ],
-)
+@pytest.mark.parametrize("name", leangrad.available(exact=True))
 @pytest.mark.parametrize("kind", ["mlp", "rnn"])
 def test_on_grad_sgd_step_matches_optimizer_step(name: str, kind: str) -> None:
     """A per-parameter SGD step inside on_grad (then ``grad = None``) gives the weights of
@@ -507,13 +485,7 @@ def test_checkpoint_warns_on_training_batchnorm() -> None:
 
 # --- 5. BatchNorm under the forward-mode engines -----------------------------------------
 
-BATCHNORM_BUG = (
-    "src bug: _forward.py/_projforward.py close over the vmapped buffer copies inside the "
-    "jvp'd function, so BatchNorm's in-place running-stat update raises under torch.func.jvp"
-)
 
-
-@pytest.mark.xfail(strict=True, raises=E.EngineInputError, reason=BATCHNORM_BUG)
 @pytest.mark.parametrize(
     ("name", "options"),
     [("forward", {"chunk_size": 7}), ("projforward", {"samples": 5, "chunk_size": 2, "seed": 0})],

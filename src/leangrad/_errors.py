@@ -63,6 +63,7 @@ INPUT_DEVICE = (
 FORWARD_FAILED = (
     "engine {engine!r}: the model's forward failed on inputs of shapes {shapes}: {error}"
 )
+POSITIVE_INT = "{name} must be a positive int, got {value!r}"
 MISSING_EXTRA = (
     "{feature} needs the package {package!r}; install it with: pip install 'leangrad[{extra}]'"
 )

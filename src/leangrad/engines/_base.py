@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeAlias
 
@@ -74,10 +75,17 @@ class Engine(abc.ABC):
     @property
     def label(self) -> str:
         """The name with its non-default options, e.g. ``checkpoint(segments=4)``."""
-        if not self.options:
+        params = inspect.signature(type(self).__init__).parameters
+        shown = {
+            k: v
+            for k, v in self.options.items()
+            if k not in params
+            or params[k].default is inspect.Parameter.empty
+            or params[k].default != v
+        }
+        if not shown:
             return self.name
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
-        return f"{self.name}({opts})"
+        return f"{self.name}({','.join(f'{k}={v}' for k, v in shown.items())})"
 
     def __repr__(self) -> str:
         return f"<leangrad engine {self.label}>"
@@ -126,6 +134,13 @@ class Engine(abc.ABC):
         on_grad: OnGrad | None,
     ) -> StepResult:
         """Engine-specific work; inputs already validated."""
+
+    @staticmethod
+    def _positive_int(name: str, value: object) -> int:
+        """Validate an integer option ≥ 1 (bools are rejected)."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(E.POSITIVE_INT.format(name=name, value=value))
+        return value
 
     def _result(self, loss: torch.Tensor, **info: Any) -> StepResult:
         return StepResult(loss=loss.detach(), engine=self.label, info=info)

@@ -78,7 +78,7 @@ class Checkpoint(Engine):
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
         if not ok:
             raise ValueError(BAD_SEGMENTS.format(value=segments))
-        super().__init__(**({} if segments is None else {"segments": segments}))
+        super().__init__(segments=segments)
         self.segments = segments
 
     def supports(self, model: nn.Module) -> str | None:
@@ -108,10 +108,13 @@ class Checkpoint(Engine):
         groups = split_segments(n, s)
 
         def run(xs: tuple[torch.Tensor, ...]) -> object:
-            out: object = xs
+            # The first block takes the engine's inputs unpacked; every later block
+            # takes the previous output whole (a tuple stays one argument), as
+            # nn.Sequential does.
+            out: object = None
             for i, group in enumerate(groups):
                 seg = _Segment([blocks[j] for j in group])
-                args = out if isinstance(out, tuple) else (out,)
+                args = xs if i == 0 else (out,)
                 if i < len(groups) - 1:
                     out = checkpoint(seg, *args, use_reentrant=False)
                 else:
@@ -125,12 +128,13 @@ class Checkpoint(Engine):
         return self._result(loss, segments=len(groups))
 
 
-class _Segment(nn.Module):
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = blocks  # plain list: no re-registration of submodules
+class _Segment:
+    """Consecutive blocks run as one function (what ``checkpoint`` recomputes)."""
 
-    def forward(self, *xs: torch.Tensor) -> object:
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.blocks = blocks
+
+    def __call__(self, *xs: object) -> object:
         out: object = self.blocks[0](*xs)
         for block in self.blocks[1:]:
             out = block(out)

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.func import jvp, vmap
+from torch.func import vmap
 
+from .. import _errors as E
 from ..measure._memory import FORWARD_END, mark
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad
-from ._functional import BatchedBuffers, pure_loss
+from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
 __all__ = ["Forward"]
 
-BAD_CHUNK = "{name} must be a positive int, got {value!r}"
+BAD_CHUNK = E.POSITIVE_INT
 
 
 @register("forward")
@@ -37,18 +38,16 @@ class Forward(Engine):
 
     Trade-off: memory O(1) in depth (nothing is stored for a backward pass);
     time O(P) forward passes for P parameters — the slow exact baseline.
-    ``on_grad`` is called for each parameter as soon as all its coordinates are done.
+    ``on_grad`` is called for each parameter once all directions are done (every
+    jvp needs every parameter's value, so none may be stepped earlier).
     """
 
     exact = True
 
     def __init__(self, *, chunk_size: int = 16, chunk_bytes: int = 32 * 2**20) -> None:
-        for name, value in (("chunk_size", chunk_size), ("chunk_bytes", chunk_bytes)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(BAD_CHUNK.format(name=name, value=value))
-        super().__init__()
-        self.chunk_size = chunk_size
-        self.chunk_bytes = chunk_bytes
+        super().__init__(chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+        self.chunk_size = self._positive_int("chunk_size", chunk_size)
+        self.chunk_bytes = self._positive_int("chunk_bytes", chunk_bytes)
 
     def _backward(
         self,
@@ -64,8 +63,8 @@ class Forward(Engine):
         mark(FORWARD_END)  # nothing is kept for a backward phase
         loss: torch.Tensor | None = None
         n_jvps = 0
-        for name, p in params.items():
-            theta = primals[name]
+        grads: dict[str, torch.Tensor] = {}
+        for name, theta in primals.items():
             numel = theta.numel()
             per_direction = max(1, numel * theta.element_size())
             k_max = max(1, min(self.chunk_size, self.chunk_bytes // per_direction))
@@ -73,11 +72,11 @@ class Forward(Engine):
 
             def loss_along(
                 v: torch.Tensor, b: dict[str, torch.Tensor], name: str = name
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-                def g(t: torch.Tensor) -> torch.Tensor:
-                    return f({**primals, name: t}, b)
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                def g(t: torch.Tensor, bb: dict[str, torch.Tensor]) -> torch.Tensor:
+                    return f({**primals, name: t}, bb)
 
-                return jvp(g, (primals[name],), (v,))
+                return jvp_with_buffers(g, primals[name], v, b)
 
             batched = vmap(loss_along, randomness="same")
             for start in range(0, numel, k_max):
@@ -85,14 +84,19 @@ class Forward(Engine):
                 tangents = torch.zeros(k, numel, dtype=theta.dtype, device=theta.device)
                 tangents[torch.arange(k), torch.arange(start, start + k)] = 1
                 b = bufs.batched(k)
-                value, dloss = batched(tangents.view(k, *theta.shape), b)
-                bufs.commit(b)
+                value, dloss, updated = batched(tangents.view(k, *theta.shape), b)
+                bufs.commit(updated)
                 if loss is None:
                     loss = value[0]
                 grad[start : start + k] = dloss
                 n_jvps += k
-                del tangents, value, dloss, b
-            accumulate_grad(p, grad)
+                del tangents, value, dloss, b, updated
+            grads[name] = grad
+        # Every direction needs every parameter's current value, so gradients are
+        # written (and on_grad called) only once all directions are done: an
+        # optimizer step inside on_grad must not move the point of evaluation.
+        for name, p in params.items():
+            accumulate_grad(p, grads.pop(name))
             if on_grad is not None:
                 on_grad(name, p)
         assert loss is not None

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, jvp
 
 from ._base import LossFn, check_loss, run_forward
 
-__all__ = ["BatchedBuffers", "pure_loss"]
+__all__ = ["BatchedBuffers", "jvp_with_buffers", "pure_loss"]
 
 
 class BatchedBuffers:
@@ -51,3 +52,26 @@ def pure_loss(
         return check_loss(loss_fn(out), needs_graph=False)
 
     return f
+
+
+def jvp_with_buffers(
+    fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
+    primal: Any,
+    tangent: Any,
+    buffers: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``jvp`` of ``fn(primal, buffers)`` along ``tangent``; also returns the updated buffers.
+
+    The buffers are cloned *inside* the transformed function: a module that
+    updates them in place (BatchNorm's running statistics in training mode)
+    may not mutate a tensor captured from outside ``torch.func.jvp``. The
+    updated copies come back as the third result, for :meth:`BatchedBuffers.commit`.
+    """
+
+    def g(p: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        local = {n: b.clone() for n, b in buffers.items()}
+        loss = fn(p, local)
+        return loss, {n: b.detach() for n, b in local.items()}
+
+    value, dloss, updated = jvp(g, (primal,), (tangent,), has_aux=True)
+    return value, dloss, updated

@@ -15,12 +15,11 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.func import jvp, vmap
+from torch.func import vmap
 
 from ..measure._memory import FORWARD_END, mark
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad
-from ._forward import BAD_CHUNK
-from ._functional import BatchedBuffers, pure_loss
+from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
 __all__ = ["ProjForward"]
@@ -55,17 +54,13 @@ class ProjForward(Engine):
         seed: int | None = None,
         chunk_size: int = 64,
     ) -> None:
-        for name, value in (("samples", samples), ("chunk_size", chunk_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(BAD_CHUNK.format(name=name, value=value))
         if distribution not in ("gaussian", "rademacher"):
             raise ValueError(BAD_DISTRIBUTION.format(value=distribution))
-        opts: dict[str, object] = {}
-        if samples != 1:
-            opts["samples"] = samples
-        if distribution != "gaussian":
-            opts["distribution"] = distribution
-        super().__init__(**opts)
+        super().__init__(
+            samples=samples, distribution=distribution, seed=seed, chunk_size=chunk_size
+        )
+        self._positive_int("samples", samples)
+        self._positive_int("chunk_size", chunk_size)
         self.samples = samples
         self.distribution = distribution
         self.seed = seed
@@ -102,8 +97,8 @@ class ProjForward(Engine):
 
         def directional(
             v: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return jvp(lambda values: f(values, b), (primals,), (v,))
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            return jvp_with_buffers(f, primals, v, b)
 
         batched = vmap(directional, randomness="same")
         total = {n: torch.zeros_like(t) for n, t in primals.items()}
@@ -112,13 +107,13 @@ class ProjForward(Engine):
             k = min(self.chunk_size, self.samples - start)
             tangents = {n: self._draw(k, t) for n, t in primals.items()}
             b = bufs.batched(k)
-            value, dloss = batched(tangents, b)
-            bufs.commit(b)
+            value, dloss, updated = batched(tangents, b)
+            bufs.commit(updated)
             if loss is None:
                 loss = value[0]
             for n, v in tangents.items():
                 total[n] += torch.tensordot(dloss, v, dims=1)
-            del tangents, value, dloss, b
+            del tangents, value, dloss, b, updated
         assert loss is not None
         for n, p in params.items():
             accumulate_grad(p, total[n].div_(self.samples))

@@ -60,7 +60,7 @@ def _cos(g: torch.Tensor, r: torch.Tensor) -> float:
         return 1.0
     if ng == 0 or nr == 0:
         return 0.0
-    return float(torch.dot(g, r).item() / (ng * nr))
+    return max(-1.0, min(1.0, float(torch.dot(g, r).item() / (ng * nr))))
 
 
 def compare_grads(

@@ -93,6 +93,9 @@ def baseline_bytes(*objs: Any) -> int:
     return sum(seen.values())
 
 
+_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+
+
 class _StorageMode(TorchDispatchMode):
     """Sees every operator output and records storages it has not seen before."""
 
@@ -103,7 +106,11 @@ class _StorageMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if leaves:
+        if func in _FRESH:  # torch.tensor(data): allocated outside dispatch, handed in here
+            for t in leaves:
+                if (st := _storage_of(t)) is not None:
+                    self.tracker._see(st, external=False)
+        elif leaves:
             inputs = {
                 id(st)
                 for t in tree_leaves((args, kwargs))
@@ -154,7 +161,8 @@ class MemoryTracker:
         self.peak = 0
         self.marks: dict[str, int] = {}
         self._baseline = 0
-        self._entries: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, bool]] = {}
+        # id(storage) -> (weakref, bytes not ours (baseline/external), bytes counted)
+        self._entries: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, int]] = {}
         self._mode: _StorageMode | None = None
         self._cuda_start = 0
         self._use_cuda = self.device.type == "cuda" and not estimate
@@ -162,27 +170,26 @@ class MemoryTracker:
 
     # -- bookkeeping (CPU) -------------------------------------------------
     def _see(self, st: torch.UntypedStorage, *, external: bool) -> None:
+        """Record a storage: new ones count in full, external ones only by their growth."""
         key = id(st)
-        entry = self._entries.get(key)
         nbytes = st.nbytes()
-        if entry is not None:
-            ref, old, counted = entry
-            if counted and nbytes != old:  # resized in place (e.g. an out= op)
-                self.live += nbytes - old
-                self.peak = max(self.peak, self.live)
-                self._entries[key] = (ref, nbytes, counted)
-            return
-        counted = not external
-        self._entries[key] = (weakref.ref(st, self._freed_callback(key)), nbytes, counted)
-        if counted:
-            self.live += nbytes
+        entry = self._entries.get(key)
+        if entry is None:
+            base = nbytes if external else 0
+            self._entries[key] = (weakref.ref(st, self._freed_callback(key)), base, 0)
+            entry = self._entries[key]
+        ref, base, counted = entry
+        now = max(0, nbytes - base)
+        if now != counted:  # new, or resized in place (e.g. an out= op)
+            self.live += now - counted
             self.peak = max(self.peak, self.live)
+            self._entries[key] = (ref, base, now)
 
     def _freed_callback(self, key: int):  # type: ignore[no-untyped-def]
         def freed(_ref: weakref.ref[torch.UntypedStorage]) -> None:
             entry = self._entries.pop(key, None)
-            if entry is not None and entry[2]:
-                self.live -= entry[1]
+            if entry is not None:
+                self.live -= entry[2]
 
         return freed
 
