@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 
-from leangrad import models
+from leangrad import Chain, models
+from leangrad.layers import AdditiveCoupling, LeakyReLU, SpaceToDepth, Tanh
 
 __all__ = [
     "MODEL_KINDS",
@@ -21,9 +22,33 @@ __all__ = [
     "trainable",
 ]
 
-MODEL_KINDS = ("mlp", "cnn", "conv", "rnn")
+MODEL_KINDS = ("mlp", "cnn", "conv", "rnn", "revchain", "subcnn")
 """mlp: ``models.mlp``; cnn: ``models.small_cnn`` (8x8 inputs); conv: ``models.conv_stack``
-(any spatial size); rnn: ``models.rnn_classifier``."""
+(any spatial size); rnn: ``models.rnn_classifier``; revchain: a :class:`leangrad.Chain` of
+invertible layers (couplings, LeakyReLU, ψ, Tanh) behind a 1x1-conv stem; subcnn: a Chain of
+channel-triangular stride-2 convs and LeakyReLUs (submersive, not invertible)."""
+
+
+def _revchain(s: dict[str, int], h: int, w: int) -> nn.Module:
+    half = s["channels"]
+
+    def f() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(half, half, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(half, half, 1))  # fmt: skip
+
+    return Chain(
+        AdditiveCoupling(f()),
+        LeakyReLU(0.2),
+        SpaceToDepth(2),
+        AdditiveCoupling(nn.Sequential(nn.Conv2d(4 * half, 4 * half, 1), nn.Tanh())),
+        Tanh(),
+        stem=nn.Conv2d(s["in_channels"], 2 * half, 1),
+        head=nn.Sequential(nn.Flatten(), nn.Linear(8 * half * (h // 2) * (w // 2), s["classes"])),
+    )
+
+
+def _subcnn(s: dict[str, int]) -> nn.Module:
+    return models.submersive_cnn(s["in_channels"], s["channels"] + 1, s["depth"], s["classes"])
 
 
 @dataclasses.dataclass
@@ -67,6 +92,14 @@ def make_problem(
     elif kind == "rnn":
         model = models.rnn_classifier(s["features"], s["width"], c)
         x = torch.randn(b, s["steps"], s["features"], dtype=torch.float64)
+    elif kind == "revchain":
+        h, w = 2 * ((s["height"] + 1) // 2), 2 * ((s["wide"] + 1) // 2)  # even, for ψ
+        model = _revchain(s, h, w)
+        x = torch.randn(b, s["in_channels"], h, w, dtype=torch.float64)
+    elif kind == "subcnn":
+        model = _subcnn(s)
+        side = 2 ** s["depth"] * max(1, s["height"] // 2)
+        x = torch.randn(b, s["in_channels"], side, side, dtype=torch.float64)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     targets = torch.randint(0, c, (b,))

@@ -146,7 +146,7 @@ def test_cli_demo_prints_the_table(
 ) -> None:
     from leangrad.bench import _demo
 
-    small = {k: {**v, "batch": 16} for k, v in _demo.DEMO_CONFIGS.items()}
+    small = {k: {**v, "batch": 16, "channels": 4} for k, v in _demo.DEMO_CONFIGS.items()}
     small["mlp"]["width"] = 8
     monkeypatch.setattr(_demo, "DEMO_CONFIGS", small)
     out = tmp_path / "demo"
@@ -155,8 +155,16 @@ def test_cli_demo_prints_the_table(
     header = text.splitlines()[1]
     for col in ("engine", "peak", "saved", "time ratio", "max rel err", "cosine"):
         assert col in header
-    for engine in ("backprop", "checkpoint(per-block)", "forward", "projforward"):
+    for engine in ("backprop", "checkpoint(per-block)", "forward", "projforward", "moonwalk",
+                   "revbackprop"):  # fmt: skip
         assert engine in text
     records = json.loads((out / "demo.json").read_text())
-    assert {r["series"] for r in records} == {"mlp", "cnn"}
+    assert {r["series"] for r in records} == set(small)
+    ran = {(r["series"], r["engine"]) for r in records if not r["skipped"]}
+    # Chain engines run on the Chain models and are marked not applicable elsewhere.
+    assert ("subcnn", "moonwalk") in ran and ("revnet", "revbackprop") in ran
+    assert ("mlp", "moonwalk") not in ran and "n/a" in text
+    for r in records:
+        if not r["skipped"] and r["exact"]:
+            assert r["grad_max_rel_err"] < 1e-4, (r["series"], r["engine"])
     assert (out / "demo.png").stat().st_size > 1000

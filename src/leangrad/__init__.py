@@ -9,13 +9,16 @@ Quick use::
     optimizer.step()
 """
 
-from . import engines, measure
+from . import engines, layers, measure
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
 from .engines import Engine, StepResult, available, engine
+from .layers import Chain, ChainLayer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Chain",
+    "ChainLayer",
     "Engine",
     "EngineInputError",
     "LeangradError",
@@ -26,5 +29,6 @@ __all__ = [
     "available",
     "engine",
     "engines",
+    "layers",
     "measure",
 ]

@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d.add_argument("--out", default="leangrad-demo", help="directory for demo.json and demo.png")
-    d.add_argument("--repeats", type=int, default=5, help="timed repeats per engine")
+    d.add_argument("--repeats", type=int, default=3, help="timed repeats per engine")
     d.add_argument("--rss", action="store_true", help="also run the fresh-process RSS check")
     b = sub.add_parser(
         "bench",

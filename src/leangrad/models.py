@@ -1,7 +1,9 @@
 """Small reference models used by the tests, the demo and the benchmark suites.
 
-Each is an ``nn.Sequential`` of blocks, so every engine (including
-``checkpoint``, which segments over blocks) runs on it unchanged.
+The plain models are ``nn.Sequential`` of blocks, so every generic engine
+(including ``checkpoint``, which segments over blocks) runs on them unchanged;
+``revnet`` and ``submersive_cnn`` are :class:`leangrad.Chain` models whose
+layers carry the rules ``moonwalk`` and ``revbackprop`` need.
 """
 
 from __future__ import annotations
@@ -9,7 +11,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LastStep", "RNNLayer", "conv_stack", "mlp", "rnn_classifier", "small_cnn"]
+__all__ = [
+    "LastStep",
+    "PadChannels",
+    "RNNLayer",
+    "conv_stack",
+    "mlp",
+    "revnet",
+    "rnn_classifier",
+    "small_cnn",
+    "submersive_cnn",
+]
 
 
 def _block(*layers: nn.Module) -> nn.Sequential:
@@ -79,3 +91,88 @@ class LastStep(nn.Module):
 def rnn_classifier(features: int, hidden: int, classes: int) -> nn.Sequential:
     """A one-layer tanh RNN over ``(N, T, features)`` and a Linear head on the last step."""
     return nn.Sequential(RNNLayer(features, hidden), LastStep(), nn.Linear(hidden, classes))
+
+
+class PadChannels(nn.Module):
+    """Zero-pad the channel dimension to ``channels`` (Moonwalk v1: input padded to 32x32x8)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.channels = channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = self.channels - x.shape[1]
+        if extra < 0:
+            raise ValueError(f"input has {x.shape[1]} channels, more than {self.channels}")
+        return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, extra))
+
+
+def _coupling_fn(half: int, activation: str, batchnorm: bool) -> nn.Sequential:
+    act: nn.Module = nn.Tanh() if activation == "tanh" else nn.ReLU()
+    layers: list[nn.Module] = [nn.Conv2d(half, half, 3, padding=1), act]
+    if batchnorm:
+        layers.append(nn.BatchNorm2d(half))
+    layers.append(nn.Conv2d(half, half, 3, padding=1))
+    return nn.Sequential(*layers)
+
+
+def revnet(
+    in_channels: int = 1,
+    channels: int = 8,
+    classes: int = 10,
+    *,
+    blocks: int = 3,
+    layers_per_block: int = 1,
+    activation: str = "relu",
+    batchnorm: bool = False,
+) -> nn.Module:
+    """The Moonwalk v1 RevNet, scaled down: zero-padded input, ``blocks`` blocks of
+    additive couplings (F = conv-act-[BN]-conv), the invertible downsampling ψ
+    between blocks, then average pooling and a linear head.
+
+    Returns a :class:`leangrad.Chain` (stem: channel padding, no parameters).
+    """
+    from .layers import AdditiveCoupling, Chain, SpaceToDepth
+
+    if activation not in ("relu", "tanh"):
+        raise ValueError(f"activation must be 'relu' or 'tanh', got {activation!r}")
+    if channels % 2:
+        raise ValueError(f"channels must be even (couplings split them in halves), got {channels}")
+    layers: list[nn.Module] = []
+    c = channels
+    for b in range(blocks):
+        layers += [
+            AdditiveCoupling(_coupling_fn(c // 2, activation, batchnorm))
+            for _ in range(layers_per_block)
+        ]
+        if b < blocks - 1:
+            layers.append(SpaceToDepth(2))
+            c *= 4
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes))
+    return Chain(*layers, stem=PadChannels(channels), head=head)
+
+
+def submersive_cnn(
+    in_channels: int = 3,
+    channels: int = 16,
+    depth: int = 4,
+    classes: int = 10,
+    *,
+    negative_slope: float = 0.1,
+) -> nn.Module:
+    """The Moonwalk v2 2D submersive CNN (section 6.2), scaled down: a 1x1 conv stem
+    upsamples the channels, then ``depth`` x (3x3 stride-2 padding-1 channel-triangular
+    conv + LeakyReLU), then global max pooling and a linear head.
+
+    Returns a :class:`leangrad.Chain`. The input's spatial size must be divisible by
+    ``2**depth``.
+    """
+    from .layers import Chain, LeakyReLU, SubmersiveConv2d
+
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [SubmersiveConv2d(channels, channels, 3, stride=2, padding=1),
+                   LeakyReLU(negative_slope)]  # fmt: skip
+    stem = nn.Conv2d(in_channels, channels, 1)
+    head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
+    return Chain(*layers, stem=stem, head=head)

@@ -17,27 +17,17 @@ from ._runner import EngineSpec, machine_info, measure_config
 __all__ = ["DEMO_CONFIGS", "demo_engines", "format_table", "run_demo"]
 
 DEMO_CONFIGS: dict[str, dict[str, Any]] = {
-    "mlp": {
-        "model": "mlp",
-        "data": "digits",
-        "in_features": 64,
-        "width": 64,
-        "depth": 3,
-        "batch": 256,
-        "classes": 10,
-        "dtype": "float32",
-        "seed": 0,
-    },
-    "cnn": {
-        "model": "small_cnn",
-        "data": "digits",
-        "channels": 8,
-        "batch": 256,
-        "classes": 10,
-        "dtype": "float32",
-        "seed": 0,
-    },
-}
+    "mlp": {"model": "mlp", "data": "digits", "in_features": 64, "width": 32, "depth": 3,
+            "batch": 256, "classes": 10, "dtype": "float32", "seed": 0},
+    "cnn": {"model": "small_cnn", "data": "digits", "channels": 8, "batch": 256,
+            "classes": 10, "dtype": "float32", "seed": 0},
+    "revnet": {"model": "revnet", "data": "digits", "in_channels": 1, "channels": 8,
+               "size": 8, "blocks": 2, "depth": 2, "batch": 256, "classes": 10,
+               "dtype": "float32", "seed": 0},
+    "subcnn": {"model": "subcnn", "data": "digits", "in_channels": 1, "channels": 8,
+               "size": 8, "depth": 3, "batch": 256, "classes": 10, "dtype": "float32",
+               "seed": 0},
+}  # fmt: skip
 """The embedded default workloads: the first 256 scikit-learn digits (real, offline)."""
 
 _VARIANTS: dict[str, list[EngineSpec]] = {
@@ -46,6 +36,12 @@ _VARIANTS: dict[str, list[EngineSpec]] = {
         EngineSpec("checkpoint", {"segments": 2}),
     ],
     "projforward": [EngineSpec("projforward", {"seed": 0}, label="projforward")],
+    # One jvp per parameter: skipped on models where that would take minutes.
+    "forward": [EngineSpec("forward", max_params=6_000)],
+    "moonwalk": [
+        EngineSpec("moonwalk"),
+        EngineSpec("moonwalk", {"mode": "pure", "per_example": True, "chunk_size": 64}),
+    ],
 }
 
 
@@ -66,7 +62,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
     rows = [_COLUMNS]
     for r in records:
         if r.get("skipped"):
-            rows.append((r["series"], r["engine"], "skipped", "", "", "", r["skipped"][:40]))
+            why = "needs a leangrad.Chain" if "leangrad.Chain" in r["skipped"] else r["skipped"]
+            rows.append((r["series"], r["engine"], "n/a", "", "", "", why[:48]))
             continue
         rows.append(
             (
@@ -115,7 +112,7 @@ def _plot(records: list[dict[str, Any]], path: Path) -> None:
 def run_demo(
     *,
     out: str | Path = "leangrad-demo",
-    repeats: int = 5,
+    repeats: int = 3,
     rss: bool = False,
     progress: bool = True,
     stream: TextIO | None = None,

@@ -177,6 +177,10 @@ def measure_config(
                 "(its time grows with the parameter count)"
             )
             continue
+        reason = spec.make().supports(base.model)
+        if reason is not None:
+            rec["skipped"] = f"not applicable: {reason}"
+            continue
         workloads[label] = wl
         engine = spec.make()
         _step(engine, wl)()  # warm-up: lazy initialisation is not the step's memory

@@ -71,11 +71,29 @@ def _rnn(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
     return model, (c.get("length", 16), feats)
 
 
+def _revnet(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
+    size, cin = c.get("size", 8), c.get("in_channels", 1)
+    model = models.revnet(
+        cin, c.get("channels", 8), c.get("classes", 10),
+        blocks=c.get("blocks", 3), layers_per_block=c.get("depth", 1),
+        activation=c.get("activation", "relu"), batchnorm=c.get("batchnorm", False),
+    )  # fmt: skip
+    return model, (cin, size, size)
+
+
+def _subcnn(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
+    size, cin = c.get("size", 32), c.get("in_channels", 3)
+    model = models.submersive_cnn(cin, c.get("channels", 16), c["depth"], c.get("classes", 10))
+    return model, (cin, size, size)
+
+
 MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]]]] = {
     "mlp": _mlp,
     "conv": _conv,
     "small_cnn": _small_cnn,
     "rnn": _rnn,
+    "revnet": _revnet,
+    "subcnn": _subcnn,
 }
 
 
@@ -104,6 +122,8 @@ def build(config: Mapping[str, Any], *, device: str | torch.device = "cpu") -> W
 
         ds = digits(dtype=dtype, flatten=name == "mlp")
         x, y = ds.x[:batch], ds.y[:batch]
+        if shape[1:] != tuple(x.shape[2:]) and len(shape) == 3:  # resize the 8x8 images
+            x = torch.nn.functional.interpolate(x, size=shape[1:], mode="bilinear")
     else:
         x = torch.randn(batch, *shape, generator=gen).to(dtype)
         y = torch.randint(0, classes, (batch,), generator=gen)

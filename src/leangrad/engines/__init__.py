@@ -8,15 +8,19 @@ from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._checkpoint import Checkpoint
 from ._forward import Forward
+from ._moonwalk import Moonwalk
 from ._projforward import ProjForward
 from ._registry import available, engine, engine_class, register
+from ._revbackprop import RevBackprop
 
 __all__ = [
     "Backprop",
     "Checkpoint",
     "Engine",
     "Forward",
+    "Moonwalk",
     "ProjForward",
+    "RevBackprop",
     "StepResult",
     "available",
     "engine",

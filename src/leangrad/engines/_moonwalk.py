@@ -1,0 +1,342 @@
+"""``moonwalk``: exact gradients by a forward sweep of vector–inverse-Jacobian products.
+
+Moonwalk v1 (Krylov et al., Algorithm 1) and v2 (Krylov, Karamzade, Fox,
+AISTATS 2026, section 4, eqs. (8)–(10)). For a chain ``head(f_L ∘ … ∘ f_1(stem(x)))``
+of submersive layers, given the input cotangent h₀ = ∂J/∂x₀,
+
+    h_i = vijp(f_i, x_{i−1}, h_{i−1}) = h_{i−1} (∂x_i/∂x_{i−1})⁺      (9)
+    g_i = h_i ∂x_i/∂θ_i                                               (10)
+
+recover every parameter gradient in one forward sweep (Phase III), handing
+each g_i to ``on_grad`` at once. h₀ comes from:
+
+- ``mode="mixed"`` (default): Phase I runs the chain storing only each layer's
+  *minimal residual* (e.g. 1 bit per LeakyReLU element, nothing for a conv);
+  Phase II pulls the head's cotangent back through those residuals with
+  ``vjp_input`` only — no parameter gradients, so nothing else is kept.
+- ``mode="pure"``: forward-mode, one jvp per input coordinate (vmapped in
+  chunks) — no residuals at all, time growing with the input size.
+
+``segments=`` adds activation checkpointing to Phase I/II (v2 Appendix 11,
+"Moonwalk + checkpoint"): only segment inputs are kept and each segment's
+residuals are recomputed when Phase II reaches it.
+
+The stem and the head are differentiated by autograd: the head during Phase
+I/II (its graph lives only until h_L exists), the stem after Phase II from a
+replay of its forward (same RNG state), which also gives Phase III its input x₀ —
+so Phase I keeps nothing but the residuals. Chain layers must be deterministic
+functions of their input (no dropout): Phase III recomputes them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.func import functional_call, jvp, vmap
+
+from .. import _errors as E
+from ..layers._base import NOT_SUBMERSIVE, ChainLayer, NotSubmersiveError
+from ..layers._chain import Chain
+from ..measure._memory import FORWARD_END, mark
+from ._backprop import grad_hooks
+from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
+from ._checkpoint import split_segments
+from ._registry import register
+
+__all__ = ["NOT_A_CHAIN", "Moonwalk", "StemRun", "chain_of", "head_backward"]
+
+NOT_A_CHAIN = (
+    "engine {engine!r} needs a leangrad.Chain(stem=..., *layers, head=...) whose layers carry "
+    "chain rules; got {model}. Build the model as leangrad.Chain, or use 'backprop' or "
+    "'checkpoint', which take any module"
+)
+BAD_MODE = "mode must be 'mixed' or 'pure', got {value!r}"
+LAYER_NOT_SUBMERSIVE = "chain layer {index}: {error}"
+
+
+def chain_of(model: nn.Module, engine: str) -> Chain:
+    """``model`` as a Chain, or an error naming the fix."""
+    if not isinstance(model, Chain):
+        raise E.EngineInputError(NOT_A_CHAIN.format(engine=engine, model=type(model).__name__))
+    return model
+
+
+class StemRun:
+    """Runs the stem once without a graph and can replay it exactly (same RNG state),
+    so the chain input x₀ need not be kept between the phases."""
+
+    def __init__(self, chain: Chain, inputs: tuple[torch.Tensor, ...], engine: str) -> None:
+        self.chain, self.inputs = chain, inputs
+        self.devices = [x.device for x in inputs if x.device.type == "cuda"]
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.devices]
+        with torch.no_grad():
+            self.first = run_forward(engine, chain.stem, inputs)
+
+    def take(self) -> torch.Tensor:
+        """x₀ from the first run (the caller should drop it when done)."""
+        x0, self.first = self.first, None
+        assert x0 is not None
+        return x0
+
+    def backward(
+        self, h0: torch.Tensor, params: dict[str, nn.Parameter], on_grad: OnGrad | None
+    ) -> torch.Tensor:
+        """Replay the stem with a graph, give its parameters their gradients from h₀,
+        and return x₀ (detached) for Phase III."""
+        stem_params = {n: p for n, p in self.chain.iter_params(self.chain.stem) if n in params}
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu_state)
+            for d, s in zip(self.devices, self.cuda_states, strict=True):
+                torch.cuda.set_rng_state(s, d)
+            with torch.set_grad_enabled(bool(stem_params)):
+                x0 = self.chain.stem(*self.inputs)
+        if stem_params:
+            with grad_hooks(stem_params, on_grad):
+                x0.backward(h0)
+        return x0.detach()
+
+
+def head_backward(
+    engine: str,
+    chain: Chain,
+    x_last: torch.Tensor,
+    loss_fn: LossFn,
+    params: dict[str, nn.Parameter],
+    on_grad: OnGrad | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and the chain output's cotangent h_L (head parameters get their grads)."""
+    xl = x_last.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = check_loss(loss_fn(run_forward(engine, chain.head, (xl,))))
+    mark(FORWARD_END)
+    head_params = {n: p for n, p in chain.iter_params(chain.head) if n in params}
+    with grad_hooks(head_params, on_grad):
+        loss.backward()
+    assert xl.grad is not None
+    return loss.detach(), xl.grad
+
+
+@register("moonwalk")
+class Moonwalk(Engine):
+    """Moonwalk on a :class:`~leangrad.Chain` of submersive layers; exact gradients.
+
+    Args:
+        mode: ``"mixed"`` — h₀ by a backward pass through minimal residuals
+            (memory O(M_x·L + M_θ), time ≈ backprop + one forward);
+            ``"pure"`` — h₀ by forward mode, one jvp per input coordinate
+            (no residuals; time grows with the input size).
+        segments: mixed mode only. ``None`` keeps every layer's residual;
+            an int or ``"sqrt"`` keeps only segment inputs in Phase I and
+            recomputes a segment's residuals when Phase II reaches it.
+        chunk_size: pure mode: input directions pushed through at once (vmap).
+        per_example: pure mode: push each input coordinate for all examples of
+            the batch at once. Valid only when the chain layers treat examples
+            independently (no BatchNorm in training mode inside them); it divides
+            the number of jvps by the batch size.
+
+    Trade-off (v2 Table 1): same time order as backprop, one extra forward
+    (Phase III recomputes activations); memory of residuals that are often
+    16–32× smaller than activations, and parameter gradients can be applied
+    and freed layer by layer through ``on_grad``.
+    """
+
+    exact = True
+
+    def __init__(
+        self,
+        *,
+        mode: Literal["mixed", "pure"] = "mixed",
+        segments: int | Literal["sqrt"] | None = None,
+        chunk_size: int = 16,
+        per_example: bool = False,
+    ) -> None:
+        if mode not in ("mixed", "pure"):
+            raise ValueError(BAD_MODE.format(value=mode))
+        super().__init__(
+            mode=mode, segments=segments, chunk_size=chunk_size, per_example=per_example
+        )
+        if segments is not None and segments != "sqrt":
+            self._positive_int("segments", segments)
+        if segments is not None and mode == "pure":
+            raise ValueError("segments applies to mode='mixed' only (pure mode stores nothing)")
+        self.mode = mode
+        self.segments = segments
+        self.chunk_size = self._positive_int("chunk_size", chunk_size)
+        self.per_example = per_example
+
+    def supports(self, model: nn.Module) -> str | None:
+        try:
+            self._layers(model)
+        except (E.LeangradError, NotSubmersiveError) as err:
+            return str(err)
+        return None
+
+    def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
+        chain = chain_of(model, self.label)
+        layers = chain.rule_layers(self.label)
+        for i, layer in enumerate(layers):
+            if not layer.submersive:
+                error = NOT_SUBMERSIVE.format(layer=layer._describe())
+                raise NotSubmersiveError(LAYER_NOT_SUBMERSIVE.format(index=i, error=error))
+        return chain, layers
+
+    def _backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        chain, layers = self._layers(model)
+        stem = StemRun(chain, inputs, self.label)
+        if self.mode == "mixed":
+            loss, h0 = self._phase_one_two(chain, layers, stem.take(), loss_fn, params, on_grad)
+        else:
+            x0 = stem.take()
+            loss, h0 = self._pure_h0(chain, layers, x0, loss_fn, params, on_grad)
+            del x0
+        x0 = stem.backward(h0, params, on_grad)  # replayed: x0 was not kept meanwhile
+        x_last = self._phase_three(chain, layers, x0, h0, params, on_grad)
+        if self.mode == "pure" and not self.per_example:
+            loss, _ = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
+        return self._result(loss)
+
+    # -- Phase I + II: h0 through minimal residuals ------------------------------
+    def _phase_one_two(
+        self,
+        chain: Chain,
+        layers: list[ChainLayer],
+        x0: torch.Tensor,
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(layers)
+        if self.segments is None:
+            groups = [range(i, i + 1) for i in range(n)] if n else []
+            keep_all = True
+        else:
+            s = math.ceil(math.sqrt(n)) if self.segments == "sqrt" else int(self.segments)
+            groups = split_segments(n, s) if n else []
+            keep_all = False
+        residuals: list[Any] = [None] * n
+        boundary: list[torch.Tensor | None] = [None] * len(groups)
+        x = x0
+        del x0  # replayed from the stem for Phase III, not kept
+        with torch.no_grad():
+            for gi, group in enumerate(groups):
+                if not keep_all:
+                    boundary[gi] = x
+                for i in group:
+                    y = run_forward(self.label, layers[i], (x,))
+                    if keep_all:
+                        residuals[i] = layers[i].residual(x, y)
+                    x = y
+        loss, h = head_backward(self.label, chain, x, loss_fn, params, on_grad)
+        del x
+        with torch.no_grad():
+            for gi in reversed(range(len(groups))):
+                group = groups[gi]
+                if not keep_all:  # recompute this segment's residuals from its input
+                    xb = boundary[gi]
+                    boundary[gi] = None
+                    for i in group:
+                        y = layers[i](xb)
+                        residuals[i] = layers[i].residual(xb, y)
+                        xb = y
+                    del xb, y
+                for i in reversed(group):
+                    h = layers[i].vjp_input(residuals[i], h)
+                    residuals[i] = None
+        return loss, h
+
+    # -- pure mode: h0 by forward mode --------------------------------------------
+    def _pure_h0(
+        self,
+        chain: Chain,
+        layers: list[ChainLayer],
+        x0: torch.Tensor,
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        body = nn.Sequential(*layers)
+        state = {n: t.detach() for n, t in body.named_parameters()}
+        buffers = dict(body.named_buffers())
+
+        def run_body(x: torch.Tensor) -> torch.Tensor:
+            local = {n: b.clone() for n, b in buffers.items()}  # BatchNorm may update them
+            return functional_call(body, {**state, **local}, (x,))
+
+        mark(FORWARD_END)
+        if self.per_example:
+            with torch.no_grad():
+                x_last = run_body(x0)
+            loss, h_last = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
+            del x_last
+            per = x0[0].numel()
+
+            def along(v: torch.Tensor) -> torch.Tensor:
+                t = v.reshape(1, *x0.shape[1:]).expand_as(x0)
+                _, tout = jvp(run_body, (x0,), (t,))
+                return (tout * h_last).flatten(1).sum(1)  # one value per example
+
+            cols = self._chunked(along, per, x0)
+            return loss, cols.t().reshape(x0.shape)
+
+        head_params = {n: p.detach() for n, p in chain.head.named_parameters()}
+        head_buffers = dict(chain.head.named_buffers())
+
+        def full(x: torch.Tensor) -> torch.Tensor:
+            hb = {n: b.clone() for n, b in head_buffers.items()}
+            out = functional_call(chain.head, {**head_params, **hb}, (run_body(x),))
+            return check_loss(loss_fn(out), needs_graph=False)
+
+        def along_full(v: torch.Tensor) -> torch.Tensor:
+            return jvp(full, (x0,), (v.reshape(x0.shape),))[1]
+
+        h0 = self._chunked(along_full, x0.numel(), x0).reshape(x0.shape)
+        return torch.zeros((), dtype=x0.dtype, device=x0.device), h0
+
+    def _chunked(self, fn: Any, n: int, like: torch.Tensor) -> torch.Tensor:
+        """Stack ``fn(e_j)`` over the n one-hot directions, ``chunk_size`` at a time."""
+        batched = vmap(fn, randomness="same")
+        outs = []
+        for start in range(0, n, self.chunk_size):
+            k = min(self.chunk_size, n - start)
+            eye = torch.zeros(k, n, dtype=like.dtype, device=like.device)
+            eye[torch.arange(k), torch.arange(start, start + k)] = 1
+            outs.append(batched(eye))
+        return torch.cat(outs)
+
+    # -- Phase III: the forward sweep ---------------------------------------------
+    def _phase_three(
+        self,
+        chain: Chain,
+        layers: list[ChainLayer],
+        x0: torch.Tensor,
+        h0: torch.Tensor,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> torch.Tensor:
+        del chain
+        full_name = {id(p): n for n, p in params.items()}
+        x, h = x0, h0
+        with torch.no_grad():
+            for layer in layers:
+                h = layer.vijp(x, h)
+                y, grads = layer.forward_vjp_params(x, h)
+                local = dict(layer.named_parameters())
+                for name, g in grads.items():
+                    full = full_name.get(id(local[name]))
+                    if full is not None:  # frozen parameters get no gradient
+                        accumulate_grad(params[full], g)
+                        if on_grad is not None:
+                            on_grad(full, params[full])
+                x = y
+        return x

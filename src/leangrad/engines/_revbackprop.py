@@ -1,0 +1,87 @@
+"""``revbackprop``: reversible backpropagation — recompute inputs with ``inverse``.
+
+Gomez et al., "The reversible residual network" (NeurIPS 2017); the RevBackprop
+baseline of Moonwalk v1 (section 4, Table 1). The forward pass stores nothing
+for the chain; the backward pass walks the chain in reverse, rebuilding each
+layer's input from its output with ``layer.inverse`` and running that layer's
+vjp (input and parameters) on the spot.
+
+Trade-off: memory O(M_x + M_θ) like forward-mode, time ≈ backprop plus one
+inverse per layer. The reconstructed inputs carry rounding error that grows
+with depth (invertible layers need not be well conditioned), so gradients
+drift from autograd's — which the ``moonwalk-v1-stability`` suite measures.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers._base import NOT_INVERTIBLE, NotInvertibleError
+from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
+from ._moonwalk import StemRun, chain_of, head_backward
+from ._registry import register
+
+__all__ = ["RevBackprop"]
+
+
+@register("revbackprop")
+class RevBackprop(Engine):
+    """Reversible backprop on a :class:`~leangrad.Chain` of invertible layers."""
+
+    exact = True
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def supports(self, model: nn.Module) -> str | None:
+        try:
+            self._layers(model)
+        except Exception as err:
+            return str(err)
+        return None
+
+    def _layers(self, model: nn.Module) -> tuple:  # type: ignore[type-arg]
+        chain = chain_of(model, self.label)
+        layers = chain.rule_layers(self.label)
+        for i, layer in enumerate(layers):
+            if not layer.invertible:
+                raise NotInvertibleError(
+                    f"chain layer {i}: " + NOT_INVERTIBLE.format(layer=layer._describe())
+                )
+        return chain, layers
+
+    def _backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        chain, layers = self._layers(model)
+        full_name = {id(p): n for n, p in params.items()}
+        stem = StemRun(chain, inputs, self.label)
+        x = stem.take()
+        with torch.no_grad():
+            for layer in layers:
+                x = run_forward(self.label, layer, (x,))
+        loss, h = head_backward(self.label, chain, x, loss_fn, params, on_grad)
+        y = x
+        for layer in reversed(layers):
+            with torch.no_grad():
+                x = layer.inverse(y)
+            local = [(n, p) for n, p in layer.named_parameters() if id(p) in full_name]
+            with torch.enable_grad():
+                xg = x.detach().requires_grad_(True)
+                out = layer(xg)
+                grads = torch.autograd.grad(out, [xg] + [p for _, p in local], h, allow_unused=True)
+            h = grads[0]
+            for (_, p), g in zip(local, grads[1:], strict=True):
+                if g is not None:
+                    accumulate_grad(p, g)
+                    if on_grad is not None:
+                        on_grad(full_name[id(p)], p)  # type: ignore[arg-type]
+            y = x
+        stem.backward(h, params, on_grad)
+        return self._result(loss)

@@ -1,0 +1,30 @@
+"""Chain layers with the rules Moonwalk and RevBackprop need (DESIGN.md, "Layer rules")."""
+
+from ._base import (
+    ChainLayer,
+    LayerConditionError,
+    NotInvertibleError,
+    NotSubmersiveError,
+)
+from ._bits import PackedBits, pack_bits, unpack_bits
+from ._chain import Chain
+from ._conv import SubmersiveConv2d
+from ._invertible import AdditiveCoupling, LeakyReLU, SpaceToDepth, Tanh
+from ._linear import SubmersiveLinear
+
+__all__ = [
+    "AdditiveCoupling",
+    "Chain",
+    "ChainLayer",
+    "LayerConditionError",
+    "LeakyReLU",
+    "NotInvertibleError",
+    "NotSubmersiveError",
+    "PackedBits",
+    "SpaceToDepth",
+    "SubmersiveConv2d",
+    "SubmersiveLinear",
+    "Tanh",
+    "pack_bits",
+    "unpack_bits",
+]
