@@ -22,11 +22,12 @@ __all__ = [
     "trainable",
 ]
 
-MODEL_KINDS = ("mlp", "cnn", "conv", "rnn", "revchain", "subcnn")
+MODEL_KINDS = ("mlp", "cnn", "conv", "rnn", "revchain", "subcnn", "subcnn_repeat")
 """mlp: ``models.mlp``; cnn: ``models.small_cnn`` (8x8 inputs); conv: ``models.conv_stack``
 (any spatial size); rnn: ``models.rnn_classifier``; revchain: a :class:`leangrad.Chain` of
 invertible layers (couplings, LeakyReLU, ψ, Tanh) behind a 1x1-conv stem; subcnn: a Chain of
-channel-triangular stride-2 convs and LeakyReLUs (submersive, not invertible)."""
+channel-triangular stride-2 convs and LeakyReLUs (submersive, not invertible); subcnn_repeat:
+the same behind a parameter-free stem (Moonwalk then seeds Phase III with h1, not h0)."""
 
 
 def _revchain(s: dict[str, int], h: int, w: int) -> nn.Module:
@@ -47,8 +48,10 @@ def _revchain(s: dict[str, int], h: int, w: int) -> nn.Module:
     )
 
 
-def _subcnn(s: dict[str, int]) -> nn.Module:
-    return models.submersive_cnn(s["in_channels"], s["channels"] + 1, s["depth"], s["classes"])
+def _subcnn(s: dict[str, int], stem: str = "conv") -> nn.Module:
+    return models.submersive_cnn(
+        s["in_channels"], s["channels"] + 1, s["depth"], s["classes"], stem=stem
+    )
 
 
 @dataclasses.dataclass
@@ -96,8 +99,8 @@ def make_problem(
         h, w = 2 * ((s["height"] + 1) // 2), 2 * ((s["wide"] + 1) // 2)  # even, for ψ
         model = _revchain(s, h, w)
         x = torch.randn(b, s["in_channels"], h, w, dtype=torch.float64)
-    elif kind == "subcnn":
-        model = _subcnn(s)
+    elif kind in ("subcnn", "subcnn_repeat"):
+        model = _subcnn(s, "repeat" if kind == "subcnn_repeat" else "conv")
         side = 2 ** s["depth"] * max(1, s["height"] // 2)
         x = torch.randn(b, s["in_channels"], side, side, dtype=torch.float64)
     else:

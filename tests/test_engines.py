@@ -45,6 +45,7 @@ VARIANTS: dict[str, list[dict[str, object]]] = {
         {"segments": 2},
         {"mode": "pure", "chunk_size": 7},
         {"mode": "pure", "per_example": True},
+        {"stem_chunks": 2},
     ],
 }
 

@@ -151,3 +151,29 @@ def test_on_grad_runs_during_the_forward_sweep_in_layer_order() -> None:
     layer_names = [n for n in order if n.startswith("layers.")]
     assert layer_names == sorted(layer_names, key=lambda n: int(n.split(".")[1]))
     assert order.index(layer_names[0]) > max(order.index(n) for n in order if n.startswith("head."))
+
+
+def test_seeding_with_h1_and_stem_chunks_lower_the_peak_and_stay_exact() -> None:
+    """Behind a parameter-free stem, Phase II stops at h1 and x0 is rebuilt in batch
+    chunks (v2 section 4.3's alternative seed): the full-size x0 never lives whole."""
+    torch.manual_seed(0)
+    model = models.submersive_cnn(3, 8, 3, 5, stem="repeat").double()
+    x, y = torch.randn(8, 3, 32, 32, dtype=torch.float64), torch.randint(0, 5, (8,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    peaks = {}
+    for chunks in (1, 4):
+        m = copy.deepcopy(model)
+        with MemoryTracker(baseline=(m, x)) as tracker:
+            leangrad.engine("moonwalk", stem_chunks=chunks).backward(m, x, loss_fn)
+        peaks[chunks] = tracker.report.peak_bytes
+        assert compare_grads(grads_of(m), grads_of(ref)).max_rel_err <= 1e-10
+    with MemoryTracker(baseline=(ref, x)) as tracker:
+        leangrad.engine("backprop").backward(copy.deepcopy(model), x, loss_fn)
+    x0_bytes = 8 * 8 * 32 * 32 * 8
+    assert peaks[4] < peaks[1] - x0_bytes // 2
+    assert peaks[4] < 0.75 * tracker.report.peak_bytes

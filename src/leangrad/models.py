@@ -15,6 +15,7 @@ __all__ = [
     "LastStep",
     "PadChannels",
     "RNNLayer",
+    "RepeatChannels",
     "conv_stack",
     "mlp",
     "revnet",
@@ -107,6 +108,18 @@ class PadChannels(nn.Module):
         return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, extra))
 
 
+class RepeatChannels(nn.Module):
+    """Parameter-free channel upsampling: tile the input channels up to ``channels``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.channels = channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reps = -(-self.channels // x.shape[1])
+        return x.repeat(1, reps, 1, 1)[:, : self.channels]
+
+
 def _coupling_fn(half: int, activation: str, batchnorm: bool) -> nn.Sequential:
     act: nn.Module = nn.Tanh() if activation == "tanh" else nn.ReLU()
     layers: list[nn.Module] = [nn.Conv2d(half, half, 3, padding=1), act]
@@ -159,10 +172,12 @@ def submersive_cnn(
     classes: int = 10,
     *,
     negative_slope: float = 0.1,
+    stem: str = "conv",
 ) -> nn.Module:
-    """The Moonwalk v2 2D submersive CNN (section 6.2), scaled down: a 1x1 conv stem
-    upsamples the channels, then ``depth`` x (3x3 stride-2 padding-1 channel-triangular
-    conv + LeakyReLU), then global max pooling and a linear head.
+    """The Moonwalk v2 2D submersive CNN (section 6.2), scaled down: a stem upsamples the
+    channels (``stem="conv"``: a 1x1 conv; ``"repeat"``: parameter-free tiling), then
+    ``depth`` x (3x3 stride-2 padding-1 channel-triangular conv + LeakyReLU), then
+    global max pooling and a linear head.
 
     Returns a :class:`leangrad.Chain`. The input's spatial size must be divisible by
     ``2**depth``.
@@ -173,6 +188,8 @@ def submersive_cnn(
     for _ in range(depth):
         layers += [SubmersiveConv2d(channels, channels, 3, stride=2, padding=1),
                    LeakyReLU(negative_slope)]  # fmt: skip
-    stem = nn.Conv2d(in_channels, channels, 1)
+    if stem not in ("conv", "repeat"):
+        raise ValueError(f"stem must be 'conv' or 'repeat', got {stem!r}")
+    first = nn.Conv2d(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
     head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
-    return Chain(*layers, stem=stem, head=head)
+    return Chain(*layers, stem=first, head=head)

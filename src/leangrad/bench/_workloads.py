@@ -83,7 +83,9 @@ def _revnet(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
 
 def _subcnn(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
     size, cin = c.get("size", 32), c.get("in_channels", 3)
-    model = models.submersive_cnn(cin, c.get("channels", 16), c["depth"], c.get("classes", 10))
+    model = models.submersive_cnn(
+        cin, c.get("channels", 16), c["depth"], c.get("classes", 10), stem=c.get("stem", "conv")
+    )
     return model, (cin, size, size)
 
 

@@ -30,6 +30,7 @@ functions of their input (no dropout): Phase III recomputes them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Literal
 
@@ -73,31 +74,45 @@ class StemRun:
         self.devices = [x.device for x in inputs if x.device.type == "cuda"]
         self.cpu_state = torch.get_rng_state()
         self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.devices]
-        with torch.no_grad():
-            self.first = run_forward(engine, chain.stem, inputs)
+        self.engine = engine
 
     def take(self) -> torch.Tensor:
         """x₀ from the first run (the caller should drop it when done)."""
-        x0, self.first = self.first, None
-        assert x0 is not None
-        return x0
+        with torch.no_grad():
+            return run_forward(self.engine, self.chain.stem, self.inputs)
 
-    def backward(
-        self, h0: torch.Tensor, params: dict[str, nn.Parameter], on_grad: OnGrad | None
-    ) -> torch.Tensor:
-        """Replay the stem with a graph, give its parameters their gradients from h₀,
-        and return x₀ (detached) for Phase III."""
-        stem_params = {n: p for n, p in self.chain.iter_params(self.chain.stem) if n in params}
+    def chunks(self, n_chunks: int) -> list[tuple[int, int]]:
+        """Batch ranges for chunked replays of the stem."""
+        n = self.inputs[0].shape[0]
+        bounds = [round(i * n / n_chunks) for i in range(n_chunks + 1)]
+        return [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
+
+    def replay(self, *, grad: bool = False) -> torch.Tensor:
+        """x₀ again, bit for bit: the stem rerun under the RNG state of its first run."""
         with torch.random.fork_rng(devices=self.devices):
             torch.set_rng_state(self.cpu_state)
             for d, s in zip(self.devices, self.cuda_states, strict=True):
                 torch.cuda.set_rng_state(s, d)
-            with torch.set_grad_enabled(bool(stem_params)):
-                x0 = self.chain.stem(*self.inputs)
-        if stem_params:
-            with grad_hooks(stem_params, on_grad):
-                x0.backward(h0)
-        return x0.detach()
+            with torch.set_grad_enabled(grad):
+                return self.chain.stem(*self.inputs)
+
+    def backward(
+        self,
+        h0: torch.Tensor,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+        *,
+        keep: bool = True,
+    ) -> torch.Tensor | None:
+        """Give the stem's parameters their gradients from h₀ (replaying it with a graph);
+        return x₀ (detached) for Phase III when ``keep``."""
+        stem_params = {n: p for n, p in self.chain.iter_params(self.chain.stem) if n in params}
+        if not stem_params:
+            return self.replay() if keep else None
+        x0 = self.replay(grad=True)
+        with grad_hooks(stem_params, on_grad):
+            x0.backward(h0)
+        return x0.detach() if keep else None
 
 
 def head_backward(
@@ -137,6 +152,13 @@ class Moonwalk(Engine):
             the batch at once. Valid only when the chain layers treat examples
             independently (no BatchNorm in training mode inside them); it divides
             the number of jvps by the batch size.
+        stem_chunks: when the first chain layer's vijp ignores its input (a conv)
+            and the stem has no trainable parameters, Phase II stops at h₁ (the
+            first layer's output cotangent; v2 section 4.3's "alternative seed") and
+            Phase III rebuilds x₀ only to form g₁ — in this many batch chunks, so the
+            full-resolution x₀ never lives whole. Chunks > 1 require the stem and the
+            first layer to treat examples independently and the stem to be
+            deterministic.
 
     Trade-off (v2 Table 1): same time order as backprop, one extra forward
     (Phase III recomputes activations); memory of residuals that are often
@@ -153,12 +175,18 @@ class Moonwalk(Engine):
         segments: int | Literal["sqrt"] | None = None,
         chunk_size: int = 16,
         per_example: bool = False,
+        stem_chunks: int = 1,
     ) -> None:
         if mode not in ("mixed", "pure"):
             raise ValueError(BAD_MODE.format(value=mode))
         super().__init__(
-            mode=mode, segments=segments, chunk_size=chunk_size, per_example=per_example
+            mode=mode,
+            segments=segments,
+            chunk_size=chunk_size,
+            per_example=per_example,
+            stem_chunks=stem_chunks,
         )
+        self.stem_chunks = self._positive_int("stem_chunks", stem_chunks)
         if segments is not None and segments != "sqrt":
             self._positive_int("segments", segments)
         if segments is not None and mode == "pure":
@@ -194,14 +222,55 @@ class Moonwalk(Engine):
     ) -> StepResult:
         chain, layers = self._layers(model)
         stem = StemRun(chain, inputs, self.label)
+        stem_params = [n for n, _ in chain.iter_params(chain.stem) if n in params]
+        seed_h1 = (
+            self.mode == "mixed" and bool(layers) and not layers[0].vijp_needs_input
+            and not stem_params
+        )  # fmt: skip
+        if seed_h1:
+            # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
+            # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
+            with torch.no_grad():
+                loss, h1 = self._phase_one_two(
+                    chain,
+                    layers[1:],
+                    torch.cat([
+                        run_forward(
+                            self.label, layers[0], (chain.stem(*(x[a:b] for x in inputs)),)
+                        )
+                        for a, b in stem.chunks(self.stem_chunks)
+                    ]),
+                    loss_fn,
+                    params,
+                    on_grad,
+                )  # fmt: skip
+            full_name = {id(p): n for n, p in params.items()}
+            x = self._first_layer(stem, inputs, layers[0], h1, params, full_name, on_grad)
+            self._phase_three(layers[1:], x, h1, params, full_name, on_grad)
+            return self._result(loss)
         if self.mode == "mixed":
             loss, h0 = self._phase_one_two(chain, layers, stem.take(), loss_fn, params, on_grad)
         else:
             x0 = stem.take()
             loss, h0 = self._pure_h0(chain, layers, x0, loss_fn, params, on_grad)
             del x0
-        x0 = stem.backward(h0, params, on_grad)  # replayed: x0 was not kept meanwhile
-        x_last = self._phase_three(chain, layers, x0, h0, params, on_grad)
+        full_name = {id(p): n for n, p in params.items()}
+        if layers and not layers[0].vijp_needs_input:
+            # The first layer's vijp ignores x0 (a conv): take h1 from h0 and free h0
+            # before x0 is replayed, so the two full-size tensors never coexist.
+            stem.backward(h0, params, None, keep=False)
+            h = layers[0].vijp(None, h0)
+            del h0
+            x = self._apply(layers[0], stem.replay(), h, params, full_name, on_grad)
+            if on_grad is not None:  # only now: a step on the stem would change the replay
+                for n, p in chain.iter_params(chain.stem):
+                    if n in params and p.grad is not None:
+                        on_grad(n, params[n])
+            x_last = self._phase_three(layers[1:], x, h, params, full_name, on_grad)
+        else:
+            x0 = stem.backward(h0, params, on_grad)  # replayed: x0 was not kept meanwhile
+            assert x0 is not None
+            x_last = self._phase_three(layers, x0, h0, params, full_name, on_grad)
         if self.mode == "pure" and not self.per_example:
             loss, _ = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
         return self._result(loss)
@@ -215,7 +284,10 @@ class Moonwalk(Engine):
         loss_fn: LossFn,
         params: dict[str, nn.Parameter],
         on_grad: OnGrad | None,
+        *,
+        stop: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and h_stop (h₀ by default): the backward stops at layer ``stop``'s output."""
         n = len(layers)
         if self.segments is None:
             groups = [range(i, i + 1) for i in range(n)] if n else []
@@ -251,7 +323,8 @@ class Moonwalk(Engine):
                         xb = y
                     del xb, y
                 for i in reversed(group):
-                    h = layers[i].vjp_input(residuals[i], h)
+                    if i >= stop:
+                        h = layers[i].vjp_input(residuals[i], h)
                     residuals[i] = None
         return loss, h
 
@@ -315,28 +388,70 @@ class Moonwalk(Engine):
         return torch.cat(outs)
 
     # -- Phase III: the forward sweep ---------------------------------------------
-    def _phase_three(
-        self,
-        chain: Chain,
-        layers: list[ChainLayer],
-        x0: torch.Tensor,
-        h0: torch.Tensor,
+    @staticmethod
+    def _apply(
+        layer: ChainLayer,
+        x: torch.Tensor,
+        h: torch.Tensor,
         params: dict[str, nn.Parameter],
+        full_name: dict[int, str],
         on_grad: OnGrad | None,
     ) -> torch.Tensor:
-        del chain
-        full_name = {id(p): n for n, p in params.items()}
-        x, h = x0, h0
+        """y = f(x) and g = h ∂y/∂θ (eq. 10), handed to ``.grad`` and ``on_grad`` at once."""
         with torch.no_grad():
-            for layer in layers:
+            y, grads = layer.forward_vjp_params(x, h)
+        local = dict(layer.named_parameters())
+        for name, g in grads.items():
+            full = full_name.get(id(local[name]))
+            if full is not None:  # frozen parameters get no gradient
+                accumulate_grad(params[full], g)
+                if on_grad is not None:
+                    on_grad(full, params[full])
+        return y
+
+    def _first_layer(
+        self,
+        stem: StemRun,
+        inputs: tuple[torch.Tensor, ...],
+        layer: ChainLayer,
+        h1: torch.Tensor,
+        params: dict[str, nn.Parameter],
+        full_name: dict[int, str],
+        on_grad: OnGrad | None,
+    ) -> torch.Tensor:
+        """x₁ and g₁ from h₁, replaying x₀ in ``stem_chunks`` batch chunks."""
+        if self.stem_chunks == 1:
+            return self._apply(layer, stem.replay(), h1, params, full_name, on_grad)
+        ys, total = [], {}
+        for a, b in stem.chunks(self.stem_chunks):
+            with torch.no_grad():
+                x0 = stem.chain.stem(*(x[a:b] for x in inputs))
+                y, grads = layer.forward_vjp_params(x0, h1[a:b])
+            del x0
+            ys.append(y)
+            for name, g in grads.items():
+                total[name] = total[name] + g if name in total else g
+        local = dict(layer.named_parameters())
+        for name, g in total.items():
+            full = full_name.get(id(local[name]))
+            if full is not None:
+                accumulate_grad(params[full], g)
+                if on_grad is not None:
+                    on_grad(full, params[full])
+        return torch.cat(ys)
+
+    def _phase_three(
+        self,
+        layers: list[ChainLayer],
+        x: torch.Tensor,
+        h: torch.Tensor,
+        params: dict[str, nn.Parameter],
+        full_name: dict[int, str],
+        on_grad: OnGrad | None,
+    ) -> torch.Tensor:
+        """Algorithm 1's loop: h_i = vijp(x_{i−1}, h_{i−1}) (eq. 9), then g_i (eq. 10)."""
+        for layer in layers:
+            with torch.no_grad():
                 h = layer.vijp(x, h)
-                y, grads = layer.forward_vjp_params(x, h)
-                local = dict(layer.named_parameters())
-                for name, g in grads.items():
-                    full = full_name.get(id(local[name]))
-                    if full is not None:  # frozen parameters get no gradient
-                        accumulate_grad(params[full], g)
-                        if on_grad is not None:
-                            on_grad(full, params[full])
-                x = y
+            x = self._apply(layer, x, h, params, full_name, on_grad)
         return x

@@ -97,10 +97,14 @@ class ChainLayer(nn.Module):
     Attributes:
         submersive: ``vijp`` is implemented (the Jacobian is right-invertible).
         invertible: ``inverse`` is implemented.
+        vijp_needs_input: ``vijp`` reads ``x`` (``False`` for linear layers).
     """
 
     submersive: ClassVar[bool] = False
     invertible: ClassVar[bool] = False
+    vijp_needs_input: ClassVar[bool] = True
+    """``False`` when ``vijp`` ignores ``x`` (a linear layer: its Jacobian is constant), so
+    an engine may call ``vijp(None, h_in)`` and build ``x`` only afterwards."""
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> Any:
         """What Phase I keeps to compute ``vjp_input`` later. Default: ``x`` itself."""

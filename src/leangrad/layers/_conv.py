@@ -178,6 +178,7 @@ class SubmersiveConv2d(ChainLayer):
     """
 
     submersive = True
+    vijp_needs_input = False  # the Jacobian is constant
 
     def __init__(
         self,

@@ -251,6 +251,7 @@ class SpaceToDepth(ChainLayer):
     """
 
     submersive = True
+    vijp_needs_input = False  # a fixed permutation
     invertible = True
 
     def __init__(self, block_size: int = 2) -> None:

@@ -121,6 +121,7 @@ class SubmersiveLinear(ChainLayer):
     """
 
     submersive = True
+    vijp_needs_input = False  # the Jacobian is constant
 
     def __init__(
         self,
