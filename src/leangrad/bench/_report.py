@@ -80,6 +80,83 @@ def _growth(recs: list[dict[str, Any]], key: str) -> str:
     return f"×{y1 / y0:.2f} for ×{x1 / x0:g} {recs[0].get('sweep', 'x')}"
 
 
+def _line(r: dict[str, Any]) -> str:
+    """A training record's curve label: the engine, and the model variant if any."""
+    return f"{r['engine']} / {r['model']}" if r.get("model") else str(r["engine"])
+
+
+def _plot_training(suite: str, series: str, recs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("train_loss", "train loss", False), ("train_acc", "accuracy", False)]
+    if any(r.get("grad_max_rel_err") is not None for r in recs):
+        panels.append(("grad_max_rel_err", "max rel. grad error vs float64 oracle", True))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    by_line: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in recs:
+        by_line[_line(r)].append(r)
+    for ax, (key, title, log) in zip(axes[0], panels, strict=True):
+        for line, rs in by_line.items():
+            keys = [key, "test_acc"] if key == "train_acc" else [key]
+            for k in keys:
+                pts = sorted((r["x"], r[k]) for r in rs if r.get(k) is not None)
+                if log:
+                    pts = [(x, max(y, 1e-17)) for x, y in pts]
+                if pts:
+                    style = "--" if k == "test_acc" else "-"
+                    name = f"{line} (test)" if k == "test_acc" else line
+                    ax.plot(*zip(*pts, strict=True), style, marker=".", label=name)
+        ax.set_xlabel(recs[0].get("sweep", "x"))
+        ax.set_title(title)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    axes[0][1].legend(fontsize=7)
+    fig.suptitle(f"{suite} — {series}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _training_section(
+    suite: str, series: str, recs: list[dict[str, Any]], directory: Path, *, plots: bool
+) -> list[str]:
+    """Markdown (and a PNG) for records of ``kind == "training"``: curves and final values."""
+    sweep = recs[0].get("sweep", "x")
+    lines = [f"### {series}", "", f"`{json.dumps(recs[0].get('config', {}))}`", ""]
+    if plots:
+        png = Path("plots") / f"{suite}-{series}.png"
+        _plot_training(suite, series, recs, directory / png)
+        lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+    lines += [
+        f"| engine | last {sweep} | train loss | train acc | test acc | max rel err "
+        "| max rel err (max over run) | cosine | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_line: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in recs:
+        by_line[_line(r)].append(r)
+    for line, rs in by_line.items():
+        last = max(rs, key=lambda r: r["x"])
+        measured = [r for r in rs if r.get("train_loss") is not None]
+        fin = max(measured, key=lambda r: r["x"]) if measured else last
+        errs = [r["grad_max_rel_err"] for r in rs if r.get("grad_max_rel_err") is not None]
+        lines.append(
+            f"| {line} | {fin['x']} | {_fmt(fin.get('train_loss'), '.4f')} "
+            f"| {_fmt(fin.get('train_acc'), '.3f')} | {_fmt(fin.get('test_acc'), '.3f')} "
+            f"| {_fmt(fin.get('grad_max_rel_err'), '.2e')} "
+            f"| {_fmt(max(errs) if errs else None, '.2e')} "
+            f"| {_fmt(fin.get('grad_cosine'), '.8f')} | {last.get('failed') or ''} |"
+        )
+    lines.append("")
+    return lines
+
+
 def render_report(directory: str | Path, *, plots: bool = True) -> Path:
     """Write ``directory/report.md`` (and ``plots/*.png``) from the suite JSON files there."""
     directory = Path(directory)
@@ -112,6 +189,9 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
         for r in records:
             by_series[r.get("series", "")].append(r)
         for series, recs in by_series.items():
+            if recs[0].get("kind") == "training":
+                lines += _training_section(suite, series, recs, directory, plots=plots)
+                continue
             cfg = {k: v for k, v in recs[0]["config"].items() if k != recs[0].get("sweep")}
             lines += [f"### {series}", "", f"`{json.dumps(cfg)}`", ""]
             if plots:
