@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -54,9 +55,9 @@ def test_mixed_moonwalk_keeps_only_bit_masks() -> None:
 
 
 def test_moonwalk_segments_keep_less_than_every_residual() -> None:
-    """Couplings keep half their input each; with ⌈√16⌉ = 4 segments only 4 segment
-    inputs are kept (v2 Appendix 11, "Moonwalk + checkpoint"). Bit masks, by contrast,
-    are smaller than any segment input, so on the submersive CNN segments would not help."""
+    """Couplings keep half their input each; with ⌈√L⌉ segments only the segment inputs
+    are kept (v2 Appendix 11, "Moonwalk + checkpoint"). Bit masks, by contrast, are
+    smaller than any segment input, so on the submersive CNN segments would not help."""
     torch.manual_seed(0)
     model = models.revnet(1, 8, 10, blocks=1, layers_per_block=16)
     x, y = torch.randn(16, 1, 16, 16), torch.randint(0, 10, (16,))
@@ -68,8 +69,10 @@ def test_moonwalk_segments_keep_less_than_every_residual() -> None:
     seg = _forward_live("moonwalk", model, x, loss_fn, segments="sqrt")
     half_input = x.numel() * 8 // 2 * 4  # x1 of one coupling, float32
     assert full >= 16 * half_input
-    # 4 segment inputs, plus the chain output the head is running on.
-    assert seg <= (4 + 1) * 2 * half_input + 4096
+    # ⌈√L⌉ segment inputs (L = 32: couplings and swaps), plus the chain output under the head.
+    segments = math.ceil(math.sqrt(len(model.layers)))
+    assert segments == 6
+    assert seg <= (segments + 1) * 2 * half_input + 4096 < full
 
 
 def test_pure_moonwalk_keeps_nothing_but_the_chain_input() -> None:
@@ -177,3 +180,25 @@ def test_seeding_with_h1_and_stem_chunks_lower_the_peak_and_stay_exact() -> None
     x0_bytes = 8 * 8 * 32 * 32 * 8
     assert peaks[4] < peaks[1] - x0_bytes // 2
     assert peaks[4] < 0.75 * tracker.report.peak_bytes
+
+
+def test_swap_halves_rules() -> None:
+    """SwapHalves is its own vjp, vijp and inverse; odd sizes raise naming the layer."""
+    from leangrad.layers import SwapHalves
+
+    layer = SwapHalves()
+    x = torch.randn(2, 6, 3, 3, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    h = torch.randn_like(y)
+    (ref,) = torch.autograd.grad(y, x, h)
+    torch.testing.assert_close(layer.vjp_input(layer.residual(x, y), h), ref, rtol=0, atol=0)
+    torch.testing.assert_close(layer.vijp(None, layer.vjp_input(None, h)), h, rtol=0, atol=0)
+    torch.testing.assert_close(layer.inverse(y), x.detach(), rtol=0, atol=0)
+    with pytest.raises(leangrad.layers.LayerConditionError, match=r"SwapHalves\(dim=1\).*odd"):
+        layer(torch.randn(1, 3, 2, 2))
+
+
+def test_revnet_couplings_alternate_halves() -> None:
+    model = models.revnet(1, 8, 10, blocks=1, layers_per_block=3)
+    kinds = [type(m).__name__ for m in model.layers]
+    assert kinds == ["AdditiveCoupling", "SwapHalves"] * 3

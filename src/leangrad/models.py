@@ -140,12 +140,14 @@ def revnet(
     batchnorm: bool = False,
 ) -> nn.Module:
     """The Moonwalk v1 RevNet, scaled down: zero-padded input, ``blocks`` blocks of
-    additive couplings (F = conv-act-[BN]-conv), the invertible downsampling ψ
-    between blocks, then average pooling and a linear head.
+    additive couplings (F = conv-act-[BN]-conv) that alternate which channel half
+    they update (a :class:`~leangrad.layers.SwapHalves` after each coupling, as in
+    RevNet), the invertible downsampling ψ between blocks, then average pooling and
+    a linear head.
 
     Returns a :class:`leangrad.Chain` (stem: channel padding, no parameters).
     """
-    from .layers import AdditiveCoupling, Chain, SpaceToDepth
+    from .layers import AdditiveCoupling, Chain, SpaceToDepth, SwapHalves
 
     if activation not in ("relu", "tanh"):
         raise ValueError(f"activation must be 'relu' or 'tanh', got {activation!r}")
@@ -154,10 +156,8 @@ def revnet(
     layers: list[nn.Module] = []
     c = channels
     for b in range(blocks):
-        layers += [
-            AdditiveCoupling(_coupling_fn(c // 2, activation, batchnorm))
-            for _ in range(layers_per_block)
-        ]
+        for _ in range(layers_per_block):
+            layers += [AdditiveCoupling(_coupling_fn(c // 2, activation, batchnorm)), SwapHalves()]
         if b < blocks - 1:
             layers.append(SpaceToDepth(2))
             c *= 4

@@ -98,6 +98,7 @@ def _plot_training(suite: str, series: str, recs: list[dict[str, Any]], path: Pa
     by_line: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in recs:
         by_line[_line(r)].append(r)
+    colors = {line: f"C{i % 10}" for i, line in enumerate(by_line)}
     for ax, (key, title, log) in zip(axes[0], panels, strict=True):
         for line, rs in by_line.items():
             keys = [key, "test_acc"] if key == "train_acc" else [key]
@@ -108,7 +109,9 @@ def _plot_training(suite: str, series: str, recs: list[dict[str, Any]], path: Pa
                 if pts:
                     style = "--" if k == "test_acc" else "-"
                     name = f"{line} (test)" if k == "test_acc" else line
-                    ax.plot(*zip(*pts, strict=True), style, marker=".", label=name)
+                    ax.plot(
+                        *zip(*pts, strict=True), style, marker=".", color=colors[line], label=name
+                    )
         ax.set_xlabel(recs[0].get("sweep", "x"))
         ax.set_title(title)
         if log:

@@ -234,9 +234,11 @@ def run_stability(
                         seconds_median=dt,
                     )
                     records.append(rec)
-                if step < steps:
-                    run["opt"].step()
-                    bar.update(1)
+            if step < steps:  # after every engine's measurement of this step
+                for run in runs.values():
+                    if run["failed"] is None:
+                        run["opt"].step()
+                        bar.update(1)
         last = {r["engine"]: r for r in records if r["series"] == name}
         bar.set_postfix_str(
             " ".join(f"{lb}:{r['grad_max_rel_err'] or 0:.1e}" for lb, r in last.items()),

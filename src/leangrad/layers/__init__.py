@@ -11,6 +11,7 @@ from ._chain import Chain
 from ._conv import SubmersiveConv2d
 from ._invertible import AdditiveCoupling, LeakyReLU, SpaceToDepth, Tanh
 from ._linear import SubmersiveLinear
+from ._swap import SwapHalves
 
 __all__ = [
     "AdditiveCoupling",
@@ -24,6 +25,7 @@ __all__ = [
     "SpaceToDepth",
     "SubmersiveConv2d",
     "SubmersiveLinear",
+    "SwapHalves",
     "Tanh",
     "pack_bits",
     "unpack_bits",
