@@ -84,7 +84,8 @@ def test_constrained_records(tmp_path: Path) -> None:
         (m, e) for m in ("constrained", "unconstrained") for e in (0, 1)
     }
     for r in recs:
-        assert r["engine"] == "backprop" and r["grad_max_rel_err"] is None
+        # One line per model in the report: the label carries the model and the engine.
+        assert r["engine"] == f"{r['model']} (backprop)" and r["grad_max_rel_err"] is None
 
 
 def test_report_renders_training_records(

@@ -346,8 +346,9 @@ def run_constrained(
                         seconds += time.perf_counter() - t0
                     rec = _record(
                         suite, name, "epoch", epoch, quick,
-                        engine=label, engine_name=spec.name, options=spec.options,
-                        model=variant, num_params=num_params, config=config,
+                        engine=f"{variant} ({label})", engine_name=spec.name,
+                        options=spec.options, model=variant, num_params=num_params,
+                        config=config,
                         machine=machine, created=created, failed=failed,
                     )  # fmt: skip
                     if failed is None:
