@@ -246,7 +246,9 @@ class Moonwalk(Engine):
                 )  # fmt: skip
             full_name = {id(p): n for n, p in params.items()}
             x = self._first_layer(stem, inputs, layers[0], h1, params, full_name, on_grad)
-            self._phase_three(layers[1:], x, h1, params, full_name, on_grad)
+            state = [x, h1]
+            del x, h1  # Phase III owns them now and frees each as soon as it is used
+            self._phase_three(layers[1:], state, params, full_name, on_grad)
             return self._result(loss)
         if self.mode == "mixed":
             loss, h0 = self._phase_one_two(chain, layers, stem.take(), loss_fn, params, on_grad)
@@ -266,11 +268,15 @@ class Moonwalk(Engine):
                 for n, p in chain.iter_params(chain.stem):
                     if n in params and p.grad is not None:
                         on_grad(n, params[n])
-            x_last = self._phase_three(layers[1:], x, h, params, full_name, on_grad)
+            state = [x, h]
+            del x, h
+            x_last = self._phase_three(layers[1:], state, params, full_name, on_grad)
         else:
             x0 = stem.backward(h0, params, on_grad)  # replayed: x0 was not kept meanwhile
             assert x0 is not None
-            x_last = self._phase_three(layers, x0, h0, params, full_name, on_grad)
+            state = [x0, h0]
+            del x0, h0
+            x_last = self._phase_three(layers, state, params, full_name, on_grad)
         if self.mode == "pure" and not self.per_example:
             loss, _ = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
         return self._result(loss)
@@ -443,13 +449,18 @@ class Moonwalk(Engine):
     def _phase_three(
         self,
         layers: list[ChainLayer],
-        x: torch.Tensor,
-        h: torch.Tensor,
+        state: list[torch.Tensor],
         params: dict[str, nn.Parameter],
         full_name: dict[int, str],
         on_grad: OnGrad | None,
     ) -> torch.Tensor:
-        """Algorithm 1's loop: h_i = vijp(x_{i−1}, h_{i−1}) (eq. 9), then g_i (eq. 10)."""
+        """Algorithm 1's loop: h_i = vijp(x_{i−1}, h_{i−1}) (eq. 9), then g_i (eq. 10).
+
+        ``state = [x, h]`` is emptied: the caller must hold no other reference, so each
+        x_{i−1} and h_{i−1} is freed as soon as layer i has used it.
+        """
+        x, h = state
+        state.clear()
         for layer in layers:
             with torch.no_grad():
                 h = layer.vijp(x, h)

@@ -121,11 +121,15 @@ class LeakyReLU(ChainLayer):
     def vjp_input(self, res: PackedBits, h_out: torch.Tensor) -> torch.Tensor:
         """``h_out · where(x > 0, 1, slope)`` from the packed sign (matches autograd at x = 0)."""
         positive = unpack_bits(res)
-        return torch.where(positive, h_out, h_out * self.negative_slope)
+        # One full-size result and the unpacked mask: the scaled copy is overwritten in
+        # place where x > 0 (torch.where writing into its own third operand).
+        out = h_out * self.negative_slope
+        return torch.where(positive, h_out, out, out=out)
 
     def vijp(self, x: torch.Tensor, h_in: torch.Tensor) -> torch.Tensor:
         """``h_in / where(x > 0, 1, slope)``, the inverse of the diagonal Jacobian (v2 eq. (9))."""
-        return torch.where(x > 0, h_in, h_in / self.negative_slope)
+        out = h_in / self.negative_slope
+        return torch.where(x > 0, h_in, out, out=out)  # in place: no second full-size temporary
 
     def forward_vjp_params(
         self, x: torch.Tensor, h_out: torch.Tensor
