@@ -141,15 +141,16 @@ def measure_config(
     ref_grads = _reference_grads(config, device)
     base = build(config, device=device)
     workloads: dict[str, Workload] = {}
+    engines_run: dict[str, engines.Engine] = {}
     records: dict[str, dict[str, Any]] = {}
     for spec in specs:
-        label = spec.display
-        wl = copy.deepcopy(base)
+        engine = spec.make()
+        label = spec.label or engine.label
         rec: dict[str, Any] = {
             "engine": label,
             "engine_name": spec.name,
             "options": spec.options,
-            "exact": spec.make().exact,
+            "exact": engine.exact,
             "config": dict(config),
             "num_params": base.num_params,
             "estimate": False,
@@ -177,12 +178,12 @@ def measure_config(
                 "(its time grows with the parameter count)"
             )
             continue
-        reason = spec.make().supports(base.model)
+        reason = engine.supports(base.model)
         if reason is not None:
             rec["skipped"] = f"not applicable: {reason}"
             continue
-        workloads[label] = wl
-        engine = spec.make()
+        wl = workloads[label] = copy.deepcopy(base)
+        engines_run[label] = engine
         _step(engine, wl)()  # warm-up: lazy initialisation is not the step's memory
         tracker = _tracked(engine, wl, prealloc=False)
         rep = tracker.report
@@ -208,11 +209,7 @@ def measure_config(
     if workloads:
         labels = list(workloads)
         ref_label = next((lb for lb in labels if records[lb]["engine_name"] == reference), None)
-        fns = {
-            lb: _step(spec.make(), workloads[lb])
-            for spec in specs
-            if (lb := spec.display) in workloads
-        }
+        fns = {lb: _step(engines_run[lb], wl) for lb, wl in workloads.items()}
         timings = time_interleaved(
             fns,
             repeats=repeats,

@@ -203,9 +203,10 @@ def check_loss(loss: Any, *, needs_graph: bool = True) -> torch.Tensor:
 
 
 def forward_loss(
-    engine: str, model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: LossFn
+    engine: str, model: Callable[..., Any], xs: tuple[torch.Tensor, ...], loss_fn: LossFn
 ) -> torch.Tensor:
-    """Run the model and the loss with autograd recording, then mark the forward end."""
+    """Run the model (any callable) and the loss with autograd recording, then mark the
+    forward end."""
     loss = check_loss(loss_fn(run_forward(engine, model, xs)))
     mark(FORWARD_END)
     return loss

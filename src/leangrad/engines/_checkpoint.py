@@ -18,9 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as E
-from ..measure._memory import FORWARD_END, mark
 from ._backprop import grad_hooks
-from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
+from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
 from ._registry import register
 
 __all__ = ["Checkpoint", "model_blocks", "split_segments"]
@@ -121,8 +120,7 @@ class Checkpoint(Engine):
                     out = seg(*args)
             return out
 
-        loss = check_loss(loss_fn(run_forward(self.label, lambda *xs: run(xs), inputs)))
-        mark(FORWARD_END)
+        loss = forward_loss(self.label, lambda *xs: run(xs), inputs, loss_fn)
         with grad_hooks(params, on_grad):
             loss.backward()
         return self._result(loss, segments=len(groups))

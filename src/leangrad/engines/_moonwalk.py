@@ -39,7 +39,13 @@ from torch import nn
 from torch.func import functional_call, jvp, vmap
 
 from .. import _errors as E
-from ..layers._base import NOT_SUBMERSIVE, ChainLayer, NotSubmersiveError
+from ..layers._base import (
+    NOT_INVERTIBLE,
+    NOT_SUBMERSIVE,
+    ChainLayer,
+    NotInvertibleError,
+    NotSubmersiveError,
+)
 from ..layers._chain import Chain
 from ..measure._memory import FORWARD_END, mark
 from ._backprop import grad_hooks
@@ -47,7 +53,15 @@ from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_lo
 from ._checkpoint import split_segments
 from ._registry import register
 
-__all__ = ["NOT_A_CHAIN", "Moonwalk", "StemRun", "chain_of", "head_backward"]
+__all__ = [
+    "NOT_A_CHAIN",
+    "Moonwalk",
+    "StemRun",
+    "chain_of",
+    "hand_over",
+    "head_backward",
+    "rule_layers",
+]
 
 NOT_A_CHAIN = (
     "engine {engine!r} needs a leangrad.Chain(stem=..., *layers, head=...) whose layers carry "
@@ -55,7 +69,7 @@ NOT_A_CHAIN = (
     "'checkpoint', which take any module"
 )
 BAD_MODE = "mode must be 'mixed' or 'pure', got {value!r}"
-LAYER_NOT_SUBMERSIVE = "chain layer {index}: {error}"
+LAYER_ERROR = "chain layer {index}: {error}"
 
 
 def chain_of(model: nn.Module, engine: str) -> Chain:
@@ -63,6 +77,41 @@ def chain_of(model: nn.Module, engine: str) -> Chain:
     if not isinstance(model, Chain):
         raise E.EngineInputError(NOT_A_CHAIN.format(engine=engine, model=type(model).__name__))
     return model
+
+
+def rule_layers(model: nn.Module, engine: str, *, need: str) -> tuple[Chain, list[ChainLayer]]:
+    """The chain and its layers, each checked to be ``need`` ("submersive"/"invertible");
+    the first that is not raises, naming its index, the layer and the fix."""
+    chain = chain_of(model, engine)
+    layers = chain.rule_layers(engine)
+    for i, layer in enumerate(layers):
+        if not getattr(layer, need):
+            template, error = (
+                (NOT_SUBMERSIVE, NotSubmersiveError)
+                if need == "submersive"
+                else (NOT_INVERTIBLE, NotInvertibleError)
+            )
+            msg = template.format(layer=layer._describe())
+            raise error(LAYER_ERROR.format(index=i, error=msg))
+    return chain, layers
+
+
+def hand_over(
+    layer: nn.Module,
+    grads: dict[str, torch.Tensor],
+    params: dict[str, nn.Parameter],
+    full_name: dict[int, str],
+    on_grad: OnGrad | None,
+) -> None:
+    """Write a layer's parameter gradients (keyed by local names) into ``.grad`` and call
+    ``on_grad`` for each at once; frozen parameters (not in ``full_name``) get nothing."""
+    local = dict(layer.named_parameters())
+    for name, g in grads.items():
+        full = full_name.get(id(local[name]))
+        if full is not None:
+            accumulate_grad(params[full], g)
+            if on_grad is not None:
+                on_grad(full, params[full])
 
 
 class StemRun:
@@ -77,7 +126,7 @@ class StemRun:
         self.engine = engine
 
     def take(self) -> torch.Tensor:
-        """x₀ from the first run (the caller should drop it when done)."""
+        """x₀ from the first run of the stem (the caller should drop it when done)."""
         with torch.no_grad():
             return run_forward(self.engine, self.chain.stem, self.inputs)
 
@@ -204,13 +253,7 @@ class Moonwalk(Engine):
         return None
 
     def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
-        chain = chain_of(model, self.label)
-        layers = chain.rule_layers(self.label)
-        for i, layer in enumerate(layers):
-            if not layer.submersive:
-                error = NOT_SUBMERSIVE.format(layer=layer._describe())
-                raise NotSubmersiveError(LAYER_NOT_SUBMERSIVE.format(index=i, error=error))
-        return chain, layers
+        return rule_layers(model, self.label, need="submersive")
 
     def _backward(
         self,
@@ -295,13 +338,12 @@ class Moonwalk(Engine):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss and h_stop (h₀ by default): the backward stops at layer ``stop``'s output."""
         n = len(layers)
-        if self.segments is None:
-            groups = [range(i, i + 1) for i in range(n)] if n else []
-            keep_all = True
+        keep_all = self.segments is None  # else: keep segment inputs, recompute residuals
+        if keep_all:
+            groups = [range(i, i + 1) for i in range(n)]
         else:
             s = math.ceil(math.sqrt(n)) if self.segments == "sqrt" else int(self.segments)
             groups = split_segments(n, s) if n else []
-            keep_all = False
         residuals: list[Any] = [None] * n
         boundary: list[torch.Tensor | None] = [None] * len(groups)
         x = x0
@@ -406,13 +448,7 @@ class Moonwalk(Engine):
         """y = f(x) and g = h ∂y/∂θ (eq. 10), handed to ``.grad`` and ``on_grad`` at once."""
         with torch.no_grad():
             y, grads = layer.forward_vjp_params(x, h)
-        local = dict(layer.named_parameters())
-        for name, g in grads.items():
-            full = full_name.get(id(local[name]))
-            if full is not None:  # frozen parameters get no gradient
-                accumulate_grad(params[full], g)
-                if on_grad is not None:
-                    on_grad(full, params[full])
+        hand_over(layer, grads, params, full_name, on_grad)
         return y
 
     def _first_layer(
@@ -437,13 +473,7 @@ class Moonwalk(Engine):
             ys.append(y)
             for name, g in grads.items():
                 total[name] = total[name] + g if name in total else g
-        local = dict(layer.named_parameters())
-        for name, g in total.items():
-            full = full_name.get(id(local[name]))
-            if full is not None:
-                accumulate_grad(params[full], g)
-                if on_grad is not None:
-                    on_grad(full, params[full])
+        hand_over(layer, total, params, full_name, on_grad)
         return torch.cat(ys)
 
     def _phase_three(

@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers._base import NOT_INVERTIBLE, NotInvertibleError
-from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
-from ._moonwalk import StemRun, chain_of, head_backward
+from .._errors import LeangradError
+from ..layers._base import ChainLayer
+from ..layers._chain import Chain
+from ._base import Engine, LossFn, OnGrad, StepResult, run_forward
+from ._moonwalk import StemRun, hand_over, head_backward, rule_layers
 from ._registry import register
 
 __all__ = ["RevBackprop"]
@@ -37,19 +39,12 @@ class RevBackprop(Engine):
     def supports(self, model: nn.Module) -> str | None:
         try:
             self._layers(model)
-        except Exception as err:
+        except LeangradError as err:
             return str(err)
         return None
 
-    def _layers(self, model: nn.Module) -> tuple:  # type: ignore[type-arg]
-        chain = chain_of(model, self.label)
-        layers = chain.rule_layers(self.label)
-        for i, layer in enumerate(layers):
-            if not layer.invertible:
-                raise NotInvertibleError(
-                    f"chain layer {i}: " + NOT_INVERTIBLE.format(layer=layer._describe())
-                )
-        return chain, layers
+    def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
+        return rule_layers(model, self.label, need="invertible")
 
     def _backward(
         self,
@@ -77,11 +72,8 @@ class RevBackprop(Engine):
                 out = layer(xg)
                 grads = torch.autograd.grad(out, [xg] + [p for _, p in local], h, allow_unused=True)
             h = grads[0]
-            for (_, p), g in zip(local, grads[1:], strict=True):
-                if g is not None:
-                    accumulate_grad(p, g)
-                    if on_grad is not None:
-                        on_grad(full_name[id(p)], p)  # type: ignore[arg-type]
+            got = {n: g for (n, _), g in zip(local, grads[1:], strict=True) if g is not None}
+            hand_over(layer, got, params, full_name, on_grad)
             y = x
         stem.backward(h, params, on_grad)
         return self._result(loss)
