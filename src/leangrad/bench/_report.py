@@ -160,6 +160,16 @@ def _training_section(
     return lines
 
 
+def _report_hook(suite: str) -> Any:
+    """The suite's own ``report = "module:function"`` renderer, if it names one."""
+    from ._suites import list_suites, load_suite
+
+    if suite not in list_suites():
+        return None
+    spec = load_suite(suite)
+    return spec.resolve_report() if spec.report is not None else None
+
+
 def render_report(directory: str | Path, *, plots: bool = True) -> Path:
     """Write ``directory/report.md`` (and ``plots/*.png``) from the suite JSON files there."""
     directory = Path(directory)
@@ -188,6 +198,10 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
     for suite, records in suites.items():
         quick = " (quick)" if records and records[0].get("quick") else ""
         lines += [f"## {suite}{quick}", ""]
+        hook = _report_hook(suite)
+        if hook is not None:
+            lines += hook(suite, records, directory, plots=plots)
+            continue
         by_series: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in records:
             by_series[r.get("series", "")].append(r)

@@ -5,7 +5,9 @@ A suite lists engines (registry name, options, optional label and
 swept over one key (``sweep``, e.g. ``depth``) with ``values`` (full run) and
 ``quick_values`` (``--quick``). A series may restrict itself to some engine
 labels. A suite with ``runner = "module:function"`` is run by that function
-instead (for suites that train rather than sweep).
+instead (for suites that train rather than sweep), and a suite with
+``report = "module:function"`` renders its own section of ``leangrad report``:
+``function(suite_name, records, directory, plots=bool) -> list[str]`` (Markdown lines).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Suite:
     series: list[Series]
     settings: dict[str, Any]
     runner: str | None = None
+    report: str | None = None
 
     def engines_for(self, series: Series) -> list[EngineSpec]:
         if series.engines is None:
@@ -63,8 +66,17 @@ class Suite:
 
     def resolve_runner(self) -> Any:
         assert self.runner is not None
-        module, _, func = self.runner.partition(":")
-        return getattr(importlib.import_module(module), func)
+        return _resolve(self.runner)
+
+    def resolve_report(self) -> Any:
+        assert self.report is not None
+        return _resolve(self.report)
+
+
+def _resolve(spec: str) -> Any:
+    """``"module:function"`` -> the function."""
+    module, _, func = spec.partition(":")
+    return getattr(importlib.import_module(module), func)
 
 
 def _files() -> dict[str, Any]:
@@ -118,4 +130,5 @@ def load_suite(name: str) -> Suite:
         series=series,
         settings=dict(data.get("settings", {})),
         runner=data.get("runner"),
+        report=data.get("report"),
     )
