@@ -1,0 +1,147 @@
+"""``RandLinear``: a linear layer whose weight gradient is estimated from a sampled input.
+
+Randomized AD, section 4.2 (eq. 7 and after): in ``h = W a + b`` the memory
+bottleneck of backprop is ``∂h/∂W = a``, the layer's input. RAD stores a
+random reduced copy ``S_P[a]`` (section 3.2) and forms ``∂L/∂W = gᵀ â`` with
+``E[â] = a``, so the weight gradient is unbiased. The input gradient
+``g W`` needs only ``W``, a parameter kept anyway, so it stays exact, and the
+bias gradient ``Σ g`` needs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _errors as E
+from ._sampling import SampleSpec, draw_seed
+
+__all__ = ["RandLinear", "rand_linear"]
+
+
+class _RandLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: SampleSpec,
+        seed: int,
+    ) -> torch.Tensor:
+        d = x.shape[-1]
+        kept = spec.compress(x.reshape(-1, 1, d), seed)
+        ctx.save_for_backward(kept, weight)
+        ctx.spec, ctx.seed, ctx.x_shape, ctx.has_bias = spec, seed, x.shape, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        kept, weight = ctx.saved_tensors
+        d = ctx.x_shape[-1]
+        gx = gw = gb = None
+        g2 = g.reshape(-1, g.shape[-1])
+        if ctx.needs_input_grad[0]:
+            gx = (g2 @ weight).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_hat = ctx.spec.expand(kept, d, ctx.seed).reshape(-1, d)
+            gw = g2.T @ x_hat
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return gx, gw, gb, None, None
+
+
+def rand_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    spec: SampleSpec,
+    seed: int,
+    layer: str = "rand_linear",
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward sees only ``spec``'s reduced copy of ``x``.
+
+    Args:
+        x: input ``(..., in_features)``; mode ``"different"`` samples per row of the
+            leading dimensions and needs at least one (a batch).
+        weight, bias: as in ``F.linear``.
+        spec: what to keep (:class:`SampleSpec`).
+        seed: seed of this call's sample or projection (regenerated in backward).
+        layer: name used in error messages.
+
+    Returns:
+        The exact output; its weight gradient is an unbiased estimate (section 4.2).
+    """
+    if x.dim() < 2 and spec.mode == "different" and not spec.exact:
+        raise E.RadInputError(
+            E.NEEDS_BATCH.format(layer=layer, mode=spec.mode, shape=tuple(x.shape))
+        )
+    return _RandLinearFn.apply(x, weight, bias, spec, seed)
+
+
+class RandLinear(nn.Linear):
+    """``nn.Linear`` with RAD's sampled weight gradient (section 4.2).
+
+    The forward is exact. The weight gradient is unbiased, built from a reduced
+    copy of the input: ``fraction`` of its features per example (``"different"``),
+    the same features for the whole batch (``"same"``), or a seeded Rademacher
+    projection to ``fraction`` of its size (``"project"``, Appendix A). A new
+    sample is drawn at every call. Input and bias gradients are exact.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        fraction: share of input features kept per call, in (0, 1]; 1 is exact.
+        mode: ``"different"``, ``"same"`` or ``"project"``.
+        replace: sample with replacement (the paper's choice) instead of without.
+        seed: seeds this layer's sampler; ``None`` draws from torch's global RNG,
+            so ``torch.manual_seed`` makes runs reproducible.
+
+    Trade-off: saved input bytes shrink by ``fraction`` (indices and projection
+    matrices are regenerated from a seed, never stored) for extra gradient
+    variance; the backward rebuilds one dense ``x̂`` transiently.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        fraction: float = 0.1,
+        mode: str = "different",
+        replace: bool = False,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.spec = SampleSpec(fraction, mode, replace)
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, spec: SampleSpec, generator: torch.Generator | None = None
+    ) -> RandLinear:
+        """A ``RandLinear`` sharing ``linear``'s weight and bias parameters (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.spec, new.generator = spec, generator
+        return new
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        opts = f"fraction={s.fraction}, mode={s.mode!r}, replace={s.replace}"
+        return f"{super().extra_repr()}, {opts}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rand_linear(
+            x, self.weight, self.bias, spec=self.spec, seed=draw_seed(self.generator),
+            layer=type(self).__name__,
+        )  # fmt: skip

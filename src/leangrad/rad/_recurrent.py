@@ -1,0 +1,174 @@
+"""Randomized recurrent cells: a new sample of the weight Jacobians at every time step.
+
+Randomized AD, section 4.3 and Appendix A ("RNN training details"): the IRNN
+(``h' = relu(W_ih x + b_ih + W_hh h + b_hh)``, ``W_hh`` initialised to the
+identity) is trained with "different activations/random matrices sampled at
+every time-step of the unrolled RNN". Each call of a cell is one time step and
+draws fresh samples for both weight Jacobians (``∂/∂W_ih`` needs ``x``,
+``∂/∂W_hh`` needs ``h``); the ReLU keeps 1 bit per unit. The GRU cell applies
+the same sampling to its two matrix products; its gates (sigmoid, tanh,
+products with ``h``) are differentiated exactly by autograd and keep their
+usual saved tensors, so its saving is smaller than the IRNN's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._linear import rand_linear
+from ._relu import _BitReLUFn
+from ._sampling import SampleSpec, draw_seed
+
+__all__ = ["RandGRUCell", "RandRNNCell", "irnn_cell"]
+
+
+def _spec_and_gen(
+    fraction: float, mode: str, replace: bool, seed: int | None
+) -> tuple[SampleSpec, torch.Generator | None]:
+    return SampleSpec(fraction, mode, replace), (
+        None if seed is None else torch.Generator().manual_seed(seed)
+    )
+
+
+def _adopt(new: nn.Module, cell: nn.RNNCellBase) -> None:
+    """Share ``cell``'s parameters and sizes with ``new`` (no copies)."""
+    nn.Module.__init__(new)
+    new.input_size, new.hidden_size, new.bias = cell.input_size, cell.hidden_size, cell.bias
+    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+        setattr(new, name, getattr(cell, name))
+
+
+class RandRNNCell(nn.RNNCell):
+    """``nn.RNNCell`` (``relu`` or ``tanh``) with RAD weight gradients, fresh samples per step.
+
+    Args:
+        input_size, hidden_size, bias, nonlinearity: as ``nn.RNNCell``.
+        fraction, mode, replace, seed: as :class:`~leangrad.rad.RandLinear`; both
+            products ``W_ih x`` and ``W_hh h`` draw an independent sample per call.
+
+    ``relu`` saves its derivative as 1 bit per unit; ``tanh`` keeps its output.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        nonlinearity: str = "tanh",
+        *,
+        fraction: float = 0.1,
+        mode: str = "different",
+        replace: bool = False,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(input_size, hidden_size, bias, nonlinearity, device=device, dtype=dtype)
+        self.spec, self.generator = _spec_and_gen(fraction, mode, replace, seed)
+
+    @classmethod
+    def from_cell(
+        cls, cell: nn.RNNCell, *, spec: SampleSpec, generator: torch.Generator | None = None
+    ) -> RandRNNCell:
+        """A ``RandRNNCell`` sharing ``cell``'s parameters."""
+        new = cls.__new__(cls)
+        _adopt(new, cell)
+        new.nonlinearity = cell.nonlinearity
+        new.spec, new.generator = spec, generator
+        return new
+
+    def forward(self, x: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
+        if hx is None:
+            hx = x.new_zeros(*x.shape[:-1], self.hidden_size)
+        name = type(self).__name__
+        pre = rand_linear(
+            x, self.weight_ih, self.bias_ih, spec=self.spec, seed=draw_seed(self.generator),
+            layer=name,
+        ) + rand_linear(
+            hx, self.weight_hh, self.bias_hh, spec=self.spec, seed=draw_seed(self.generator),
+            layer=name,
+        )  # fmt: skip
+        if self.nonlinearity == "relu":
+            return _BitReLUFn.apply(pre)
+        return torch.tanh(pre)
+
+
+def irnn_cell(
+    input_size: int,
+    hidden_size: int,
+    *,
+    fraction: float = 0.1,
+    mode: str = "different",
+    replace: bool = False,
+    seed: int | None = None,
+    init_std: float = 0.001,
+) -> RandRNNCell:
+    """The paper's IRNN cell: ReLU, ``W_hh = I``, ``W_ih ~ N(0, init_std)``, zero biases.
+
+    Appendix A: "W_hh is initialised with the identity matrix, W_ih ... with a random
+    matrix where each element is drawn independently from N(0, 0.001) ... biases zero".
+    """
+    cell = RandRNNCell(
+        input_size, hidden_size, nonlinearity="relu", fraction=fraction, mode=mode,
+        replace=replace, seed=seed,
+    )  # fmt: skip
+    with torch.no_grad():
+        cell.weight_hh.copy_(torch.eye(hidden_size))
+        cell.weight_ih.normal_(0.0, init_std)
+        cell.bias_ih.zero_()
+        cell.bias_hh.zero_()
+    return cell
+
+
+class RandGRUCell(nn.GRUCell):
+    """``nn.GRUCell`` whose two matrix products get RAD weight gradients, fresh per step.
+
+    Same gate equations as ``nn.GRUCell``; only ``∂/∂W_ih`` (needs ``x``) and
+    ``∂/∂W_hh`` (needs ``h``) are sampled. Gate derivatives are exact.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        *,
+        fraction: float = 0.1,
+        mode: str = "different",
+        replace: bool = False,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
+        self.spec, self.generator = _spec_and_gen(fraction, mode, replace, seed)
+
+    @classmethod
+    def from_cell(
+        cls, cell: nn.GRUCell, *, spec: SampleSpec, generator: torch.Generator | None = None
+    ) -> RandGRUCell:
+        """A ``RandGRUCell`` sharing ``cell``'s parameters."""
+        new = cls.__new__(cls)
+        _adopt(new, cell)
+        new.spec, new.generator = spec, generator
+        return new
+
+    def forward(self, x: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
+        if hx is None:
+            hx = x.new_zeros(*x.shape[:-1], self.hidden_size)
+        name = type(self).__name__
+        gi = rand_linear(
+            x, self.weight_ih, self.bias_ih, spec=self.spec, seed=draw_seed(self.generator),
+            layer=name,
+        )  # fmt: skip
+        gh = rand_linear(
+            hx, self.weight_hh, self.bias_hh, spec=self.spec, seed=draw_seed(self.generator),
+            layer=name,
+        )  # fmt: skip
+        i_r, i_z, i_n = gi.chunk(3, -1)
+        h_r, h_z, h_n = gh.chunk(3, -1)
+        r = torch.sigmoid(i_r + h_r)
+        z = torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        return n + z * (hx - n)

@@ -1,0 +1,142 @@
+"""Unbiased reduced copies of activations: sampling and seeded random projections.
+
+Randomized AD (Oktay, McGreivy, Aduol, Beatson, Adams, ICLR 2021), section 3.2,
+"random matrix injection": a Jacobian factor is right-multiplied by a random
+matrix ``P`` with ``E[P] = I`` and ``P = R Rᵀ``, ``R ∈ R^{d×k}``, ``k < d``
+(eq. 6). Only ``x R`` (``k`` numbers instead of ``d``) is stored; the backward
+pass rebuilds ``x̂ = x R Rᵀ`` with ``E[x̂] = x``. Three choices of ``R``:
+
+- sampling *with* replacement: ``P = d/k Σ_s e_{i_s} e_{i_s}ᵀ``, ``i_s`` uniform
+  (the paper's construction);
+- sampling *without* replacement: ``k`` distinct indices, scaled by ``d/k``
+  (each index is kept with probability ``k/d``, so ``E[P] = I`` too);
+- projection (Appendix A): ``R`` has i.i.d. ±1/√k entries (Rademacher).
+
+Indices and projection matrices are never stored: they are regenerated in the
+backward pass from an integer seed drawn per call. The sampled axis is the
+last one of a ``(rows, channels, d)`` view: rows draw independent samples in
+mode ``"different"`` and share one in ``"same"`` and ``"project"``; channels
+always share the row's sample (conv: one sample of spatial positions for all
+channels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from . import _errors as E
+
+__all__ = ["MODES", "SampleSpec", "check_fraction", "check_mode", "draw_seed", "rademacher"]
+
+MODES = ("different", "same", "project")
+"""Sampling modes: per-row samples, one sample per call, a seeded Rademacher projection."""
+
+_SEED_HIGH = 2**62
+
+
+def check_fraction(fraction: object) -> float:
+    """``fraction`` as a float, or :class:`RadInputError` unless it lies in (0, 1]."""
+    ok = isinstance(fraction, numbers.Real) and not isinstance(fraction, bool)
+    if not ok or not 0.0 < float(fraction) <= 1.0:  # also rejects nan
+        raise E.RadInputError(E.BAD_FRACTION.format(value=fraction))
+    return float(fraction)
+
+
+def check_mode(mode: object) -> str:
+    """``mode`` if it is one of :data:`MODES`, else :class:`RadInputError` listing them."""
+    if mode not in MODES:
+        raise E.RadInputError(E.BAD_MODE.format(mode=mode, known=", ".join(MODES)))
+    return str(mode)
+
+
+def draw_seed(generator: torch.Generator | None) -> int:
+    """A fresh seed for one call, from ``generator`` (or torch's global RNG when ``None``)."""
+    return int(torch.randint(_SEED_HIGH, (), generator=generator).item())
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def rademacher(
+    d: int, k: int, *, seed: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``(d, k)`` matrix ``R`` of i.i.d. ±1/√k entries that ``seed`` determines.
+
+    ``E[R Rᵀ] = I`` (Appendix A). The same seed, device and shape give the same ``R``.
+    """
+    bits = torch.randint(2, (d, k), generator=_generator(seed, device), device=device)
+    return (bits.to(dtype) * 2 - 1) / math.sqrt(k)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSpec:
+    """How a randomized layer reduces what it saves.
+
+    Attributes:
+        fraction: share of the sampled axis kept, in (0, 1]; ``k = ceil(fraction·d)``.
+            At 1 the full activation is kept (exact gradients in every mode).
+        mode: ``"different"`` (a sample per row: per example), ``"same"`` (one sample
+            shared by all rows) or ``"project"`` (a seeded Rademacher projection).
+        replace: sample indices with replacement (the paper) or without.
+    """
+
+    fraction: float
+    mode: str = "different"
+    replace: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fraction", check_fraction(self.fraction))
+        object.__setattr__(self, "mode", check_mode(self.mode))
+
+    def kept(self, d: int) -> int:
+        """``k``: how many of ``d`` entries (or projection columns) are stored."""
+        return min(d, max(1, math.ceil(self.fraction * d - 1e-9)))
+
+    @property
+    def exact(self) -> bool:
+        """Whether the full activation is stored (fraction 1): no randomness at all."""
+        return self.fraction >= 1.0
+
+    def _indices(self, rows: int, d: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+        n = rows if self.mode == "different" else 1
+        gen = _generator(seed, device)
+        if self.replace:
+            return torch.randint(d, (n, k), generator=gen, device=device)
+        return torch.rand(n, d, generator=gen, device=device).topk(k, dim=1).indices
+
+    def compress(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+        """The ``(rows, channels, k)`` reduced copy of ``x`` of shape ``(rows, channels, d)``.
+
+        Returns ``x`` itself when :meth:`exact`.
+        """
+        rows, channels, d = x.shape
+        if self.exact:
+            return x
+        k = self.kept(d)
+        if self.mode == "project":
+            return x @ rademacher(d, k, seed=seed, device=x.device, dtype=x.dtype)
+        idx = self._indices(rows, d, k, seed, x.device)
+        if self.mode == "same":
+            return x.index_select(2, idx[0])
+        return x.gather(2, idx.unsqueeze(1).expand(rows, channels, k))
+
+    def expand(self, kept: torch.Tensor, d: int, seed: int) -> torch.Tensor:
+        """``x̂`` of shape ``(rows, channels, d)``, ``E[x̂] = x``, from :meth:`compress`'s copy."""
+        rows, channels, k = kept.shape
+        if self.exact:
+            return kept
+        if self.mode == "project":
+            r = rademacher(d, k, seed=seed, device=kept.device, dtype=kept.dtype)
+            return kept @ r.T
+        idx = self._indices(rows, d, k, seed, kept.device)
+        out = kept.new_zeros(rows, channels, d)
+        if self.mode == "same":
+            out.index_add_(2, idx[0], kept)
+        else:
+            out.scatter_add_(2, idx.unsqueeze(1).expand(rows, channels, k), kept)
+        return out.mul_(d / k)
