@@ -1,0 +1,189 @@
+"""``highway``: Highway backpropagation (Fagnou et al., sections 4.2-4.3, eq. 6-13).
+
+For each :class:`~leangrad.highway.HighwayStack` of a
+:class:`~leangrad.highway.HighwayNet`, from the top one down:
+
+1. ``w⁰ = CumSumProd(∂L_t/∂h_t, K)`` — the gradient along the residual path only (eq. 10);
+2. ``k`` rounds of (i) one batched vjp through every layer's J (eq. 8) and (ii) the scan
+   ``w^{k+1} = w⁰ + CumSumProd(shift(w^k J), K)`` (eq. 11);
+3. parameter gradients and the stack input's gradient in one batched vjp.
+
+``w^k`` is the sum of the gradients of all paths through at most k blocks (Theorem 2),
+so the result is exact once ``k ≥ L − 1`` (the engine stops there). ``baseline="fpi"``
+is the fixed-point iteration of Wang & Ragni (g = f, r = z, K = 0): the same loop with
+``w^{k+1} = ∂L/∂h + shift(w^k (J + K))``. With ``tol`` the loop stops early once an
+update's relative norm ``‖w^{k+1} − w^k‖ / ‖w^{k+1}‖`` falls below ``tol`` (``k`` then
+caps the iterations). Cost (eq. 13): forward + k batched J-vjps + k scans of
+O(log L) depth; memory: the stacks' saved gates plus ``w⁰``, ``w`` and the scan's
+products (Appendix D).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _errors as E
+from ..highway._protocol import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
+from ..highway._scan import SCANS, cumsumprod
+from ..measure._memory import FORWARD_END, mark
+from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
+from ._registry import register
+
+__all__ = ["BAD_BASELINE", "BAD_K", "BAD_SCAN", "BAD_TOL", "Highway", "StackResult"]
+
+BAD_K = "highway: k must be an int >= 0 (the number of Highway-BP iterations), got {value!r}"
+BAD_SCAN = "highway: scan must be one of {known}, got {value!r}"
+BAD_BASELINE = "highway: baseline must be 'highway' or 'fpi', got {value!r}"
+BAD_TOL = "highway: tol must be None or a float > 0 (relative update norm), got {value!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StackResult:
+    """Per-stack facts of one step: L, iterations run, and each update's relative norm."""
+
+    length: int
+    iterations: int
+    updates: tuple[float, ...]
+
+
+def _as_net(model: nn.Module) -> HighwayNet | None:
+    if isinstance(model, HighwayNet):
+        return model
+    if isinstance(model, HighwayStack):
+        return HighwayNet(None, [model], None)
+    return None
+
+
+@register("highway")
+class Highway(Engine):
+    """Highway-BP with ``k`` iterations (exact only at ``k ≥ L − 1``).
+
+    Args:
+        k: iterations (``0``: residual path only). Trade-off: time grows by one batched
+            J-vjp and one scan per iteration; the error falls as paths through more
+            blocks are added (Theorem 2).
+        scan: ``"parallel"`` (Hillis-Steele, O(log L) depth), ``"sequential"`` (O(L)
+            loop) or ``"auto"`` (by state size; see :mod:`leangrad.highway._scan`).
+        baseline: ``"highway"`` or ``"fpi"`` (fixed-point iteration, K = 0).
+        tol: stop early when the update's relative norm is below ``tol``.
+    """
+
+    exact = False
+
+    def __init__(
+        self,
+        *,
+        k: int = 2,
+        scan: str = "auto",
+        baseline: str = "highway",
+        tol: float | None = None,
+    ) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise HighwayError(BAD_K.format(value=k))
+        if scan not in SCANS:
+            raise HighwayError(BAD_SCAN.format(known=", ".join(SCANS), value=scan))
+        if baseline not in ("highway", "fpi"):
+            raise HighwayError(BAD_BASELINE.format(value=baseline))
+        if tol is not None and (
+            isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0
+        ):
+            raise HighwayError(BAD_TOL.format(value=tol))
+        super().__init__(k=k, scan=scan, baseline=baseline, tol=tol)
+        self.k, self.scan, self.baseline, self.tol = k, scan, baseline, tol
+
+    def supports(self, model: nn.Module) -> str | None:
+        if _as_net(model) is None:
+            return NOT_HIGHWAY.format(model=type(model).__name__)
+        return None
+
+    def _backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        net = _as_net(model)
+        if net is None:
+            raise E.EngineInputError(NOT_HIGHWAY.format(model=type(model).__name__))
+        x0 = run_forward(self.label, net.stem, inputs) if net.stem is not None else inputs[0]
+        x = x0.detach()
+        traces: list[Trace] = []
+        for st in net.stacks:
+            traces.append(st.trace(x))
+            x = traces[-1].output
+        xh = x.detach().requires_grad_()
+        out = run_forward(self.label, net.head, (xh,)) if net.head is not None else xh
+        loss = check_loss(loss_fn(out))
+        mark(FORWARD_END)
+
+        grads: dict[nn.Parameter, torch.Tensor] = {}
+        head_params = [p for p in net.head.parameters() if p.requires_grad] if net.head else []
+        hg = torch.autograd.grad(loss, [xh, *head_params], allow_unused=True)
+        _add(grads, head_params, hg[1:])
+        dy = hg[0] if hg[0] is not None else torch.zeros_like(xh)
+        results: list[StackResult] = []
+        for st in reversed(net.stacks):
+            pg, dy, res = self.stack_backward(st, traces.pop(), dy)  # frees each trace
+            _add(grads, list(pg), pg.values())
+            results.append(res)
+        if net.stem is not None:
+            stem_params = [p for p in net.stem.parameters() if p.requires_grad]
+            if stem_params and x0.requires_grad:
+                sg = torch.autograd.grad(x0, stem_params, dy, allow_unused=True)
+                _add(grads, stem_params, sg)
+        for name, p in params.items():
+            if p not in grads:  # unused by the loss: autograd leaves .grad as it is too
+                continue
+            accumulate_grad(p, grads.pop(p))
+            if on_grad is not None:
+                on_grad(name, p)
+        results.reverse()
+        return self._result(
+            loss,
+            iterations=[r.iterations for r in results],
+            lengths=[r.length for r in results],
+            updates=[list(r.updates) for r in results],
+        )
+
+    def stack_backward(
+        self, stack: HighwayStack, trace: Trace, dy: torch.Tensor
+    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor, StackResult]:
+        """Highway-BP through one stack: ``(parameter grads, input grad, facts)``."""
+        a = stack.direct_grads(trace, dy)
+        k_fac = trace.k
+        fpi = self.baseline == "fpi"
+        w0 = a if fpi else cumsumprod(a, k_fac, scan=self.scan)  # eq. 10
+        w = w0
+        cap = min(self.k, trace.length - 1)  # w^{L-1} is exact (Theorem 2)
+        updates: list[float] = []
+        done = 0
+        for _ in range(cap):
+            jw = stack.j_vjp(trace, w)  # eq. 8, all layers at once
+            if fpi:
+                jw = jw + (w if k_fac is None else w * k_fac)
+            v = torch.cat([jw[1:], torch.zeros_like(jw[:1])])
+            new = w0 + (v if fpi else cumsumprod(v, k_fac, scan=self.scan))  # eq. 11
+            done += 1
+            if self.tol is not None:
+                rel = float(torch.linalg.vector_norm(new - w) / torch.linalg.vector_norm(new)
+                            .clamp_min(torch.finfo(new.dtype).tiny))  # fmt: skip
+                updates.append(rel)
+                w = new
+                if rel < self.tol:
+                    break
+            else:
+                w = new
+        pg, dx = stack.param_vjp(trace, w, dy)
+        return pg, dx, StackResult(length=trace.length, iterations=done, updates=tuple(updates))
+
+
+def _add(grads: dict[nn.Parameter, torch.Tensor], params: list[Any], gs: Any) -> None:
+    for p, g in zip(params, gs, strict=True):
+        if g is not None:
+            grads[p] = grads[p] + g if p in grads else g

@@ -1,0 +1,44 @@
+"""Highway backpropagation: iterative gradient propagation along the residual path
+(Fagnou et al., "Accelerated training through iterative gradient propagation along the
+residual path"; DESIGN.md, "highway/").
+
+Layers are written as ``f(x) = r(x, g(x))`` with a cheap ``K = ∂r/∂x`` (Table 1):
+:class:`HighwayBlock` s chained in a :class:`ResidualStack`, or the recurrent
+:class:`GRULayer` / :class:`LSTMLayer` with hand-written J-vjps; a :class:`HighwayNet`
+(stem -> stacks -> head) is what ``leangrad.engine("highway", k=...)`` differentiates.
+"""
+
+from ._blocks import PostLNSublayer, PostReLUBlock, PreActBlock, PreLNSublayer, ResidualStack
+from ._protocol import (
+    K_STRUCTURES,
+    HighwayBlock,
+    HighwayError,
+    HighwayNet,
+    HighwayStack,
+    KStructure,
+    Trace,
+    check_block,
+)
+from ._recurrent import GRULayer, LSTMLayer
+from ._scan import cumsumprod, cumsumprod_parallel, cumsumprod_sequential
+
+__all__ = [
+    "K_STRUCTURES",
+    "GRULayer",
+    "HighwayBlock",
+    "HighwayError",
+    "HighwayNet",
+    "HighwayStack",
+    "KStructure",
+    "LSTMLayer",
+    "PostLNSublayer",
+    "PostReLUBlock",
+    "PreActBlock",
+    "PreLNSublayer",
+    "ResidualStack",
+    "Trace",
+    "check_block",
+    "cumsumprod",
+    "cumsumprod_parallel",
+    "cumsumprod_sequential",
+]

@@ -1,0 +1,299 @@
+"""Residual blocks decomposed as f(x) = r(x, g(x)) (paper Table 1, Appendix C.3), and
+:class:`ResidualStack`, which chains them for the highway engine.
+
+========================  ==========================  ====================  =========
+block                     g(x)                        r(x, z)               K
+========================  ==========================  ====================  =========
+:class:`PreActBlock`      BN-ReLU-conv ×2             x + z                 identity
+:class:`PostReLUBlock`    conv-BN-ReLU-conv-BN        ReLU(x + z)           diagonal
+:class:`PreLNSublayer`    Layer(LN(x)) + γx  (eq. 17) (1 − γ)x + z          scalar
+:class:`PostLNSublayer`   [(1−γ)a, b + γ x⊙a] (eq.23) x ⊙ z1 + z2           diagonal
+========================  ==========================  ====================  =========
+
+The transformer sublayers follow the paper's split of one transformer layer into an
+attention and a feed-forward sublayer, each with its residual (section 5.1.1).
+:class:`ResidualStack` differentiates the blocks' ``g`` with autograd: the J-vjp of all
+L blocks is one ``torch.autograd.grad`` call over the L detached block graphs (eq. 8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._protocol import (
+    MISMATCHED_SIZES,
+    HighwayBlock,
+    HighwayError,
+    HighwayStack,
+    Trace,
+    check_block,
+    check_gamma,
+    check_k,
+)
+
+__all__ = ["PostLNSublayer", "PostReLUBlock", "PreActBlock", "PreLNSublayer", "ResidualStack"]
+
+
+def _conv(channels: int) -> nn.Conv2d:
+    return nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+
+
+class PreActBlock(HighwayBlock):
+    """Pre-activation ResNet block (He et al. 2016): ``x + conv(relu(bn(conv(relu(bn x)))))``.
+
+    Table 1 row 1 / eq. 14: ``g = Block``, ``r(x, z) = x + z``, ``K = I``.
+    """
+
+    k_structure = "identity"
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.bn1, self.conv1 = nn.BatchNorm2d(channels), _conv(channels)
+        self.bn2, self.conv2 = nn.BatchNorm2d(channels), _conv(channels)
+
+    def g(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(F.relu(self.bn2(self.conv1(F.relu(self.bn1(x))))))
+
+    def r(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return x + z
+
+    def r_z_vjp(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+
+class PostReLUBlock(HighwayBlock):
+    """Original ResNet block: ``relu(x + bn(conv(relu(bn(conv x)))))`` (Table 1 row 2, eq. 15).
+
+    ``r(x, z) = ReLU(x + z)``, so ``K = diag(1[x + z > 0])`` and ``∂r/∂z`` is the same mask.
+    """
+
+    k_structure = "diagonal"
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = _conv(channels), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = _conv(channels), nn.BatchNorm2d(channels)
+
+    def g(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+
+    def r(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + z)
+
+    def k_factor(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (x + z > 0).to(x.dtype)
+
+    def r_z_vjp(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x + z > 0).to(w.dtype)
+
+
+class _Sublayer(nn.Module):
+    """Causal self-attention or a GELU MLP on ``(batch, tokens, d_model)``."""
+
+    def __init__(self, d_model: int, heads: int, kind: str) -> None:
+        super().__init__()
+        if kind not in ("attention", "mlp"):
+            raise ValueError(f"kind must be 'attention' or 'mlp', got {kind!r}")
+        self.kind = kind
+        if kind == "attention":
+            self.attn = nn.MultiheadAttention(d_model, heads, batch_first=True)
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mlp":
+            return self.mlp(x)
+        n = x.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+class PreLNSublayer(HighwayBlock):
+    """Pre-LN transformer sublayer ``x + Layer(LN(x))`` with the γ split of eq. 17.
+
+    ``g(x) = Layer(LN(x)) + γx`` and ``r(x, z) = (1 − γ)x + z``, so ``K = (1 − γ)I``:
+    identity at γ = 0 (Table 1), the fixed-point-iteration baseline at γ = 1 (the paper
+    used γ = 0.2 for GPT-2). The forward value does not depend on γ.
+
+    Args:
+        d_model: feature size; heads: attention heads; kind: ``"attention"`` or ``"mlp"``.
+        gamma: in [0, 1].
+    """
+
+    k_structure = "scalar"
+
+    def __init__(self, d_model: int, heads: int = 2, *, kind: str = "mlp", gamma: float = 0.0):
+        super().__init__()
+        self.gamma = check_gamma(type(self).__name__, gamma)
+        self.ln = nn.LayerNorm(d_model)
+        self.layer = _Sublayer(d_model, heads, kind)
+
+    def g(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.ln(x)) + self.gamma * x
+
+    def r(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (1 - self.gamma) * x + z
+
+    def k_factor(self, x: torch.Tensor, z: torch.Tensor) -> float:
+        return 1.0 - self.gamma
+
+    def r_z_vjp(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+
+class PostLNSublayer(HighwayBlock):
+    """Post-LN transformer sublayer ``LN(x + Layer(x))`` with the γ variant of eq. 23.
+
+    With ``σ(x)`` the token's standard deviation of ``x + Layer(x)`` and ``α, β`` the
+    LayerNorm affine, ``LN(x + Layer(x)) = x ⊙ a(x) + b(x)`` with ``a = α/σ`` and
+    ``b = (Layer(x) − μ) ⊙ α/σ + β`` (eq. 18-21). Eq. 23: ``g = [(1−γ)a, b + γ x⊙a]``,
+    ``r(x, z) = x ⊙ z1 + z2``, so ``K = diag((1−γ)a)``; γ = 1 is the FPI baseline.
+    """
+
+    k_structure = "diagonal"
+
+    def __init__(self, d_model: int, heads: int = 2, *, kind: str = "mlp", gamma: float = 0.0):
+        super().__init__()
+        self.gamma = check_gamma(type(self).__name__, gamma)
+        self.layer = _Sublayer(d_model, heads, kind)
+        self.ln = nn.LayerNorm(d_model)
+
+    def g(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.layer(x)
+        s = x + y
+        mu = s.mean(-1, keepdim=True)
+        sigma = torch.sqrt(s.var(-1, unbiased=False, keepdim=True) + self.ln.eps)
+        a = self.ln.weight / sigma
+        b = (y - mu) * a + self.ln.bias
+        return (1 - self.gamma) * a, b + self.gamma * x * a
+
+    def r(self, x: torch.Tensor, z: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x * z[0] + z[1]
+
+    def k_factor(self, x: torch.Tensor, z: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return z[0].expand_as(x)
+
+    def r_z_vjp(
+        self, x: torch.Tensor, z: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return w * x, w
+
+
+def _detach(z: Any) -> Any:
+    return tuple(t.detach() for t in z) if isinstance(z, tuple) else z.detach()
+
+
+def _flat(z: Any) -> list[torch.Tensor]:
+    return list(z) if isinstance(z, tuple) else [z]
+
+
+class ResidualStack(HighwayStack):
+    """A chain of :class:`HighwayBlock` s of one state shape: ``x -> f_L(… f_1(x))``.
+
+    The loss sees only the last state (a classifier head), so ``∂L_t/∂h_t = 0`` for
+    t < L. The J-vjp of every block is one ``torch.autograd.grad`` call over the blocks'
+    own graphs, whose inputs are detached from each other (eq. 8).
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        if len(blocks) == 0:
+            raise HighwayError("ResidualStack needs at least one block, got none")
+        for b in blocks:
+            check_block(b)
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+    def trace(self, x: torch.Tensor) -> Trace:
+        xs: list[torch.Tensor] = []
+        zs: list[Any] = []
+        ks: list[Any] = []
+        h = x.detach()
+        for i, b in enumerate(self.blocks):
+            xi = h.requires_grad_()
+            with torch.enable_grad():
+                z = b.g(xi)
+            zd = _detach(z)
+            with torch.no_grad():
+                h = b.r(xi.detach(), zd)
+                kf = b.k_factor(xi.detach(), zd)
+            name = f"ResidualStack.blocks[{i}] ({type(b).__name__})"
+            if h.shape != xi.shape:
+                raise HighwayError(
+                    MISMATCHED_SIZES.format(
+                        where=name, detail=f"maps {tuple(xi.shape)} to {tuple(h.shape)}"
+                    )
+                )
+            check_k(name, b.k_structure, kf, xi.shape)
+            xs.append(xi)
+            zs.append(z)
+            ks.append(kf)
+            h = h.detach()
+        return Trace(output=h, length=len(xs), k=self._stack_k(ks, h), saved={"xs": xs, "zs": zs})
+
+    @staticmethod
+    def _stack_k(ks: list[Any], h: torch.Tensor) -> torch.Tensor | None:
+        if all(k is None for k in ks):
+            return None
+        ones = (1,) * h.dim()
+        if all(not isinstance(k, torch.Tensor) or k.numel() == 1 for k in ks):
+            vals = [1.0 if k is None else float(k) for k in ks]
+            return torch.tensor(vals, dtype=h.dtype, device=h.device).reshape(-1, *ones)
+        full = [
+            torch.ones_like(h) if k is None
+            else (k if isinstance(k, torch.Tensor) and k.shape == h.shape
+                  else torch.full_like(h, float(k)))
+            for k in ks
+        ]  # fmt: skip
+        return torch.stack(full)
+
+    def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
+        a = dy.new_zeros((trace.length, *dy.shape))
+        a[-1] = dy
+        return a
+
+    def _cotangents(self, trace: Trace, w: torch.Tensor) -> list[torch.Tensor]:
+        xs, zs = trace.saved["xs"], trace.saved["zs"]
+        out: list[torch.Tensor] = []
+        for b, x, z, wt in zip(self.blocks, xs, zs, w, strict=True):
+            out += _flat(b.r_z_vjp(x.detach(), _detach(z), wt))
+        return out
+
+    def _outputs(self, trace: Trace) -> list[torch.Tensor]:
+        return [t for z in trace.saved["zs"] for t in _flat(z)]
+
+    def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
+        grads = torch.autograd.grad(
+            self._outputs(trace), trace.saved["xs"], self._cotangents(trace, w),
+            retain_graph=True, allow_unused=True,
+        )  # fmt: skip
+        return torch.stack(
+            [torch.zeros_like(x) if g is None else g for g, x in zip(grads, trace.saved["xs"],
+                                                                      strict=True)]
+        )
+
+    def param_vjp(
+        self, trace: Trace, w: torch.Tensor, dy: torch.Tensor
+    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
+        del dy
+        params = [p for p in self.parameters() if p.requires_grad]
+        x0 = trace.saved["xs"][0]
+        grads = torch.autograd.grad(
+            self._outputs(trace), [*params, x0], self._cotangents(trace, w),
+            allow_unused=True,
+        )  # fmt: skip
+        out = {p: g for p, g in zip(params, grads[:-1], strict=True) if g is not None}
+        dx = grads[-1] if grads[-1] is not None else torch.zeros_like(x0)
+        dx = dx + (w[0] if trace.k is None else w[0] * trace.k[0])
+        return out, dx
