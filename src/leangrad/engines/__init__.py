@@ -8,6 +8,7 @@ from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._checkpoint import Checkpoint
 from ._forward import Forward
+from ._highway import Highway
 from ._moonwalk import Moonwalk
 from ._projforward import ProjForward
 from ._registry import available, engine, engine_class, register
@@ -18,6 +19,7 @@ __all__ = [
     "Checkpoint",
     "Engine",
     "Forward",
+    "Highway",
     "Moonwalk",
     "ProjForward",
     "RevBackprop",
