@@ -1,0 +1,42 @@
+"""leangrad.fad: nested forward-mode AD of element-wise activation chains.
+
+Paper: nested-forward-ad-activations (sections II-C to IV). An element-wise
+chain with one input (``R^1 -> R^M``: Swish, GELU, Mish, ...) computes its own
+derivative during the forward pass and saves only that one tensor per output,
+instead of autograd's several intermediates; the backward is one multiply, so
+unlike recomputation it adds no work.
+
+- :class:`Swish`, :class:`GELU`, :class:`Mish`: ready activations;
+  :func:`elementwise` turns any one-tensor function of primitives into one.
+- :func:`nest`: a torch.fx pass fusing every maximal single-source element-wise
+  subgraph of a traceable model (section III-B).
+- :func:`nested`: the eager mode, a finite-state machine over tensor-operator
+  pairs (NN, NY, YY, YN; section IV) for models fx cannot trace.
+"""
+
+from ._activations import GELU, Mish, Swish, gelu_program, mish_program, swish_program
+from ._elementwise import Elementwise, elementwise
+from ._errors import FadDtypeError, FadError, FadOpError, FadTraceError
+from ._primitives import PRIMITIVES, Dual, Primitive
+from ._program import Builder, FusedChain, Program
+
+__all__ = [
+    "GELU",
+    "PRIMITIVES",
+    "Builder",
+    "Dual",
+    "Elementwise",
+    "FadDtypeError",
+    "FadError",
+    "FadOpError",
+    "FadTraceError",
+    "FusedChain",
+    "Mish",
+    "Primitive",
+    "Program",
+    "Swish",
+    "elementwise",
+    "gelu_program",
+    "mish_program",
+    "swish_program",
+]

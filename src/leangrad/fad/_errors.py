@@ -1,0 +1,76 @@
+"""Errors and message templates of :mod:`leangrad.fad` (constants, so tests assert the text)."""
+
+from __future__ import annotations
+
+from .._errors import LeangradError
+
+__all__ = [
+    "DTYPE_NO_RULE",
+    "ESCAPED",
+    "FALLBACK",
+    "INPLACE_INPUT",
+    "NOT_ELEMENTWISE",
+    "NOT_ONE_TENSOR",
+    "TWO_SOURCES",
+    "UNTRACEABLE",
+    "FadDtypeError",
+    "FadError",
+    "FadOpError",
+    "FadTraceError",
+]
+
+
+class FadError(LeangradError):
+    """Base class of the nested forward-mode AD errors."""
+
+
+class FadOpError(FadError, ValueError):
+    """An operator that is not FAD-compatible where only compatible ones are allowed."""
+
+
+class FadDtypeError(FadError, TypeError):
+    """A dtype for which no forward-mode rule exists (integers, bool, complex)."""
+
+
+class FadTraceError(FadError, RuntimeError):
+    """``fad.nest`` could not trace the model with torch.fx."""
+
+
+NOT_ELEMENTWISE = (
+    "fad.elementwise: operator {op!r} is not a FAD-compatible element-wise primitive "
+    "(paper section III-A); compatible operators are: {known}. Write the function out of "
+    "these, or leave this part to autograd"
+)
+TWO_SOURCES = (
+    "fad.elementwise: binary operator {op!r} mixes the source tensor with a second source "
+    "({why}); FAD needs both operands to come from the one input (R^1 -> R^M, paper section "
+    "III-A). Pass the other tensor as a constant without requires_grad and of a shape that "
+    "broadcasts to the input's, or keep this operator outside fad.elementwise"
+)
+INPLACE_INPUT = (
+    "fad.elementwise: in-place operator {op!r} writes into the function's input or into a "
+    "tensor outside the chain; use the out-of-place form (e.g. x.mul(2) instead of x.mul_(2))"
+)
+NOT_ONE_TENSOR = (
+    "fad.elementwise: the function must take one tensor and return a tensor or a tuple of "
+    "tensors computed from it; it returned {what}"
+)
+DTYPE_NO_RULE = (
+    "fad: operator {op!r} has no forward-mode rule for dtype {dtype}; FAD rules exist for "
+    "floating dtypes (float16, bfloat16, float32, float64). Cast the input, or use plain "
+    "autograd for this activation"
+)
+UNTRACEABLE = (
+    "fad.nest: torch.fx cannot trace {model} ({error}); models with data-dependent control "
+    "flow need the eager mode instead: `with leangrad.fad.nested(): loss = loss_fn(model(x))`"
+)
+FALLBACK = (
+    "fad: the element-wise chain {ops} cannot be nested ({why}); it runs under plain "
+    "autograd instead (same gradient, no memory saving)"
+)
+ESCAPED = (
+    "fad.nested: a tensor computed by the nested element-wise chain {ops} was used for a "
+    "gradient after the `with fad.nested()` block ended without passing through a "
+    "non-element-wise operator inside it, so its derivative was never attached; compute the "
+    "loss inside the block"
+)

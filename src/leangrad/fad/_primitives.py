@@ -1,0 +1,415 @@
+"""FAD-compatible primitives and their forward-mode derivative rules.
+
+Paper (nested forward-AD of activations), section III-A: an operator is *fad*
+when it is element-wise with one input (``R^1 -> R^1``): a unary operator, a
+binary operator with one constant operand, or a binary operator whose two
+operands come from the same source. Framework "symbolic" operators (sigmoid,
+tanh, softplus, erf) count as primitives. Everything else is *nfad*.
+
+A value in a chain is a :class:`Dual`: the value and its element-wise
+derivative with respect to the chain's source (section II-D,
+``J_f v`` with ``v = 1``). The source is ``Dual(x, 1.0)`` (the paper's
+``FTR = 1``). Each rule computes the output value and, next to it, the output
+derivative (eq. 3: ``v3' = v1 * v2' + v1' * v2`` for a product).
+
+Derivatives follow the formulas of PyTorch's own backward formulas
+(``tools/autograd/derivatives.yaml``) so float64 gradients agree with autograd
+to rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "PRIMITIVES",
+    "Call",
+    "Dual",
+    "Primitive",
+    "is_const",
+    "lookup",
+    "lookup_method",
+    "normalize",
+    "primitive_names",
+]
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+"""Dtypes that have forward-mode rules."""
+
+Deriv = Tensor | float
+Operand = Any  # Dual, or a constant: Python number or a tensor outside the chain
+
+
+@dataclasses.dataclass(slots=True)
+class Dual:
+    """A chain value and its element-wise derivative ``d value / d source``.
+
+    ``deriv`` is a float when it is the same for every element (``1.0`` at the
+    source, ``2.0`` after ``2 * x``), so no tensor is stored for it.
+    """
+
+    value: Tensor
+    deriv: Deriv
+
+
+def _scale(factor: Tensor | float, d: Deriv) -> Deriv:
+    """``factor * d``, without a multiply when ``d`` is exactly 1 (the source)."""
+    if isinstance(d, float) and d == 1.0:
+        return factor
+    return factor * d
+
+
+def _v(a: Operand) -> Any:
+    return a.value if isinstance(a, Dual) else a
+
+
+def _sum(*terms: Deriv | None) -> Deriv:
+    out: Deriv | None = None
+    for t in terms:
+        if t is not None:
+            out = t if out is None else out + t
+    assert out is not None, "a rule needs at least one chain operand"
+    return out
+
+
+# -- unary rules: value and derivative factor next to each other ------------------------
+def _neg(a: Dual) -> Dual:
+    return Dual(-a.value, -a.deriv)
+
+
+def _exp(a: Dual) -> Dual:
+    v = torch.exp(a.value)
+    return Dual(v, _scale(v, a.deriv))
+
+
+def _expm1(a: Dual) -> Dual:
+    v = torch.expm1(a.value)
+    return Dual(v, _scale(v + 1, a.deriv))
+
+
+def _log(a: Dual) -> Dual:
+    return Dual(torch.log(a.value), a.deriv / a.value)
+
+
+def _log1p(a: Dual) -> Dual:
+    return Dual(torch.log1p(a.value), a.deriv / (a.value + 1))
+
+
+def _sqrt(a: Dual) -> Dual:
+    v = torch.sqrt(a.value)
+    return Dual(v, a.deriv / (2 * v))
+
+
+def _rsqrt(a: Dual) -> Dual:
+    v = torch.rsqrt(a.value)
+    return Dual(v, _scale(-0.5 * v.pow(3), a.deriv))
+
+
+def _reciprocal(a: Dual) -> Dual:
+    v = torch.reciprocal(a.value)
+    return Dual(v, _scale(-(v * v), a.deriv))
+
+
+def _sigmoid(a: Dual) -> Dual:
+    v = torch.sigmoid(a.value)
+    return Dual(v, _scale((1 - v) * v, a.deriv))
+
+
+def _tanh(a: Dual) -> Dual:
+    v = torch.tanh(a.value)
+    return Dual(v, _scale(1 - v * v, a.deriv))
+
+
+def _softplus(a: Dual, beta: float = 1.0, threshold: float = 20.0) -> Dual:
+    v = F.softplus(a.value, beta, threshold)
+    bx = a.value * beta
+    z = torch.exp(bx)
+    factor = torch.where(bx > threshold, 1.0, z / (z + 1))
+    return Dual(v, _scale(factor, a.deriv))
+
+
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+
+def _erf(a: Dual) -> Dual:
+    factor = _TWO_OVER_SQRT_PI * torch.exp(-a.value.pow(2))
+    return Dual(torch.erf(a.value), _scale(factor, a.deriv))
+
+
+def _sin(a: Dual) -> Dual:
+    return Dual(torch.sin(a.value), _scale(torch.cos(a.value), a.deriv))
+
+
+def _cos(a: Dual) -> Dual:
+    return Dual(torch.cos(a.value), _scale(-torch.sin(a.value), a.deriv))
+
+
+def _relu(a: Dual) -> Dual:
+    v = torch.relu(a.value)
+    return Dual(v, _scale((v > 0).to(v.dtype), a.deriv))
+
+
+def _abs(a: Dual) -> Dual:
+    return Dual(torch.abs(a.value), _scale(torch.sgn(a.value), a.deriv))
+
+
+def _square(a: Dual) -> Dual:
+    return Dual(a.value * a.value, _scale(2 * a.value, a.deriv))
+
+
+def _clone(a: Dual) -> Dual:
+    return Dual(a.value.clone(), a.deriv)
+
+
+# -- binary rules: either operand may be a constant ----------------------------------------
+def _add(a: Operand, b: Operand, alpha: float = 1) -> Dual:
+    av, bv = _v(a), _v(b)
+    if isinstance(av, Tensor):
+        v = torch.add(av, bv, alpha=alpha)
+    else:
+        v = av + (bv if alpha == 1 else alpha * bv)
+    da = a.deriv if isinstance(a, Dual) else None
+    db = (b.deriv if alpha == 1 else alpha * b.deriv) if isinstance(b, Dual) else None
+    return Dual(v, _sum(da, db))
+
+
+def _sub(a: Operand, b: Operand, alpha: float = 1) -> Dual:
+    av, bv = _v(a), _v(b)
+    if isinstance(av, Tensor):
+        v = torch.sub(av, bv, alpha=alpha)
+    else:
+        v = av - (bv if alpha == 1 else alpha * bv)
+    da = a.deriv if isinstance(a, Dual) else None
+    db = (-b.deriv if alpha == 1 else -alpha * b.deriv) if isinstance(b, Dual) else None
+    return Dual(v, _sum(da, db))
+
+
+def _mul(a: Operand, b: Operand) -> Dual:
+    av, bv = _v(a), _v(b)
+    da = _scale(bv, a.deriv) if isinstance(a, Dual) else None
+    db = _scale(av, b.deriv) if isinstance(b, Dual) else None
+    return Dual(av * bv, _sum(da, db))
+
+
+def _div(a: Operand, b: Operand) -> Dual:
+    av, bv = _v(a), _v(b)
+    v = av / bv
+    da = a.deriv / bv if isinstance(a, Dual) else None
+    db = _scale(-(v / bv), b.deriv) if isinstance(b, Dual) else None
+    return Dual(v, _sum(da, db))
+
+
+def _pow(a: Operand, b: Operand) -> Dual:
+    av, bv = _v(a), _v(b)
+    v = av**bv
+    da = db = None
+    if isinstance(a, Dual):
+        if isinstance(bv, (int, float)) and bv == 0:
+            da = 0.0
+        else:
+            da = _scale(bv * av ** (bv - 1), a.deriv)
+    if isinstance(b, Dual):
+        base = av if isinstance(av, Tensor) else torch.as_tensor(av, dtype=v.dtype, device=v.device)
+        factor = torch.where((base == 0) & (bv >= 0), 0.0, v * torch.log(base))
+        db = _scale(factor, b.deriv)
+    return Dual(v, _sum(da, db))
+
+
+@dataclasses.dataclass(frozen=True)
+class Primitive:
+    """One FAD-compatible operator.
+
+    Attributes:
+        name: canonical name (the ``torch`` function's name).
+        arity: 1 (unary) or 2 (binary: same-source or with one constant operand).
+        params: extra keyword parameters and their defaults (e.g. softplus's ``beta``).
+        plain: the autograd operator itself (value only), used for fallbacks.
+        rule: ``rule(*operands, **params) -> Dual`` (value and derivative together).
+    """
+
+    name: str
+    arity: int
+    params: tuple[tuple[str, Any], ...]
+    plain: Callable[..., Any]
+    rule: Callable[..., Dual]
+
+
+def _p(name: str, arity: int, plain: Callable[..., Any], rule: Callable[..., Dual],
+       **params: Any) -> Primitive:  # fmt: skip
+    return Primitive(name, arity, tuple(params.items()), plain, rule)
+
+
+PRIMITIVES: dict[str, Primitive] = {
+    p.name: p
+    for p in (
+        _p("neg", 1, torch.neg, _neg),
+        _p("exp", 1, torch.exp, _exp),
+        _p("expm1", 1, torch.expm1, _expm1),
+        _p("log", 1, torch.log, _log),
+        _p("log1p", 1, torch.log1p, _log1p),
+        _p("sqrt", 1, torch.sqrt, _sqrt),
+        _p("rsqrt", 1, torch.rsqrt, _rsqrt),
+        _p("reciprocal", 1, torch.reciprocal, _reciprocal),
+        _p("sigmoid", 1, torch.sigmoid, _sigmoid),
+        _p("tanh", 1, torch.tanh, _tanh),
+        _p("softplus", 1, F.softplus, _softplus, beta=1.0, threshold=20.0),
+        _p("erf", 1, torch.erf, _erf),
+        _p("sin", 1, torch.sin, _sin),
+        _p("cos", 1, torch.cos, _cos),
+        _p("relu", 1, torch.relu, _relu),
+        _p("abs", 1, torch.abs, _abs),
+        _p("square", 1, torch.square, _square),
+        _p("clone", 1, torch.clone, _clone),
+        _p("add", 2, torch.add, _add, alpha=1),
+        _p("sub", 2, torch.sub, _sub, alpha=1),
+        _p("mul", 2, torch.mul, _mul),
+        _p("div", 2, torch.div, _div),
+        _p("pow", 2, torch.pow, _pow),
+    )
+}
+"""Canonical name -> primitive: the op table of paper section III-A."""
+
+
+def primitive_names() -> str:
+    """The table's names, comma separated (for error messages)."""
+    return ", ".join(sorted(PRIMITIVES))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """How one Python callable maps onto a primitive.
+
+    Attributes:
+        prim: the primitive.
+        inplace: writes its result into the first operand (``mul_``, ``*=``).
+        reverse: operands come swapped (``__rsub__(self, other) = other - self``).
+    """
+
+    prim: Primitive
+    inplace: bool = False
+    reverse: bool = False
+
+
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "neg": ("negative",),
+    "sigmoid": (),
+    "div": ("divide", "true_divide"),
+    "sub": ("subtract",),
+    "mul": ("multiply",),
+}
+_DUNDER = {"add": "add", "sub": "sub", "mul": "mul", "div": "truediv", "pow": "pow"}
+_OPERATOR = {
+    "add": (operator.add, operator.iadd),
+    "sub": (operator.sub, operator.isub),
+    "mul": (operator.mul, operator.imul),
+    "div": (operator.truediv, operator.itruediv),
+    "pow": (operator.pow, operator.ipow),
+    "neg": (operator.neg, None),
+    "abs": (operator.abs, None),
+}
+
+
+def _build_table() -> tuple[dict[Any, Call], dict[str, Call]]:
+    funcs: dict[Any, Call] = {}
+    methods: dict[str, Call] = {}
+    bases = (torch.Tensor, torch._C.TensorBase)
+
+    def add(obj: Any, call: Call) -> None:
+        if obj is not None:
+            funcs.setdefault(obj, call)
+
+    for name, prim in PRIMITIVES.items():
+        names = (name, *_ALIASES.get(name, ()))
+        for n in names:
+            plain, inplace = Call(prim), Call(prim, inplace=True)
+            add(getattr(torch, n, None), plain)
+            add(getattr(torch, n + "_", None), inplace)
+            methods[n], methods[n + "_"] = plain, inplace
+            for base in bases:
+                add(getattr(base, n, None), plain)
+                add(getattr(base, n + "_", None), inplace)
+        if name in _DUNDER:
+            d = _DUNDER[name]
+            methods[f"__{d}__"] = Call(prim)
+            methods[f"__r{d}__"] = Call(prim, reverse=True)
+            methods[f"__i{d}__"] = Call(prim, inplace=True)
+            for base in bases:
+                add(getattr(base, f"__{d}__", None), Call(prim))
+                add(getattr(base, f"__r{d}__", None), Call(prim, reverse=True))
+                add(getattr(base, f"__i{d}__", None), Call(prim, inplace=True))
+        if name in _OPERATOR:
+            fn, ifn = _OPERATOR[name]
+            add(fn, Call(prim))
+            add(ifn, Call(prim, inplace=True))
+    sig, tanh = PRIMITIVES["sigmoid"], PRIMITIVES["tanh"]
+    add(F.sigmoid, Call(sig))
+    add(torch.special.expit, Call(sig))
+    add(F.tanh, Call(tanh))
+    add(F.softplus, Call(PRIMITIVES["softplus"]))
+    add(torch.special.erf, Call(PRIMITIVES["erf"]))
+    add(torch.special.expm1, Call(PRIMITIVES["expm1"]))
+    add(torch.special.log1p, Call(PRIMITIVES["log1p"]))
+    add(F.relu, Call(PRIMITIVES["relu"]))
+    add(torch.rsub, Call(PRIMITIVES["sub"], reverse=True))
+    return funcs, methods
+
+
+_FUNCS, _METHODS = _build_table()
+
+
+def lookup(func: Any) -> Call | None:
+    """The primitive behind a Python callable (``torch.sigmoid``, ``Tensor.__mul__``, ...)."""
+    try:
+        return _FUNCS.get(func)
+    except TypeError:  # unhashable callables are never primitives
+        return None
+
+
+def lookup_method(name: str) -> Call | None:
+    """The primitive behind a tensor method name (torch.fx ``call_method`` targets)."""
+    return _METHODS.get(name)
+
+
+def is_const(x: Any) -> bool:
+    """Python numbers (not bool) are constants; tensors are judged by the caller."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def normalize(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:  # fmt: skip
+    """Operands (in the primitive's order) and parameters of one call, or ``None`` when the
+    call uses an argument the rule does not know (``out=``, ``rounding_mode=``, ...)."""
+    prim = call.prim
+    if len(args) < prim.arity:
+        names = ("input", "other")[: prim.arity]
+        if any(n not in kwargs for n in names[len(args) :]):
+            return None
+        kwargs = dict(kwargs)
+        args = (*args, *(kwargs.pop(n) for n in names[len(args) :]))
+    operands, extra = args[: prim.arity], args[prim.arity :]
+    defaults = dict(prim.params)
+    if len(extra) > len(defaults):
+        return None
+    params = dict(zip(defaults, extra, strict=False))
+    for k, v in kwargs.items():
+        if k == "inplace" and prim.name == "relu":
+            if v:
+                return None
+            continue
+        if k not in defaults or k in params:
+            return None
+        params[k] = v
+    if any(isinstance(v, Tensor) for v in params.values()):
+        return None
+    if call.reverse:
+        operands = operands[::-1]
+    return operands, params
