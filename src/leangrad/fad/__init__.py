@@ -17,6 +17,7 @@ unlike recomputation it adds no work.
 from ._activations import GELU, Mish, Swish, gelu_program, mish_program, swish_program
 from ._elementwise import Elementwise, elementwise
 from ._errors import FadDtypeError, FadError, FadOpError, FadTraceError
+from ._nest import Region, fused_chains, nest
 from ._primitives import PRIMITIVES, Dual, Primitive
 from ._program import Builder, FusedChain, Program
 
@@ -34,9 +35,12 @@ __all__ = [
     "Mish",
     "Primitive",
     "Program",
+    "Region",
     "Swish",
     "elementwise",
+    "fused_chains",
     "gelu_program",
     "mish_program",
+    "nest",
     "swish_program",
 ]

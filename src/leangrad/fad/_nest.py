@@ -1,0 +1,224 @@
+"""``fad.nest(model)``: the static-graph pass (paper section III-B, Fig. 4).
+
+The model is traced with ``torch.fx``. Every node is classified *fad* (a
+primitive of :mod:`leangrad.fad._primitives` whose tensor operands all trace
+back to one source through fad nodes, section III-A) or *nfad*. Fad nodes
+connected through fad edges form sub-graphs with in-degree 1 (the source) and
+out-degree M >= 1 (values used outside); each is replaced by one
+:class:`~leangrad.fad._program.FusedChain` that computes the values and their
+derivatives in the forward pass and saves only the derivative per output.
+Everything else is left untouched.
+
+In-place primitives on values inside a chain are rewritten to their functional
+form (later readers of the written value read the in-place node), which is
+safe because chain values are fresh tensors that alias nothing. A chain that
+another node could mutate while it runs is left to autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+from torch import fx, nn
+
+from . import _errors as E
+from ._primitives import PRIMITIVES, Call, is_const, lookup, lookup_method, normalize
+from ._program import FusedChain, Program, Ref, Step
+
+__all__ = ["Region", "fused_chains", "nest"]
+
+_MODULE_PRIMS: dict[type[nn.Module], str] = {
+    nn.Sigmoid: "sigmoid",
+    nn.Tanh: "tanh",
+    nn.Softplus: "softplus",
+    nn.ReLU: "relu",
+}
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ipow, operator.setitem}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One element-wise sub-graph the pass found.
+
+    Attributes:
+        name: the inserted submodule (``fad_chain_0`` ...), or ``None`` when left to autograd.
+        source: the fx node feeding it (its only input).
+        ops: primitive names in execution order.
+        outputs: how many values leave it (M).
+        skipped: why it was left to autograd, ``None`` when fused.
+    """
+
+    name: str | None
+    source: str
+    ops: tuple[str, ...]
+    outputs: int
+    skipped: str | None = None
+
+
+@dataclasses.dataclass
+class _Info:
+    call: Call
+    operands: tuple[Any, ...]
+    params: dict[str, Any]
+
+
+def _classify(gm: fx.GraphModule, node: fx.Node) -> _Info | None:
+    """The primitive call behind a node, when it is one with fx-node or number operands."""
+    call: Call | None = None
+    args, kwargs = node.args, dict(node.kwargs)
+    if node.op == "call_function":
+        call = lookup(node.target)
+    elif node.op == "call_method":
+        call = lookup_method(str(node.target))
+    elif node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        name = _MODULE_PRIMS.get(type(mod))
+        if name is None or getattr(mod, "inplace", False):
+            return None
+        call = Call(PRIMITIVES[name])
+        if name == "softplus":
+            kwargs = {"beta": mod.beta, "threshold": mod.threshold}  # type: ignore[union-attr]
+    if call is None:
+        return None
+    norm = normalize(call, tuple(args), kwargs)
+    if norm is None:
+        return None
+    operands, params = norm
+    if not all(isinstance(o, fx.Node) or is_const(o) for o in operands):
+        return None
+    if not any(isinstance(o, fx.Node) for o in operands):
+        return None
+    if not all(is_const(v) or isinstance(v, bool) for v in params.values()):
+        return None
+    return _Info(call, tuple(operands), params)
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Could this node write into one of its arguments?"""
+    if "out" in node.kwargs or node.kwargs.get("inplace", False):
+        return True
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
+    """Trace ``model`` and fuse each maximal single-source element-wise chain (section III-B).
+
+    Args:
+        model: any module ``torch.fx.symbolic_trace`` can trace.
+        min_ops: chains with fewer primitives stay with autograd (a lone ``sigmoid``
+            saves one tensor either way, and FAD would only add the derivative's cost;
+            section IV-B, "NY -> YN").
+
+    Returns:
+        A ``GraphModule`` sharing ``model``'s parameters, with an attribute
+        ``fad_regions`` (a list of :class:`Region`: what was fused and what was not, why).
+
+    Raises:
+        FadTraceError: fx cannot trace the model; the message points to :func:`nested`.
+    """
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception as err:  # fx raises many types for untraceable code
+        msg = E.UNTRACEABLE.format(model=type(model).__name__, error=f"{type(err).__name__}: {err}")
+        raise E.FadTraceError(msg) from err
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    infos: dict[fx.Node, _Info] = {}
+    ok: dict[fx.Node, fx.Node] = {}  # fad node -> its single source
+    for n in nodes:  # classified in order: in-place rewrites below change later nodes' args
+        info = _classify(gm, n)
+        if info is None:
+            continue
+        infos[n] = info
+        srcs = {ok.get(o, o) for o in info.operands if isinstance(o, fx.Node)}
+        if len(srcs) != 1:
+            continue  # two sources: nfad (paper Fig. 3, node 3)
+        if info.call.inplace:
+            target = info.operands[-1] if info.call.reverse else info.operands[0]
+            earlier = [u for u in target.users if order[u] < order[n] and u is not n]
+            if target not in ok or not all(u in ok for u in earlier):
+                continue
+            for u in list(target.users):  # later readers read the written value
+                if order[u] > order[n]:
+                    u.replace_input_with(target, n)
+        ok[n] = next(iter(srcs))
+
+    # connected components over fad -> fad edges
+    parent = {n: n for n in ok}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in ok:
+        for o in infos[n].operands:
+            if isinstance(o, fx.Node) and o in ok:
+                parent[find(n)] = find(o)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in ok:
+        groups.setdefault(find(n), []).append(n)
+
+    regions: list[Region] = []
+    for members in sorted(groups.values(), key=lambda m: order[m[0]]):
+        members.sort(key=order.__getitem__)
+        inside = set(members)
+        source = ok[members[0]]
+        outputs = [m for m in members if any(u not in inside for u in m.users)]
+        ops = tuple(infos[m].call.prim.name for m in members)
+        skipped = None
+        if not outputs:
+            skipped = "no value leaves it (dead code)"
+        elif len(members) < min_ops:
+            skipped = f"{len(members)} primitive(s) < min_ops={min_ops}"
+        else:
+            lo, hi = order[members[0]], order[members[-1]]
+            between = [n for n in nodes[lo:hi] if n not in inside]
+            if any(_mutates(n) for n in between):
+                skipped = "another node may write in place while the chain runs"
+        if skipped is not None:
+            regions.append(Region(None, source.name, ops, len(outputs), skipped))
+            continue
+        name = f"fad_chain_{sum(r.name is not None for r in regions)}"
+        slot = {source: 0} | {m: i + 1 for i, m in enumerate(members)}
+        steps = tuple(
+            Step(
+                infos[m].call.prim,
+                tuple(Ref(slot[o]) if isinstance(o, fx.Node) else o for o in infos[m].operands),
+                tuple(infos[m].params.items()),
+            )
+            for m in members
+        )
+        program = Program(name, steps, tuple(slot[o] for o in outputs))
+        gm.add_submodule(name, FusedChain(program, fallback=True))
+        with graph.inserting_before(members[0]):
+            fused = graph.call_module(name, (source,))
+            gets = [fused]
+            if len(outputs) > 1:
+                getitem = operator.getitem
+                gets = [graph.call_function(getitem, (fused, i)) for i in range(len(outputs))]
+        for o, g in zip(outputs, gets, strict=True):
+            for u in list(o.users):
+                if u not in inside:
+                    u.replace_input_with(o, g)
+        for m in reversed(members):
+            graph.erase_node(m)
+        regions.append(Region(name, source.name, ops, len(outputs)))
+    graph.lint()
+    gm.recompile()
+    gm.fad_regions = regions  # type: ignore[assignment]
+    return gm
+
+
+def fused_chains(model: nn.Module) -> list[FusedChain]:
+    """The :class:`FusedChain` submodules of a model (what :func:`nest` inserted)."""
+    return [m for m in model.modules() if isinstance(m, FusedChain)]
+
