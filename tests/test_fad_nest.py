@@ -179,6 +179,8 @@ def test_untraceable_model_points_to_eager_mode() -> None:
     msg = str(info.value)
     assert msg.startswith("fad.nest: torch.fx cannot trace DataDependent (")
     assert "`with leangrad.fad.nested(): loss = loss_fn(model(x))`" in msg
+    with pytest.raises(fad.FadTraceError, match="'Proxy' object does not support item assign"):
+        fad.nest(ResidualInPlace())
 
 
 class ComplexChain(nn.Module):
@@ -202,3 +204,26 @@ def test_no_warning_for_float_chains() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         nested(torch.randn(2, 16)).sum().backward()
+
+
+class ResidualInPlace(nn.Module):
+    """An nfad in-place op writing into a chain's output (``y += other``), then more chain."""
+
+    def __init__(self, *, setitem: bool = True) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.setitem = setitem  # fx cannot trace item assignment
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = swish(self.a(x))
+        y += self.b(x)
+        if self.setitem:
+            y[:, 0] = 0.0
+        return self.c(torch.tanh(y) * y)
+
+
+def test_inplace_write_into_chain_output() -> None:
+    model = ResidualInPlace(setitem=False).double()
+    nested = fad.nest(model)
+    assert any(r.name is not None for r in nested.fad_regions)
+    assert_same_grads(model, nested, torch.randn(3, 4, dtype=torch.float64))

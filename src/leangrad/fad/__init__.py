@@ -15,6 +15,7 @@ unlike recomputation it adds no work.
 """
 
 from ._activations import GELU, Mish, Swish, gelu_program, mish_program, swish_program
+from ._eager import NestedStats, nested
 from ._elementwise import Elementwise, elementwise
 from ._errors import FadDtypeError, FadError, FadOpError, FadTraceError
 from ._nest import Region, fused_chains, nest
@@ -33,6 +34,7 @@ __all__ = [
     "FadTraceError",
     "FusedChain",
     "Mish",
+    "NestedStats",
     "Primitive",
     "Program",
     "Region",
@@ -42,5 +44,6 @@ __all__ = [
     "gelu_program",
     "mish_program",
     "nest",
+    "nested",
     "swish_program",
 ]

@@ -61,8 +61,9 @@ DTYPE_NO_RULE = (
     "autograd for this activation"
 )
 UNTRACEABLE = (
-    "fad.nest: torch.fx cannot trace {model} ({error}); models with data-dependent control "
-    "flow need the eager mode instead: `with leangrad.fad.nested(): loss = loss_fn(model(x))`"
+    "fad.nest: torch.fx cannot trace {model} ({error}); models fx cannot trace "
+    "(data-dependent control flow, item assignment, ...) need the eager mode instead: "
+    "`with leangrad.fad.nested(): loss = loss_fn(model(x))`"
 )
 FALLBACK = (
     "fad: the element-wise chain {ops} cannot be nested ({why}); it runs under plain "
