@@ -159,26 +159,28 @@ class Highway(Engine):
         k_fac = trace.k
         fpi = self.baseline == "fpi"
         w0 = a if fpi else cumsumprod(a, k_fac, scan=self.scan)  # eq. 10
-        w = w0
         cap = min(self.k, trace.length - 1)  # w^{L-1} is exact (Theorem 2)
+        w = w0.clone() if cap > 0 else w0  # updated in place: w[:-1] = w0[:-1] + u[:-1]
+        k_tail = None if k_fac is None else k_fac[:-1]
         updates: list[float] = []
         done = 0
         for _ in range(cap):
-            jw = stack.j_vjp(trace, w)  # eq. 8, all layers at once
+            jw = stack.j_vjp(trace, w)  # eq. 8, all layers at once (ours to overwrite)
             if fpi:
-                jw = jw + (w if k_fac is None else w * k_fac)
-            v = torch.cat([jw[1:], torch.zeros_like(jw[:1])])
-            new = w0 + (v if fpi else cumsumprod(v, k_fac, scan=self.scan))  # eq. 11
+                jw.add_(w if k_fac is None else w * k_fac)
+            u = jw[1:]  # v_t = w_{t+1} J_{t+1}; the last state has no successor
+            if not fpi:
+                cumsumprod(u, k_tail, scan=self.scan, inplace=True)  # eq. 11
             done += 1
             if self.tol is not None:
-                rel = float(torch.linalg.vector_norm(new - w) / torch.linalg.vector_norm(new)
-                            .clamp_min(torch.finfo(new.dtype).tiny))  # fmt: skip
+                change = torch.linalg.vector_norm(w0[:-1] + u - w[:-1])
+                torch.add(w0[:-1], u, out=w[:-1])
+                rel = float(change / torch.linalg.vector_norm(w).clamp_min(1e-30))
                 updates.append(rel)
-                w = new
                 if rel < self.tol:
                     break
             else:
-                w = new
+                torch.add(w0[:-1], u, out=w[:-1])
         pg, dx = stack.param_vjp(trace, w, dy)
         return pg, dx, StackResult(length=trace.length, iterations=done, updates=tuple(updates))
 

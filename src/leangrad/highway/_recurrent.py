@@ -82,18 +82,15 @@ class _RecurrentLayer(HighwayStack):
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
         return dy
 
-    def _finish(self, g_in: torch.Tensor, g_hh: torch.Tensor, trace: Trace, dy: torch.Tensor):
-        """Parameter and input gradients from the gate pre-activation cotangents."""
-        x, h_prev = trace.saved["x"], trace.saved["h_prev"]
-        gi = g_in.reshape(-1, g_in.shape[-1])
-        gh = g_hh.reshape(-1, g_hh.shape[-1])
-        grads = {
-            self.weight_ih: gi.t() @ x.reshape(-1, x.shape[-1]),
-            self.weight_hh: gh.t() @ h_prev.reshape(-1, h_prev.shape[-1]),
-            self.bias_ih: gi.sum(0),
-            self.bias_hh: gh.sum(0),
-        }
-        dx = (gi @ self.weight_ih.detach()).reshape(x.shape)
+    def _input_grads(
+        self, g_in: torch.Tensor, grads: dict[nn.Parameter, torch.Tensor], trace: Trace,
+        dy: torch.Tensor,
+    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
+        """W_ih, b_ih and input gradients from the ``(L·B, gates·H)`` cotangent of W_ih·x."""
+        x = trace.saved["x"]
+        grads[self.weight_ih] = g_in.t() @ x.reshape(-1, x.shape[-1])
+        grads[self.bias_ih] = g_in.sum(0)
+        dx = (g_in @ self.weight_ih.detach()).reshape(x.shape)
         if self.residual:
             dx = dx + dy
         return {p: g for p, g in grads.items() if p.requires_grad}, dx
@@ -109,59 +106,81 @@ class GRULayer(_RecurrentLayer):
 
     gates = 3
 
-    def _run(self, x: torch.Tensor, save: bool) -> tuple[torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The autograd forward (what BPTT differentiates), one step at a time."""
+        self._check(x, highway=False)
         length, batch, _ = x.shape
         hsz = self.hidden_size
         xi = torch.addmm(self.bias_ih, x.reshape(-1, self.input_size), self.weight_ih.t())
-        xi = xi.reshape(length, batch, 3 * hsz)
+        steps = xi.reshape(length, batch, 3 * hsz).unbind(0)  # per-step views, one backward
         h = x.new_zeros(batch, hsz)
         outs = []
-        saved: dict[str, list[torch.Tensor]] = {"r": [], "z": [], "n": [], "hn": []}
-        for t in range(length):
+        for xt in steps:
             hh = torch.addmm(self.bias_hh, h, self.weight_hh.t())
-            rz = torch.sigmoid(xi[t, :, : 2 * hsz] + hh[:, : 2 * hsz])
-            r, z = rz[:, :hsz], rz[:, hsz:]
-            hn = hh[:, 2 * hsz :]
-            n = torch.tanh(torch.addcmul(xi[t, :, 2 * hsz :], r, hn))
-            h = torch.lerp(n, h, z)  # z ⊙ h + (1 − z) ⊙ n
+            rz = torch.sigmoid(xt[:, : 2 * hsz] + hh[:, : 2 * hsz])
+            n = torch.tanh(torch.addcmul(xt[:, 2 * hsz :], rz[:, :hsz], hh[:, 2 * hsz :]))
+            h = torch.lerp(n, h, rz[:, hsz:])  # z ⊙ h + (1 − z) ⊙ n
             outs.append(h)
-            if save:
-                for key, val in (("r", r), ("z", z), ("n", n), ("hn", hn)):
-                    saved[key].append(val)
-        return torch.stack(outs), saved
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(x, highway=False)
-        hs, _ = self._run(x, save=False)
+        hs = torch.stack(outs)
         return hs + x if self.residual else hs
 
     def trace(self, x: torch.Tensor) -> Trace:
+        """No-grad forward into preallocated buffers, then the J-vjp factors (vectorised)."""
         self._check(x, highway=True)
+        length, batch, _ = x.shape
+        hsz = self.hidden_size
         with torch.no_grad():
             x = x.detach()
-            hs, s = self._run(x, save=True)
-            r, z, n, hn = (torch.stack(s[k]) for k in ("r", "z", "n", "hn"))
-            h_prev = torch.cat([hs.new_zeros(1, *hs.shape[1:]), hs[:-1]])
-            c_n = (1 - z) * (1 - n * n)  # ∂h'/∂(n pre-activation)
-            c_z = (h_prev - n) * z * (1 - z)  # ∂h'/∂(z pre-activation)
-            c_r = c_n * hn * r * (1 - r)  # ∂h'/∂(r pre-activation)
-            coef_hh = torch.cat([c_r, c_z, c_n * r], -1)  # cotangent factors of W_hh·h
-            out = hs + x if self.residual else hs
-        saved = {"x": x, "h_prev": h_prev, "coef_hh": coef_hh, "c_n": c_n}
-        return Trace(output=out, length=x.shape[0], k=z, saved=saved)
-
-    def _g_hh(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
-        return w.repeat(1, 1, 3) * trace.saved["coef_hh"]
+            w_ih, w_hh = self.weight_ih.detach(), self.weight_hh.detach()
+            xi = torch.addmm(self.bias_ih.detach(), x.reshape(-1, self.input_size), w_ih.t())
+            xi = xi.reshape(length, batch, 3 * hsz)
+            hs = x.new_empty(length + 1, batch, hsz)
+            hs[0].zero_()
+            hh = x.new_empty(length, batch, 3 * hsz)
+            rz = x.new_empty(length, batch, 2 * hsz)
+            n = x.new_empty(length, batch, hsz)
+            b_hh, w_hh_t = self.bias_hh.detach(), w_hh.t()
+            for t in range(length):
+                torch.addmm(b_hh, hs[t], w_hh_t, out=hh[t])
+                torch.add(xi[t, :, : 2 * hsz], hh[t, :, : 2 * hsz], out=rz[t]).sigmoid_()
+                torch.addcmul(xi[t, :, 2 * hsz :], rz[t, :, :hsz], hh[t, :, 2 * hsz :],
+                              out=n[t]).tanh_()  # fmt: skip
+                torch.lerp(n[t], hs[t], rz[t, :, hsz:], out=hs[t + 1])
+            del xi
+            r, z, hn = rz[..., :hsz], rz[..., hsz:].contiguous(), hh[..., 2 * hsz :]
+            omz = 1 - z
+            c_n = torch.mul(n, n).neg_().add_(1).mul_(omz)  # ∂h'/∂(n pre-activation)
+            coef = x.new_empty(length, batch, 3, hsz)  # factors of the W_hh·h cotangent
+            torch.sub(hs[:-1], n, out=coef[:, :, 1]).mul_(z).mul_(omz)  # z pre-activation
+            torch.mul(c_n, hn, out=coef[:, :, 0]).mul_(r).mul_(1 - r)  # r pre-activation
+            torch.mul(c_n, r, out=coef[:, :, 2])  # W_hn·h + b_hn
+            del hh, rz, n, omz
+            out = hs[1:] + x if self.residual else hs[1:]
+        saved = {"x": x, "h_prev": hs[:-1], "coef": coef, "c_n": c_n}
+        return Trace(output=out, length=length, k=z, saved=saved)
 
     def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
-        g = self._g_hh(trace, w)
-        return (g.reshape(-1, g.shape[-1]) @ self.weight_hh.detach()).reshape(w.shape)
+        """One product and one matmul for all L steps, into buffers reused across calls
+        (the engine may overwrite the result until the next call)."""
+        coef, s = trace.saved["coef"], trace.saved
+        if "g" not in s:
+            s["g"], s["jw"] = torch.empty_like(coef), torch.empty_like(w)
+        g = torch.mul(coef, w.unsqueeze(2), out=s["g"])
+        rows = w.shape[0] * w.shape[1]
+        torch.mm(g.view(rows, -1), self.weight_hh.detach(), out=s["jw"].view(rows, -1))
+        return s["jw"]
 
     def param_vjp(self, trace: Trace, w: torch.Tensor, dy: torch.Tensor):
-        g_hh = self._g_hh(trace, w)
-        hsz = self.hidden_size
-        g_in = torch.cat([g_hh[..., : 2 * hsz], w * trace.saved["c_n"]], -1)
-        return self._finish(g_in, g_hh, trace, dy)
+        coef = trace.saved["coef"]
+        g = torch.mul(coef, w.unsqueeze(2), out=trace.saved.pop("g", torch.empty_like(coef)))
+        g2 = g.view(w.shape[0] * w.shape[1], -1)
+        h_prev = trace.saved["h_prev"]
+        grads = {
+            self.weight_hh: g2.t() @ h_prev.reshape(-1, h_prev.shape[-1]),
+            self.bias_hh: g2.sum(0),
+        }
+        torch.mul(w, trace.saved["c_n"], out=g[:, :, 2])  # now the W_ih·x cotangent
+        return self._input_grads(g2, grads, trace, dy)
 
 
 class LSTMLayer(_RecurrentLayer):
@@ -173,56 +192,66 @@ class LSTMLayer(_RecurrentLayer):
 
     gates = 4
 
-    def _run(self, x: torch.Tensor, save: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The autograd forward (what BPTT differentiates), one step at a time."""
+        self._check(x, highway=False)
         length, batch, _ = x.shape
         hsz = self.hidden_size
         xi = torch.addmm(self.bias_ih, x.reshape(-1, self.input_size), self.weight_ih.t())
-        xi = xi.reshape(length, batch, 4 * hsz)
+        steps = xi.reshape(length, batch, 4 * hsz).unbind(0)
         h = x.new_zeros(batch, hsz)
         c = x.new_zeros(batch, hsz)
-        hs, cs = [], []
-        saved: dict[str, list[torch.Tensor]] = {"gates": [], "tc": []}
-        for t in range(length):
-            pre = xi[t] + torch.addmm(self.bias_hh, h, self.weight_hh.t())
+        outs = []
+        for xt in steps:
+            pre = xt + torch.addmm(self.bias_hh, h, self.weight_hh.t())
             ifo = torch.sigmoid(pre[:, : 2 * hsz])
-            i, f = ifo[:, :hsz], ifo[:, hsz:]
             o = torch.sigmoid(pre[:, 3 * hsz :])
             gg = torch.tanh(pre[:, 2 * hsz : 3 * hsz])
-            c = torch.addcmul(f * c, i, gg)
-            tc = torch.tanh(c)
-            h = o * tc
-            hs.append(h)
-            cs.append(c)
-            if save:
-                saved["gates"].append(torch.cat([i, f, gg, o], -1))
-                saved["tc"].append(tc)
-        return torch.stack(hs), torch.stack(cs), saved
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(x, highway=False)
-        hs, _, _ = self._run(x, save=False)
+            c = torch.addcmul(ifo[:, hsz:] * c, ifo[:, :hsz], gg)
+            h = o * torch.tanh(c)
+            outs.append(h)
+        hs = torch.stack(outs)
         return hs + x if self.residual else hs
 
     def trace(self, x: torch.Tensor) -> Trace:
         self._check(x, highway=True)
+        length, batch, _ = x.shape
         hsz = self.hidden_size
         with torch.no_grad():
             x = x.detach()
-            hs, cs, s = self._run(x, save=True)
-            gates, tc = torch.stack(s["gates"]), torch.stack(s["tc"])
-            i, f, gg, o = gates.split(hsz, -1)
-            zero = hs.new_zeros(1, *hs.shape[1:])
-            h_prev, c_prev = torch.cat([zero, hs[:-1]]), torch.cat([zero, cs[:-1]])
-            q = o * (1 - tc * tc)  # ∂h'/∂c'
+            w_hh_t, b_hh = self.weight_hh.detach().t(), self.bias_hh.detach()
+            pre = torch.addmm(self.bias_ih.detach(), x.reshape(-1, self.input_size),
+                              self.weight_ih.detach().t())  # fmt: skip
+            pre = pre.reshape(length, batch, 4 * hsz)  # becomes the gates, in place
+            hs = x.new_empty(length + 1, batch, hsz)
+            cs = x.new_empty(length + 1, batch, hsz)
+            tc = x.new_empty(length, batch, hsz)
+            hs[0].zero_()
+            cs[0].zero_()
+            for t in range(length):
+                p = pre[t].addmm_(hs[t], w_hh_t).add_(b_hh)
+                p[:, : 2 * hsz].sigmoid_()
+                p[:, 3 * hsz :].sigmoid_()
+                p[:, 2 * hsz : 3 * hsz].tanh_()
+                torch.mul(p[:, hsz : 2 * hsz], cs[t], out=cs[t + 1])
+                cs[t + 1].addcmul_(p[:, :hsz], p[:, 2 * hsz : 3 * hsz])
+                torch.tanh(cs[t + 1], out=tc[t])
+                torch.mul(p[:, 3 * hsz :], tc[t], out=hs[t + 1])
+            i, f, gg, o = pre.split(hsz, -1)
+            q = torch.mul(tc, tc).neg_().add_(1).mul_(o)  # ∂h'/∂c'
             # With s = w_c + w_h ⊙ q (the cotangent reaching c'), the gate pre-activation
             # cotangents are s ⊙ [a_i, a_f, a_g] and w_h ⊙ a_o:
-            coef = torch.cat(
-                [gg * i * (1 - i), c_prev * f * (1 - f), i * (1 - gg * gg), tc * o * (1 - o)], -1
-            )
+            coef = x.new_empty(length, batch, 4, hsz)
+            torch.mul(gg, i, out=coef[:, :, 0]).mul_(1 - i)
+            torch.mul(cs[:-1], f, out=coef[:, :, 1]).mul_(1 - f)
+            torch.mul(gg, gg, out=coef[:, :, 2]).neg_().add_(1).mul_(i)
+            torch.mul(tc, o, out=coef[:, :, 3]).mul_(1 - o)
             k = torch.cat([f, torch.zeros_like(f)], -1)
-            out = hs + x if self.residual else hs
-        saved = {"x": x, "h_prev": h_prev, "coef": coef, "q": q, "qf": q * f}
-        return Trace(output=out, length=x.shape[0], k=k, saved=saved)
+            qf = q * f
+            del pre, tc, cs
+            out = hs[1:] + x if self.residual else hs[1:]
+        saved = {"x": x, "h_prev": hs[:-1], "coef": coef, "q": q, "qf": qf}
+        return Trace(output=out, length=length, k=k, saved=saved)
 
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
         return torch.cat([torch.zeros_like(dy), dy], -1)
@@ -230,15 +259,21 @@ class LSTMLayer(_RecurrentLayer):
     def _g(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
         hsz = self.hidden_size
         wc, wh = w[..., :hsz], w[..., hsz:]
-        s = torch.addcmul(wc, wh, trace.saved["q"])
-        return torch.cat([s, s, s, wh], -1) * trace.saved["coef"]
+        g = trace.saved["coef"].clone()
+        g[:, :, :3] *= torch.addcmul(wc, wh, trace.saved["q"]).unsqueeze(2)
+        g[:, :, 3] *= wh
+        return g.view(w.shape[0] * w.shape[1], -1)
 
     def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
-        g = self._g(trace, w)
-        dh = (g.reshape(-1, g.shape[-1]) @ self.weight_hh.detach()).reshape(*w.shape[:-1], -1)
+        dh = (self._g(trace, w) @ self.weight_hh.detach()).view(*w.shape[:-1], -1)
         dc = w[..., self.hidden_size :] * trace.saved["qf"]
         return torch.cat([dc, dh], -1)
 
     def param_vjp(self, trace: Trace, w: torch.Tensor, dy: torch.Tensor):
         g = self._g(trace, w)
-        return self._finish(g, g, trace, dy)
+        h_prev = trace.saved["h_prev"]
+        grads = {
+            self.weight_hh: g.t() @ h_prev.reshape(-1, h_prev.shape[-1]),
+            self.bias_hh: g.sum(0),
+        }
+        return self._input_grads(g, grads, trace, dy)

@@ -8,9 +8,9 @@ products of such K commute, which is what lets the parallel scan reorder them.
 - :func:`cumsumprod_parallel` — Hillis & Steele's scan (Appendix B, Algorithm 1):
   ⌈log2 L⌉ rounds of whole-tensor operations, O(L log L) work;
 - :func:`cumsumprod_sequential` — the L-step loop of eq. 9, O(L) work;
-- :func:`cumsumprod` picks one by ``scan=`` (``"auto"``: the parallel scan when the
-  per-layer state is small, where one loop step costs mostly dispatch overhead —
-  the threshold comes from the ``highway-rnn`` suite's scan measurements).
+- :func:`cumsumprod` picks one by ``scan=`` (``"auto"``: the parallel scan on
+  accelerators, and on CPU only for tiny per-layer states, where one loop step costs
+  mostly dispatch overhead — see :data:`AUTO_PARALLEL_MAX_NUMEL`).
 """
 
 from __future__ import annotations
@@ -30,30 +30,37 @@ __all__ = [
 
 Scan = Literal["parallel", "sequential", "auto"]
 SCANS: tuple[str, ...] = ("parallel", "sequential", "auto")
-AUTO_PARALLEL_MAX_NUMEL = 1 << 16
-"""``scan="auto"`` uses the parallel scan when one layer's state has at most this many
-elements (measured on CPU, one thread: GRU L=256/1024 with batch 32 x hidden 128 states
-favour the parallel scan; big image states favour the loop's O(L) work)."""
+AUTO_PARALLEL_MAX_NUMEL = 256
+"""On CPU, ``scan="auto"`` uses the parallel scan only when one layer's state has at most
+this many elements; on other devices always. Measured on CPU, one thread (suite
+``highway-rnn``, records ``kind = "scan"``): the parallel scan's O(L log L) work and
+temporaries lose to the loop's O(L) work once a state holds more than a few hundred
+numbers (GRU batch 32 x hidden 128 at L = 256 and 1024); the loop's per-step dispatch
+cost only dominates for tiny states."""
 
 
 def _reverse_cumsum(v: torch.Tensor) -> torch.Tensor:
     return v.flip(0).cumsum(0).flip(0)
 
 
-def cumsumprod_parallel(v: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
+def cumsumprod_parallel(
+    v: torch.Tensor, k: torch.Tensor | None, *, inplace: bool = False
+) -> torch.Tensor:
     """Hillis-Steele CumSumProd (Algorithm 1): ``u[t] = Σ_{j≥t} v[j] k[j]…k[t+1]``.
 
     Args:
         v: ``(L, *state)`` values.
         k: ``(L, *state)`` or ``(L, 1, …, 1)`` multipliers, or ``None`` for identity.
 
+        inplace: write ``u`` into ``v`` (saves one copy).
+
     Returns:
-        ``u`` of the shape of ``v`` (a new tensor).
+        ``u`` of the shape of ``v``.
     """
     if k is None:
-        return _reverse_cumsum(v)
+        return v.copy_(_reverse_cumsum(v)) if inplace else _reverse_cumsum(v)
     length = v.shape[0]
-    u = v.clone()
+    u = v if inplace else v.clone()
     if length < 2:
         return u
     # p[t] = product of multipliers from t+1 up to t+d (commuting: scalar/diagonal K)
@@ -67,25 +74,28 @@ def cumsumprod_parallel(v: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor
     return u
 
 
-def cumsumprod_sequential(v: torch.Tensor, k: torch.Tensor | None) -> torch.Tensor:
+def cumsumprod_sequential(
+    v: torch.Tensor, k: torch.Tensor | None, *, inplace: bool = False
+) -> torch.Tensor:
     """The same recurrence as :func:`cumsumprod_parallel`, one layer at a time (eq. 9)."""
     if k is None:
-        return _reverse_cumsum(v)
-    u = v.clone()
+        return v.copy_(_reverse_cumsum(v)) if inplace else _reverse_cumsum(v)
+    u = v if inplace else v.clone()
     for t in range(v.shape[0] - 2, -1, -1):
         u[t].addcmul_(u[t + 1], k[t + 1])
     return u
 
 
-def cumsumprod(v: torch.Tensor, k: torch.Tensor | None, *, scan: Scan = "auto") -> torch.Tensor:
+def cumsumprod(
+    v: torch.Tensor, k: torch.Tensor | None, *, scan: Scan = "auto", inplace: bool = False
+) -> torch.Tensor:
     """CumSumProd by the chosen algorithm (``"parallel"``, ``"sequential"`` or ``"auto"``)."""
-    if scan == "parallel":
-        return cumsumprod_parallel(v, k)
-    if scan == "sequential":
-        return cumsumprod_sequential(v, k)
     if scan == "auto":
         per_layer = v[0].numel() if v.shape[0] else 0
-        if per_layer <= AUTO_PARALLEL_MAX_NUMEL:
-            return cumsumprod_parallel(v, k)
-        return cumsumprod_sequential(v, k)
+        parallel = v.device.type != "cpu" or per_layer <= AUTO_PARALLEL_MAX_NUMEL
+        scan = "parallel" if parallel else "sequential"
+    if scan == "parallel":
+        return cumsumprod_parallel(v, k, inplace=inplace)
+    if scan == "sequential":
+        return cumsumprod_sequential(v, k, inplace=inplace)
     raise ValueError(f"scan must be one of {', '.join(SCANS)}, got {scan!r}")
