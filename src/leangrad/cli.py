@@ -4,6 +4,8 @@ leangrad demo [--out DIR]
 leangrad bench --list
 leangrad bench SUITE [--quick] [--out DIR] [--no-rss]
 leangrad report DIR
+leangrad train [--model NAME] [--data DATA] [--engine NAME] [--engine-opt K=V ...] ...
+leangrad advise --model NAME --batch-size B --budget 2GiB
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("dir", help="directory holding suite JSON files")
     for sp in (d, b):
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    from .train._cli import add_advise_parser, add_train_parser
+
+    add_train_parser(sub)
+    add_advise_parser(sub)
     return p
 
 
@@ -63,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     import torch
 
+    if args.command in ("train", "advise"):
+        from .train._cli import run_advise, run_train
+
+        return run_train(args) if args.command == "train" else run_advise(args)
     from . import bench
 
     if args.command == "demo":

@@ -12,15 +12,19 @@ import torch
 from torch import nn
 
 __all__ = [
+    "GRULayer",
     "LastStep",
     "PadChannels",
     "RNNLayer",
     "RepeatChannels",
+    "ResidualBlock",
+    "char_gru_lm",
     "conv_stack",
     "mlp",
     "revnet",
     "rnn_classifier",
     "small_cnn",
+    "small_resnet",
     "submersive_cnn",
 ]
 
@@ -193,3 +197,56 @@ def submersive_cnn(
     first = nn.Conv2d(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
     head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
     return Chain(*layers, stem=first, head=head)
+
+
+class ResidualBlock(nn.Module):
+    """``relu(x + conv(relu(conv(x))))`` with two 3x3 same-size convolutions (He et al. 2016)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.conv2(torch.relu(self.conv1(x))))
+
+
+def small_resnet(
+    in_channels: int = 1, channels: int = 16, blocks: int = 2, classes: int = 10
+) -> nn.Sequential:
+    """A small ResNet: a 3x3 stem conv, ``blocks`` same-size :class:`ResidualBlock` s
+    (no normalisation, so every engine runs on it), global average pool, Linear head.
+
+    An ``nn.Sequential`` of blocks, so ``checkpoint`` segments over residual blocks.
+    """
+    if blocks < 1:
+        raise ValueError(f"blocks must be at least 1, got {blocks}")
+    return nn.Sequential(
+        _block(nn.Conv2d(in_channels, channels, 3, padding=1), nn.ReLU()),
+        *[ResidualBlock(channels) for _ in range(blocks)],
+        _block(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes)),
+    )
+
+
+class GRULayer(nn.Module):
+    """``nn.GRU`` (batch-first) returning only its output sequence."""
+
+    def __init__(self, features: int, hidden: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[0]
+
+
+def char_gru_lm(vocab: int, embed: int = 32, hidden: int = 64) -> nn.Sequential:
+    """A character-level GRU language model: Embedding, one GRU layer, Linear to logits.
+
+    Takes int64 character ids ``(N, T)`` and returns next-character logits
+    ``(N, T, vocab)``; train with cross-entropy over every position.
+    """
+    if vocab < 2:
+        raise ValueError(f"vocab must be at least 2, got {vocab}")
+    return nn.Sequential(
+        nn.Embedding(vocab, embed), GRULayer(embed, hidden), nn.Linear(hidden, vocab)
+    )

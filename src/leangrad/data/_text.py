@@ -1,0 +1,111 @@
+"""Character-level text data from files already on disk (nothing is downloaded).
+
+By default the text is the Python standard library's own sources (every Python
+install has them); any file or directory can be given instead, e.g.
+``/usr/share/common-licenses``. Examples are non-overlapping windows of
+``length`` characters; the targets are the same windows shifted by one
+character (next-character prediction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ._real import Dataset
+
+__all__ = ["TextDataset", "default_text_paths", "text_chars"]
+
+NO_TEXT = (
+    "text data: no readable text in {paths}; give a text file or a directory of text files"
+)
+TOO_SHORT = (
+    "text data: {chars} characters is too short for one window of length {length}; "
+    "give more text or a smaller length"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextDataset(Dataset):
+    """A :class:`Dataset` of character ids: ``x`` and ``y`` are int64 ``(N, length)``,
+    ``y`` being ``x`` shifted by one character; ``num_classes`` is the vocabulary size.
+
+    Attributes:
+        vocab: the characters, in id order.
+    """
+
+    vocab: str = ""
+
+    def decode(self, ids: torch.Tensor) -> str:
+        """The text of a 1-D tensor of character ids."""
+        return "".join(self.vocab[i] for i in ids.tolist())
+
+
+def default_text_paths() -> list[Path]:
+    """The ``*.py`` files directly in the Python standard library directory, sorted."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _files(paths: Sequence[str | Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(q for q in p.rglob("*") if q.is_file())
+        elif p.is_file():
+            out.append(p)
+    return out
+
+
+def text_chars(
+    paths: Sequence[str | Path] | str | Path | None = None,
+    *,
+    length: int = 64,
+    max_chars: int = 200_000,
+    device: torch.device | str = "cpu",
+) -> TextDataset:
+    """Read text files and cut them into next-character prediction windows.
+
+    Args:
+        paths: files and/or directories (read recursively, sorted); ``None``: the
+            standard library's ``*.py`` sources (:func:`default_text_paths`).
+        length: characters per example.
+        max_chars: read at most this many characters in total (files in order).
+        device: device of ``x`` and ``y``.
+
+    Returns:
+        A :class:`TextDataset` named ``"text"``.
+    """
+    if length < 1:
+        raise ValueError(f"length must be a positive integer, got {length!r}")
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files = default_text_paths() if paths is None else _files(paths)
+    parts: list[str] = []
+    total = 0
+    for f in files:
+        if total >= max_chars:
+            break
+        try:
+            text = f.read_bytes().decode("utf-8", errors="replace")
+        except OSError:
+            continue
+        parts.append(text[: max_chars - total])
+        total += len(parts[-1])
+    text = "".join(parts)
+    if not text:
+        raise ValueError(NO_TEXT.format(paths=[str(p) for p in (paths or files)]))
+    n = (len(text) - 1) // length
+    if n < 1:
+        raise ValueError(TOO_SHORT.format(chars=len(text), length=length))
+    vocab = "".join(sorted(set(text)))
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([index[c] for c in text[: n * length + 1]], dtype=torch.int64)
+    x = ids[:-1].reshape(n, length)
+    y = ids[1:].reshape(n, length)
+    return TextDataset(
+        x=x.to(device), y=y.to(device), name="text", num_classes=len(vocab), vocab=vocab
+    )

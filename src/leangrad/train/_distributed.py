@@ -1,0 +1,131 @@
+"""Data-parallel training with ``torch.distributed``, equivalent to DistributedDataParallel.
+
+Under ``torchrun --nproc-per-node N`` (or any launcher that sets ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``) every process holds the same
+model (rank 0's initial weights are broadcast), takes its own shard of each
+global batch, and gradients are averaged over processes before the optimizer
+uses them — so the update equals one process's update on the combined batch,
+as with DDP.
+
+Averaging works with every engine, because it needs nothing but ``p.grad``:
+
+- after ``engine.backward`` returns (the plain path), one all-reduce per
+  parameter in a fixed (name) order;
+- or inside ``on_grad`` (per-layer engines such as Moonwalk, or
+  ``--step-per-layer``): each gradient is all-reduced the moment the engine
+  hands it over, before the per-parameter optimizer step. Every process runs the
+  same engine on the same model, so the hand-over order, and hence the order of
+  the collectives, is the same on all of them.
+
+Backend: NCCL when the model is on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..engines._base import OnGrad
+
+__all__ = [
+    "DistContext",
+    "average_gradients",
+    "averaging_on_grad",
+    "broadcast_parameters",
+    "init_distributed",
+    "mean_scalar",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    """Where this process stands in a data-parallel run.
+
+    Attributes:
+        rank: this process's index (0 on a single process).
+        world_size: number of processes (1 on a single process).
+        local_rank: index on this machine (``LOCAL_RANK``), for the CUDA device.
+        backend: ``"gloo"``, ``"nccl"`` or ``None`` (single process).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: torch.device) -> DistContext:
+    """Join the process group described by the environment (torchrun's variables).
+
+    A single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) gets a context with
+    ``enabled == False`` and no process group. An existing process group is reused.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 and not dist.is_initialized():
+        return DistContext()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        backend=dist.get_backend(),
+    )
+
+
+def broadcast_parameters(model: nn.Module, ctx: DistContext) -> None:
+    """Copy rank 0's parameters and buffers to every process (as DDP does at start)."""
+    if not ctx.enabled:
+        return
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def average_gradients(params: Iterable[tuple[str, nn.Parameter]], ctx: DistContext) -> None:
+    """All-reduce and average every ``p.grad`` (a missing one counts as zeros)."""
+    if not ctx.enabled:
+        return
+    for _, p in sorted(params, key=lambda item: item[0]):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad.div_(ctx.world_size)
+
+
+def averaging_on_grad(ctx: DistContext, then: OnGrad | None) -> OnGrad:
+    """An ``on_grad`` that averages the handed-over gradient, then calls ``then``."""
+
+    def on_grad(name: str, p: nn.Parameter) -> None:
+        if ctx.enabled and p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(ctx.world_size)
+        if then is not None:
+            then(name, p)
+
+    return on_grad
+
+
+def mean_scalar(value: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The mean of a scalar over processes (the loss all processes log and check)."""
+    if not ctx.enabled:
+        return value
+    v = value.detach().clone().reshape(1)
+    dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return (v / ctx.world_size).reshape(())
+
+
+def barrier(ctx: DistContext) -> None:
+    """Wait for every process (no-op on one)."""
+    if ctx.enabled:
+        dist.barrier()

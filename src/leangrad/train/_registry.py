@@ -1,0 +1,254 @@
+"""Named models and data sets for :func:`leangrad.train.fit` and ``leangrad train``.
+
+A model or data name is either registered here or an importable
+``"module:factory"`` spec. Model factories get the data's example shape and
+class count, so ``--model mlp --data mnist5k`` needs no sizes; ``--model-opt``
+keywords override the defaults. Unknown names list the known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _errors as E
+from .. import data as _data
+from .. import models as _models
+from ..data._text import text_chars
+
+__all__ = [
+    "DataInfo",
+    "build_model",
+    "data_info",
+    "data_names",
+    "example_batch",
+    "load_data",
+    "model_names",
+    "parse_options",
+]
+
+NEEDS_IMAGES = (
+    "model {model!r} needs image inputs (N, C, H, W); data {data!r} has examples of shape "
+    "{shape}. Use image data (digits, mnist5k) or a model for any shape (mlp)"
+)
+NEEDS_TOKENS = (
+    "model {model!r} needs int64 token ids (N, T) and sequence targets; data {data!r} has "
+    "{dtype} examples of shape {shape}. Use --data text or text:PATH"
+)
+NEEDS_FLOATS = (
+    "model {model!r} needs float inputs; data {data!r} holds integer token ids. "
+    "Use a token model (gru_lm) or float data"
+)
+BAD_SPEC = "{kind} spec {spec!r}: cannot import {target!r} ({error}); use 'package.module:factory'"
+NOT_A = "{kind} factory {spec!r} returned {type}, not a {want}"
+BAD_OPTION = "option {item!r} is not key=value"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataInfo:
+    """What a model factory needs to know about the data.
+
+    Attributes:
+        name: data spec, e.g. ``"digits"``.
+        input_shape: shape of one example (without the batch dimension).
+        num_classes: classes (or vocabulary size for text).
+        tokens: inputs are integer ids (text), not floats.
+    """
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    tokens: bool
+
+
+def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
+    """``["segments=4", "mode=pure"]`` -> ``{"segments": 4, "mode": "pure"}``.
+
+    Values are read as int, float, ``true``/``false``, ``none``, else kept as strings.
+    """
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise E.EngineInputError(BAD_OPTION.format(item=item))
+        out[key.strip()] = _value(raw.strip())
+    return out
+
+
+def _value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _import(spec: str, kind: str) -> Callable[..., Any]:
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise E.UnknownNameError(
+            BAD_SPEC.format(kind=kind, spec=spec, target=spec, error=err)
+        ) from err
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+def data_names() -> list[str]:
+    """Registered data names: those of :func:`leangrad.data.available` and ``text``."""
+    return sorted({*_data.available(), "text"})
+
+
+def load_data(spec: str, **options: Any) -> _data.Dataset:
+    """Load a data set by name, ``text:PATH`` (files or a directory on disk) or
+    ``module:factory`` (a callable returning a :class:`leangrad.data.Dataset`).
+
+    Args:
+        spec: the data spec.
+        **options: keyword arguments of the loader (e.g. ``length=32`` for text).
+    """
+    if spec == "text" or spec.startswith("text:"):
+        path = spec.partition(":")[2] or None
+        return text_chars(path, **options)
+    if ":" in spec:
+        ds = _import(spec, "data")(**options)
+        if not isinstance(ds, _data.Dataset):
+            raise E.EngineInputError(
+                NOT_A.format(kind="data", spec=spec, type=type(ds).__name__, want="Dataset")
+            )
+        return ds
+    if spec not in _data.available():
+        raise E.UnknownNameError(
+            E.UNKNOWN_NAME.format(kind="dataset", name=spec, known=", ".join(data_names()))
+        )
+    return _data.load(spec, **options)
+
+
+def data_info(name: str, ds: _data.Dataset) -> DataInfo:
+    """The :class:`DataInfo` of a loaded data set."""
+    return DataInfo(
+        name=name,
+        input_shape=tuple(ds.x.shape[1:]),
+        num_classes=ds.num_classes,
+        tokens=not ds.x.is_floating_point(),
+    )
+
+
+# -- models ----------------------------------------------------------------------------
+
+
+def _image(model: str, info: DataInfo) -> tuple[int, int, int]:
+    if len(info.input_shape) != 3 or info.tokens:
+        raise E.EngineInputError(
+            NEEDS_IMAGES.format(model=model, data=info.name, shape=info.input_shape)
+        )
+    c, h, w = info.input_shape
+    return c, h, w
+
+
+def _halvings(h: int, w: int, most: int) -> int:
+    """How many times both sides halve exactly, at most ``most``."""
+    d = 0
+    while d < most and h % 2 ** (d + 1) == 0 and w % 2 ** (d + 1) == 0:
+        d += 1
+    return d
+
+
+def _mlp(info: DataInfo, **kw: Any) -> nn.Module:
+    if info.tokens:
+        raise E.EngineInputError(NEEDS_FLOATS.format(model="mlp", data=info.name))
+    kw = {"width": 64, "depth": 2, **kw}
+    return _models.mlp(math.prod(info.input_shape), kw.pop("width"), kw.pop("depth"),
+                       info.num_classes, **kw)  # fmt: skip
+
+
+def _revnet(info: DataInfo, **kw: Any) -> nn.Module:
+    c, h, w = _image("revnet", info)
+    kw = {"channels": 8, "blocks": 1 + _halvings(h, w, 1), **kw}
+    return _models.revnet(c, classes=info.num_classes, **kw)
+
+
+def _submersive_cnn(info: DataInfo, **kw: Any) -> nn.Module:
+    c, h, w = _image("submersive_cnn", info)
+    kw = {"channels": 16, "depth": max(1, _halvings(h, w, 3)), **kw}
+    return _models.submersive_cnn(c, classes=info.num_classes, **kw)
+
+
+def _resnet(info: DataInfo, **kw: Any) -> nn.Module:
+    c, _, _ = _image("resnet", info)
+    return _models.small_resnet(c, classes=info.num_classes, **kw)
+
+
+def _gru_lm(info: DataInfo, **kw: Any) -> nn.Module:
+    if not info.tokens or len(info.input_shape) != 1:
+        raise E.EngineInputError(
+            NEEDS_TOKENS.format(model="gru_lm", data=info.name, dtype="float",
+                                shape=info.input_shape)
+        )
+    return _models.char_gru_lm(info.num_classes, **kw)
+
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {
+    "gru_lm": _gru_lm,
+    "mlp": _mlp,
+    "resnet": _resnet,
+    "revnet": _revnet,
+    "submersive_cnn": _submersive_cnn,
+}
+
+
+def model_names() -> list[str]:
+    """Registered model names, sorted."""
+    return sorted(_MODELS)
+
+
+def build_model(spec: str, info: DataInfo, **options: Any) -> nn.Module:
+    """Build a model by name or ``module:factory`` for data described by ``info``.
+
+    An importable factory gets ``options`` as keywords, plus ``input_shape`` and
+    ``num_classes`` when its signature names them.
+    """
+    if ":" in spec:
+        factory = _import(spec, "model")
+        params = inspect.signature(factory).parameters
+        extra: Mapping[str, Any] = {
+            k: v
+            for k, v in (("input_shape", info.input_shape), ("num_classes", info.num_classes))
+            if k in params and k not in options
+        }
+        model = factory(**extra, **options)
+        if not isinstance(model, nn.Module):
+            raise E.EngineInputError(
+                NOT_A.format(kind="model", spec=spec, type=type(model).__name__, want="nn.Module")
+            )
+        return model
+    if spec not in _MODELS:
+        raise E.UnknownNameError(
+            E.UNKNOWN_NAME.format(kind="model", name=spec, known=", ".join(model_names()))
+        )
+    return _MODELS[spec](info, **options)
+
+
+def example_batch(info: DataInfo, batch_size: int, *, device: torch.device | str,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A random batch shaped like the data (for measuring, not training)."""
+    if info.tokens:
+        x = torch.randint(0, info.num_classes, (batch_size, *info.input_shape), device=device)
+        return x, torch.randint(0, info.num_classes, x.shape, device=device)
+    x = torch.randn(batch_size, *info.input_shape, device=device, dtype=dtype)
+    return x, torch.randint(0, info.num_classes, (batch_size,), device=device)
