@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from leangrad import Chain, models
-from leangrad.layers import AdditiveCoupling, LeakyReLU, SpaceToDepth, Tanh
+from leangrad.layers import AdditiveCoupling, FragmentalConv2d, LeakyReLU, SpaceToDepth, Tanh
 
 __all__ = [
     "MODEL_KINDS",
@@ -22,12 +22,17 @@ __all__ = [
     "trainable",
 ]
 
-MODEL_KINDS = ("mlp", "cnn", "conv", "rnn", "revchain", "subcnn", "subcnn_repeat")
+MODEL_KINDS = (
+    "mlp", "cnn", "conv", "rnn", "revchain", "subcnn", "subcnn_repeat", "frag1d", "frag2d"
+)
 """mlp: ``models.mlp``; cnn: ``models.small_cnn`` (8x8 inputs); conv: ``models.conv_stack``
 (any spatial size); rnn: ``models.rnn_classifier``; revchain: a :class:`leangrad.Chain` of
 invertible layers (couplings, LeakyReLU, ψ, Tanh) behind a 1x1-conv stem; subcnn: a Chain of
 channel-triangular stride-2 convs and LeakyReLUs (submersive, not invertible); subcnn_repeat:
-the same behind a parameter-free stem (Moonwalk then seeds Phase III with h1, not h0)."""
+the same behind a parameter-free stem (Moonwalk then seeds Phase III with h1, not h0);
+frag1d: ``models.fragmental_cnn1d`` (stride-1 'same' convs: not submersive, Moonwalk needs
+``fragment=``), lengths not divisible by the block sizes; frag2d: a Chain of
+FragmentalConv2d + LeakyReLU behind a parameter-free stem."""
 
 
 def _revchain(s: dict[str, int], h: int, w: int) -> nn.Module:
@@ -52,6 +57,15 @@ def _subcnn(s: dict[str, int], stem: str = "conv") -> nn.Module:
     return models.submersive_cnn(
         s["in_channels"], s["channels"] + 1, s["depth"], s["classes"], stem=stem
     )
+
+
+def _frag2d(s: dict[str, int]) -> nn.Module:
+    ch = s["channels"] + 1
+    layers: list[nn.Module] = []
+    for _ in range(s["depth"]):
+        layers += [FragmentalConv2d(ch, 3), LeakyReLU(0.2)]
+    head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(ch, s["classes"]))
+    return Chain(*layers, stem=models.RepeatChannels(ch), head=head)
 
 
 @dataclasses.dataclass
@@ -103,6 +117,14 @@ def make_problem(
         model = _subcnn(s, "repeat" if kind == "subcnn_repeat" else "conv")
         side = 2 ** s["depth"] * max(1, s["height"] // 2)
         x = torch.randn(b, s["in_channels"], side, side, dtype=torch.float64)
+    elif kind == "frag1d":
+        model = models.fragmental_cnn1d(s["in_channels"], s["channels"] + 1, s["depth"], c)
+        x = torch.randn(b, s["in_channels"], 4 * s["height"] + s["wide"], dtype=torch.float64)
+        model.layers[0].bias.requires_grad_(False)  # a frozen parameter inside the chain
+    elif kind == "frag2d":
+        model = _frag2d(s)
+        x = torch.randn(b, s["in_channels"], 2 * s["height"] + 1, s["wide"] + 2,
+                        dtype=torch.float64)  # fmt: skip
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     targets = torch.randint(0, c, (b,))

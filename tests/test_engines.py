@@ -46,6 +46,9 @@ VARIANTS: dict[str, list[dict[str, object]]] = {
         {"mode": "pure", "chunk_size": 7},
         {"mode": "pure", "per_example": True},
         {"stem_chunks": 2},
+        {"fragment": 3},
+        {"fragment": "full"},
+        {"fragment": 4, "segments": 2},
     ],
 }
 
@@ -190,7 +193,7 @@ def test_checkpoint_passes_tuple_outputs_like_sequential(segments: int | None) -
 def test_on_grad_called_once_per_trainable_parameter(name: str) -> None:
     """Called exactly once per trainable parameter, with the model's own parameter object
     whose ``.grad`` already holds its final gradient; frozen parameters are skipped."""
-    prob = _mlp_problem(depth=3) if _supported(name, "mlp") is None else _chain_problem()
+    prob = _on_grad_problem(name)
     model = prob.model
     frozen = list(trainable(model))[1]
     model.get_parameter(frozen).requires_grad_(False)
@@ -223,6 +226,25 @@ def _sgd_on_grad(lr: float):  # type: ignore[no-untyped-def]
 
 def _chain_problem():  # type: ignore[no-untyped-def]
     return make_problem("revchain", torch.float64, sizes={"channels": 2, "height": 4})
+
+
+def _highway_problem():  # type: ignore[no-untyped-def]
+    """A GRU read at every step (highway needs a leangrad.highway.HighwayNet)."""
+    from helpers import Problem
+    from leangrad.highway import GRULayer, HighwayNet
+
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(5, 3), nn.Flatten(0, 1))  # (steps*batch, classes)
+    model = HighwayNet(nn.Linear(4, 5), [GRULayer(5, 5)], head).double()
+    x = torch.randn(6, 2, 4, dtype=torch.float64)
+    return Problem(model, (x,), torch.randint(0, 3, (12,)))
+
+
+def _on_grad_problem(name: str):  # type: ignore[no-untyped-def]
+    """The mlp where the engine supports it, a HighwayNet for highway, else a chain."""
+    if _supported(name, "mlp") is None:
+        return _mlp_problem(depth=3)
+    return _highway_problem() if name == "highway" else _chain_problem()
 
 
 @pytest.mark.parametrize(

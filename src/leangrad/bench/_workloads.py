@@ -89,6 +89,20 @@ def _subcnn(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
     return model, (cin, size, size)
 
 
+def _frag1d(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
+    length, cin = c.get("length", 512), c.get("in_channels", 3)
+    model = models.fragmental_cnn1d(
+        cin,
+        c.get("channels", 64),
+        c["depth"],
+        c.get("classes", 10),
+        kernel_size=c.get("kernel_size", 3),
+        negative_slope=c.get("negative_slope", 0.5),
+        stem=c.get("stem", "conv"),
+    )
+    return model, (cin, length)
+
+
 MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]]]] = {
     "mlp": _mlp,
     "conv": _conv,
@@ -96,6 +110,7 @@ MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]
     "rnn": _rnn,
     "revnet": _revnet,
     "subcnn": _subcnn,
+    "frag1d": _frag1d,
 }
 
 

@@ -17,6 +17,13 @@ each g_i to ``on_grad`` at once. h₀ comes from:
 - ``mode="pure"``: forward-mode, one jvp per input coordinate (vmapped in
   chunks) — no residuals at all, time growing with the input size.
 
+``fragment=`` admits non-submersive layers (v2 section 5.1, Appendix 10,
+Algorithm 3): Phase II keeps part of their output cotangent — ``"full"``: all of
+it (cotangent checkpointing, any layer); an int B: only the k−1 slices that seed
+every block of B positions of a fragmental layer (e.g.
+:class:`~leangrad.layers.FragmentalConv1d`), from which Phase III rebuilds the
+rest of every block, all blocks at once, exactly.
+
 ``segments=`` adds activation checkpointing to Phase I/II (v2 Appendix 11,
 "Moonwalk + checkpoint"): only segment inputs are kept and each segment's
 residuals are recomputed when Phase II reaches it.
@@ -54,7 +61,9 @@ from ._checkpoint import split_segments
 from ._registry import register
 
 __all__ = [
+    "NEEDS_FRAGMENT",
     "NOT_A_CHAIN",
+    "NO_FRAGMENT_RULE",
     "Moonwalk",
     "StemRun",
     "chain_of",
@@ -69,6 +78,23 @@ NOT_A_CHAIN = (
     "'checkpoint', which take any module"
 )
 BAD_MODE = "mode must be 'mixed' or 'pure', got {value!r}"
+BAD_FRAGMENT = (
+    "fragment must be None, 'full' or a block size (an int ≥ 1), got {value!r}"
+)
+FRAGMENT_NEEDS_MIXED = (
+    "fragment applies to mode='mixed' only: the cotangent fragments are taken during "
+    "Phase II's backward pass, which mode='pure' does not run"
+)
+NEEDS_FRAGMENT = (
+    "{layer} is not submersive (its Jacobian has no right-inverse) but supports fragmental "
+    "checkpointing: run moonwalk with fragment=B (a block size ≥ its kernel size) to keep "
+    "the cotangent slices that seed each block, or fragment='full'"
+)
+NO_FRAGMENT_RULE = (
+    "{layer} is not submersive and has no fragment rule, so fragment={block} cannot "
+    "rebuild its output cotangent; use fragment='full' to keep its whole output cotangent "
+    "in Phase II, or a fragmental layer such as leangrad.layers.FragmentalConv1d"
+)
 LAYER_ERROR = "chain layer {index}: {error}"
 
 
@@ -201,6 +227,13 @@ class Moonwalk(Engine):
             the batch at once. Valid only when the chain layers treat examples
             independently (no BatchNorm in training mode inside them); it divides
             the number of jvps by the batch size.
+        fragment: ``None`` — every chain layer must be submersive; ``"full"`` — a
+            non-submersive layer's whole output cotangent is kept in Phase II
+            (cotangent checkpointing; any layer); an int B — fragmental layers
+            keep only the first k−1 positions of every block of B positions of
+            their output cotangent and Phase III rebuilds the rest by eq. (20)
+            (Algorithm 3): (k−1)/B of the cotangent stored, B−k+1 sequential
+            steps per layer. Mixed mode only.
         stem_chunks: when the first chain layer's vijp ignores its input (a conv)
             and the stem has no trainable parameters, Phase II stops at h₁ (the
             first layer's output cotangent; v2 section 4.3's "alternative seed") and
@@ -225,16 +258,25 @@ class Moonwalk(Engine):
         chunk_size: int = 16,
         per_example: bool = False,
         stem_chunks: int = 1,
+        fragment: int | Literal["full"] | None = None,
     ) -> None:
         if mode not in ("mixed", "pure"):
             raise ValueError(BAD_MODE.format(value=mode))
+        if fragment is not None and fragment != "full" and (
+            not isinstance(fragment, int) or isinstance(fragment, bool) or fragment < 1
+        ):
+            raise ValueError(BAD_FRAGMENT.format(value=fragment))
+        if fragment is not None and mode == "pure":
+            raise ValueError(FRAGMENT_NEEDS_MIXED)
         super().__init__(
             mode=mode,
             segments=segments,
             chunk_size=chunk_size,
             per_example=per_example,
             stem_chunks=stem_chunks,
+            fragment=fragment,
         )
+        self.fragment = fragment
         self.stem_chunks = self._positive_int("stem_chunks", stem_chunks)
         if segments is not None and segments != "sqrt":
             self._positive_int("segments", segments)
@@ -253,7 +295,39 @@ class Moonwalk(Engine):
         return None
 
     def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
-        return rule_layers(model, self.label, need="submersive")
+        chain = chain_of(model, self.label)
+        layers = chain.rule_layers(self.label)
+        for i, layer in enumerate(layers):
+            if layer.submersive or self.fragment == "full":
+                continue
+            if self.fragment is None or not layer.fragmental:
+                template = (
+                    NO_FRAGMENT_RULE if self.fragment is not None
+                    else NEEDS_FRAGMENT if layer.fragmental
+                    else NOT_SUBMERSIVE
+                )  # fmt: skip
+                msg = template.format(layer=layer._describe(), block=self.fragment)
+                raise NotSubmersiveError(LAYER_ERROR.format(index=i, error=msg))
+            layer.check_fragment(self.fragment)  # type: ignore[attr-defined]
+        return chain, layers
+
+    def _kept(self, layer: ChainLayer, h_out: torch.Tensor) -> Any:
+        """What Phase II keeps of a layer's output cotangent (None for submersive layers)."""
+        if layer.submersive:
+            return None
+        if self.fragment == "full":
+            return h_out
+        return layer.fragments(h_out, self.fragment)  # type: ignore[attr-defined]
+
+    def _out_cotangent(
+        self, layer: ChainLayer, x: torch.Tensor | None, h: torch.Tensor, kept: Any
+    ) -> torch.Tensor:
+        """h_i from h_{i−1}: the vijp (eq. 9), the kept cotangent, or the rebuilt one."""
+        if layer.submersive:
+            return layer.vijp(x, h)
+        if self.fragment == "full":
+            return kept
+        return layer.vijp_fragments(x, h, kept, self.fragment)  # type: ignore[attr-defined]
 
     def _backward(
         self,
@@ -264,6 +338,7 @@ class Moonwalk(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         chain, layers = self._layers(model)
+        self._info: dict[str, Any] = {}
         stem = StemRun(chain, inputs, self.label)
         stem_params = [n for n, _ in chain.iter_params(chain.stem) if n in params]
         seed_h1 = (
@@ -274,7 +349,7 @@ class Moonwalk(Engine):
             # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
             # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
             with torch.no_grad():
-                loss, h1 = self._phase_one_two(
+                loss, h1, kept = self._phase_one_two(
                     chain,
                     layers[1:],
                     torch.cat([
@@ -291,11 +366,14 @@ class Moonwalk(Engine):
             x = self._first_layer(stem, inputs, layers[0], h1, params, full_name, on_grad)
             state = [x, h1]
             del x, h1  # Phase III owns them now and frees each as soon as it is used
-            self._phase_three(layers[1:], state, params, full_name, on_grad)
-            return self._result(loss)
+            self._phase_three(layers[1:], state, kept, params, full_name, on_grad)
+            return self._result(loss, **self._info)
         if self.mode == "mixed":
-            loss, h0 = self._phase_one_two(chain, layers, stem.take(), loss_fn, params, on_grad)
+            loss, h0, kept = self._phase_one_two(
+                chain, layers, stem.take(), loss_fn, params, on_grad
+            )
         else:
+            kept = [None] * len(layers)
             x0 = stem.take()
             loss, h0 = self._pure_h0(chain, layers, x0, loss_fn, params, on_grad)
             del x0
@@ -304,8 +382,9 @@ class Moonwalk(Engine):
             # The first layer's vijp ignores x0 (a conv): take h1 from h0 and free h0
             # before x0 is replayed, so the two full-size tensors never coexist.
             stem.backward(h0, params, None, keep=False)
-            h = layers[0].vijp(None, h0)
+            h = self._out_cotangent(layers[0], None, h0, kept[0])
             del h0
+            kept[0] = None
             x = self._apply(layers[0], stem.replay(), h, params, full_name, on_grad)
             if on_grad is not None:  # only now: a step on the stem would change the replay
                 for n, p in chain.iter_params(chain.stem):
@@ -313,16 +392,16 @@ class Moonwalk(Engine):
                         on_grad(n, params[n])
             state = [x, h]
             del x, h
-            x_last = self._phase_three(layers[1:], state, params, full_name, on_grad)
+            x_last = self._phase_three(layers[1:], state, kept[1:], params, full_name, on_grad)
         else:
             x0 = stem.backward(h0, params, on_grad)  # replayed: x0 was not kept meanwhile
             assert x0 is not None
             state = [x0, h0]
             del x0, h0
-            x_last = self._phase_three(layers, state, params, full_name, on_grad)
+            x_last = self._phase_three(layers, state, kept, params, full_name, on_grad)
         if self.mode == "pure" and not self.per_example:
             loss, _ = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
-        return self._result(loss)
+        return self._result(loss, **self._info)
 
     # -- Phase I + II: h0 through minimal residuals ------------------------------
     def _phase_one_two(
@@ -335,8 +414,9 @@ class Moonwalk(Engine):
         on_grad: OnGrad | None,
         *,
         stop: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss and h_stop (h₀ by default): the backward stops at layer ``stop``'s output."""
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+        """Loss, h_stop (h₀ by default: the backward stops at layer ``stop``'s output) and
+        what each layer keeps of its output cotangent for Phase III (``fragment=``)."""
         n = len(layers)
         keep_all = self.segments is None  # else: keep segment inputs, recompute residuals
         if keep_all:
@@ -345,6 +425,7 @@ class Moonwalk(Engine):
             s = math.ceil(math.sqrt(n)) if self.segments == "sqrt" else int(self.segments)
             groups = split_segments(n, s) if n else []
         residuals: list[Any] = [None] * n
+        kept: list[Any] = [None] * n
         boundary: list[torch.Tensor | None] = [None] * len(groups)
         x = x0
         del x0  # replayed from the stem for Phase III, not kept
@@ -372,9 +453,11 @@ class Moonwalk(Engine):
                     del xb, y
                 for i in reversed(group):
                     if i >= stop:
+                        kept[i] = self._kept(layers[i], h)
                         h = layers[i].vjp_input(residuals[i], h)
                     residuals[i] = None
-        return loss, h
+        self._info = {"kept_cotangent_bytes": _storage_bytes(kept)} if self.fragment else {}
+        return loss, h, kept
 
     # -- pure mode: h0 by forward mode --------------------------------------------
     def _pure_h0(
@@ -480,19 +563,31 @@ class Moonwalk(Engine):
         self,
         layers: list[ChainLayer],
         state: list[torch.Tensor],
+        kept: list[Any],
         params: dict[str, nn.Parameter],
         full_name: dict[int, str],
         on_grad: OnGrad | None,
     ) -> torch.Tensor:
         """Algorithm 1's loop: h_i = vijp(x_{i−1}, h_{i−1}) (eq. 9), then g_i (eq. 10).
 
-        ``state = [x, h]`` is emptied: the caller must hold no other reference, so each
-        x_{i−1} and h_{i−1} is freed as soon as layer i has used it.
+        ``state = [x, h]`` and ``kept`` are emptied: the caller must hold no other
+        reference, so each x_{i−1}, h_{i−1} and kept fragment is freed once used.
         """
         x, h = state
         state.clear()
-        for layer in layers:
+        for i, layer in enumerate(layers):
             with torch.no_grad():
-                h = layer.vijp(x, h)
+                h = self._out_cotangent(layer, x, h, kept[i])
+            kept[i] = None
             x = self._apply(layer, x, h, params, full_name, on_grad)
         return x
+
+
+def _storage_bytes(kept: list[Any]) -> int:
+    """Bytes of the distinct storages behind the kept cotangents (what Phase II holds)."""
+    seen: dict[int, int] = {}
+    for t in kept:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())

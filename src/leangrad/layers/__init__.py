@@ -9,6 +9,7 @@ from ._base import (
 from ._bits import PackedBits, pack_bits, unpack_bits
 from ._chain import Chain
 from ._conv import SubmersiveConv2d
+from ._fragmental import FragmentalConv1d, FragmentalConv2d
 from ._invertible import AdditiveCoupling, LeakyReLU, SpaceToDepth, Tanh
 from ._linear import SubmersiveLinear
 from ._swap import SwapHalves
@@ -17,6 +18,8 @@ __all__ = [
     "AdditiveCoupling",
     "Chain",
     "ChainLayer",
+    "FragmentalConv1d",
+    "FragmentalConv2d",
     "LayerConditionError",
     "LeakyReLU",
     "NotInvertibleError",

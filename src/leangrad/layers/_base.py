@@ -98,9 +98,14 @@ class ChainLayer(nn.Module):
         submersive: ``vijp`` is implemented (the Jacobian is right-invertible).
         invertible: ``inverse`` is implemented.
         vijp_needs_input: ``vijp`` reads ``x`` (``False`` for linear layers).
+        fragmental: not submersive, but ``vijp_fragments(x, h_in, frags, block)`` rebuilds
+            the output cotangent from ``h_in`` and ``fragments(h_out, block)`` kept in
+            Phase II (Moonwalk v2 section 5.1, fragmental checkpointing); such layers
+            also implement ``check_fragment(block)``.
     """
 
     submersive: ClassVar[bool] = False
+    fragmental: ClassVar[bool] = False
     invertible: ClassVar[bool] = False
     vijp_needs_input: ClassVar[bool] = True
     """``False`` when ``vijp`` ignores ``x`` (a linear layer: its Jacobian is constant), so
