@@ -285,3 +285,38 @@ def test_non_highway_model_is_refused_with_the_fix() -> None:
     assert reason == NOT_HIGHWAY.format(model="Sequential")
     with pytest.raises(leangrad.engines._base.E.EngineInputError, match=re.escape(reason)):
         eng.backward(model, torch.randn(3, 2), lambda y: y.sum())
+
+
+# --- diagnostics -----------------------------------------------------------------------
+
+
+def test_convergence_reaches_exact_and_shares_sum_to_the_gradient() -> None:
+    """Cosine 1 and zero error at k = L − 1; the iteration steps g_k − g_{k−1} telescope,
+    so their norms bound the gradient's norm (triangle inequality: Σ shares ≥ 1)."""
+    from leangrad.highway import convergence, suggest_k
+
+    net, inputs, loss_fn, length = _rnn_problem("gru", layers=1)
+    net = net.double()
+    before = {n: p.grad for n, p in net.named_parameters()}
+    pts = convergence(net, inputs, loss_fn, ks=range(length))
+    assert [p.k for p in pts] == list(range(length))
+    assert pts[-1].cosine == pytest.approx(1.0, abs=1e-12)
+    assert pts[-1].rel_err <= 1e-12
+    assert sum(p.step_share for p in pts) >= 1 - 1e-12
+    assert all(p.grad is before[n] for n, p in net.named_parameters())
+    k = suggest_k(net, inputs, loss_fn, target_cosine=0.999, k_max=length - 1)
+    assert pts[k].cosine >= 0.999 and all(p.cosine < 0.999 for p in pts[:k])
+
+
+def test_k_schedule_rises_from_start_to_end_and_rejects_bad_bounds() -> None:
+    from leangrad.highway import KSchedule
+    from leangrad.highway._diagnostics import BAD_SCHEDULE
+
+    lin = KSchedule(start=0, end=4, steps=100)
+    ks = [lin(s) for s in range(0, 121, 10)]
+    assert ks[0] == 0 and ks[-1] == 4 and ks == sorted(ks)
+    step = KSchedule(start=1, end=3, steps=10, kind="step")
+    assert [step(s) for s in (0, 4, 5, 20)] == [1, 1, 3, 3]
+    msg = BAD_SCHEDULE.format(start=3, end=1, steps=10, kind="linear")
+    with pytest.raises(HighwayError, match=re.escape(msg)):
+        KSchedule(start=3, end=1, steps=10)

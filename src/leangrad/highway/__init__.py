@@ -9,6 +9,7 @@ Layers are written as ``f(x) = r(x, g(x))`` with a cheap ``K = ∂r/∂x`` (Tabl
 """
 
 from ._blocks import PostLNSublayer, PostReLUBlock, PreActBlock, PreLNSublayer, ResidualStack
+from ._diagnostics import KPoint, KSchedule, convergence, suggest_k
 from ._protocol import (
     K_STRUCTURES,
     HighwayBlock,
@@ -29,6 +30,8 @@ __all__ = [
     "HighwayError",
     "HighwayNet",
     "HighwayStack",
+    "KPoint",
+    "KSchedule",
     "KStructure",
     "LSTMLayer",
     "PostLNSublayer",
@@ -38,7 +41,9 @@ __all__ = [
     "ResidualStack",
     "Trace",
     "check_block",
+    "convergence",
     "cumsumprod",
     "cumsumprod_parallel",
     "cumsumprod_sequential",
+    "suggest_k",
 ]
