@@ -1,0 +1,602 @@
+"""Highway-BP suites (issue 7): speed and memory on RNNs, training curves, convergence in k.
+
+Runners (``runner = "leangrad.bench._highway:FN"``), all on one thread, float32:
+
+- :func:`run_rnn` (``highway-rnn``, paper Table 3/6 + Appendix D): a character-level
+  GRU/LSTM model (embedding -> layer -> linear head, a loss at every step) at several
+  sequence lengths L; one training step (forward + gradients) of autograd BPTT through the
+  same layer, ``nn.GRU``/``nn.LSTM`` with the same weights, and highway for each k, timed
+  interleaved; the forward alone is timed too, so *backward = step − forward* of each
+  method. Peak memory by the allocator-level tracker; gradient cosine/error against
+  autograd's float64 gradient. Also times the two CumSumProd scans (``kind = "scan"``).
+- :func:`run_train` (``highway-train``, Figs. 2, 4, 5): a char-level GRU language model
+  on the Python standard library's own sources and a pre-activation ResNet on digits,
+  trained by backprop, FPI and highway for several k from the same initialisation on the
+  same batches: loss against step and against wall time.
+- :func:`run_convergence` (``highway-convergence``, Fig. 6): the same models trained by
+  backprop; at several points of training, cosine/error/norm share per k.
+
+:func:`render` writes the Markdown section of ``leangrad report`` for all three.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import sysconfig
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import data
+from ..engines import engine as make_engine
+from ..highway import (
+    GRULayer,
+    HighwayNet,
+    KSchedule,
+    LSTMLayer,
+    PreActBlock,
+    ResidualStack,
+    convergence,
+    cumsumprod_parallel,
+    cumsumprod_sequential,
+)
+from ..measure import MemoryTracker, compare_grads, grads_of, num_threads, time_interleaved
+from ._runner import RECORD_FIELDS, machine_info
+from ._suites import Suite
+
+__all__ = ["char_corpus", "render", "run_convergence", "run_rnn", "run_train"]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _setting(suite: Suite, key: str, quick: bool, default: Any) -> Any:
+    s = suite.settings
+    if quick and f"quick_{key}" in s:
+        return s[f"quick_{key}"]
+    return s.get(key, default)
+
+
+def _base(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+    rec.update(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=_now())
+    rec.update(fields)
+    return rec
+
+
+# --- models and data -------------------------------------------------------------------
+
+
+def char_lm(cell: str, vocab: int, hidden: int, layers: int = 1) -> HighwayNet:
+    """Embedding -> ``layers`` GRU/LSTM layers (residuals between them) -> linear head."""
+    cls = GRULayer if cell == "gru" else LSTMLayer
+    stacks = [cls(hidden, hidden, residual=i > 0) for i in range(layers)]
+    return HighwayNet(nn.Embedding(vocab, hidden), stacks, nn.Linear(hidden, vocab))
+
+
+class _TorchLM(nn.Module):
+    """The same model with ``nn.GRU``/``nn.LSTM`` (one layer), weights copied."""
+
+    def __init__(self, net: HighwayNet, cell: str) -> None:
+        super().__init__()
+        layer = net.stacks[0]
+        cls = nn.GRU if cell == "gru" else nn.LSTM
+        self.stem, self.head = copy.deepcopy(net.stem), copy.deepcopy(net.head)
+        self.rnn = cls(layer.input_size, layer.hidden_size)
+        with torch.no_grad():
+            for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(self.rnn, f"{n}_l0").copy_(getattr(layer, n))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.stem(tokens))[0])
+
+
+def char_corpus(max_chars: int, *, vocab: int = 96) -> tuple[torch.Tensor, int]:
+    """Characters of the Python standard library's ``.py`` files (sorted paths, from
+    ``sysconfig.get_paths()["stdlib"]``), the ``vocab − 1`` most common mapped to ids and
+    every other character to one "unknown" id. Returns ``(ids, vocab)``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts: list[str] = []
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    if total == 0:
+        raise FileNotFoundError(f"no readable .py files under the standard library at {root}")
+    text = "".join(parts)[:max_chars]
+    common = [c for c, _ in Counter(text).most_common(vocab - 1)]
+    table = {c: i for i, c in enumerate(common)}
+    ids = torch.tensor([table.get(c, vocab - 1) for c in text], dtype=torch.long)
+    return ids, vocab
+
+
+def _lm_batches(ids: torch.Tensor, length: int, batch: int, seed: int) -> Iterator[Any]:
+    """Random windows ``(tokens, targets)``, time-major ``(L, batch)``, forever."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(ids) - length - 1, (batch,), generator=gen)
+        win = torch.stack([ids[s : s + length + 1] for s in starts.tolist()], 1)
+        yield win[:-1], win[1:]
+
+
+def _lm_loss(targets: torch.Tensor, vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:  # one loss per step (section 3)
+        return F.cross_entropy(out.reshape(-1, vocab), targets.reshape(-1))
+
+    return loss_fn
+
+
+def preact_resnet(channels: int, blocks: int, classes: int = 10) -> HighwayNet:
+    """Pre-activation ResNet for 1x8x8 digits: conv stem -> ``blocks`` PreActBlocks ->
+    BN-ReLU-average pool-linear head (K = I in every block, eq. 14)."""
+    head = nn.Sequential(
+        nn.BatchNorm2d(channels), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(channels, classes),
+    )  # fmt: skip
+    stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
+    return HighwayNet(stem, [ResidualStack([PreActBlock(channels) for _ in range(blocks)])], head)
+
+
+# --- highway-rnn -----------------------------------------------------------------------
+
+
+def _step_fn(eng: Any, model: nn.Module, inputs: tuple, loss_fn: Callable) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        eng.backward(model, inputs, loss_fn)
+
+    return step
+
+
+def _forward_fn(model: nn.Module, inputs: tuple, loss_fn: Callable, *, traced: bool):
+    def fwd() -> None:
+        if traced:  # what the highway engine runs before its backward
+            assert isinstance(model, HighwayNet)
+            with torch.no_grad():
+                x = model.stem(*inputs)
+            for s in model.stacks:
+                x = s.trace(x).output
+            with torch.enable_grad():
+                loss_fn(model.head(x.requires_grad_()))
+        else:  # autograd forward, recording the graph
+            loss_fn(model(*inputs))
+
+    return fwd
+
+
+def run_rnn(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """Time, memory and gradient quality of highway (each k) vs BPTT vs nn.GRU/nn.LSTM."""
+    repeats = int(_setting(suite, "repeats", quick, 5))
+    batch = int(_setting(suite, "batch", quick, 32))
+    hidden = int(_setting(suite, "hidden", quick, 128))
+    vocab = int(_setting(suite, "vocab", quick, 64))
+    ks = [int(k) for k in _setting(suite, "ks", quick, [0, 1, 2, 5, 10])]
+    seed = int(_setting(suite, "seed", quick, 0))
+    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    records: list[dict[str, Any]] = []
+    bar = tqdm(jobs, desc=suite.name, disable=not progress)
+    for series, length in bar:
+        cell = series.config.get("cell", "gru")
+        bar.set_description(f"{suite.name} {cell} L={length}")
+        torch.manual_seed(seed)
+        net = char_lm(cell, vocab, hidden).to(device)
+        tokens = torch.randint(0, vocab, (length, batch), device=device)
+        loss_fn = _lm_loss(torch.randint(0, vocab, (length, batch), device=device), vocab)
+        inputs = (tokens,)
+        torch_lm = _TorchLM(net, cell).to(device)
+        methods: dict[str, tuple[Any, nn.Module, int | None]] = {
+            "bptt": (make_engine("backprop"), net, None),
+            f"nn.{cell.upper()}": (make_engine("backprop"), torch_lm, None),
+        }
+        for k in ks:
+            methods[f"highway(k={k})"] = (make_engine("highway", k=k), net, k)
+        methods["fpi(k=2)"] = (make_engine("highway", k=2, baseline="fpi"), net, 2)
+        fns = {lb: _step_fn(e, m, inputs, loss_fn) for lb, (e, m, _) in methods.items()}
+        fns["forward:bptt"] = _forward_fn(net, inputs, loss_fn, traced=False)
+        fns["forward:highway"] = _forward_fn(net, inputs, loss_fn, traced=True)
+        fns["forward:nn"] = _forward_fn(torch_lm, inputs, loss_fn, traced=False)
+        times = time_interleaved(fns, repeats=repeats, warmup=1, reference="bptt", threads=1)
+        ref = grads_of_engine(make_engine("backprop"), copy.deepcopy(net).double(), inputs,
+                              loss_fn)  # fmt: skip
+        bptt_bwd = times["bptt"].median - times["forward:bptt"].median
+        for label, (eng, model, k) in methods.items():
+            fwd_key = ("forward:nn" if model is torch_lm
+                       else "forward:highway" if k is not None else "forward:bptt")  # fmt: skip
+            bwd = times[label].median - times[fwd_key].median
+            model.zero_grad(set_to_none=True)
+            with num_threads(1), MemoryTracker(baseline=(model, tokens)) as tracker:
+                eng.backward(model, inputs, loss_fn)
+            got = _torch_lm_grads(torch_lm) if model is torch_lm else grads_of(model)
+            cmp = compare_grads(got, ref)
+            records.append(_base(
+                suite, "highway-rnn", quick, series=series.name, engine=label,
+                config={"cell": cell, "length": length, "batch": batch, "hidden": hidden,
+                        "vocab": vocab, "dtype": "float32", "threads": 1},
+                x=length, k=k, peak_bytes=tracker.report.peak_bytes,
+                seconds_median=times[label].median, seconds_min=times[label].minimum,
+                seconds_max=times[label].maximum, time_ratio=times[label].ratio,
+                forward_seconds=times[fwd_key].median, backward_seconds=bwd,
+                step_speedup=times["bptt"].median / times[label].median,
+                backward_speedup=bptt_bwd / bwd if bwd > 0 else None,
+                grad_max_rel_err=cmp.max_rel_err, grad_cosine=cmp.cosine,
+            ))  # fmt: skip
+        records += _scan_records(suite, quick, length, batch, hidden, device)
+    return records
+
+
+def grads_of_engine(eng: Any, model: nn.Module, inputs: tuple, loss_fn: Callable) -> dict:
+    """``grads_of(model)`` after one ``eng.backward`` (``.grad`` cleared first)."""
+    model.zero_grad(set_to_none=True)
+    eng.backward(model, inputs, loss_fn)
+    return grads_of(model)
+
+
+def _torch_lm_grads(m: _TorchLM) -> dict[str, torch.Tensor]:
+    """The nn.GRU/nn.LSTM model's gradients under the HighwayNet's parameter names."""
+    g = grads_of(m)
+    out = {k.replace("rnn.", "stacks.0.").replace("_l0", ""): v for k, v in g.items()}
+    return out
+
+
+def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: int,
+                  device: str) -> list[dict[str, Any]]:  # fmt: skip
+    """Both CumSumProd algorithms on a diagonal K, at this L and at a tiny state."""
+    out = []
+    for state in ((batch, hidden), (2, 8)):
+        v = torch.randn(length, *state, device=device)
+        k = torch.rand(length, *state, device=device)
+        t = time_interleaved(
+            {"parallel": lambda v=v, k=k: cumsumprod_parallel(v, k),
+             "sequential": lambda v=v, k=k: cumsumprod_sequential(v, k)},
+            repeats=5 if quick else 11, warmup=1, reference="sequential", threads=1,
+        )  # fmt: skip
+        for name, tm in t.items():
+            out.append(_base(
+                suite, "scan", quick, series=f"scan-{state[0]}x{state[1]}", engine=name,
+                config={"length": length, "state": list(state), "threads": 1}, x=length,
+                seconds_median=tm.median, time_ratio=tm.ratio,
+            ))  # fmt: skip
+    return out
+
+
+# --- highway-train ---------------------------------------------------------------------
+
+
+def _task(config: dict[str, Any], value: int, seed: int, device: str) -> dict[str, Any]:
+    """Model, batch stream, loss and evaluation of one training series."""
+    torch.manual_seed(seed)
+    if config["model"] == "char-lm":
+        ids, vocab = char_corpus(int(config.get("corpus_chars", 400_000)))
+        ids = ids.to(device)
+        cut = int(0.9 * len(ids))
+        model = char_lm(config.get("cell", "gru"), vocab, int(config.get("hidden", 128)),
+                        int(config.get("layers", 1))).to(device)  # fmt: skip
+        batch = int(config.get("batch", 32))
+        stream = _lm_batches(ids[:cut], value, batch, seed)
+        held = [b for _, b in zip(range(4), _lm_batches(ids[cut:], value, batch, seed + 1),
+                                  strict=False)]  # fmt: skip
+
+        def batches() -> Iterator[tuple[tuple, Callable]]:
+            for x, y in stream:
+                yield (x,), _lm_loss(y, vocab)
+
+        @torch.no_grad()
+        def evaluate(m: nn.Module) -> dict[str, float]:
+            losses = [float(_lm_loss(y, vocab)(m(x))) for x, y in held]
+            return {"val_loss": sum(losses) / len(losses)}
+
+        return {"model": model, "batches": batches(), "evaluate": evaluate, "opt": "adam"}
+    if config["model"] == "preact-resnet":
+        train, test = data.digits(device=device).split(0.8, seed=seed)
+        model = preact_resnet(int(config.get("channels", 16)), value).to(device)
+        batch = int(config.get("batch", 64))
+
+        def batches() -> Iterator[tuple[tuple, Callable]]:
+            epoch = 0
+            while True:
+                for x, y in train.batches(batch, shuffle=True, seed=seed + epoch, drop_last=True):
+                    yield (x,), (lambda out, y=y: F.cross_entropy(out, y))
+                epoch += 1
+
+        @torch.no_grad()
+        def evaluate(m: nn.Module) -> dict[str, float]:
+            was = m.training
+            m.eval()
+            out = m(test.x)
+            m.train(was)
+            return {"val_loss": float(F.cross_entropy(out, test.y)),
+                    "test_acc": float((out.argmax(1) == test.y).float().mean())}  # fmt: skip
+
+        return {"model": model, "batches": batches(), "evaluate": evaluate, "opt": "sgd"}
+    raise ValueError(f"unknown highway training model {config['model']!r}")
+
+
+def _optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def run_train(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """Train one model per method from the same initialisation on the same batches."""
+    steps = int(_setting(suite, "steps", quick, 200))
+    every = int(_setting(suite, "eval_every", quick, 20))
+    seed = int(_setting(suite, "seed", quick, 0))
+    schedule = _setting(suite, "schedule", quick, None)
+    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    records: list[dict[str, Any]] = []
+    with num_threads(1):
+        for series, value in jobs:
+            task = _task(series.config, int(value), seed, device)
+            lr = float(series.config.get("lr", 1e-3))
+            methods: dict[str, Callable[[int], Any]] = {
+                spec.display: (lambda _s, spec=spec: spec.make())
+                for spec in suite.engines_for(series)
+            }
+            if schedule is not None:
+                sched = KSchedule(start=int(schedule[0]), end=int(schedule[1]), steps=steps)
+                methods[f"highway(k={schedule[0]}->{schedule[1]})"] = (
+                    lambda s, sched=sched: make_engine("highway", k=sched(s))
+                )
+            runs = {
+                lb: {"model": copy.deepcopy(task["model"]), "make": mk, "seconds": 0.0,
+                     "losses": [], "failed": None}
+                for lb, mk in methods.items()
+            }  # fmt: skip
+            for run in runs.values():
+                run["opt"] = _optimizer(task["opt"], run["model"], lr)
+            bar = tqdm(range(steps + 1), desc=f"{suite.name} {series.name}",
+                       disable=not progress)  # fmt: skip
+            for step, (inputs, loss_fn) in zip(bar, task["batches"], strict=False):
+                for label, run in runs.items():
+                    if run["failed"]:
+                        continue
+                    model = run["model"]
+                    if step % every == 0 or step == steps:
+                        records.append(_base(
+                            suite, "highway-train", quick, series=series.name, engine=label,
+                            config={**series.config, suite.sweep: value, "steps": steps,
+                                    "lr": lr, "threads": 1},
+                            x=step, wall_seconds=run["seconds"],
+                            train_loss=(sum(run["losses"]) / len(run["losses"])
+                                        if run["losses"] else None),
+                            **task["evaluate"](model),
+                        ))  # fmt: skip
+                        run["losses"] = []
+                    if step == steps:
+                        continue
+                    eng = run["make"](step)
+                    t0 = time.perf_counter()
+                    res = eng.backward(model, inputs, loss_fn)
+                    run["opt"].step()
+                    run["opt"].zero_grad(set_to_none=True)
+                    run["seconds"] += time.perf_counter() - t0
+                    loss = float(res.loss)
+                    run["losses"].append(loss)
+                    if not math.isfinite(loss):
+                        run["failed"] = f"loss not finite at step {step}"
+    return records
+
+
+# --- highway-convergence ---------------------------------------------------------------
+
+
+def run_convergence(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """Train with backprop; at several fractions of training, gradient quality per k."""
+    steps = int(_setting(suite, "steps", quick, 200))
+    seed = int(_setting(suite, "seed", quick, 0))
+    ks = [int(k) for k in _setting(suite, "ks", quick, list(range(11)))]
+    points = [float(f) for f in _setting(suite, "points", quick, [0, 0.25, 0.5, 0.75, 1])]
+    at = sorted({round(f * steps) for f in points})
+    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    records: list[dict[str, Any]] = []
+    with num_threads(1):
+        for series, value in jobs:
+            task = _task(series.config, int(value), seed, device)
+            model = task["model"]
+            opt = _optimizer(task["opt"], model, float(series.config.get("lr", 1e-3)))
+            bp = make_engine("backprop")
+            bar = tqdm(range(steps + 1), desc=f"{suite.name} {series.name}",
+                       disable=not progress)  # fmt: skip
+            for step, (inputs, loss_fn) in zip(bar, task["batches"], strict=False):
+                if step in at:
+                    for baseline in ("highway", "fpi"):
+                        probe = copy.deepcopy(model)  # BatchNorm statistics untouched
+                        pts = convergence(probe, inputs, loss_fn, ks=ks, baseline=baseline)
+                        records += [_base(
+                            suite, "highway-convergence", quick, series=series.name,
+                            engine=baseline, config={**series.config, suite.sweep: value,
+                                                     "steps": steps},
+                            x=step, k=p.k, grad_cosine=p.cosine, grad_max_rel_err=p.rel_err,
+                            step_share=p.step_share, fraction=step / steps,
+                        ) for p in pts]  # fmt: skip
+                if step == steps:
+                    break
+                bp.backward(model, inputs, loss_fn)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return records
+
+
+# --- report ----------------------------------------------------------------------------
+
+
+def _f(v: Any, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def _mib(v: Any) -> str:
+    return "—" if v is None else f"{v / 2**20:.2f} MiB"
+
+
+def _targets(rs: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets beside the measured values (GRU, hidden 128, batch 32)."""
+    def get(length: int, label: str) -> dict[str, Any] | None:
+        return next((r for r in rs if r["config"].get("cell") == "gru"
+                     and r["x"] == length and r["engine"] == label), None)  # fmt: skip
+
+    lines = ["Targets of issue 7 (GRU, hidden 128, batch 32, one thread):", ""]
+    for label, key, want in (("highway(k=0)", "backward_speedup", 2.4),
+                             ("highway(k=2)", "backward_speedup", 1.15),
+                             ("highway(k=2)", "grad_cosine", 0.999)):  # fmt: skip
+        r = get(256, label)
+        if r is not None and r.get(key) is not None:
+            ok = "met" if r[key] >= want else "NOT met"
+            lines.append(f"- L=256 {label} {key} {r[key]:.4g} (target ≥ {want}): {ok}")
+    for label in ("highway(k=0)", "highway(k=2)", "highway(k=5)", "highway(k=10)"):
+        a, b = get(256, label), get(1024, label)
+        if a and b and a.get("backward_speedup") and b.get("backward_speedup"):
+            more = "larger" if b["backward_speedup"] > a["backward_speedup"] else "NOT larger"
+            lines.append(f"- {label} backward speedup L=1024 {b['backward_speedup']:.2f}x vs "
+                         f"L=256 {a['backward_speedup']:.2f}x: {more}")  # fmt: skip
+    return [*lines, ""]
+
+
+def _render_rnn(rs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "One training step (forward + gradients), float32, one thread. *backward* = step − "
+        "forward of the same method (BPTT and nn.* record a graph; highway runs its traced "
+        "no-grad forward). Speedups are BPTT's time over the method's, measured "
+        "interleaved in one process. Peak = allocator-level tracker peak over the step. "
+        "Gradients vs autograd in float64. Timings taken on a shared 2-core machine.",
+        "",
+        *_targets(rs),
+        "| series | L | method | step ms | step speedup | backward ms | backward speedup "
+        "| peak | cosine | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        lines.append(
+            f"| {r['series']} | {r['x']} | {r['engine']} | {r['seconds_median'] * 1e3:.1f} "
+            f"| {_f(r.get('step_speedup'), '.2f')}x | {r['backward_seconds'] * 1e3:.1f} "
+            f"| {_f(r.get('backward_speedup'), '.2f')}x | {_mib(r.get('peak_bytes'))} "
+            f"| {_f(r.get('grad_cosine'), '.6f')} | {_f(r.get('grad_max_rel_err'), '.2e')} |"
+        )
+    return [*lines, ""]
+
+
+def _render_scan(rs: list[dict[str, Any]]) -> list[str]:
+    lines = ["CumSumProd with diagonal K, one thread (ratio = time / sequential's):", "",
+             "| state | L | algorithm | ms | ratio |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in rs:
+        lines.append(f"| {r['series']} | {r['x']} | {r['engine']} "
+                     f"| {r['seconds_median'] * 1e3:.3f} | {_f(r.get('time_ratio'), '.2f')} |")
+    return [*lines, ""]
+
+
+def _plot(path: Path, rs: list[dict[str, Any]], x: str, ys: list[str], title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(ys), figsize=(5 * len(ys), 3.6))
+    axes = [axes] if len(ys) == 1 else list(axes)
+    for ax, y in zip(axes, ys, strict=True):
+        for label in dict.fromkeys(r["engine"] for r in rs):
+            pts = [(r[x], r[y]) for r in rs if r["engine"] == label and r.get(y) is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker=".", label=label)
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _render_train(suite: str, rs: list[dict[str, Any]], directory: Any, plots: bool) -> list[str]:
+    lines: list[str] = []
+    for series in dict.fromkeys(r["series"] for r in rs):
+        ss = [r for r in rs if r["series"] == series]
+        lines += [f"### {series}", ""]
+        if plots:
+            png = Path("plots") / f"{suite}-{series}.png"
+            if _plot(Path(directory) / png, ss, "x", ["val_loss"], f"{series}: loss vs step"):
+                _plot(Path(directory) / png.with_name(png.stem + "-time.png"), ss,
+                      "wall_seconds", ["val_loss"], f"{series}: loss vs wall time")  # fmt: skip
+                lines += [f"![{series}]({png.as_posix()})",
+                          f"![{series} time]({png.with_name(png.stem + '-time.png').as_posix()})",
+                          ""]  # fmt: skip
+        lines += ["| method | steps | train loss (last window) | held-out loss | test acc "
+                  "| training s |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for label in dict.fromkeys(r["engine"] for r in ss):
+            last = max((r for r in ss if r["engine"] == label), key=lambda r: r["x"])
+            lines.append(f"| {label} | {last['x']} | {_f(last.get('train_loss'), '.4f')} "
+                         f"| {_f(last.get('val_loss'), '.4f')} | {_f(last.get('test_acc'), '.3f')} "
+                         f"| {_f(last.get('wall_seconds'), '.1f')} |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
+def _render_convergence(suite: str, rs: list[dict[str, Any]], directory: Any,
+                        plots: bool) -> list[str]:  # fmt: skip
+    lines = ["Cosine to the exact gradient after k iterations (rows: training step; "
+             "share = ‖g_k − g_(k−1)‖ / ‖g‖).", ""]  # fmt: skip
+    for series in dict.fromkeys(r["series"] for r in rs):
+        for base in ("highway", "fpi"):
+            ss = [r for r in rs if r["series"] == series and r["engine"] == base]
+            if not ss:
+                continue
+            ks = sorted({r["k"] for r in ss})
+            lines += [f"### {series} ({base})", "",
+                      "| step | " + " | ".join(f"k={k}" for k in ks) + " |",
+                      "|---|" + "---|" * len(ks)]  # fmt: skip
+            for step in sorted({r["x"] for r in ss}):
+                row = {r["k"]: r for r in ss if r["x"] == step}
+                lines.append(f"| {step} | " + " | ".join(
+                    f"{row[k]['grad_cosine']:.4f} ({row[k]['step_share']:.2f})" for k in ks
+                ) + " |")  # fmt: skip
+            if plots:
+                png = Path("plots") / f"{suite}-{series}-{base}.png"
+                pts = [{**r, "engine": f"step {r['x']}"} for r in ss]
+                if _plot(Path(directory) / png, pts, "k", ["grad_cosine", "step_share"],
+                         f"{series} ({base})"):  # fmt: skip
+                    lines += ["", f"![{series} {base}]({png.as_posix()})"]
+            lines.append("")
+    return lines
+
+
+def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: bool) -> list[str]:
+    """Markdown for the highway-* suites."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        kinds.setdefault(r.get("kind", ""), []).append(r)
+    lines: list[str] = []
+    if "highway-rnn" in kinds:
+        lines += _render_rnn(kinds["highway-rnn"])
+    if "scan" in kinds:
+        lines += _render_scan(kinds["scan"])
+    if "highway-train" in kinds:
+        lines += _render_train(suite, kinds["highway-train"], directory, plots)
+    if "highway-convergence" in kinds:
+        lines += _render_convergence(suite, kinds["highway-convergence"], directory, plots)
+    return lines
