@@ -142,7 +142,7 @@ def advise(
     batch_size: int,
     budget: int | str,
     *,
-    data: str = "digits",
+    data: str | DataInfo = "digits",
     model_options: dict[str, Any] | None = None,
     engines: Sequence[str] | None = None,
     repeats: int = 3,
@@ -159,7 +159,8 @@ def advise(
         model: a model name / ``module:factory`` spec, or a callable ``DataInfo -> module``.
         batch_size: examples per step.
         budget: bytes, or a size string such as ``"2GiB"``.
-        data: the data set whose example shape and classes the model is built for.
+        data: the data set whose example shape and classes the model is built for (a
+            name, or a :class:`DataInfo` to skip loading it).
         engines: engine names to try (default: every registered engine).
         repeats: timed repeats per engine (interleaved; the median is reported).
         exact_only: recommend only exact engines (estimating ones still appear).
@@ -215,6 +216,8 @@ def advise(
             t0 = time.perf_counter()
             step()  # warm-up: lazy init, allocator caches
             warm = time.perf_counter() - t0
+            for p in net.parameters():  # the warm-up's gradients are not the step's baseline
+                p.grad = None
             with MemoryTracker(baseline=(net, x, y)) as tracker:
                 step()
         except Exception as err:

@@ -118,8 +118,10 @@ def run_train(args: argparse.Namespace) -> int:
     s = _settings(args)
     out = _run_dir(args)
     shown = {**s, "out": str(out), "resume": args.resume, "device": args.device or "auto",
-             "threads": torch.get_num_threads(), "keep": args.keep}  # fmt: skip
-    print("leangrad train: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+             "threads": torch.get_num_threads(), "keep": args.keep,
+             "world_size": os.environ.get("WORLD_SIZE", "1")}  # fmt: skip
+    if os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print("leangrad train: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
     try:
         res = fit(
             s.pop("model"), s.pop("data"), **s, out=out, resume=args.resume,
