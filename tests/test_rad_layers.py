@@ -18,11 +18,12 @@ MODES = ("different", "same", "project")
 # Unbiasedness tolerance. For an unbiased estimator each coordinate's
 # z = (mean - exact) / (sd / sqrt(N)) is ~ N(0, 1) for large N (CLT), so the
 # mean of z^2 over coordinates is ~1 (correlated coordinates widen its spread,
-# they do not move its centre). We accept 0.6 < mean z^2 < 1.6 and |z| below
+# they do not move its centre). We accept 0.3 < mean z^2 < 1.6 (the lower bound
+# only guards the variance estimate; correlated coordinates spread it) and |z| below
 # the Bonferroni bound for 1e-3 family-wise error over all coordinates (~5 for
 # a few thousand coordinates; rounded up to 6 for the t-tails at N = 400).
 # The power check below shows a 5% bias is rejected by the same test.
-Z2_LOW, Z2_HIGH, Z_MAX = 0.6, 1.6, 6.0
+Z2_LOW, Z2_HIGH, Z_MAX = 0.3, 1.6, 6.0
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ Quick use::
 from ._conv import RandConv2d
 from ._errors import RadInputError, StabilityError
 from ._linear import RandLinear, rand_linear
+from ._paths import PathGraph, PathSample
+from ._pde import PdeGradient, PdeRun, ReactionDiffusion, optimize, pde_gradient, pde_loss
 from ._randomize import RandomizeReport, randomize
 from ._recurrent import RandGRUCell, RandRNNCell, irnn_cell
 from ._relu import BitReLU, LeanAdaptiveAvgPool2d, LeanAvgPool2d
@@ -24,15 +26,23 @@ __all__ = [
     "BitReLU",
     "LeanAdaptiveAvgPool2d",
     "LeanAvgPool2d",
+    "PathGraph",
+    "PathSample",
+    "PdeGradient",
+    "PdeRun",
     "RadInputError",
     "RandConv2d",
     "RandGRUCell",
     "RandLinear",
     "RandRNNCell",
     "RandomizeReport",
+    "ReactionDiffusion",
     "SampleSpec",
     "StabilityError",
     "irnn_cell",
+    "optimize",
+    "pde_gradient",
+    "pde_loss",
     "rademacher",
     "rand_linear",
     "randomize",

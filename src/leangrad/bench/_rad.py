@@ -1,0 +1,475 @@
+"""Randomized-AD suites (Oktay et al., ICLR 2021): runners and their report section.
+
+- :func:`run_variance` (``rad-variance``, Fig. 5): at fixed weights, the mean
+  squared error of each stochastic gradient (a random mini-batch, and RAD at
+  several fractions on top of it) against the full-training-set gradient,
+  beside the memory each one measurably keeps for backward.
+- :func:`run_convergence` (``rad-convergence``, Fig. 6): training curves on
+  real MNIST-5k for backprop at batch 150, RAD 0.1 (same / different /
+  project) at batch 150, and backprop at the *reduced batch* whose measured
+  saved bytes match RAD's; an IRNN on row-by-row MNIST does the same (section 4.3).
+- :func:`run_pde` (``rad-pde``, Fig. 7): the reaction-diffusion control problem
+  optimised with exact and RAD gradients; loss curves and measured stored state.
+
+Memory is measured, never computed from shapes: ``saved_bytes`` is what
+autograd keeps (:func:`~leangrad.measure.saved_tensor_bytes`, parameters and
+targets excluded), ``forward_bytes`` the tracker's live bytes after the forward
+(the input batch is copied inside the region, so it counts when it is kept) and
+``peak_bytes`` the tracker's peak over forward and backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import data, rad
+from ..measure import MemoryTracker, saved_tensor_bytes
+from ._runner import machine_info
+from ._suites import Suite
+from ._training import _now, _setting
+
+__all__ = ["memory_of", "render", "run_convergence", "run_pde", "run_variance"]
+
+
+class RowRNN(nn.Module):
+    """An IRNN reading a 28x28 image row by row (28 steps of 28 pixels), then a linear head."""
+
+    def __init__(self, hidden: int, *, rows: int = 28) -> None:
+        super().__init__()
+        self.cell = nn.RNNCell(rows, hidden, nonlinearity="relu")
+        self.head = nn.Linear(hidden, 10)
+        with torch.no_grad():  # Appendix A: identity W_hh, N(0, 0.001) W_ih, zero biases
+            self.cell.weight_hh.copy_(torch.eye(hidden))
+            self.cell.weight_ih.normal_(0.0, 0.001)
+            self.cell.bias_ih.zero_()
+            self.cell.bias_hh.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        h = None
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+        return self.head(h)
+
+
+def build_model(kind: str, *, side: int = 28) -> nn.Module:
+    """``mlp``: Appendix A's 784-300-300-300-10 ReLU net; ``cnn``: a small ReLU/avg-pool
+    convnet (a CPU-sized stand-in for the paper's CIFAR-10 net); ``irnn``: :class:`RowRNN`
+    with 100 hidden units. ``side``: the images' side (28 for MNIST, 8 for digits)."""
+    if kind == "mlp":
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(side * side, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(),
+            nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 10),
+        )  # fmt: skip
+    if kind == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Flatten(), nn.Linear(16 * (side // 4) ** 2, 10),
+        )  # fmt: skip
+    if kind == "irnn":
+        return RowRNN(100, rows=side)
+    raise ValueError(f"model must be 'mlp', 'cnn' or 'irnn', got {kind!r}")
+
+
+def memory_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+    """Measured bytes of one cross-entropy step: saved, live after forward, peak."""
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker(baseline=(model, x, y)) as tracker:
+        with saved_tensor_bytes(*model.parameters(), y) as saved:
+            loss = F.cross_entropy(model(x.clone()), y)
+        forward = tracker.current_bytes()
+        loss.backward()
+        del loss
+    model.zero_grad(set_to_none=True)
+    rep = tracker.report
+    return {"saved_bytes": saved.bytes, "forward_bytes": forward, "peak_bytes": rep.peak_bytes}
+
+
+def randomized(model: nn.Module, fraction: float | None, mode: str, seed: int) -> nn.Module:
+    """A deep copy of ``model``, randomized unless ``fraction`` is ``None``."""
+    m = copy.deepcopy(model)
+    if fraction is not None:
+        rad.randomize(m, fraction=fraction, mode=mode, seed=seed)
+    return m
+
+
+def equal_memory_batch(
+    model: nn.Module, target_bytes: int, ds: data.Dataset, *, largest: int
+) -> tuple[int, int]:
+    """The largest exact batch whose measured saved bytes are at most ``target_bytes``."""
+    lo, hi, best = 1, largest, (1, 0)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        b = memory_of(model, ds.x[:mid], ds.y[:mid])["saved_bytes"]
+        if b <= target_bytes:
+            best, lo = (mid, b), mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _load(dataset: str, seed: int, device: str, limit: int | None = None) -> tuple[Any, Any]:
+    train, test = data.load(dataset, device=device).split(0.8, seed=seed)
+    if limit is not None and limit < len(train):
+        train = data.Dataset(train.x[:limit], train.y[:limit], train.name, train.num_classes)
+    return train, test
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+
+
+def _full_gradient(model: nn.Module, ds: data.Dataset) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    for x, y in ds.batches(500, shuffle=False):
+        (F.cross_entropy(model(x), y, reduction="sum") / len(ds)).backward()
+    g = _flat(model)
+    model.zero_grad(set_to_none=True)
+    return g
+
+
+def _layer_slices(model: nn.Module) -> dict[str, slice]:
+    out, i = {}, 0
+    for n, p in model.named_parameters():
+        out[n] = slice(i, i + p.numel())
+        i += p.numel()
+    return out
+
+
+def _record(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "engine": None, "config": None, "peak_bytes": None, "saved_bytes": None,
+        "seconds_median": None, "time_ratio": None, "grad_max_rel_err": None,
+        "grad_cosine": None, "kind": kind, "suite": suite.name, "quick": quick,
+    }  # fmt: skip
+    rec.update(fields)
+    return rec
+
+
+def _estimators(suite: Suite, quick: bool) -> list[dict[str, Any]]:
+    """``[{label, batch, fraction, mode}]`` from the suite's ``estimators`` setting."""
+    out = []
+    for e in _setting(suite, "estimators", quick, []):
+        f = e.get("fraction")
+        label = e.get("label") or (
+            f"batch {e['batch']}" if f is None else f"RAD {f} {e.get('mode', 'different')}"
+        )
+        out.append({"label": label, "batch": e["batch"], "fraction": f,
+                    "mode": e.get("mode", "different")})  # fmt: skip
+    return out
+
+
+def run_variance(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """Gradient MSE vs the full-data gradient, beside measured memory (Fig. 5)."""
+    machine, created = machine_info(), _now()
+    seed = int(_setting(suite, "seed", quick, 0))
+    draws = int(_setting(suite, "draws", quick, 50))
+    pretrain = int(_setting(suite, "pretrain_steps", quick, 0))
+    models = list(_setting(suite, "models", quick, ["mlp", "cnn"]))
+    train, _ = _load(str(_setting(suite, "dataset", quick, "mnist5k")), seed, device)
+    ests = _estimators(suite, quick)
+    records: list[dict[str, Any]] = []
+    bar = tqdm(total=len(models) * len(ests) * draws, desc=suite.name, disable=not progress)
+    for kind in models:
+        torch.manual_seed(seed)
+        base = build_model(kind, side=train.x.shape[-1]).to(device)
+        if pretrain:  # move away from the initialisation, as a gradient mid-training
+            opt = torch.optim.Adam(base.parameters(), lr=1e-3)
+            for _, (x, y) in zip(range(pretrain), _forever(train, 150, seed), strict=False):
+                opt.zero_grad()
+                F.cross_entropy(base(x), y).backward()
+                opt.step()
+        full = _full_gradient(base, train)
+        slices = _layer_slices(base)
+        for est in ests:
+            bar.set_description(f"{suite.name} {kind} {est['label']}")
+            model = randomized(base, est["fraction"], est["mode"], seed + 1)
+            mem = memory_of(model, train.x[: est["batch"]], train.y[: est["batch"]])
+            gen = torch.Generator().manual_seed(seed + 2)
+            sq = torch.zeros_like(full)
+            for _ in range(draws):
+                idx = torch.randint(len(train), (est["batch"],), generator=gen)
+                model.zero_grad(set_to_none=True)
+                F.cross_entropy(model(train.x[idx.to(train.x.device)]), train.y[idx]).backward()
+                sq += (_flat(model) - full).square()
+                bar.update(1)
+            sq /= draws
+            records.append(_record(
+                suite, "rad-variance", quick, engine=est["label"], model=kind,
+                batch=est["batch"], fraction=est["fraction"], mode=est["mode"],
+                config={"model": kind, "batch": est["batch"], "fraction": est["fraction"],
+                        "mode": est["mode"], "draws": draws, "pretrain_steps": pretrain,
+                        "seed": seed, "dataset": train.name, "train_examples": len(train)},
+                grad_mse=sq.sum().item(), full_grad_sq=full.square().sum().item(),
+                layer_mse={n: sq[s].sum().item() for n, s in slices.items()},
+                machine=machine, created=created, **mem,
+            ))  # fmt: skip
+    bar.close()
+    return records
+
+
+def _forever(
+    ds: data.Dataset, batch: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Mini-batches sampled with replacement from ``ds`` (Appendix A), forever."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        idx = torch.randint(len(ds), (batch,), generator=gen).to(ds.x.device)
+        yield ds.x[idx], ds.y[idx]
+
+
+@torch.no_grad()
+def _loss_on(model: nn.Module, ds: data.Dataset) -> tuple[float, float]:
+    loss, correct = 0.0, 0
+    for x, y in ds.batches(1000, shuffle=False):
+        out = model(x)
+        loss += F.cross_entropy(out, y, reduction="sum").item()
+        correct += int((out.argmax(1) == y).sum())
+    return loss / len(ds), correct / len(ds)
+
+
+def _train_curve(
+    model: nn.Module, train: data.Dataset, test: data.Dataset, *, batch: int, steps: int,
+    every: int, lr: float, optimizer: str, seed: int, tick: Callable[[], None],
+) -> list[dict[str, Any]]:  # fmt: skip
+    opt: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=lr)
+    )  # fmt: skip
+    points, seconds = [], 0.0
+    batches = _forever(train, batch, seed)
+    for step in range(steps + 1):
+        if step % every == 0 or step == steps:
+            tl, ta = _loss_on(model, train)
+            _, va = _loss_on(model, test)
+            points.append({"x": step, "train_loss": tl, "train_acc": ta, "test_acc": va,
+                           "train_seconds": seconds})  # fmt: skip
+            if not math.isfinite(tl):
+                break
+        if step == steps:
+            break
+        x, y = next(batches)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        seconds += time.perf_counter() - t0
+        tick()
+    return points
+
+
+def run_convergence(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """Train loss vs iteration at equal measured memory (Fig. 6 and the RNN analogue)."""
+    machine, created = machine_info(), _now()
+    seed = int(_setting(suite, "seed", quick, 0))
+    batch = int(_setting(suite, "batch", quick, 150))
+    fraction = float(_setting(suite, "fraction", quick, 0.1))
+    modes = list(_setting(suite, "modes", quick, ["same", "different", "project"]))
+    runs = list(_setting(suite, "runs", quick, []))
+    train, test = _load(str(_setting(suite, "dataset", quick, "mnist5k")), seed, device)
+    records: list[dict[str, Any]] = []
+    total = sum(int(r["steps"]) * (len(modes) + 2) for r in runs)
+    bar = tqdm(total=total, desc=suite.name, disable=not progress)
+    for run in runs:
+        kind, steps, every = run["model"], int(run["steps"]), int(run["eval_every"])
+        lr, optimizer = float(run["lr"]), str(run.get("optimizer", "adam"))
+        torch.manual_seed(seed)
+        base = build_model(kind, side=train.x.shape[-1]).to(device)
+        probe = randomized(base, fraction, "different", seed)
+        target = memory_of(probe, train.x[:batch], train.y[:batch])["saved_bytes"]
+        reduced, _ = equal_memory_batch(base, target, train, largest=batch)
+        configs = [("baseline", batch, None, "-")]
+        configs += [(f"RAD {fraction} {m}", batch, fraction, m) for m in modes]
+        configs.append((f"reduced batch {reduced}", reduced, None, "-"))
+        for label, b, frac, mode in configs:
+            bar.set_description(f"{suite.name} {kind} {label}")
+            model = randomized(base, frac, mode, seed + 1)
+            mem = memory_of(model, train.x[:b], train.y[:b])
+            config = {"model": kind, "batch": b, "fraction": frac, "mode": mode, "lr": lr,
+                      "optimizer": optimizer, "steps": steps, "seed": seed,
+                      "dataset": train.name, "train_examples": len(train),
+                      "equal_memory_target_bytes": target}  # fmt: skip
+            points = _train_curve(
+                model, train, test, batch=b, steps=steps, every=every, lr=lr,
+                optimizer=optimizer, seed=seed + 3, tick=lambda: bar.update(1),
+            )  # fmt: skip
+            for p in points:
+                records.append(_record(
+                    suite, "rad-training", quick, engine=label, model=kind, series=kind,
+                    sweep="step", config=config, machine=machine, created=created, **mem, **p,
+                ))  # fmt: skip
+    bar.close()
+    return records
+
+
+
+def run_pde(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """Adam on the reaction-diffusion control from exact and RAD gradients (Fig. 7)."""
+    from ..rad._pde import ReactionDiffusion, optimize, pde_gradient
+
+    machine, created = machine_info(), _now()
+    seed = int(_setting(suite, "seed", quick, 0))
+    iterations = int(_setting(suite, "iterations", quick, 300))
+    lr = float(_setting(suite, "lr", quick, 0.05))
+    fractions = [float(f) for f in _setting(suite, "fractions", quick, [1.0, 0.1, 0.01])]
+    problem = ReactionDiffusion(
+        n=int(_setting(suite, "n", quick, 15)),
+        steps=int(_setting(suite, "steps", quick, 1024)),
+        t_end=float(_setting(suite, "t_end", quick, 2.0)),
+        D=float(_setting(suite, "D", quick, 0.25)),
+    )
+    theta0 = problem.initial_theta(seed=seed, device=device)
+    records: list[dict[str, Any]] = []
+    bar = tqdm(total=iterations * len(fractions), desc=suite.name, disable=not progress)
+    for fraction in fractions:
+        label = "exact" if fraction >= 1.0 else f"RAD {fraction}"
+        bar.set_description(f"{suite.name} {label}")
+        with MemoryTracker(baseline=(theta0,)) as tracker:
+            res = pde_gradient(problem, theta0, fraction=fraction, seed=seed)
+            del res
+        t0 = time.perf_counter()
+        run = optimize(
+            problem, theta0, fraction=fraction, iterations=iterations, lr=lr, seed=seed,
+            tick=lambda: bar.update(1),
+        )  # fmt: skip
+        seconds = time.perf_counter() - t0
+        config = {"n": problem.n, "steps": problem.steps, "t_end": problem.t_end,
+                  "D": problem.D, "dt": problem.dt, "dx": problem.dx,
+                  "ftcs_ratio": problem.D * problem.dt / problem.dx**2, "fraction": fraction,
+                  "iterations": iterations, "lr": lr, "seed": seed}  # fmt: skip
+        for i, loss in enumerate(run.losses):
+            records.append(_record(
+                suite, "rad-pde", quick, engine=label, series="reaction-diffusion",
+                sweep="iteration", x=i, train_loss=loss, fraction=fraction, config=config,
+                peak_bytes=tracker.report.peak_bytes, stored_values=run.stored_values,
+                saved_bytes=tracker.report.forward_live_bytes,
+                train_seconds=seconds if i == len(run.losses) - 1 else None,
+                theta=run.theta.tolist() if i == len(run.losses) - 1 else None,
+                machine=machine, created=created,
+            ))  # fmt: skip
+    bar.close()
+    return records
+
+
+def _fmt_bytes(n: float | None) -> str:
+    from ._report import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in recs:
+        if r.get("train_loss") is not None:
+            lines.setdefault(r["engine"], []).append((r["x"], r["train_loss"]))
+    for label, pts in lines.items():
+        ax.plot(*zip(*sorted(pts), strict=True), label=label)
+    ax.set_xlabel(recs[0].get("sweep", "iteration"))
+    ax.set_ylabel("train loss")
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "Gradient MSE against the full-training-set gradient (sum over parameters, "
+        "mean over draws) beside measured memory (Fig. 5). Lower-left is better.",
+        "",
+        "| model | estimator | batch | saved | saved / batch-150 | peak | grad MSE "
+        "| MSE / batch-150 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind in dict.fromkeys(r["model"] for r in recs):
+        rs = [r for r in recs if r["model"] == kind]
+        ref = next((r for r in rs if r["fraction"] is None and r["batch"] == 150), rs[0])
+        for r in rs:
+            lines.append(
+                f"| {kind} | {r['engine']} | {r['batch']} | {_fmt_bytes(r['saved_bytes'])} "
+                f"| {r['saved_bytes'] / ref['saved_bytes']:.3f} | {_fmt_bytes(r['peak_bytes'])} "
+                f"| {r['grad_mse']:.4g} | {r['grad_mse'] / ref['grad_mse']:.2f} |"
+            )
+    return [*lines, ""]
+
+
+def _render_curves(
+    suite: str, recs: list[dict[str, Any]], directory: Any, *, plots: bool, log: bool
+) -> list[str]:
+    from pathlib import Path
+
+    lines: list[str] = []
+    for series in dict.fromkeys(r["series"] for r in recs):
+        rs = [r for r in recs if r["series"] == series]
+        lines += [f"### {series}", ""]
+        if plots:
+            png = Path("plots") / f"{suite}-{series}.png"
+            _curves(rs, f"{suite} — {series}", Path(directory) / png, log=log)
+            lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+        lines += [
+            "| run | batch / fraction | saved | peak | final step | train loss | test acc "
+            "| train s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for label in dict.fromkeys(r["engine"] for r in rs):
+            ls = [r for r in rs if r["engine"] == label]
+            last = max(ls, key=lambda r: r["x"])
+            cfg = last.get("config") or {}
+            how = cfg.get("batch", "") if "batch" in cfg else f"fraction {cfg.get('fraction')}"
+            acc = last.get("test_acc")
+            secs = next((r["train_seconds"] for r in reversed(ls) if r.get("train_seconds")), None)
+            lines.append(
+                f"| {label} | {how} | {_fmt_bytes(last.get('saved_bytes'))} "
+                f"| {_fmt_bytes(last.get('peak_bytes'))} | {last['x']} "
+                f"| {last['train_loss']:.4g} | {'' if acc is None else f'{acc:.3f}'} "
+                f"| {'' if secs is None else f'{secs:.1f}'} |"
+            )
+        lines.append("")
+    return lines
+
+
+def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: bool) -> list[str]:
+    """Markdown for the rad-* suites: a variance/memory table, or curves with memory."""
+    kinds = {r.get("kind") for r in records}
+    lines = [
+        "*saved* = bytes autograd keeps for backward (parameters, targets excluded; the "
+        "input counts when kept); *peak* = tracker peak over forward and backward. "
+        "Timings were taken on a shared machine.",
+        "",
+    ]
+    if "rad-variance" in kinds:
+        lines += _render_variance([r for r in records if r.get("kind") == "rad-variance"])
+    if "rad-training" in kinds:
+        rs = [r for r in records if r.get("kind") == "rad-training"]
+        lines += _render_curves(suite, rs, directory, plots=plots, log=False)
+    if "rad-pde" in kinds:
+        rs = [r for r in records if r.get("kind") == "rad-pde"]
+        lines += _render_curves(suite, rs, directory, plots=plots, log=True)
+    return lines

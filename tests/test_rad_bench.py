@@ -1,0 +1,64 @@
+"""rad-* suites: tiny runs of each runner produce the records the renderer reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from leangrad.bench import _rad
+from leangrad.bench._suites import load_suite
+
+
+def _tiny(name: str, **settings: object) -> object:
+    suite = load_suite(name)
+    return dataclasses.replace(suite, settings={**suite.settings, **settings})
+
+
+def test_suites_load_and_name_their_runner_and_renderer() -> None:
+    for name, fn in (("rad-variance", "run_variance"), ("rad-convergence", "run_convergence"),
+                     ("rad-pde", "run_pde")):  # fmt: skip
+        suite = load_suite(name)
+        assert suite.runner == f"leangrad.bench._rad:{fn}"
+        assert suite.resolve_report() is _rad.render
+
+
+def test_variance_runner_measures_memory_and_mse(tmp_path: Path) -> None:
+    suite = _tiny(
+        "rad-variance", dataset="digits", models=["mlp", "cnn"], draws=2, pretrain_steps=0,
+        estimators=[{"batch": 150}, {"batch": 150, "fraction": 0.1}],
+    )  # fmt: skip
+    recs = _rad.run_variance(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    assert [r["engine"] for r in recs] == ["batch 150", "RAD 0.1 different"] * 2
+    assert recs[1]["saved_bytes"] <= 0.15 * recs[0]["saved_bytes"]
+    assert recs[3]["saved_bytes"] <= 0.15 * recs[2]["saved_bytes"]
+    assert all(r["grad_mse"] > 0 for r in recs)
+    lines = _rad.render("rad-variance", recs, tmp_path, plots=False)
+    assert any("RAD 0.1 different" in line for line in lines)
+
+
+def test_convergence_runner_matches_memory(tmp_path: Path) -> None:
+    suite = _tiny(
+        "rad-convergence", dataset="digits", modes=["different"],
+        runs=[{"model": "irnn", "steps": 2, "eval_every": 1, "lr": 1e-3}],
+    )  # fmt: skip
+    recs = _rad.run_convergence(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    labels = list(dict.fromkeys(r["engine"] for r in recs))
+    assert labels[:2] == ["baseline", "RAD 0.1 different"]
+    assert labels[2].startswith("reduced batch ")
+    rad_saved = next(r["saved_bytes"] for r in recs if r["engine"] == labels[1])
+    red = next(r for r in recs if r["engine"] == labels[2])
+    assert red["saved_bytes"] <= rad_saved  # the largest batch at or under RAD's bytes
+    assert red["config"]["equal_memory_target_bytes"] == rad_saved
+    lines = _rad.render("rad-convergence", recs, tmp_path, plots=True)
+    assert (tmp_path / "plots" / "rad-convergence-irnn.png").exists()
+    assert any(labels[2] in line for line in lines)
+
+
+def test_pde_runner(tmp_path: Path) -> None:
+    suite = _tiny("rad-pde", n=5, steps=24, t_end=0.25, iterations=2, fractions=[1.0, 0.1])
+    recs = _rad.run_pde(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    exact = [r for r in recs if r["engine"] == "exact"]
+    randomized = [r for r in recs if r["engine"] == "RAD 0.1"]
+    assert len(exact) == len(randomized) == 3
+    assert randomized[0]["saved_bytes"] < 0.3 * exact[0]["saved_bytes"]
+    assert _rad.render("rad-pde", recs, tmp_path, plots=False)
