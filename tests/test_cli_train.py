@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from leangrad import train
+from leangrad import models, train
 from leangrad.cli import main
 from leangrad.train import _checkpoint as C
 
@@ -107,3 +107,32 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path) -> None:
                     progress=False, track_memory_every=0)  # fmt: skip
     for k, v in ref.model.state_dict().items():
         assert torch.equal(final["model"][k], v), k
+
+
+class _SigintAt3(torch.nn.Module):
+    """An MLP that sends its own process SIGINT during its third forward call."""
+
+    def __init__(self, input_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.net = models.mlp(input_shape[0], 16, 1, 10)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.net(x)
+
+
+def sigint_model(input_shape: tuple[int, ...]) -> torch.nn.Module:
+    """``module:factory`` target for the test below (gets the data's example shape)."""
+    return _SigintAt3(input_shape)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_writes_a_checkpoint_and_exits_130(tmp_path, capsys) -> None:
+    code = main(["train", "--model", f"{__name__}:sigint_model", "--data", "synthetic",
+                 "--out", str(tmp_path), "--no-progress", "--no-plots"])  # fmt: skip
+    assert code == 130
+    assert "interrupted: 3 steps" in capsys.readouterr().out
+    assert train.load_checkpoint(tmp_path / "checkpoints" / "step-000003.pt")["step"] == 3

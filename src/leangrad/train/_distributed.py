@@ -34,6 +34,7 @@ from ..engines._base import OnGrad
 
 __all__ = [
     "DistContext",
+    "any_process",
     "average_gradients",
     "averaging_on_grad",
     "broadcast_parameters",
@@ -73,6 +74,8 @@ def init_distributed(device: torch.device) -> DistContext:
     if world <= 1 and not dist.is_initialized():
         return DistContext()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL collectives run on the current device
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     return DistContext(
@@ -123,6 +126,16 @@ def mean_scalar(value: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     v = value.detach().clone().reshape(1)
     dist.all_reduce(v, op=dist.ReduceOp.SUM)
     return (v / ctx.world_size).reshape(())
+
+
+def any_process(flag: bool, ctx: DistContext) -> bool:
+    """True on every process when ``flag`` is true on any (e.g. one received SIGINT), so
+    all stop at the same step and no collective is left waiting."""
+    if not ctx.enabled:
+        return flag
+    t = torch.tensor([float(flag)], device="cuda" if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def barrier(ctx: DistContext) -> None:

@@ -44,6 +44,7 @@ NON_FINITE = (
     "step was not saved. Last good checkpoint: {last}. Lower the learning rate (now {lr}) "
     "or check the data, then resume from that checkpoint"
 )
+NO_CHECKPOINT_YET = "none written (give out= and checkpoint_every=)"
 UNSUPPORTED = "engine {engine!r} cannot train model {model!r}: {reason}"
 RESUME_MISMATCH = (
     "cannot resume {path} bit-exactly: {diffs}. Use the checkpoint's settings (leave "
@@ -398,7 +399,7 @@ def fit(
                     bar.close()
                     raise NonFiniteLossError(NON_FINITE.format(
                         loss=loss, step=step + 1, epoch=epoch, batch=batch, lr=lr,
-                        last=last_ckpt or "none written (set checkpoint_every)"))  # fmt: skip
+                        last=last_ckpt or NO_CHECKPOINT_YET))  # fmt: skip
                 step, batch, final_loss = step + 1, batch + 1, loss
                 examples += per_step
                 rate = examples / (time.perf_counter() - t_start)
@@ -416,7 +417,7 @@ def fit(
                             metrics.write(kind="epoch", step=step, epoch=epoch,
                                           test_loss=test_loss, test_acc=test_acc)  # fmt: skip
                     epoch, batch = epoch + 1, 0
-                if interrupt.hit:
+                if D.any_process(interrupt.hit, ctx):
                     stopped = "interrupted"
                     break
                 if checkpoint_every and step % checkpoint_every == 0:
