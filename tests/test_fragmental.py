@@ -308,3 +308,60 @@ def test_wrong_input_shape_names_the_layer() -> None:
         layer.check(torch.zeros(2, 5, 9))
     with torch.no_grad():
         assert math.isfinite(float(layer(torch.zeros(2, 4, 9)).sum()))
+
+
+# --- the depth-at-budget search and the tracker's budget ------------------------------
+
+
+def test_budget_aborts_the_step_that_crosses_it() -> None:
+    """MemoryTracker(budget_bytes=) raises at the allocation that crosses the budget,
+    naming the numbers; a step under the budget runs normally."""
+    from leangrad.measure import MemoryBudgetExceeded
+    from leangrad.measure._memory import BUDGET_EXCEEDED
+
+    x = torch.zeros(250)  # 1000 bytes of baseline
+    with MemoryTracker(baseline=(x,), budget_bytes=3000) as ok:
+        a = torch.ones(500)
+        del a
+    assert ok.report.peak_bytes == 2000
+    with pytest.raises(MemoryBudgetExceeded) as err, MemoryTracker(
+        baseline=(x,), budget_bytes=3000
+    ):
+        kept = [torch.ones(250)]
+        kept.append(torch.ones(500))  # 1000 + 1000 + 2000 > 3000
+    assert str(err.value) == BUDGET_EXCEEDED.format(
+        total=4000, baseline=1000, live=3000, budget=3000
+    )
+    assert isinstance(err.value, MemoryError)
+
+
+@pytest.mark.parametrize("limit", [0, 1, 5, 10, 37, 64, 200])
+def test_deepest_fitting_finds_the_boundary(limit: int) -> None:
+    """Doubling + bisection finds the largest fitting depth of a monotone predicate,
+    capped at max_depth, probing each depth at most once."""
+    from leangrad.bench._fragmental import DepthProbe, deepest_fitting
+
+    calls: list[int] = []
+
+    def fits(d: int) -> DepthProbe:
+        calls.append(d)
+        return DepthProbe(depth=d, fits=d <= limit, total_bytes=None)
+
+    depth, probes = deepest_fitting(fits, max_depth=100, extra_probes=2)
+    assert depth == min(limit, 100)
+    assert len(calls) == len(set(calls)) == len(probes)
+
+
+def test_deepest_fitting_looks_past_a_non_monotone_dip() -> None:
+    """A depth that fails between fitting ones (peak not monotone in depth) does not stop
+    the search when a deeper probe fits."""
+    from leangrad.bench._fragmental import DepthProbe, deepest_fitting
+
+    fit = set(range(1, 10)) | {11}  # bisection stops at 9 | 10; the extra probes find 11
+    depth, probes = deepest_fitting(
+        lambda d: DepthProbe(depth=d, fits=d in fit, total_bytes=None),
+        max_depth=64,
+        extra_probes=2,
+    )
+    assert depth == 11
+    assert [p["depth"] for p in probes] == [1, 2, 4, 8, 16, 12, 10, 9, 11, 12 + 1, 12 + 2]

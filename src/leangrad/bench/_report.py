@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import _errors as E
 
-__all__ = ["fmt_bytes", "load_records", "render_report"]
+__all__ = ["fmt_bytes", "load_records", "render_report", "sweep_section"]
 
 MiB = 2**20
 
@@ -160,6 +160,59 @@ def _training_section(
     return lines
 
 
+def sweep_section(
+    suite: str, series: str, recs: list[dict[str, Any]], directory: Path, *, plots: bool
+) -> list[str]:
+    """Markdown (and a PNG) for one series of sweep records: the table and growth lines."""
+    lines: list[str] = []
+    cfg = {k: v for k, v in recs[0]["config"].items() if k != recs[0].get("sweep")}
+    lines += [f"### {series}", "", f"`{json.dumps(cfg)}`", ""]
+    if plots:
+        png = Path("plots") / f"{suite}-{series}.png"
+        _plot_series(suite, series, recs, directory / png)
+        lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+    lines += [
+        f"| engine | {recs[0].get('sweep', 'x')} | params | peak | peak (grads prealloc.)"
+        " | saved | RSS | time ratio | s median [min–max] | max rel err | cosine |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(recs, key=lambda r: (r["engine"], r["x"])):
+        if r.get("skipped"):
+            lines.append(
+                f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
+                f"| skipped: {r['skipped']} | | | | | | | |"
+            )
+            continue
+        rss = fmt_bytes(r.get("rss_peak_bytes"))
+        if r.get("rss_exceeds_tracker"):
+            rss += " ⚠"
+        est = " (estimate)" if r.get("estimate") else ""
+        secs = (
+            f"{_fmt(r.get('seconds_median'), '.4f')} "
+            f"[{_fmt(r.get('seconds_min'), '.4f')}–{_fmt(r.get('seconds_max'), '.4f')}]"
+        )
+        lines.append(
+            f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
+            f"| {fmt_bytes(r.get('peak_bytes'))}{est} "
+            f"| {fmt_bytes(r.get('peak_bytes_prealloc'))} "
+            f"| {fmt_bytes(r.get('saved_bytes'))} | {rss} "
+            f"| {_fmt(r.get('time_ratio'), '.2f')} | {secs} "
+            f"| {_fmt(r.get('grad_max_rel_err'), '.2e')} "
+            f"| {_fmt(r.get('grad_cosine'), '.6f')} |"
+        )
+    lines += ["", "Growth from the smallest to the largest sweep value:", ""]
+    engines = sorted({r["engine"] for r in recs})
+    for eng in engines:
+        rs = [r for r in recs if r["engine"] == eng and not r.get("skipped")]
+        if rs:
+            lines.append(
+                f"- {eng}: peak {_growth(rs, 'peak_bytes')}; "
+                f"time {_growth(rs, 'seconds_median')}"
+            )
+    lines.append("")
+    return lines
+
+
 def _report_hook(suite: str) -> Any:
     """The suite's own ``report = "module:function"`` renderer, if it names one."""
     from ._suites import list_suites, load_suite
@@ -209,51 +262,7 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
             if recs[0].get("kind") == "training":
                 lines += _training_section(suite, series, recs, directory, plots=plots)
                 continue
-            cfg = {k: v for k, v in recs[0]["config"].items() if k != recs[0].get("sweep")}
-            lines += [f"### {series}", "", f"`{json.dumps(cfg)}`", ""]
-            if plots:
-                png = Path("plots") / f"{suite}-{series}.png"
-                _plot_series(suite, series, recs, directory / png)
-                lines += [f"![{suite} {series}]({png.as_posix()})", ""]
-            lines += [
-                f"| engine | {recs[0].get('sweep', 'x')} | params | peak | peak (grads prealloc.)"
-                " | saved | RSS | time ratio | s median [min–max] | max rel err | cosine |",
-                "|---|---|---|---|---|---|---|---|---|---|---|",
-            ]
-            for r in sorted(recs, key=lambda r: (r["engine"], r["x"])):
-                if r.get("skipped"):
-                    lines.append(
-                        f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
-                        f"| skipped: {r['skipped']} | | | | | | | |"
-                    )
-                    continue
-                rss = fmt_bytes(r.get("rss_peak_bytes"))
-                if r.get("rss_exceeds_tracker"):
-                    rss += " ⚠"
-                est = " (estimate)" if r.get("estimate") else ""
-                secs = (
-                    f"{_fmt(r.get('seconds_median'), '.4f')} "
-                    f"[{_fmt(r.get('seconds_min'), '.4f')}–{_fmt(r.get('seconds_max'), '.4f')}]"
-                )
-                lines.append(
-                    f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
-                    f"| {fmt_bytes(r.get('peak_bytes'))}{est} "
-                    f"| {fmt_bytes(r.get('peak_bytes_prealloc'))} "
-                    f"| {fmt_bytes(r.get('saved_bytes'))} | {rss} "
-                    f"| {_fmt(r.get('time_ratio'), '.2f')} | {secs} "
-                    f"| {_fmt(r.get('grad_max_rel_err'), '.2e')} "
-                    f"| {_fmt(r.get('grad_cosine'), '.6f')} |"
-                )
-            lines += ["", "Growth from the smallest to the largest sweep value:", ""]
-            engines = sorted({r["engine"] for r in recs})
-            for eng in engines:
-                rs = [r for r in recs if r["engine"] == eng and not r.get("skipped")]
-                if rs:
-                    lines.append(
-                        f"- {eng}: peak {_growth(rs, 'peak_bytes')}; "
-                        f"time {_growth(rs, 'seconds_median')}"
-                    )
-            lines.append("")
+            lines += sweep_section(suite, series, recs, directory, plots=plots)
     path = directory / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

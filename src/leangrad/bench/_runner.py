@@ -102,15 +102,18 @@ def _step(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
     return step
 
 
-def _tracked(engine: engines.Engine, wl: Workload, *, prealloc: bool) -> MemoryTracker:
+def _tracked(
+    engine: engines.Engine, wl: Workload, *, prealloc: bool
+) -> tuple[MemoryTracker, dict[str, Any]]:
+    """One step under the tracker; the tracker and the step's ``StepResult.info``."""
     wl.model.zero_grad(set_to_none=True)
     if prealloc:
         for p in wl.model.parameters():
             p.grad = torch.zeros_like(p)
     gc.collect()
     with MemoryTracker(baseline=(wl.model, wl.inputs, wl.targets)) as tracker:
-        engine.backward(wl.model, wl.inputs, wl.loss_fn)
-    return tracker
+        result = engine.backward(wl.model, wl.inputs, wl.loss_fn)
+    return tracker, dict(result.info)
 
 
 def measure_config(
@@ -185,7 +188,7 @@ def measure_config(
         wl = workloads[label] = copy.deepcopy(base)
         engines_run[label] = engine
         _step(engine, wl)()  # warm-up: lazy initialisation is not the step's memory
-        tracker = _tracked(engine, wl, prealloc=False)
+        tracker, info = _tracked(engine, wl, prealloc=False)
         rep = tracker.report
         cmp = compare_grads(grads_of(wl.model), ref_grads)
         rec.update(
@@ -194,7 +197,8 @@ def measure_config(
             baseline_bytes=rep.baseline_bytes,
             grad_max_rel_err=cmp.max_rel_err,
             grad_cosine=cmp.cosine,
-            peak_bytes_prealloc=_tracked(engine, wl, prealloc=True).report.peak_bytes,
+            peak_bytes_prealloc=_tracked(engine, wl, prealloc=True)[0].report.peak_bytes,
+            engine_info=info,
         )
         wl.model.zero_grad(set_to_none=True)
         tick(f"memory {label}")

@@ -9,7 +9,14 @@
 
 from ._estimate import estimate_memory
 from ._grads import EstimatorStats, GradComparison, compare_grads, estimator_stats, grads_of
-from ._memory import FORWARD_END, MemoryReport, MemoryTracker, baseline_bytes, mark
+from ._memory import (
+    FORWARD_END,
+    MemoryBudgetExceeded,
+    MemoryReport,
+    MemoryTracker,
+    baseline_bytes,
+    mark,
+)
 from ._rss import RssReport, malloc_trim, proc_status_bytes, reset_peak_rss, run_rss_worker
 from ._saved import saved_tensor_bytes
 from ._timer import Timing, num_threads, time_interleaved
@@ -18,6 +25,7 @@ __all__ = [
     "FORWARD_END",
     "EstimatorStats",
     "GradComparison",
+    "MemoryBudgetExceeded",
     "MemoryReport",
     "MemoryTracker",
     "RssReport",

@@ -26,7 +26,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FORWARD_END", "MemoryReport", "MemoryTracker", "baseline_bytes", "mark"]
+from .._errors import LeangradError
+
+__all__ = [
+    "BUDGET_EXCEEDED",
+    "FORWARD_END",
+    "MemoryBudgetExceeded",
+    "MemoryReport",
+    "MemoryTracker",
+    "baseline_bytes",
+    "mark",
+]
 
 FORWARD_END = "forward_end"
 """Mark name engines record once the forward phase is done (what is kept for backward)."""
@@ -123,6 +133,16 @@ class _StorageMode(TorchDispatchMode):
         return out
 
 
+BUDGET_EXCEEDED = (
+    "memory budget exceeded: {total} bytes live ({baseline} baseline + {live} allocated in "
+    "the step) > budget_bytes={budget}"
+)
+
+
+class MemoryBudgetExceeded(LeangradError, MemoryError):
+    """A step tracked with ``budget_bytes`` needed more memory than the budget."""
+
+
 class MemoryTracker:
     """Track live tensor storage bytes over a region: forward *and* backward inside it.
 
@@ -140,6 +160,10 @@ class MemoryTracker:
             statistics). ``None`` infers it from the first baseline tensor.
         estimate: label the report as an estimate (set by
             :func:`leangrad.measure.estimate_memory`, which runs on fake tensors).
+        budget_bytes: a memory budget for baseline + live bytes, to run a step as if
+            on a smaller device: on CPU the allocation that crosses it raises
+            :class:`MemoryBudgetExceeded` at once (the step is aborted, like an
+            out-of-memory error); on CUDA the peak is checked when the region ends.
 
     On CPU, a storage first seen as the output of an operator that also took it
     as input (a view or in-place op on a tensor made before tracking started)
@@ -152,6 +176,7 @@ class MemoryTracker:
         baseline: Iterable[Any] | Any = (),
         device: str | torch.device | None = None,
         estimate: bool = False,
+        budget_bytes: int | None = None,
     ) -> None:
         objs = list(baseline) if isinstance(baseline, (list, tuple)) else [baseline]
         self._baseline_objs = objs
@@ -167,6 +192,7 @@ class MemoryTracker:
         self._cuda_start = 0
         self._use_cuda = self.device.type == "cuda" and not estimate
         self._report: MemoryReport | None = None
+        self.budget_bytes = budget_bytes
 
     # -- bookkeeping (CPU) -------------------------------------------------
     def _see(self, st: torch.UntypedStorage, *, external: bool) -> None:
@@ -184,6 +210,18 @@ class MemoryTracker:
             self.live += now - counted
             self.peak = max(self.peak, self.live)
             self._entries[key] = (ref, base, now)
+            self._check_budget(self.live)
+
+    def _check_budget(self, live: int) -> None:
+        if self.budget_bytes is not None and self._baseline + live > self.budget_bytes:
+            raise MemoryBudgetExceeded(
+                BUDGET_EXCEEDED.format(
+                    total=self._baseline + live,
+                    budget=self.budget_bytes,
+                    baseline=self._baseline,
+                    live=live,
+                )
+            )
 
     def _freed_callback(self, key: int):  # type: ignore[no-untyped-def]
         def freed(_ref: weakref.ref[torch.UntypedStorage]) -> None:
@@ -207,6 +245,7 @@ class MemoryTracker:
                 self._see(st, external=True)
             self._mode = _StorageMode(self)
             self._mode.__enter__()
+        self._check_budget(0)
         _ACTIVE.append(self)
         return self
 
@@ -229,6 +268,8 @@ class MemoryTracker:
             estimate=self.estimate,
         )
         self._entries.clear()  # drops the weakrefs, so their callbacks never fire
+        if self._use_cuda and exc[0] is None:
+            self._check_budget(self.peak)
 
     def current_bytes(self) -> int:
         """Live bytes above the baseline right now."""
