@@ -155,6 +155,7 @@ class Highway(Engine):
         self, stack: HighwayStack, trace: Trace, dy: torch.Tensor
     ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor, StackResult]:
         """Highway-BP through one stack: ``(parameter grads, input grad, facts)``."""
+        stack.prepare(trace)
         a = stack.direct_grads(trace, dy)
         k_fac = trace.k
         fpi = self.baseline == "fpi"

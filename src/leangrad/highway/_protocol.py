@@ -148,6 +148,10 @@ class HighwayStack(nn.Module, abc.ABC):
         """Run the stack on ``x`` keeping what the backward needs (no autograd graph
         outside what :meth:`j_vjp` needs)."""
 
+    def prepare(self, trace: Trace) -> None:
+        """Backward-only set-up from what :meth:`trace` saved (e.g. gates -> J-vjp factors,
+        ``trace.k``); the engine calls it first, so its cost counts as backward time."""
+
     @abc.abstractmethod
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
         """``∂L_t/∂h_t`` for every state t (``(L, *state)``) given the output's cotangent."""

@@ -125,7 +125,8 @@ class GRULayer(_RecurrentLayer):
         return hs + x if self.residual else hs
 
     def trace(self, x: torch.Tensor) -> Trace:
-        """No-grad forward into preallocated buffers, then the J-vjp factors (vectorised)."""
+        """No-grad forward into preallocated buffers, keeping the gates; the J-vjp factors
+        are made by :meth:`prepare`, at the start of the backward."""
         self._check(x, highway=True)
         length, batch, _ = x.shape
         hsz = self.hidden_size
@@ -146,18 +147,26 @@ class GRULayer(_RecurrentLayer):
                 torch.addcmul(xi[t, :, 2 * hsz :], rz[t, :, :hsz], hh[t, :, 2 * hsz :],
                               out=n[t]).tanh_()  # fmt: skip
                 torch.lerp(n[t], hs[t], rz[t, :, hsz:], out=hs[t + 1])
-            del xi
-            r, z, hn = rz[..., :hsz], rz[..., hsz:].contiguous(), hh[..., 2 * hsz :]
+            out = hs[1:] + x if self.residual else hs[1:]
+        saved = {"x": x, "h_prev": hs[:-1], "rz": rz, "hn": hh[..., 2 * hsz :], "n": n}
+        return Trace(output=out, length=length, k=rz[..., hsz:], saved=saved)
+
+    def prepare(self, trace: Trace) -> None:
+        """Turn the saved gates into the factors the J-vjp multiplies by (vectorised)."""
+        s, hsz = trace.saved, self.hidden_size
+        if "coef" in s:
+            return
+        with torch.no_grad():
+            rz, hn, n = s.pop("rz"), s.pop("hn"), s.pop("n")
+            r, z = rz[..., :hsz], rz[..., hsz:]
             omz = 1 - z
             c_n = torch.mul(n, n).neg_().add_(1).mul_(omz)  # ∂h'/∂(n pre-activation)
-            coef = x.new_empty(length, batch, 3, hsz)  # factors of the W_hh·h cotangent
-            torch.sub(hs[:-1], n, out=coef[:, :, 1]).mul_(z).mul_(omz)  # z pre-activation
+            coef = n.new_empty(*n.shape[:2], 3, hsz)  # factors of the W_hh·h cotangent
+            torch.sub(s["h_prev"], n, out=coef[:, :, 1]).mul_(z).mul_(omz)  # z pre-activation
             torch.mul(c_n, hn, out=coef[:, :, 0]).mul_(r).mul_(1 - r)  # r pre-activation
             torch.mul(c_n, r, out=coef[:, :, 2])  # W_hn·h + b_hn
-            del hh, rz, n, omz
-            out = hs[1:] + x if self.residual else hs[1:]
-        saved = {"x": x, "h_prev": hs[:-1], "coef": coef, "c_n": c_n}
-        return Trace(output=out, length=length, k=z, saved=saved)
+            trace.k = z.contiguous()  # frees r and the W_hh·h buffer
+        s["coef"], s["c_n"] = coef, c_n
 
     def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
         """One product and one matmul for all L steps, into buffers reused across calls
@@ -237,40 +246,55 @@ class LSTMLayer(_RecurrentLayer):
                 cs[t + 1].addcmul_(p[:, :hsz], p[:, 2 * hsz : 3 * hsz])
                 torch.tanh(cs[t + 1], out=tc[t])
                 torch.mul(p[:, 3 * hsz :], tc[t], out=hs[t + 1])
-            i, f, gg, o = pre.split(hsz, -1)
+            out = hs[1:] + x if self.residual else hs[1:]
+        saved = {"x": x, "h_prev": hs[:-1], "gates": pre, "tc": tc, "c_prev": cs[:-1]}
+        return Trace(output=out, length=length, k=None, saved=saved)
+
+    def prepare(self, trace: Trace) -> None:
+        """The J-vjp factors and ``K = diag([f, 0])`` from the saved gates (vectorised)."""
+        s, hsz = trace.saved, self.hidden_size
+        if "coef" in s:
+            return
+        with torch.no_grad():
+            gates, tc, c_prev = s.pop("gates"), s.pop("tc"), s.pop("c_prev")
+            i, f, gg, o = gates.split(hsz, -1)
             q = torch.mul(tc, tc).neg_().add_(1).mul_(o)  # ∂h'/∂c'
             # With s = w_c + w_h ⊙ q (the cotangent reaching c'), the gate pre-activation
             # cotangents are s ⊙ [a_i, a_f, a_g] and w_h ⊙ a_o:
-            coef = x.new_empty(length, batch, 4, hsz)
+            coef = tc.new_empty(*tc.shape[:2], 4, hsz)
             torch.mul(gg, i, out=coef[:, :, 0]).mul_(1 - i)
-            torch.mul(cs[:-1], f, out=coef[:, :, 1]).mul_(1 - f)
+            torch.mul(c_prev, f, out=coef[:, :, 1]).mul_(1 - f)
             torch.mul(gg, gg, out=coef[:, :, 2]).neg_().add_(1).mul_(i)
             torch.mul(tc, o, out=coef[:, :, 3]).mul_(1 - o)
-            k = torch.cat([f, torch.zeros_like(f)], -1)
-            qf = q * f
-            del pre, tc, cs
-            out = hs[1:] + x if self.residual else hs[1:]
-        saved = {"x": x, "h_prev": hs[:-1], "coef": coef, "q": q, "qf": qf}
-        return Trace(output=out, length=length, k=k, saved=saved)
+            trace.k = torch.cat([f, torch.zeros_like(f)], -1)
+            s["coef"], s["q"], s["qf"] = coef, q, q * f
 
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
         return torch.cat([torch.zeros_like(dy), dy], -1)
 
-    def _g(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
-        hsz = self.hidden_size
+    def _g(self, trace: Trace, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Gate pre-activation cotangents ``(L·B, 4H)`` written into ``out``."""
+        hsz, coef = self.hidden_size, trace.saved["coef"]
         wc, wh = w[..., :hsz], w[..., hsz:]
-        g = trace.saved["coef"].clone()
-        g[:, :, :3] *= torch.addcmul(wc, wh, trace.saved["q"]).unsqueeze(2)
-        g[:, :, 3] *= wh
-        return g.view(w.shape[0] * w.shape[1], -1)
+        s = torch.addcmul(wc, wh, trace.saved["q"])  # the cotangent reaching c'
+        torch.mul(coef[:, :, :3], s.unsqueeze(2), out=out[:, :, :3])
+        torch.mul(coef[:, :, 3], wh, out=out[:, :, 3])
+        return out.view(w.shape[0] * w.shape[1], -1)
 
     def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
-        dh = (self._g(trace, w) @ self.weight_hh.detach()).view(*w.shape[:-1], -1)
-        dc = w[..., self.hidden_size :] * trace.saved["qf"]
-        return torch.cat([dc, dh], -1)
+        """Into buffers reused across calls (the engine may overwrite the result)."""
+        s, hsz = trace.saved, self.hidden_size
+        if "g" not in s:
+            s["g"], s["jw"] = torch.empty_like(s["coef"]), torch.empty_like(w)
+        dh = self._g(trace, w, s["g"]) @ self.weight_hh.detach()
+        jw = s["jw"]
+        torch.mul(w[..., hsz:], s["qf"], out=jw[..., :hsz])
+        jw[..., hsz:] = dh.view(*w.shape[:-1], hsz)
+        return jw
 
     def param_vjp(self, trace: Trace, w: torch.Tensor, dy: torch.Tensor):
-        g = self._g(trace, w)
+        coef = trace.saved["coef"]
+        g = self._g(trace, w, trace.saved.pop("g", torch.empty_like(coef)))
         h_prev = trace.saved["h_prev"]
         grads = {
             self.weight_hh: g.t() @ h_prev.reshape(-1, h_prev.shape[-1]),
