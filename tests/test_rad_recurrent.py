@@ -87,3 +87,21 @@ def test_irnn_init_and_saved_bytes() -> None:
         saved[name] = s.bytes
     # exact keeps x_t and h_t (and the pre-activation) per step; RAD keeps 10% + 1 bit per unit
     assert saved["rad"] <= 0.15 * saved["exact"], saved
+
+
+def test_gru_saved_bytes_are_gates_plus_samples() -> None:
+    b, d, hidden, steps = 32, 28, 100, 28
+    x = torch.rand(b, steps, d)
+    saved = {}
+    for name, cell in (
+        ("exact", nn.GRUCell(d, hidden)),
+        ("rad", rad.RandGRUCell(d, hidden, fraction=0.1, seed=0)),
+    ):
+        with saved_tensor_bytes(*cell.parameters()) as s:
+            h = None
+            for t in range(steps):
+                h = cell(x[:, t].clone(), h)
+        saved[name] = s.bytes
+    # per step: r, z, n, h_n, h (5H, exact gate derivatives) + 10% of x and of h, float32
+    assert saved["rad"] == steps * b * (5 * hidden + 3 + 10) * 4
+    assert saved["rad"] <= 0.75 * saved["exact"], saved

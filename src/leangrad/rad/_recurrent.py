@@ -6,12 +6,14 @@ identity) is trained with "different activations/random matrices sampled at
 every time-step of the unrolled RNN". Each call of a cell is one time step and
 draws fresh samples for both weight Jacobians (``∂/∂W_ih`` needs ``x``,
 ``∂/∂W_hh`` needs ``h``); the ReLU keeps 1 bit per unit. The GRU cell applies
-the same sampling to its two matrix products; its gates (sigmoid, tanh,
-products with ``h``) are differentiated exactly by autograd and keep their
-usual saved tensors, so its saving is smaller than the IRNN's.
+the same sampling to its two matrix products; its gates are differentiated
+exactly from r, z, n, W_hn h + b_hn and h (5H numbers per example and step),
+which RAD cannot sample away, so its saving is smaller than the IRNN's.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,11 +123,39 @@ def irnn_cell(
     return cell
 
 
+class _GRUGatesFn(torch.autograd.Function):
+    """``h' = n + z (h - n)`` from the two pre-activations; saves r, z, n, h_n and h only.
+
+    Plain autograd on the same expression would also keep the whole ``W_hh h`` output
+    (3H, for the ``r * h_n`` product) and ``h - n``; the fused ``nn.GRUCell`` keeps a
+    5H workspace. The derivative needs exactly r, z, n, h_n and h.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        i_r, i_z, i_n = gi.chunk(3, -1)
+        h_r, h_z, h_n = gh.chunk(3, -1)
+        r = torch.sigmoid(i_r + h_r)
+        z = torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        ctx.save_for_backward(r, z, n, h_n.contiguous(), h)
+        return n + z * (h - n)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        r, z, n, h_n, h = ctx.saved_tensors
+        d_n = g * (1 - z) * (1 - n * n)  # through n, then tanh'
+        d_z = g * (h - n) * z * (1 - z)
+        d_r = d_n * h_n * r * (1 - r)
+        return torch.cat([d_r, d_z, d_n], -1), torch.cat([d_r, d_z, d_n * r], -1), g * z
+
+
 class RandGRUCell(nn.GRUCell):
     """``nn.GRUCell`` whose two matrix products get RAD weight gradients, fresh per step.
 
     Same gate equations as ``nn.GRUCell``; only ``∂/∂W_ih`` (needs ``x``) and
-    ``∂/∂W_hh`` (needs ``h``) are sampled. Gate derivatives are exact.
+    ``∂/∂W_hh`` (needs ``h``) are sampled. Gate derivatives are exact and keep
+    r, z, n, h_n and h (5H per example), the floor of what this cell can save.
     """
 
     def __init__(
@@ -166,9 +196,4 @@ class RandGRUCell(nn.GRUCell):
             hx, self.weight_hh, self.bias_hh, spec=self.spec, seed=draw_seed(self.generator),
             layer=name,
         )  # fmt: skip
-        i_r, i_z, i_n = gi.chunk(3, -1)
-        h_r, h_z, h_n = gh.chunk(3, -1)
-        r = torch.sigmoid(i_r + h_r)
-        z = torch.sigmoid(i_z + h_z)
-        n = torch.tanh(i_n + r * h_n)
-        return n + z * (hx - n)
+        return _GRUGatesFn.apply(gi, gh, hx)
