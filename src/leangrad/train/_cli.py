@@ -74,6 +74,8 @@ def add_train_parser(sub: Any) -> None:
                    help="torch.set_num_threads (default: torch's choice)")
     t.add_argument("--track-memory-every", type=int, default=50,
                    help="measure a step's peak memory every N steps, 0: never (default: 50)")
+    t.add_argument("--no-measure-saving", action="store_true",
+                   help="with --step-per-layer, skip measuring the saving on model copies")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.add_argument("--no-plots", action="store_true", help="skip plots at the end")
 
@@ -111,7 +113,8 @@ def run_train(args: argparse.Namespace) -> int:
     """Run ``leangrad train``; exit code 0, 130 after SIGINT, 3 on a non-finite loss."""
     import torch
 
-    from ._fit import NonFiniteLossError, fit
+    from ._config import NonFiniteLossError
+    from ._fit import fit
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -127,6 +130,7 @@ def run_train(args: argparse.Namespace) -> int:
             s.pop("model"), s.pop("data"), **s, out=out, resume=args.resume,
             keep_checkpoints=args.keep, device=args.device, progress=not args.no_progress,
             plots=not args.no_plots, track_memory_every=args.track_memory_every,
+            measure_saving=not args.no_measure_saving,
         )  # fmt: skip
     except NonFiniteLossError as err:
         print(f"leangrad: error: {err}", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -33,94 +34,23 @@ from ..engines import engine as make_engine
 from ..measure import MemoryTracker
 from . import _checkpoint as C
 from . import _distributed as D
+from ._config import (
+    BAD_OPTIMIZER,
+    BATCH_TOO_BIG,
+    EXACT_KEYS,
+    NO_CHECKPOINT_YET,
+    NON_FINITE,
+    RESUME_MISMATCH,
+    UNSUPPORTED,
+    FitResult,
+    NonFiniteLossError,
+    TrainConfig,
+)
 from ._metrics import MetricsWriter, plot_metrics
 from ._perlayer import GradMemory, PerLayerOptimizer, measure_grad_memory
 from ._registry import build_model, data_info, load_data
 
-__all__ = ["FitResult", "NonFiniteLossError", "TrainConfig", "fit"]
-
-NON_FINITE = (
-    "loss is {loss} at step {step} (epoch {epoch}, batch {batch}); training stopped and this "
-    "step was not saved. Last good checkpoint: {last}. Lower the learning rate (now {lr}) "
-    "or check the data, then resume from that checkpoint"
-)
-NO_CHECKPOINT_YET = "none written (give out= and checkpoint_every=)"
-UNSUPPORTED = "engine {engine!r} cannot train model {model!r}: {reason}"
-RESUME_MISMATCH = (
-    "cannot resume {path} bit-exactly: {diffs}. Use the checkpoint's settings (leave "
-    "these options out with --resume) or start a fresh run"
-)
-BATCH_TOO_BIG = (
-    "batch size {batch} x {world} process(es) is more than the {n} training examples; "
-    "lower --batch-size"
-)
-BAD_OPTIMIZER = "optimizer must be 'adam' or 'sgd', got {value!r}"
-
-EXACT_KEYS = ("model", "model_options", "data", "data_options", "engine", "engine_options",
-              "batch_size", "lr", "optimizer", "seed", "step_per_layer", "dtype",
-              "test_fraction", "world_size")  # fmt: skip
-"""Config entries a resumed run must share with its checkpoint to continue bit-exactly."""
-
-
-class NonFiniteLossError(E.LeangradError, FloatingPointError):
-    """The training loss became NaN or infinite."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Every setting of a run (JSON-serialisable; stored in run.json and checkpoints)."""
-
-    model: str
-    data: str
-    engine: str
-    engine_options: dict[str, Any]
-    model_options: dict[str, Any]
-    data_options: dict[str, Any]
-    epochs: int
-    batch_size: int
-    lr: float
-    optimizer: str
-    seed: int
-    step_per_layer: bool
-    checkpoint_every: int | None
-    max_steps: int | None
-    dtype: str
-    test_fraction: float
-    world_size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class FitResult:
-    """What :func:`fit` returns.
-
-    Attributes:
-        model: the trained model.
-        config: the run's settings.
-        steps: optimizer steps done in total (including before a resume).
-        stopped: ``"completed"``, ``"max_steps"`` or ``"interrupted"`` (SIGINT).
-        final_loss: training loss of the last step.
-        test_loss, test_acc: on the held-out split after the last full epoch (or None).
-        examples_per_s: training throughput of this process's run (all processes).
-        peak_bytes: largest tracked step peak incl. baseline (allocator level), or None.
-        grad_memory: with ``step_per_layer``, the measured saving (:class:`GradMemory`).
-        checkpoint: the last checkpoint written, metrics: the JSONL file, plot: the PNG.
-        notes: things the user should know (e.g. plots skipped).
-    """
-
-    model: nn.Module
-    config: TrainConfig
-    steps: int
-    stopped: str
-    final_loss: float | None
-    test_loss: float | None
-    test_acc: float | None
-    examples_per_s: float | None
-    peak_bytes: int | None
-    grad_memory: GradMemory | None
-    checkpoint: Path | None
-    metrics: Path | None
-    plot: Path | None
-    notes: list[str]
+__all__ = ["FitResult", "NonFiniteLossError", "TrainConfig", "evaluate", "fit"]
 
 
 def _loss_fn(y: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -220,6 +150,7 @@ def fit(
     progress: bool = True,
     plots: bool = True,
     handle_sigint: bool = True,
+    measure_saving: bool = True,
 ) -> FitResult:
     """Train ``model`` on ``data`` with any engine.
 
@@ -244,6 +175,8 @@ def fit(
             many steps (0: never).
         progress, plots, handle_sigint: progress bar; plots at the end; SIGINT writes a
             checkpoint and returns with ``stopped == "interrupted"``.
+        measure_saving: with ``step_per_layer``, measure the gradient-memory saving on
+            copies of the model before the first step (needs room for a second copy).
 
     Returns:
         A :class:`FitResult`.
@@ -254,202 +187,247 @@ def fit(
     """
     dev = _device(device)
     ctx = D.init_distributed(dev)
-    torch_dtype = getattr(torch, dtype)
-    make_opt = _make_optimizer(optimizer, lr)
     cfg = TrainConfig(
         model=model if isinstance(model, str) else f"<{type(model).__name__}>",
         data=data if isinstance(data, str) else f"<{data.name}>",
-        engine=engine,
-        engine_options=dict(engine_options or {}),
-        model_options=dict(model_options or {}),
-        data_options=dict(data_options or {}),
-        epochs=epochs,
-        batch_size=batch_size,
-        lr=lr,
-        optimizer=optimizer,
-        seed=seed,
-        step_per_layer=step_per_layer,
-        checkpoint_every=checkpoint_every,
-        max_steps=max_steps,
-        dtype=dtype,
-        test_fraction=test_fraction,
+        engine=engine, engine_options=dict(engine_options or {}),
+        model_options=dict(model_options or {}), data_options=dict(data_options or {}),
+        epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, seed=seed,
+        step_per_layer=step_per_layer, checkpoint_every=checkpoint_every,
+        max_steps=max_steps, dtype=dtype, test_fraction=test_fraction,
         world_size=ctx.world_size,
-    )
+    )  # fmt: skip
     torch.manual_seed(seed)
     ds = load_data(data, **cfg.data_options) if isinstance(data, str) else data
-    info = data_info(cfg.data, ds)
-    net = build_model(model, info, **cfg.model_options) if isinstance(model, str) else model
-    net = net.to(device=dev, dtype=torch_dtype)
-    ds = ds.to(dev, torch_dtype if ds.x.is_floating_point() else None)
-    train, test = ds.split(1 - test_fraction, seed=seed) if test_fraction > 0 else (ds, None)
-    eng: Engine = make_engine(engine, **cfg.engine_options)
-    if (reason := eng.supports(net)) is not None:
-        raise E.EngineInputError(UNSUPPORTED.format(engine=eng.label, model=cfg.model,
-                                                    reason=reason))  # fmt: skip
-    params = {n: p for n, p in net.named_parameters() if p.requires_grad}
-    plo = PerLayerOptimizer(params, make_opt) if step_per_layer else None
-    opt = None if plo is not None else make_opt(list(params.values()))
-    per_step = batch_size * ctx.world_size
-    steps_per_epoch = len(train) // per_step
-    if steps_per_epoch < 1:
-        raise ValueError(BATCH_TOO_BIG.format(batch=batch_size, world=ctx.world_size,
-                                              n=len(train)))  # fmt: skip
-
-    step, epoch, batch = 0, 0, 0
-    payload = None
+    net = model
+    if isinstance(model, str):
+        net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
+    run = _Run(cfg, net, ds, dev, ctx)  # type: ignore[arg-type]
     if resume is not None:
-        path = C.resolve_resume(resume)
-        payload = C.load_checkpoint(path, map_location=dev)
-        C.check_fingerprint(payload, net, path)
+        run.resume(resume)
+    else:
+        D.broadcast_parameters(run.net, ctx)
+    if out is not None:
+        run.open(Path(out), keep_checkpoints, resumed=resume is not None)
+    with _Interrupt(handle_sigint) as interrupt:
+        run.loop(interrupt, progress=progress, track_every=track_memory_every,
+                 measure_saving=measure_saving)  # fmt: skip
+    return run.finish(plots=plots)
+
+
+class _Run:
+    """The state of one training run and the steps that change it."""
+
+    def __init__(self, cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
+                 ctx: D.DistContext) -> None:  # fmt: skip
+        dtype = getattr(torch, cfg.dtype)
+        self.cfg, self.dev, self.ctx = cfg, dev, ctx
+        self.net = net.to(device=dev, dtype=dtype)
+        ds = ds.to(dev, dtype if ds.x.is_floating_point() else None)
+        frac = cfg.test_fraction
+        self.train, self.test = ds.split(1 - frac, seed=cfg.seed) if frac > 0 else (ds, None)
+        self.engine: Engine = make_engine(cfg.engine, **cfg.engine_options)
+        if (reason := self.engine.supports(self.net)) is not None:
+            label = self.engine.label
+            raise E.EngineInputError(UNSUPPORTED.format(engine=label, model=cfg.model,
+                                                        reason=reason))  # fmt: skip
+        self.make_opt = _make_optimizer(cfg.optimizer, cfg.lr)
+        self.params = {n: p for n, p in self.net.named_parameters() if p.requires_grad}
+        self.plo = PerLayerOptimizer(self.params, self.make_opt) if cfg.step_per_layer else None
+        self.opt = None if self.plo else self.make_opt(list(self.params.values()))
+        self.on_grad = D.averaging_on_grad(ctx, self.plo.on_grad) if self.plo else None
+        self.per_step = cfg.batch_size * ctx.world_size
+        self.steps_per_epoch = len(self.train) // self.per_step
+        if self.steps_per_epoch < 1:
+            raise ValueError(BATCH_TOO_BIG.format(batch=cfg.batch_size, world=ctx.world_size,
+                                                  n=len(self.train)))  # fmt: skip
+        full = cfg.epochs * self.steps_per_epoch
+        self.total = full if cfg.max_steps is None else min(cfg.max_steps, full)
+        self.step = self.epoch = self.batch = 0
+        self.lead = ctx.rank == 0
+        self.out: Path | None = None
+        self.ckpt_dir: Path | None = None
+        self.keep = 3
+        self.metrics: MetricsWriter | None = None
+        self.last_ckpt: Path | None = None
+        self.stopped = "completed"
+        self.final_loss: float | None = None
+        self.test_loss: float | None = None
+        self.test_acc: float | None = None
+        self.peak: int | None = None
+        self.grad_memory: GradMemory | None = None
+        self.examples, self.seconds = 0, 0.0
+
+    @property
+    def _optimizer(self) -> Any:
+        return self.plo if self.plo is not None else self.opt
+
+    # -- checkpoints ---------------------------------------------------------------
+    def resume(self, where: str | Path) -> None:
+        """Load a checkpoint: weights, optimizer, position and every RNG state."""
+        path = C.resolve_resume(where)
+        payload = C.load_checkpoint(path, map_location=self.dev)
+        C.check_fingerprint(payload, self.net, path)
         saved = payload["config"]
-        diffs = [f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} here"
-                 for k in EXACT_KEYS if saved.get(k) != getattr(cfg, k)]  # fmt: skip
+        diffs = [f"{k}: {saved.get(k)!r} there, {getattr(self.cfg, k)!r} here"
+                 for k in EXACT_KEYS if saved.get(k) != getattr(self.cfg, k)]  # fmt: skip
         if diffs:
             raise C.CheckpointError(RESUME_MISMATCH.format(path=path, diffs="; ".join(diffs)))
-        net.load_state_dict(payload["model"])
-        (plo or opt).load_state_dict(payload["optimizer"])  # type: ignore[union-attr]
-        step, epoch, batch = payload["step"], payload["epoch"], payload["batch"]
-        C.set_engine_rng_state(eng, payload["engine_rng"])
+        self.net.load_state_dict(payload["model"])
+        self._optimizer.load_state_dict(payload["optimizer"])
+        self.step, self.epoch, self.batch = payload["step"], payload["epoch"], payload["batch"]
+        C.set_engine_rng_state(self.engine, payload["engine_rng"])
         C.set_rng_state(payload["rng"])
-    else:
-        D.broadcast_parameters(net, ctx)
 
-    lead = ctx.rank == 0
-    out_dir = Path(out) if out is not None else None
-    ckpt_dir = out_dir / "checkpoints" if out_dir is not None else None
-    metrics = None
-    if out_dir is not None and lead:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "run.json").write_text(_json(dataclasses.asdict(cfg)))
-        metrics = MetricsWriter(out_dir / "metrics.jsonl",
-                                resume_step=step if payload is not None else None)  # fmt: skip
-        metrics.write(kind="event", step=step, event="resume" if payload else "start",
-                      config=dataclasses.asdict(cfg), device=str(dev))  # fmt: skip
-
-    total = epochs * steps_per_epoch if max_steps is None else min(max_steps,
-                                                                   epochs * steps_per_epoch)
-    on_grad = D.averaging_on_grad(ctx, plo.on_grad) if plo is not None else None
-    grad_memory: GradMemory | None = None
-    notes: list[str] = []
-    last_ckpt: Path | None = None
-    if ckpt_dir is not None and (found := C.list_checkpoints(ckpt_dir)):
-        last_ckpt = found[-1]
-
-    def save() -> None:
-        nonlocal last_ckpt
-        if ckpt_dir is None:
+    def open(self, out: Path, keep: int, *, resumed: bool) -> None:
+        """Start writing into the run directory (rank 0 writes, every rank checkpoints)."""
+        self.out, self.ckpt_dir, self.keep = out, out / "checkpoints", keep
+        if found := C.list_checkpoints(self.ckpt_dir):
+            self.last_ckpt = found[-1]
+        if not self.lead:
             return
-        if lead:
-            state = {
-                "step": step, "epoch": epoch, "batch": batch,
-                "config": dataclasses.asdict(cfg), "fingerprint": C.model_fingerprint(net),
-                "model": net.state_dict(), "optimizer": (plo or opt).state_dict(),  # type: ignore[union-attr]
-                "rng": C.rng_state(), "engine_rng": C.engine_rng_state(eng),
-            }  # fmt: skip
-            last_ckpt = C.save_checkpoint(ckpt_dir / C.checkpoint_name(step), state)
-            C.prune(ckpt_dir, keep_checkpoints)
-        D.barrier(ctx)
+        out.mkdir(parents=True, exist_ok=True)
+        config = dataclasses.asdict(self.cfg)
+        (out / "run.json").write_text(json.dumps(config, indent=2, default=str))
+        self.metrics = MetricsWriter(out / "metrics.jsonl",
+                                     resume_step=self.step if resumed else None)  # fmt: skip
+        self.metrics.write(kind="event", step=self.step, event="resume" if resumed else "start",
+                           config=config, device=str(self.dev))  # fmt: skip
 
-    final_loss = test_loss = test_acc = None
-    peak: int | None = None
-    stopped = "completed"
-    bar = tqdm(total=total, initial=step, disable=not (progress and lead), unit="step",
-               desc=f"train {cfg.model} [{eng.label}]")  # fmt: skip
-    t_start, examples = time.perf_counter(), 0
-    net.train()
-    first = True
-    with _Interrupt(handle_sigint) as interrupt:
-        while step < total:
-            gen = torch.Generator().manual_seed(seed + epoch)
-            order = torch.randperm(len(train), generator=gen)
-            while batch < steps_per_epoch and step < total:
-                lo = batch * per_step + ctx.rank * batch_size
-                idx = order[lo : lo + batch_size].to(dev)
-                x, y = train.x[idx], train.y[idx]
-                loss_fn = _loss_fn(y)
-                if first:
-                    first = False
-                    if plo is not None:  # on copies; restores the RNG state it used
-                        grad_memory = measure_grad_memory(net, eng, x, loss_fn, make_opt)
-                track = track_memory_every > 0 and step % track_memory_every == 0
-                tracker = (
-                    MemoryTracker(baseline=(net, x, y, _opt_tensors(plo or opt)))
-                    if track else contextlib.nullcontext()
-                )  # fmt: skip
-                with tracker:
-                    if opt is not None:
-                        opt.zero_grad(set_to_none=True)
-                    res = eng.backward(net, x, loss_fn, on_grad=on_grad)
-                    if on_grad is not None:  # gradients the engine did not hand over
-                        for n, p in params.items():
-                            if p.grad is not None:
-                                on_grad(n, p)
-                    else:
-                        D.average_gradients(params.items(), ctx)
-                        opt.step()  # type: ignore[union-attr]
-                        opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-                if isinstance(tracker, MemoryTracker):
-                    rep = tracker.report
-                    peak = max(peak or 0, rep.baseline_bytes + rep.peak_bytes)
-                loss = float(D.mean_scalar(res.loss, ctx))
-                if not math.isfinite(loss):
-                    if metrics is not None:
-                        metrics.write(kind="event", step=step + 1, event="non-finite loss")
-                        metrics.close()
-                    bar.close()
-                    raise NonFiniteLossError(NON_FINITE.format(
-                        loss=loss, step=step + 1, epoch=epoch, batch=batch, lr=lr,
-                        last=last_ckpt or NO_CHECKPOINT_YET))  # fmt: skip
-                step, batch, final_loss = step + 1, batch + 1, loss
-                examples += per_step
-                rate = examples / (time.perf_counter() - t_start)
-                if metrics is not None:
-                    metrics.write(kind="step", step=step, epoch=epoch, loss=loss,
-                                  examples_per_s=rate, peak_bytes=peak)  # fmt: skip
-                bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:.0f}", refresh=False,
-                                peak=_mib(peak))  # fmt: skip
-                bar.update()
-                epoch_done = batch == steps_per_epoch
-                if epoch_done:
-                    if test is not None and len(test):
-                        test_loss, test_acc = evaluate(net, test)
-                        if metrics is not None:
-                            metrics.write(kind="epoch", step=step, epoch=epoch,
-                                          test_loss=test_loss, test_acc=test_acc)  # fmt: skip
-                    epoch, batch = epoch + 1, 0
-                if D.any_process(interrupt.hit, ctx):
-                    stopped = "interrupted"
-                    break
-                if checkpoint_every and step % checkpoint_every == 0:
-                    save()
-                if epoch_done:
-                    break  # a new epoch: a new order
-            if stopped == "interrupted":
-                break
-        if stopped != "interrupted" and max_steps is not None and step >= max_steps:
-            stopped = "max_steps"
-        if not (last_ckpt is not None and last_ckpt.name == C.checkpoint_name(step)):
-            save()
-    bar.close()
-    elapsed = time.perf_counter() - t_start
-    plot = None
-    if metrics is not None and out_dir is not None:
-        metrics.write(kind="event", step=step, event=stopped)
-        metrics.close()
-        if plots:
-            note = plot_metrics(out_dir / "metrics.jsonl", out_dir / "training.png")
-            if note is None:
-                plot = out_dir / "training.png"
+    def save(self) -> None:
+        """Write a checkpoint of the current state (rank 0), then wait for every rank."""
+        if self.ckpt_dir is None:
+            return
+        if self.lead:
+            state = {
+                "step": self.step, "epoch": self.epoch, "batch": self.batch,
+                "config": dataclasses.asdict(self.cfg),
+                "fingerprint": C.model_fingerprint(self.net),
+                "model": self.net.state_dict(), "optimizer": self._optimizer.state_dict(),
+                "rng": C.rng_state(), "engine_rng": C.engine_rng_state(self.engine),
+            }  # fmt: skip
+            path = self.ckpt_dir / C.checkpoint_name(self.step)
+            self.last_ckpt = C.save_checkpoint(path, state)
+            C.prune(self.ckpt_dir, self.keep)
+        D.barrier(self.ctx)
+
+    # -- steps -----------------------------------------------------------------------
+    def _batch(self, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's shard of the global batch at the current position."""
+        lo = self.batch * self.per_step + self.ctx.rank * self.cfg.batch_size
+        idx = order[lo : lo + self.cfg.batch_size].to(self.dev)
+        return self.train.x[idx], self.train.y[idx]
+
+    def _update(self, x: torch.Tensor, y: torch.Tensor, track: bool) -> float:
+        """One optimizer step on (x, y); returns the loss averaged over processes."""
+        loss_fn = _loss_fn(y)
+        opt, on_grad = self.opt, self.on_grad
+        tracker = (MemoryTracker(baseline=(self.net, x, y, _opt_tensors(self._optimizer)))
+                   if track else contextlib.nullcontext())  # fmt: skip
+        with tracker:
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            res = self.engine.backward(self.net, x, loss_fn, on_grad=on_grad)
+            if on_grad is not None:  # gradients the engine did not hand over
+                for n, p in self.params.items():
+                    if p.grad is not None:
+                        on_grad(n, p)
             else:
-                notes.append(note)
-    return FitResult(
-        model=net, config=cfg, steps=step, stopped=stopped, final_loss=final_loss,
-        test_loss=test_loss, test_acc=test_acc,
-        examples_per_s=examples / elapsed if examples and elapsed > 0 else None,
-        peak_bytes=peak, grad_memory=grad_memory, checkpoint=last_ckpt,
-        metrics=out_dir / "metrics.jsonl" if out_dir is not None else None,
-        plot=plot, notes=notes,
-    )  # fmt: skip
+                D.average_gradients(self.params.items(), self.ctx)
+                opt.step()  # type: ignore[union-attr]
+                opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+        if isinstance(tracker, MemoryTracker):
+            rep = tracker.report
+            self.peak = max(self.peak or 0, rep.baseline_bytes + rep.peak_bytes)
+        return float(D.mean_scalar(res.loss, self.ctx))
+
+    def _non_finite(self, loss: float) -> NonFiniteLossError:
+        if self.metrics is not None:
+            self.metrics.write(kind="event", step=self.step + 1, event="non-finite loss")
+            self.metrics.close()
+        return NonFiniteLossError(NON_FINITE.format(
+            loss=loss, step=self.step + 1, epoch=self.epoch, batch=self.batch, lr=self.cfg.lr,
+            last=self.last_ckpt or NO_CHECKPOINT_YET))  # fmt: skip
+
+    def _end_epoch(self) -> None:
+        if self.test is not None and len(self.test):
+            self.test_loss, self.test_acc = evaluate(self.net, self.test)
+            if self.metrics is not None:
+                self.metrics.write(kind="epoch", step=self.step, epoch=self.epoch,
+                                   test_loss=self.test_loss, test_acc=self.test_acc)  # fmt: skip
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    def loop(self, interrupt: _Interrupt, *, progress: bool, track_every: int,
+             measure_saving: bool) -> None:  # fmt: skip
+        """Train until ``total`` steps, SIGINT, or a non-finite loss (raised)."""
+        cfg = self.cfg
+        bar = tqdm(total=self.total, initial=self.step, disable=not (progress and self.lead),
+                   unit="step", desc=f"train {cfg.model} [{self.engine.label}]")  # fmt: skip
+        self.net.train()
+        start = time.perf_counter()
+        try:
+            while self.step < self.total and self.stopped == "completed":
+                gen = torch.Generator().manual_seed(cfg.seed + self.epoch)
+                order = torch.randperm(len(self.train), generator=gen)  # this epoch's order
+                while self.step < self.total and self.batch < self.steps_per_epoch:
+                    x, y = self._batch(order)
+                    if self.plo is not None and measure_saving and self.grad_memory is None:
+                        # on copies; restores the RNG state it used
+                        self.grad_memory = measure_grad_memory(
+                            self.net, self.engine, x, _loss_fn(y), self.make_opt)
+                    track = track_every > 0 and self.step % track_every == 0
+                    loss = self._update(x, y, track)
+                    if not math.isfinite(loss):
+                        raise self._non_finite(loss)
+                    self.step, self.batch, self.final_loss = self.step + 1, self.batch + 1, loss
+                    self.examples += self.per_step
+                    rate = self.examples / (time.perf_counter() - start)
+                    if self.metrics is not None:
+                        self.metrics.write(kind="step", step=self.step, epoch=self.epoch,
+                                           loss=loss, examples_per_s=rate,
+                                           peak_bytes=self.peak)  # fmt: skip
+                    bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:.0f}",
+                                    peak=_mib(self.peak), refresh=False)  # fmt: skip
+                    bar.update()
+                    epoch_done = self.batch == self.steps_per_epoch
+                    if epoch_done:
+                        self._end_epoch()
+                    if D.any_process(interrupt.hit, self.ctx):
+                        self.stopped = "interrupted"
+                        break
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save()
+                    if epoch_done:
+                        break  # a new epoch: a new order
+        finally:
+            bar.close()
+            self.seconds = time.perf_counter() - start
+        if self.stopped != "interrupted" and cfg.max_steps is not None:
+            self.stopped = "max_steps" if self.step >= cfg.max_steps else self.stopped
+        if self.last_ckpt is None or self.last_ckpt.name != C.checkpoint_name(self.step):
+            self.save()
+
+    def finish(self, *, plots: bool) -> FitResult:
+        """Close the metrics, draw the plots, and name the result."""
+        plot, notes = None, []
+        if self.metrics is not None and self.out is not None:
+            self.metrics.write(kind="event", step=self.step, event=self.stopped)
+            self.metrics.close()
+            if plots:
+                note = plot_metrics(self.out / "metrics.jsonl", self.out / "training.png")
+                if note is None:
+                    plot = self.out / "training.png"
+                else:
+                    notes.append(note)
+        secs = self.seconds
+        return FitResult(
+            model=self.net, config=self.cfg, steps=self.step, stopped=self.stopped,
+            final_loss=self.final_loss, test_loss=self.test_loss, test_acc=self.test_acc,
+            examples_per_s=self.examples / secs if self.examples and secs > 0 else None,
+            peak_bytes=self.peak, grad_memory=self.grad_memory, checkpoint=self.last_ckpt,
+            metrics=self.out / "metrics.jsonl" if self.out is not None else None,
+            plot=plot, notes=notes,
+        )  # fmt: skip
 
 
 def _opt_tensors(opt: Any) -> list[torch.Tensor]:
@@ -463,9 +441,3 @@ def _opt_tensors(opt: Any) -> list[torch.Tensor]:
 
 def _mib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**20:.1f}MiB"
-
-
-def _json(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, indent=2, default=str)
