@@ -320,3 +320,17 @@ def test_k_schedule_rises_from_start_to_end_and_rejects_bad_bounds() -> None:
     msg = BAD_SCHEDULE.format(start=3, end=1, steps=10, kind="linear")
     with pytest.raises(HighwayError, match=re.escape(msg)):
         KSchedule(start=3, end=1, steps=10)
+
+
+@pytest.mark.parametrize("rows", [3, 7])
+def test_gru_chunked_vjps_are_exact(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GRU J-vjp and parameter vjp run over chunks of steps (1 and 2 steps of batch 3
+    here, with a ragged last chunk): still exact at k = L."""
+    import leangrad.highway._recurrent as rec
+
+    monkeypatch.setattr(rec, "CHUNK_ROWS", rows)
+    net, inputs, loss_fn, length = _rnn_problem("gru")
+    net = net.double()
+    ref = _grads(leangrad.engine("backprop"), copy.deepcopy(net), inputs, loss_fn)
+    got = _grads(leangrad.engine("highway", k=length), net, inputs, loss_fn)
+    assert compare_grads(got, ref).max_rel_err <= 1e-12

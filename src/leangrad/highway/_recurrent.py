@@ -22,13 +22,18 @@ layers, Appendix C.3 "RNNs"), which needs ``input_size == hidden_size``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ._protocol import MISMATCHED_SIZES, SHORT_SEQUENCE, HighwayError, HighwayStack, Trace
 
-__all__ = ["GRULayer", "LSTMLayer"]
+__all__ = ["CHUNK_ROWS", "GRULayer", "LSTMLayer"]
+
+CHUNK_ROWS = 2048
+"""The GRU J-vjp and parameter vjp run over chunks of about this many (step, example)
+rows: matmuls stay large (efficient), the gate-cotangent buffer stays small (memory)."""
 
 
 class _RecurrentLayer(HighwayStack):
@@ -148,7 +153,7 @@ class GRULayer(_RecurrentLayer):
                               out=n[t]).tanh_()  # fmt: skip
                 torch.lerp(n[t], hs[t], rz[t, :, hsz:], out=hs[t + 1])
             out = hs[1:] + x if self.residual else hs[1:]
-        saved = {"x": x, "h_prev": hs[:-1], "rz": rz, "hn": hh[..., 2 * hsz :], "n": n}
+        saved = {"x": x, "h_prev": hs[:-1], "rz": rz, "hh": hh, "n": n}
         return Trace(output=out, length=length, k=rz[..., hsz:], saved=saved)
 
     def prepare(self, trace: Trace) -> None:
@@ -157,39 +162,66 @@ class GRULayer(_RecurrentLayer):
         if "coef" in s:
             return
         with torch.no_grad():
-            rz, hn, n = s.pop("rz"), s.pop("hn"), s.pop("n")
-            r, z = rz[..., :hsz], rz[..., hsz:]
+            rz, hh, n = s.pop("rz"), s.pop("hh"), s.pop("n")
+            r, z, hn = rz[..., :hsz], rz[..., hsz:], hh[..., 2 * hsz :]
+            # The factors of the W_hh·h cotangent overwrite the W_hh·h buffer, slot by slot
+            # (r and z slots first, the n slot once hn is used), and ∂h'/∂(n pre-act.) n.
+            coef = hh.view(*hh.shape[:2], 3, hsz)
             omz = 1 - z
-            c_n = torch.mul(n, n).neg_().add_(1).mul_(omz)  # ∂h'/∂(n pre-activation)
-            coef = n.new_empty(*n.shape[:2], 3, hsz)  # factors of the W_hh·h cotangent
             torch.sub(s["h_prev"], n, out=coef[:, :, 1]).mul_(z).mul_(omz)  # z pre-activation
+            c_n = n.mul_(n).neg_().add_(1).mul_(omz)  # n pre-activation
             torch.mul(c_n, hn, out=coef[:, :, 0]).mul_(r).mul_(1 - r)  # r pre-activation
             torch.mul(c_n, r, out=coef[:, :, 2])  # W_hn·h + b_hn
-            trace.k = z.contiguous()  # frees r and the W_hh·h buffer
+            trace.k = z.contiguous()  # frees r
         s["coef"], s["c_n"] = coef, c_n
 
-    def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
-        """One product and one matmul for all L steps, into buffers reused across calls
-        (the engine may overwrite the result until the next call)."""
-        coef, s = trace.saved["coef"], trace.saved
+    def _chunks(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(steps, gate cotangents of W_hh·h)`` over chunks of about CHUNK_ROWS rows, in
+        one buffer reused across chunks and calls (a few big matmuls, a small buffer)."""
+        s, length, batch = trace.saved, w.shape[0], w.shape[1]
+        step = max(1, min(length, CHUNK_ROWS // max(batch, 1)))
         if "g" not in s:
-            s["g"], s["jw"] = torch.empty_like(coef), torch.empty_like(w)
-        g = torch.mul(coef, w.unsqueeze(2), out=s["g"])
-        rows = w.shape[0] * w.shape[1]
-        torch.mm(g.view(rows, -1), self.weight_hh.detach(), out=s["jw"].view(rows, -1))
+            s["g"] = w.new_empty(step, batch, 3, self.hidden_size)
+        for t0 in range(0, length, step):
+            sl = slice(t0, min(t0 + step, length))
+            n = sl.stop - sl.start
+            g = torch.mul(s["coef"][sl], w[sl].unsqueeze(2), out=s["g"][:n])
+            yield sl, g
+
+    def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
+        """``w_t J_t`` for all t: an element-wise product and a matmul per chunk of steps,
+        into a buffer reused across calls (the engine may overwrite it until the next)."""
+        s = trace.saved
+        if "jw" not in s:
+            s["jw"] = torch.empty_like(w)
+        w_hh = self.weight_hh.detach()
+        for sl, g in self._chunks(trace, w):
+            torch.mm(g.view(-1, g.shape[-1] * 3), w_hh, out=s["jw"][sl].view(-1, w.shape[-1]))
         return s["jw"]
 
     def param_vjp(self, trace: Trace, w: torch.Tensor, dy: torch.Tensor):
-        coef = trace.saved["coef"]
-        g = torch.mul(coef, w.unsqueeze(2), out=trace.saved.pop("g", torch.empty_like(coef)))
-        g2 = g.view(w.shape[0] * w.shape[1], -1)
-        h_prev = trace.saved["h_prev"]
-        grads = {
-            self.weight_hh: g2.t() @ h_prev.reshape(-1, h_prev.shape[-1]),
-            self.bias_hh: g2.sum(0),
-        }
-        torch.mul(w, trace.saved["c_n"], out=g[:, :, 2])  # now the W_ih·x cotangent
-        return self._input_grads(g2, grads, trace, dy)
+        s, hsz = trace.saved, self.hidden_size
+        x, h_prev = s["x"], s["h_prev"]
+        w_ih = self.weight_ih.detach()
+        d_hh = torch.zeros_like(self.weight_hh)
+        d_ih = torch.zeros_like(self.weight_ih)
+        b_hh = torch.zeros_like(self.bias_hh)
+        b_ih = torch.zeros_like(self.bias_ih)
+        dx = torch.empty_like(x)
+        for sl, g in self._chunks(trace, w):
+            g2 = g.view(-1, 3 * hsz)
+            d_hh.addmm_(g2.t(), h_prev[sl].reshape(-1, hsz))
+            b_hh += g2.sum(0)
+            torch.mul(w[sl], s["c_n"][sl], out=g[:, :, 2])  # now the W_ih·x cotangent
+            d_ih.addmm_(g2.t(), x[sl].reshape(-1, x.shape[-1]))
+            b_ih += g2.sum(0)
+            torch.mm(g2, w_ih, out=dx[sl].view(-1, x.shape[-1]))
+        s.pop("g", None)
+        if self.residual:
+            dx += dy
+        grads = {self.weight_hh: d_hh, self.weight_ih: d_ih, self.bias_hh: b_hh,
+                 self.bias_ih: b_ih}  # fmt: skip
+        return {p: g for p, g in grads.items() if p.requires_grad}, dx
 
 
 class LSTMLayer(_RecurrentLayer):
