@@ -17,7 +17,7 @@ import leangrad.fad as fad
 from leangrad.fad import _errors as E
 from leangrad.fad._primitives import PRIMITIVES, Dual, lookup
 from leangrad.fad._testing import random_chain
-from leangrad.measure import saved_tensor_bytes
+from leangrad.measure import MemoryTracker, saved_tensor_bytes
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
@@ -160,6 +160,21 @@ def test_saves_one_tensor_where_autograd_saves_several(make, composite, eager_te
     one = x.numel() * x.element_size()
     assert _saved(composite, x) == eager_tensors * one
     assert _saved(make(), x) == one
+
+
+@pytest.mark.parametrize("make", [fad.Swish, fad.Mish, lambda: fad.GELU(approximate="tanh")])
+def test_fused_forward_reuses_its_temporaries(make) -> None:  # type: ignore[no-untyped-def]
+    """Tracker-measured: the fused forward never holds more than three tensors of the
+    input's size (temporaries are overwritten in place once dead), and keeps two: the
+    output and the derivative. Eager autograd keeps its intermediates instead."""
+    x = torch.randn(64, 256, requires_grad=True)
+    one = x.numel() * x.element_size()
+    with MemoryTracker(baseline=x) as tracker:
+        y = make()(x)
+        kept = tracker.current_bytes()
+    assert kept == 2 * one
+    assert tracker.report.peak_bytes <= 3 * one + 64  # + a one-element ones() for d = 1
+    del y
 
 
 def test_linear_chain_saves_nothing() -> None:

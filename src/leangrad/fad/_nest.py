@@ -106,6 +106,12 @@ def _mutates(node: fx.Node) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
+def _private(node: fx.Node, ok: dict[fx.Node, fx.Node], inside: set[fx.Node]) -> bool:
+    """Does ``node`` write into another chain's value (a fresh tensor aliasing nothing here)?"""
+    target = node.args[0] if node.args else None
+    return isinstance(target, fx.Node) and target in ok and target not in inside
+
+
 def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
     """Trace ``model`` and fuse each maximal single-source element-wise chain (section III-B).
 
@@ -182,7 +188,7 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
         else:
             lo, hi = order[members[0]], order[members[-1]]
             between = [n for n in nodes[lo:hi] if n not in inside]
-            if any(_mutates(n) for n in between):
+            if any(_mutates(n) and not _private(n, ok, inside) for n in between):
                 skipped = "another node may write in place while the chain runs"
         if skipped is not None:
             regions.append(Region(None, source.name, ops, len(outputs), skipped))

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "DONATE",
     "FLOAT_DTYPES",
     "PRIMITIVES",
     "Call",
@@ -70,12 +71,34 @@ def _scale(factor: Tensor | float, d: Deriv) -> Deriv:
 
 _aten = torch.ops.aten
 
+DONATE: set[int] = set()
+"""Ids of tensors the running step may overwrite: chain temporaries whose last use is this
+step and that nothing else references. Filled by ``Program.run_dual`` only (the eager mode
+cannot know lifetimes), so rules write in place into them instead of allocating (the
+paper's "reuse the tensor immediately", section III-B)."""
 
-def _fused_backward(kernel: Callable[..., Tensor], d: Deriv, *args: Any) -> Deriv:
+
+def _own(t: Any, *like: Any) -> bool:
+    """May the rule write into ``t``, with the shape and dtype of the tensors ``like``?"""
+    return isinstance(t, Tensor) and id(t) in DONATE and _same(t, *like)
+
+
+def _same(t: Tensor, *like: Any) -> bool:
+    return all(o.shape == t.shape and o.dtype == t.dtype for o in like if isinstance(o, Tensor))
+
+
+def _take(t: Tensor) -> Tensor:
+    DONATE.discard(id(t))
+    return t
+
+
+def _fused_backward(kernel: Any, d: Deriv, *args: Any) -> Deriv:
     """``d * f'(x)`` with PyTorch's own backward kernel, which multiplies by ``d`` in the
     same pass (one kernel instead of two or three, and autograd's exact formula)."""
     out = args[0]
     if isinstance(d, Tensor) and d.shape == out.shape:
+        if _own(d, out):
+            return kernel.grad_input(d, *args, grad_input=_take(d))
         return kernel(d, *args)
     one = torch.ones((), dtype=out.dtype, device=out.device).expand(out.shape)
     return _scale(kernel(one, *args), d)
@@ -133,19 +156,24 @@ def _reciprocal(a: Dual) -> Dual:
 
 
 def _sigmoid(a: Dual) -> Dual:
-    v = torch.sigmoid(a.value)
+    x = a.value
+    v = _take(x).sigmoid_() if _own(x) else torch.sigmoid(x)
     return Dual(v, _fused_backward(_aten.sigmoid_backward, a.deriv, v))  # d * (1 - v) * v
 
 
 def _tanh(a: Dual) -> Dual:
-    v = torch.tanh(a.value)
+    x = a.value
+    v = _take(x).tanh_() if _own(x) else torch.tanh(x)
     return Dual(v, _fused_backward(_aten.tanh_backward, a.deriv, v))  # d * (1 - v^2)
 
 
 def _softplus(a: Dual, beta: float = 1.0, threshold: float = 20.0) -> Dual:
-    v = F.softplus(a.value, beta, threshold)
-    # d * sigmoid(beta x), or d where beta x > threshold
-    return Dual(v, _fused_backward(_aten.softplus_backward, a.deriv, a.value, beta, threshold))
+    x = a.value
+    # d * sigmoid(beta x), or d where beta x > threshold; before x may be overwritten
+    d = _fused_backward(_aten.softplus_backward, a.deriv, x, beta, threshold)
+    if _own(x):
+        return Dual(torch._C._nn.softplus(x, beta, threshold, out=_take(x)), d)
+    return Dual(F.softplus(x, beta, threshold), d)
 
 
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -184,12 +212,21 @@ def _clone(a: Dual) -> Dual:
 # -- binary rules: either operand may be a constant ----------------------------------------
 def _add(a: Operand, b: Operand, alpha: float = 1) -> Dual:
     av, bv = _v(a), _v(b)
-    if isinstance(av, Tensor):
+    if isinstance(av, Tensor) and _own(av, bv):
+        v = _take(av).add_(bv, alpha=alpha)
+    elif alpha == 1 and _own(bv, av):
+        v = _take(bv).add_(av)
+    elif isinstance(av, Tensor):
         v = torch.add(av, bv, alpha=alpha)
     else:
         v = av + (bv if alpha == 1 else alpha * bv)
     da = a.deriv if isinstance(a, Dual) else None
     db = (b.deriv if alpha == 1 else alpha * b.deriv) if isinstance(b, Dual) else None
+    if da is not None and db is not None:
+        if _own(da, db):
+            return Dual(v, _take(da).add_(db))
+        if _own(db, da):
+            return Dual(v, _take(db).add_(da))
     return Dual(v, _sum(da, db))
 
 
@@ -206,11 +243,31 @@ def _sub(a: Operand, b: Operand, alpha: float = 1) -> Dual:
 
 def _mul(a: Operand, b: Operand) -> Dual:
     av, bv = _v(a), _v(b)
-    da = _scale(bv, a.deriv) if isinstance(a, Dual) else None
-    if isinstance(b, Dual) and all(isinstance(t, Tensor) for t in (da, av, b.deriv)):
-        return Dual(av * bv, torch.addcmul(da, av, b.deriv))  # da + a * db in one kernel
-    db = _scale(av, b.deriv) if isinstance(b, Dual) else None
-    return Dual(av * bv, _sum(da, db))
+    # derivative first: the value may then overwrite an operand that is not needed any more
+    d: Deriv
+    if not isinstance(b, Dual):  # chain * constant
+        d = _take(a.deriv).mul_(bv) if _own(a.deriv, bv, av) else _scale(bv, a.deriv)
+    elif not isinstance(a, Dual):  # constant * chain
+        d = _take(b.deriv).mul_(av) if _own(b.deriv, av, bv) else _scale(av, b.deriv)
+    elif isinstance(a.deriv, float) and _own(b.deriv, av, bv):
+        d = _take(b.deriv).mul_(av).add_(bv, alpha=a.deriv)  # c * b + a * db, in place
+    elif isinstance(b.deriv, float) and _own(a.deriv, av, bv):
+        d = _take(a.deriv).mul_(bv).add_(av, alpha=b.deriv)  # da * b + c * a, in place
+    else:
+        da = _scale(bv, a.deriv)
+        if not all(isinstance(t, Tensor) for t in (da, av, b.deriv)):
+            d = _sum(da, _scale(av, b.deriv))
+        elif _own(b.deriv, av, da):
+            d = _take(b.deriv).mul_(av).add_(da)  # da + a * db, in place
+        elif da is not bv and da is not a.deriv and _same(da, av, b.deriv):
+            d = da.addcmul_(av, b.deriv)  # da is a product made just above: ours
+        else:
+            d = torch.addcmul(da, av, b.deriv)  # da + a * db in one kernel
+    if _own(av, bv) and av is not d:
+        return Dual(_take(av).mul_(bv), d)
+    if _own(bv, av) and bv is not d:
+        return Dual(_take(bv).mul_(av), d)
+    return Dual(av * bv, d)
 
 
 def _div(a: Operand, b: Operand) -> Dual:
@@ -229,7 +286,7 @@ def _pow(a: Operand, b: Operand) -> Dual:
         if isinstance(bv, (int, float)) and bv == 0:
             da = 0.0
         else:
-            da = _scale(bv * av ** (bv - 1), a.deriv)
+            da = _scale(torch.pow(av, bv - 1).mul_(bv), a.deriv)
     if isinstance(b, Dual):
         base = av if isinstance(av, Tensor) else torch.as_tensor(av, dtype=v.dtype, device=v.device)
         factor = torch.where((base == 0) & (bv >= 0), 0.0, v * torch.log(base))

@@ -12,6 +12,7 @@ no intermediate kept.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _errors as E
-from ._primitives import FLOAT_DTYPES, PRIMITIVES, Dual, Primitive
+from ._primitives import DONATE, FLOAT_DTYPES, PRIMITIVES, Dual, Primitive
 
 __all__ = ["Builder", "FusedChain", "Program", "Ref", "Step", "run_fused"]
 
@@ -74,20 +75,56 @@ class Program:
     def run_dual(self, x: Tensor) -> tuple[list[Tensor], list[Tensor | float]]:
         """Values and derivatives of the outputs (forward mode; no autograd graph).
 
-        A slot is dropped right after its last use, so at most the live
-        frontier of the chain is in memory (paper section IV-B, "resource release").
+        A slot is dropped right after its last use, and a temporary made inside the
+        chain whose last use is the current step is handed to the rule to overwrite
+        (``DONATE``), so the chain runs in about the memory of its live frontier
+        (paper section III-B, "reuse the tensor immediately"; IV-B, "resource release").
         """
         if x.dtype not in FLOAT_DTYPES:
             op = self.steps[0].prim.name if self.steps else self.name
             raise E.FadDtypeError(E.DTYPE_NO_RULE.format(op=op, dtype=x.dtype))
         last = self._last_use()
         slots: list[Dual | None] = [Dual(x, 1.0)]
-        for i, step in enumerate(self.steps):
-            args = [slots[o.index] if isinstance(o, Ref) else o for o in step.operands]
-            slots.append(step.prim.rule(*args, **dict(step.params)))
-            for o in step.operands:
-                if isinstance(o, Ref) and last[o.index] == i:
-                    slots[o.index] = None
+        refs: collections.Counter[int] = collections.Counter()  # id -> live slot references
+        owned: set[int] = set()  # temporaries this run allocated (never x or a constant)
+        pinned = {id(x)} | {id(o) for s in self.steps for o in s.operands if isinstance(o, Tensor)}
+
+        def hold(d: Dual, n: int) -> None:
+            for t in (d.value, d.deriv):
+                if isinstance(t, Tensor):
+                    refs[id(t)] += n
+                    if refs[id(t)] <= 0:
+                        del refs[id(t)]
+                        owned.discard(id(t))
+
+        hold(slots[0], 1)  # type: ignore[arg-type]
+        try:
+            for i, step in enumerate(self.steps):
+                uses = collections.Counter(o.index for o in step.operands if isinstance(o, Ref))
+                DONATE.clear()
+                for idx, n in uses.items():
+                    dying = slots[idx]
+                    if last[idx] == i and n == 1 and dying is not None:
+                        for t in (dying.value, dying.deriv):
+                            if isinstance(t, Tensor) and id(t) in owned and refs[id(t)] == 1:
+                                DONATE.add(id(t))
+                donated = set(DONATE)
+                args = [slots[o.index] if isinstance(o, Ref) else o for o in step.operands]
+                out = step.prim.rule(*args, **dict(step.params))
+                DONATE.clear()
+                for t in (out.value, out.deriv):
+                    if isinstance(t, Tensor) and (
+                        id(t) in donated or (id(t) not in refs and id(t) not in pinned)
+                    ):
+                        owned.add(id(t))
+                hold(out, 1)
+                slots.append(out)
+                for idx in uses:
+                    if last[idx] == i:
+                        hold(slots[idx], -1)  # type: ignore[arg-type]
+                        slots[idx] = None
+        finally:
+            DONATE.clear()
         outs = [slots[o] for o in self.outputs]
         assert all(d is not None for d in outs)
         return [d.value for d in outs], [d.deriv for d in outs]  # type: ignore[union-attr]
