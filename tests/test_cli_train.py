@@ -25,7 +25,7 @@ def test_train_mlp_digits_backprop(tmp_path, capsys) -> None:
     assert code == 0
     # every setting is printed, defaults included
     for shown in ("model=mlp", "data=digits", "engine=backprop", "epochs=1", "batch_size=64",
-                  "lr=0.001", "optimizer=adam", "seed=0", "step_per_layer=False"):  # fmt: skip
+                  "lr=0.01", "optimizer=adam", "seed=0", "step_per_layer=False"):  # fmt: skip
         assert shown in text
     assert "completed: 22 steps" in text  # 1437 training digits // 64
     assert C.list_checkpoints(out / "checkpoints")[-1].name == "step-000022.pt"

@@ -56,7 +56,7 @@ def test_resume_is_bit_exact(tmp_path, model, engine, opts, per_layer, base) -> 
 
 def test_resume_rejects_other_settings(tmp_path) -> None:
     train.fit("mlp", **SMALL, max_steps=2, out=tmp_path)
-    with pytest.raises(train.CheckpointError, match=r"cannot resume .* lr: 0.001 there, 0.1 here"):
+    with pytest.raises(train.CheckpointError, match=r"cannot resume .* lr: 0.01 there, 0.1 here"):
         train.fit("mlp", **SMALL, lr=0.1, resume=tmp_path)
 
 

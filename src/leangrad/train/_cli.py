@@ -17,7 +17,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "engine": "backprop",
     "epochs": 1,
     "batch_size": 64,
-    "lr": 1e-3,
+    "lr": 1e-2,
     "optimizer": "adam",
     "seed": 0,
     "step_per_layer": False,

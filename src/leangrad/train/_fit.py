@@ -134,7 +134,7 @@ def fit(
     data_options: Mapping[str, Any] | None = None,
     epochs: int = 1,
     batch_size: int = 64,
-    lr: float = 1e-3,
+    lr: float = 1e-2,
     optimizer: str = "adam",
     seed: int = 0,
     out: str | Path | None = None,
@@ -161,7 +161,9 @@ def fit(
         engine: an engine name (``leangrad.available()``), with ``engine_options``.
         model_options, data_options: keywords of the model factory / data loader.
         epochs, batch_size, lr, optimizer (``"adam"``/``"sgd"``), seed: the usual;
-            ``batch_size`` is per process under torchrun (as with DDP).
+            ``batch_size`` is per process under torchrun (as with DDP). The default lr
+            (0.01) suits the small registered models, which learn slowly at Adam's
+            customary 0.001 within an epoch of digits.
         out: run directory for metrics.jsonl, checkpoints/ and plots (None: nothing written).
         step_per_layer: step each parameter's optimizer inside ``on_grad`` and free its
             gradient at once; the saving is measured first (``FitResult.grad_memory``).
