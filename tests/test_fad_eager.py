@@ -4,6 +4,8 @@ fad tensor escaping the mode fails loudly instead of giving a wrong gradient."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,3 +158,24 @@ def test_no_chain_without_grad() -> None:
 
 def test_inplace_write_into_chain_output() -> None:
     assert_same(ResidualInPlace().double(), torch.randn(3, 4, dtype=torch.float64))
+
+
+COMPOSITES = {
+    "swish": swish,
+    "gelu_tanh": gelu_tanh,
+    "gelu_erf": lambda h: 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0))),
+    "mish": lambda h: h * torch.tanh(F.softplus(h)),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPOSITES))
+def test_every_activation_in_both_modes(name: str) -> None:
+    torch.manual_seed(0)
+    model = Acts(COMPOSITES[name]).double()
+    x = torch.randn(5, 16, dtype=torch.float64) * 3
+    ref = plain_grads(model, x)
+    nested_model = fad.nest(model)
+    assert [len(r.ops) > 1 for r in nested_model.fad_regions] == [True]
+    for got in (plain_grads(nested_model, x), nested_grads(model, x)):
+        for a, b in zip(got, ref, strict=True):
+            assert rel(a, b) < 1e-12

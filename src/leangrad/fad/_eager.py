@@ -32,6 +32,7 @@ import collections
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -76,12 +77,13 @@ class NestedStats:
 class _FadData:
     """A fad tensor's FAD data (the paper's STT/FTR/SCN).
 
-    ``source`` and ``version`` identify the chain's source as it was when the chain
+    ``source`` (a weak reference: FAD must not keep the source's memory alive, unlike
+    autograd) and ``version`` identify the chain's source as it was when the chain
     started (a later in-place write makes it a different value); ``anchor`` links to
     the source's autograd node of that moment; ``deriv`` is ``d tensor / d source``.
     """
 
-    source: Tensor
+    source: weakref.ref[Tensor]
     version: int
     anchor: Tensor
     deriv: Tensor | float
@@ -215,12 +217,14 @@ class _NestedMode(TorchFunctionMode):
 
     def _fad_op(self, call: Call, operands: tuple[Any, ...], params: dict[str, Any]) -> Any:
         """NY / YY: compute value and derivative, or ``None`` when the pair is not fad."""
-        heads: list[tuple[Tensor, int]] = []  # distinct sources (tensor, version)
+        heads: list[tuple[Any, int]] = []  # distinct sources (tensor or dead ref, version)
         for o in operands:
             if not isinstance(o, Tensor):
                 continue
             if o in self.fad:
-                head = (self.fad[o].source, self.fad[o].version)
+                data0: _FadData = self.fad[o]
+                alive = data0.source()
+                head = (alive if alive is not None else data0.source, data0.version)
             elif o.requires_grad:
                 head = (o, o._version)
             else:
@@ -230,17 +234,20 @@ class _NestedMode(TorchFunctionMode):
         if len(heads) != 1:
             return None  # no recorded input (NN), or two sources (nfad, paper Fig. 3 node 3)
         source, version = heads[0]
+        src_ref = source if isinstance(source, weakref.ref) else weakref.ref(source)
         name = call.prim.name
         target = (operands[-1] if call.reverse else operands[0]) if call.inplace else None
         if call.inplace and not (isinstance(target, Tensor) and target in self.fad):
             return None  # writing into a tensor outside a chain: plain autograd
-        if source.dtype not in FLOAT_DTYPES:
-            why = f"no forward-mode rule for dtype {source.dtype}"
+        dtype = next(o.dtype for o in operands if isinstance(o, Tensor) and o.requires_grad)
+        if dtype not in FLOAT_DTYPES:
+            why = f"no forward-mode rule for dtype {dtype}"
             if why not in self.warned:
                 self.warned.add(why)
                 warnings.warn(E.FALLBACK.format(ops=[name], why=why), stacklevel=3)
             self.stats.fallbacks.append(f"{name}: {why}")
             return None
+        shape = next(o.shape for o in operands if isinstance(o, Tensor) and o.requires_grad)
         duals: list[Any] = []
         prev: _FadData | None = None
         for o in operands:
@@ -251,24 +258,24 @@ class _NestedMode(TorchFunctionMode):
             elif o is source:
                 duals.append(Dual(o, 1.0))
             elif isinstance(o, Tensor) and (
-                torch.broadcast_shapes(o.shape, source.shape) != source.shape
+                torch.broadcast_shapes(o.shape, shape) != shape
             ):
                 return None  # a constant that widens the chain: not element-wise in x
             else:
                 duals.append(o)
         self._note("NY" if prev is None else "YY", name)
         if prev is None:
-            anchor, ops = _Anchor.apply(source), (name,)
+            anchor, ops = _Anchor.apply(source), (name,)  # NY: source is a live tensor here
         else:
             anchor, ops = prev.anchor, (*prev.ops, name)
         with torch.no_grad():
             result = call.prim.rule(*duals, **params)
             if target is not None:
                 target.copy_(result.value)
-                self.fad[target] = _FadData(source, version, anchor, result.deriv, ops)
+                self.fad[target] = _FadData(src_ref, version, anchor, result.deriv, ops)
                 return target
         value = _Pending.apply(anchor, _Box(result.value), ops)
-        self.fad[value] = _FadData(source, version, anchor, result.deriv, ops)
+        self.fad[value] = _FadData(src_ref, version, anchor, result.deriv, ops)
         return value
 
 
