@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from leangrad.train import DataInfo
-from leangrad.train._advise import BAD_BYTES, _size, advise, parse_bytes
+from leangrad.train._advise import BAD_BYTES, TOO_SLOW, _size, advise, parse_bytes
 
 SUB = {"data": DataInfo("digits-shaped", (1, 8, 8), 10, tokens=False), "repeats": 1,
        "progress": False}  # fmt: skip
@@ -66,3 +68,14 @@ def test_fake_tensor_estimate_where_allocation_would_not_fit() -> None:
     assert e.estimate and e.seconds is None and not r.estimate
     assert abs(e.peak_bytes - r.peak_bytes) <= 0.1 * r.peak_bytes
     assert "(estimate)" in est.table() and "not timed" in est.message
+
+
+def test_an_engine_slower_than_the_limit_is_stopped_and_listed() -> None:
+    """Full forward mode pushes one tangent per parameter (about 9000 here): far slower
+    than 0.05 s per step, so it is stopped by the alarm and never recommended."""
+    adv = advise("mlp", 8, "2GiB", engines=["forward"], max_step_seconds=0.05, **SUB)
+    (row,) = adv.rows
+    assert row.reason == TOO_SLOW.format(seconds=0.05)
+    assert row.reason.startswith("slower than 0.05 s per step: stopped")
+    assert adv.recommended is None
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL  # handler restored

@@ -14,10 +14,13 @@ included.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ NOTHING_FITS = (
     "no engine fits the budget of {budget}: the smallest peak found is {peak} ({engine}). "
     "Lower --batch-size, use a smaller model, or raise the budget"
 )
+TOO_SLOW = "slower than {seconds:g} s per step: stopped (raise --max-step-seconds to measure)"
 NOTHING_RAN = "no engine could run model {model!r}: see the reasons in the table"
 RECOMMEND = "recommended: {engine} — fastest of the {n} engine(s) whose peak fits {budget}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -151,6 +155,7 @@ def advise(
     exact_only: bool = True,
     allocate_limit: int | None = None,
     slow_seconds: float = 2.0,
+    max_step_seconds: float = 20.0,
     progress: bool = True,
 ) -> Advice:
     """Measure candidate engines on ``model`` and recommend the fastest that fits ``budget``.
@@ -168,6 +173,8 @@ def advise(
             (default: the free memory of the device).
         slow_seconds: an engine whose warm-up step takes longer is not repeated; its
             time is that one (post-warm-up-free) step, an upper bound.
+        max_step_seconds: an engine whose estimate or step takes longer is stopped
+            (SIGALRM; main thread on POSIX only) and listed as too slow, not recommended.
 
     Timing uses one thread (``time_interleaved``'s default), like every leangrad
     benchmark, so the ranking is stable on a busy machine.
@@ -206,7 +213,11 @@ def advise(
         if reason is not None:
             rows.append(EngineRow(eng.label, eng.exact, None, False, None, False, reason))
             continue
-        est = _estimate(eng, build, info, batch_size, dev, tdtype)
+        try:
+            with _deadline(max_step_seconds):
+                est = _estimate(eng, build, info, batch_size, dev, tdtype)
+        except _TooSlow:
+            est = None
         if est is not None and est > limit:
             real[eng.label] = (est, True, eng.exact)
             continue
@@ -214,12 +225,17 @@ def advise(
             x, y = example_batch(info, batch_size, device=dev, dtype=tdtype)
             step = _step(eng, net, x, y)
             t0 = time.perf_counter()
-            step()  # warm-up: lazy init, allocator caches
+            with _deadline(max_step_seconds):
+                step()  # warm-up: lazy init, allocator caches
             warm = time.perf_counter() - t0
             for p in net.parameters():  # the warm-up's gradients are not the step's baseline
                 p.grad = None
-            with MemoryTracker(baseline=(net, x, y)) as tracker:
+            with _deadline(max_step_seconds), MemoryTracker(baseline=(net, x, y)) as tracker:
                 step()
+        except _TooSlow:
+            rows.append(EngineRow(eng.label, eng.exact, est, est is not None, None, False,
+                                  TOO_SLOW.format(seconds=max_step_seconds)))  # fmt: skip
+            continue
         except Exception as err:
             rows.append(EngineRow(eng.label, eng.exact, est, est is not None, None,
                                   False, f"failed: {err}"))  # fmt: skip
@@ -256,6 +272,31 @@ def _decide(name: str, batch: int, budget: int, rows: list[EngineRow], exact_onl
     msg = NOTHING_FITS.format(budget=_size(budget), peak=_size(small.peak_bytes),
                               engine=small.engine)  # fmt: skip
     return Advice(name, batch, budget, rows, None, msg)
+
+
+class _TooSlow(Exception):
+    """Raised by SIGALRM inside :func:`_deadline`."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise :class:`_TooSlow` in the block after ``seconds`` (POSIX main thread only;
+    elsewhere the block runs without a limit)."""
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable or seconds <= 0:
+        yield
+        return
+
+    def alarm(signum: int, frame: object) -> None:
+        raise _TooSlow
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _step(eng: Any, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:

@@ -179,6 +179,8 @@ def add_advise_parser(sub: Any) -> None:
     a.add_argument("--engines", default=None,
                    help="comma-separated engines to try (default: every registered engine)")
     a.add_argument("--repeats", type=int, default=3, help="timed repeats per engine")
+    a.add_argument("--max-step-seconds", type=float, default=20.0,
+                   help="stop and skip an engine whose single step takes longer")
     a.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     a.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     a.add_argument("--inexact", action="store_true",
@@ -194,13 +196,15 @@ def run_advise(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget)
     print(f"leangrad advise: model={args.model} data={args.data} batch_size={args.batch_size} "
           f"budget={args.budget} ({budget} bytes) engines={args.engines or 'all'} "
-          f"repeats={args.repeats} device={args.device or 'auto'} dtype={args.dtype} "
+          f"repeats={args.repeats} max_step_seconds={args.max_step_seconds} "
+          f"device={args.device or 'auto'} dtype={args.dtype} "
           f"inexact={args.inexact}", flush=True)  # fmt: skip
     adv = advise(
         args.model, args.batch_size, budget, data=args.data,
         model_options=parse_options(args.model_options),
         engines=args.engines.split(",") if args.engines else None, repeats=args.repeats,
         device=args.device, dtype=args.dtype, exact_only=not args.inexact,
+        max_step_seconds=args.max_step_seconds,
         progress=not args.no_progress,
     )  # fmt: skip
     print(adv.table())
