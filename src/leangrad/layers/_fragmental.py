@@ -213,7 +213,8 @@ class _FragmentalConv(ChainLayer):
         h4 = self._as4d(h_in)
         w = self.weight.detach()
         w4 = w.unsqueeze(-1) if self._rank == 1 else w
-        out = rebuild_blocks(h4, frags, w4.to(h4.dtype), block, layer=self._describe())
+        with torch.no_grad():  # a cotangent, not differentiated further
+            out = rebuild_blocks(h4, frags, w4.to(h4.dtype), block, layer=self._describe())
         return out.squeeze(-1) if self._rank == 1 else out
 
     # -- checks -----------------------------------------------------------------------
@@ -341,24 +342,30 @@ def rebuild_blocks(
 def _rebuild_1d(
     h_in: torch.Tensor, frags: torch.Tensor, weight: torch.Tensor, block: int, *, layer: str
 ) -> torch.Tensor:
-    """:func:`rebuild_blocks` for one spatial axis, channels-last: every step is two GEMMs
-    over all (example, block) pairs, ``h'[t] = h[t−p] A⁻¹ − [h'[t−k+1] … h'[t−1]] R A⁻¹``,
-    reading the window as a view of the ``(N, M, B, C)`` buffer (2.3× faster than the
-    general path, measured at N=8, C=32, L=1000)."""
+    """:func:`rebuild_blocks` for one spatial axis, channels-last, in one ``(N, M·B, C)``
+    buffer ``F``. Eq. (20) as ``h'[T] = h[T−p] A⁻¹ − [h'[T−k+1] … h'[T−1]] R A⁻¹``: first
+    ``F[T] = h[T−p] A⁻¹`` for all positions (one GEMM per example), then the seeds, then
+    each of the B−k+1 steps is one in-place GEMM over all (example, block) pairs reading
+    the window as a view of ``F`` (measured 2.3× faster than the general path at N=8,
+    C=32, L=1000, before this layout saved another GEMM and copy per step)."""
     n, c, height = h_in.shape
     k = weight.shape[2]
     ph = (k - 1) // 2
     m = frags.shape[2]
     rows = m * block
-    hin = h_in if rows == height else F.pad(h_in, (0, rows - height))
-    hin = hin.transpose(1, 2).unflatten(1, (m, block))  # (N, M, B, C), a view
-    out = h_in.new_empty(n, m, block, c)
-    out[:, :, : k - 1] = frags.permute(0, 2, 3, 1)
     a_inv = triangular_inverse(weight[:, :, 0], layer)
-    rest = weight[:, :, 1:].flip(2).permute(2, 0, 1).reshape((k - 1) * c, c) @ a_inv
-    for t in range(k - 1, block):
-        step = hin[:, :, t - ph].reshape(n * m, c) @ a_inv
-        if k > 1:
-            step.addmm_(out[:, :, t - k + 1 : t].reshape(n * m, (k - 1) * c), rest, alpha=-1)
-        out[:, :, t] = step.view(n, m, c)
-    return out.flatten(1, 2)[:, :height].transpose(1, 2)
+    buf = h_in.new_empty(n, rows, c)
+    h_cl = h_in.transpose(1, 2)  # (N, L, C), a view
+    filled = min(height, rows - ph)
+    for i in range(n):
+        torch.mm(h_cl[i, :filled], a_inv, out=buf[i, ph : ph + filled])
+    buf[:, :ph].zero_()
+    buf[:, ph + filled :].zero_()
+    out = buf.view(n, m, block, c)
+    out[:, :, : k - 1] = frags.permute(0, 2, 3, 1)
+    if k > 1:
+        rest = weight[:, :, 1:].flip(2).permute(2, 0, 1).reshape((k - 1) * c, c) @ a_inv
+        for t in range(k - 1, block):
+            window = out[:, :, t - k + 1 : t].reshape(n * m, (k - 1) * c)
+            out[:, :, t].view(n * m, c).addmm_(window, rest, alpha=-1)
+    return buf[:, :height].transpose(1, 2)
