@@ -18,6 +18,7 @@ batch = 4
 budget_batch = 4
 batch_cap = 12
 repeats = 1
+act_repeats = 1
 activations = ["swish"]
 compile = []
 [settings.models.resnet]

@@ -235,6 +235,7 @@ def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu",
     budget_batch = int(_setting(suite, "budget_batch", quick, 32))
     batch_cap = int(_setting(suite, "batch_cap", quick, 8 * budget_batch))
     repeats = int(_setting(suite, "repeats", quick, 7))
+    act_repeats = int(_setting(suite, "act_repeats", quick, 21))  # milliseconds each: cheap
     compile_for = list(_setting(suite, "compile", quick, []))
     compile_limit = float(_setting(suite, "compile_limit_s", quick, 300))
     models: dict[str, dict[str, int]] = dict(_setting(suite, "models", quick, {}))
@@ -308,7 +309,7 @@ def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu",
         arec.update(kind="fad-activation", suite=suite.name, series=series, sweep="method",
                     x="activation", engine="activation", config=config, quick=quick,
                     machine=machine, created=created,
-                    **_activation_records(act, shape, repeats, device))  # fmt: skip
+                    **_activation_records(act, shape, act_repeats, device))  # fmt: skip
         records.append(arec)
         nest_r = next(r for r in records if r["series"] == series and r["engine"] == "fad.nest")
         bar.set_postfix_str(
