@@ -100,8 +100,10 @@ def _fused_backward(kernel: Any, d: Deriv, *args: Any) -> Deriv:
         if _own(d, out):
             return kernel.grad_input(d, *args, grad_input=_take(d))
         return kernel(d, *args)
-    one = torch.ones((), dtype=out.dtype, device=out.device).expand(out.shape)
-    return _scale(kernel(one, *args), d)
+    # a contiguous ones buffer, overwritten in place: the kernels' broadcast (stride-0)
+    # path is several times slower than the vectorised contiguous one
+    one = torch.ones_like(out, memory_format=torch.contiguous_format)
+    return _scale(kernel.grad_input(one, *args, grad_input=one), d)
 
 
 def _v(a: Operand) -> Any:
