@@ -136,3 +136,14 @@ def test_ctrl_c_writes_a_checkpoint_and_exits_130(tmp_path, capsys) -> None:
     assert code == 130
     assert "interrupted: 3 steps" in capsys.readouterr().out
     assert train.load_checkpoint(tmp_path / "checkpoints" / "step-000003.pt")["step"] == 3
+
+
+def test_engine_options_are_parsed_and_checked(tmp_path, capsys) -> None:
+    base = ["train", "--engine", "checkpoint", "--max-steps", "2", "--out", str(tmp_path),
+            "--no-progress", "--no-plots"]  # fmt: skip
+    assert main([*base, "--engine-opt", "segments=2"]) == 0
+    assert "engine_options={'segments': 2}" in capsys.readouterr().out
+    assert main([*base, "--engine-opt", "bogus=1", "--out", str(tmp_path / "b")]) == 2
+    assert "engine 'checkpoint' has no option 'bogus'" in capsys.readouterr().err
+    assert train.parse_options(["a=1", "b=0.5", "c=true", "d=none", "e=sqrt"]) == {
+        "a": 1, "b": 0.5, "c": True, "d": None, "e": "sqrt"}  # fmt: skip
