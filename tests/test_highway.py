@@ -334,3 +334,26 @@ def test_gru_chunked_vjps_are_exact(rows: int, monkeypatch: pytest.MonkeyPatch) 
     ref = _grads(leangrad.engine("backprop"), copy.deepcopy(net), inputs, loss_fn)
     got = _grads(leangrad.engine("highway", k=length), net, inputs, loss_fn)
     assert compare_grads(got, ref).max_rel_err <= 1e-12
+
+
+def test_k0_is_the_residual_path_only_gradient() -> None:
+    """Theorem 2 at k = 0, pre-activation ResNet (K = I): every block sees the head's
+    cotangent at its output, i.e. autograd of x + Σ_t g_t(h_t) with each block's input
+    h_t detached (only paths through no other block)."""
+    net, inputs, loss_fn, _ = _deep_problem("preact")
+    net = net.double().eval()  # BatchNorm in eval mode: the same function twice
+    inputs = _cast(inputs, torch.float64)
+    got = _grads(leangrad.engine("highway", k=0), net, inputs, loss_fn)
+    net.zero_grad(set_to_none=True)
+    x = net.stem(*inputs).detach()
+    h, total = x, x
+    for blk in net.stacks[0].blocks:
+        z = blk.g(h.detach())
+        total = total + z
+        h = (h + z).detach()
+    loss_fn(net.head(total)).backward()
+    want = grads_of(net)
+    blocks = [n for n in want if n.startswith("stacks.")]
+    assert blocks
+    cmp = compare_grads({n: got[n] for n in blocks}, {n: want[n] for n in blocks})
+    assert cmp.max_rel_err < 1e-12
