@@ -39,6 +39,7 @@ from ..measure import (
     MemoryTracker,
     compare_grads,
     mark,
+    num_threads,
     saved_tensor_bytes,
     time_interleaved,
 )
@@ -242,80 +243,98 @@ def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu",
     acts = list(_setting(suite, "activations", quick, list(ACTIVATIONS)))
     jobs = [(k, a) for k in models for a in acts]
     records: list[dict[str, Any]] = []
+    settings = {"batch": batch, "budget_batch": budget_batch, "cap": batch_cap,
+                "repeats": repeats, "act_repeats": act_repeats, "compile": compile_for,
+                "compile_limit": compile_limit}  # fmt: skip
     bar = tqdm(jobs, desc=f"bench {suite.name}", unit="config", disable=not progress)
-    torch.set_num_threads(1)
-    for kind, act in bar:
-        series = f"{kind}-{act}"
-        bar.set_description(f"{suite.name} {series}")
-        torch.manual_seed(0)
-        base, make0 = build_model(kind, act, models[kind])
-        base = base.to(device)
-        gen = torch.Generator().manual_seed(1)
-
-        def make(b: int, make0=make0, gen=gen) -> tuple[Tensor, Tensor]:  # type: ignore[no-untyped-def]
-            x, y = make0(b, gen)
-            return x.to(device), y.to(device)
-
-        want_compile = f"{kind}-{act}" in compile_for or "all" in compile_for
-        compile_skip = _compile_ok(base, make, compile_limit) if want_compile else (
-            "not run for this configuration (suite setting `compile`)")  # fmt: skip
-        methods = _methods(base, compiled=compile_skip is None)
-        config = {"model": kind, "activation": act, **models[kind], "batch": batch,
-                  "budget_batch": budget_batch, "dtype": "float32", "threads": 1}  # fmt: skip
-        x, y = make(batch)
-        mem = {n: _memory(m, x, y) for n, m in methods.items() if n != "torch.compile"}
-        bx, by = make(budget_batch)
-        budget = _peak(methods["eager"], bx, by)[0]
-        maxb = {n: _max_batch(m, make, budget, budget_batch, batch_cap)
-                for n, m in methods.items() if n != "torch.compile"}  # fmt: skip
-        errs = _grad_errors(base, make, list(methods))
-        if "torch.compile" in methods:  # float32 only: a float64 compile would recompile
-            f32 = {}
-            for n in ("eager", "torch.compile"):
-                methods[n].step(x, y, _params(methods[n]))
-                f32[n] = {k: p.grad.clone() for k, p in base.named_parameters()}
-            errs["torch.compile"] = compare_grads(f32["torch.compile"], f32["eager"]).max_rel_err
-        steps = {n: (lambda m=m, x=x, y=y: m.step(x, y, _params(m))) for n, m in methods.items()}
-        times = time_interleaved(steps, repeats=repeats, warmup=2, reference="eager")
-        regions = methods["fad.nest"].model.fad_regions  # type: ignore[union-attr]
-        for name in METHODS:
-            rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-            rec.update(kind="fad", suite=suite.name, series=series, sweep="method", x=name,
-                       engine=name, config=config, quick=quick, machine=machine,
-                       created=created, skipped=None, memory_note=None)  # fmt: skip
-            if name not in methods:
-                rec["skipped"] = compile_skip
-                records.append(rec)
-                continue
-            t = times[name]
-            rec.update(seconds_median=t.median, seconds_min=t.minimum, seconds_max=t.maximum,
-                       time_ratio=t.ratio, grad_max_rel_err=errs.get(name))  # fmt: skip
-            if name in mem:
-                mine, ref = mem[name], mem["eager"]
-                rec.update(mine, budget_bytes=budget, max_batch=maxb[name][0],
-                           max_batch_probes=maxb[name][1],
-                           max_batch_ratio=maxb[name][0] / max(maxb["eager"][0], 1),
-                           saved_ratio=mine["saved_bytes"] / ref["saved_bytes"],
-                           forward_live_ratio=mine["forward_live_bytes"]
-                           / ref["forward_live_bytes"],
-                           peak_ratio=mine["peak_bytes"] / ref["peak_bytes"])  # fmt: skip
-            else:
-                rec["memory_note"] = _COMPILE_MEMORY
-            if name == "fad.nest":
-                rec["fused_chains"] = [list(r.ops) for r in regions if r.name is not None]
-            records.append(rec)
-        shape = _activation_shape(base, x, act)
-        arec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-        arec.update(kind="fad-activation", suite=suite.name, series=series, sweep="method",
-                    x="activation", engine="activation", config=config, quick=quick,
-                    machine=machine, created=created,
-                    **_activation_records(act, shape, act_repeats, device))  # fmt: skip
-        records.append(arec)
-        nest_r = next(r for r in records if r["series"] == series and r["engine"] == "fad.nest")
-        bar.set_postfix_str(
-            f"saved {nest_r['saved_ratio']:.2f}x batch {nest_r['max_batch_ratio']:.2f}x "
-            f"time {nest_r['time_ratio']:.2f}x", refresh=True)  # fmt: skip
+    with num_threads(1):
+        for kind, act in bar:
+            records += _run_config(
+                suite, kind, act, models[kind], quick=quick, device=device,
+                settings=settings, machine=machine, created=created, bar=bar,
+            )  # fmt: skip
     bar.close()
+    return records
+
+
+def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quick: bool,
+                device: str, settings: dict[str, Any], machine: Any, created: str,
+                bar: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """All methods on one (model, activation): records of kind ``fad`` and ``fad-activation``."""
+    batch, budget_batch, batch_cap = settings["batch"], settings["budget_batch"], settings["cap"]
+    repeats, act_repeats = settings["repeats"], settings["act_repeats"]
+    compile_for, compile_limit = settings["compile"], settings["compile_limit"]
+    records: list[dict[str, Any]] = []
+    series = f"{kind}-{act}"
+    bar.set_description(f"{suite.name} {series}")
+    torch.manual_seed(0)
+    base, make0 = build_model(kind, act, size)
+    base = base.to(device)
+    gen = torch.Generator().manual_seed(1)
+
+    def make(b: int, make0=make0, gen=gen) -> tuple[Tensor, Tensor]:  # type: ignore[no-untyped-def]
+        x, y = make0(b, gen)
+        return x.to(device), y.to(device)
+
+    want_compile = f"{kind}-{act}" in compile_for or "all" in compile_for
+    compile_skip = _compile_ok(base, make, compile_limit) if want_compile else (
+        "not run for this configuration (suite setting `compile`)")  # fmt: skip
+    methods = _methods(base, compiled=compile_skip is None)
+    config = {"model": kind, "activation": act, **size, "batch": batch,
+              "budget_batch": budget_batch, "dtype": "float32", "threads": 1}  # fmt: skip
+    x, y = make(batch)
+    mem = {n: _memory(m, x, y) for n, m in methods.items() if n != "torch.compile"}
+    bx, by = make(budget_batch)
+    budget = _peak(methods["eager"], bx, by)[0]
+    maxb = {n: _max_batch(m, make, budget, budget_batch, batch_cap)
+            for n, m in methods.items() if n != "torch.compile"}  # fmt: skip
+    errs = _grad_errors(base, make, list(methods))
+    if "torch.compile" in methods:  # float32 only: a float64 compile would recompile
+        f32 = {}
+        for n in ("eager", "torch.compile"):
+            methods[n].step(x, y, _params(methods[n]))
+            f32[n] = {k: p.grad.clone() for k, p in base.named_parameters()}
+        errs["torch.compile"] = compare_grads(f32["torch.compile"], f32["eager"]).max_rel_err
+    steps = {n: (lambda m=m, x=x, y=y: m.step(x, y, _params(m))) for n, m in methods.items()}
+    times = time_interleaved(steps, repeats=repeats, warmup=2, reference="eager")
+    regions = methods["fad.nest"].model.fad_regions  # type: ignore[union-attr]
+    for name in METHODS:
+        rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+        rec.update(kind="fad", suite=suite.name, series=series, sweep="method", x=name,
+                   engine=name, config=config, quick=quick, machine=machine,
+                   created=created, skipped=None, memory_note=None)  # fmt: skip
+        if name not in methods:
+            rec["skipped"] = compile_skip
+            records.append(rec)
+            continue
+        t = times[name]
+        rec.update(seconds_median=t.median, seconds_min=t.minimum, seconds_max=t.maximum,
+                   time_ratio=t.ratio, grad_max_rel_err=errs.get(name))  # fmt: skip
+        if name in mem:
+            mine, ref = mem[name], mem["eager"]
+            rec.update(mine, budget_bytes=budget, max_batch=maxb[name][0],
+                       max_batch_probes=maxb[name][1],
+                       max_batch_ratio=maxb[name][0] / max(maxb["eager"][0], 1),
+                       saved_ratio=mine["saved_bytes"] / ref["saved_bytes"],
+                       forward_live_ratio=mine["forward_live_bytes"]
+                       / ref["forward_live_bytes"],
+                       peak_ratio=mine["peak_bytes"] / ref["peak_bytes"])  # fmt: skip
+        else:
+            rec["memory_note"] = _COMPILE_MEMORY
+        if name == "fad.nest":
+            rec["fused_chains"] = [list(r.ops) for r in regions if r.name is not None]
+        records.append(rec)
+    shape = _activation_shape(base, x, act)
+    arec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+    arec.update(kind="fad-activation", suite=suite.name, series=series, sweep="method",
+                x="activation", engine="activation", config=config, quick=quick,
+                machine=machine, created=created,
+                **_activation_records(act, shape, act_repeats, device))  # fmt: skip
+    records.append(arec)
+    nest_r = next(r for r in records if r["series"] == series and r["engine"] == "fad.nest")
+    bar.set_postfix_str(
+        f"saved {nest_r['saved_ratio']:.2f}x batch {nest_r['max_batch_ratio']:.2f}x "
+        f"time {nest_r['time_ratio']:.2f}x", refresh=True)  # fmt: skip
     return records
 
 
