@@ -323,13 +323,14 @@ def test_k_schedule_rises_from_start_to_end_and_rejects_bad_bounds() -> None:
 
 
 @pytest.mark.parametrize("rows", [3, 7])
-def test_gru_chunked_vjps_are_exact(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GRU J-vjp and parameter vjp run over chunks of steps (1 and 2 steps of batch 3
-    here, with a ragged last chunk): still exact at k = L."""
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_chunked_vjps_are_exact(kind: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GRU/LSTM J-vjp and parameter vjp run over chunks of steps (1 and 2 steps of
+    batch 3 here, with a ragged last chunk): still exact at k = L."""
     import leangrad.highway._recurrent as rec
 
     monkeypatch.setattr(rec, "CHUNK_ROWS", rows)
-    net, inputs, loss_fn, length = _rnn_problem("gru")
+    net, inputs, loss_fn, length = _rnn_problem(kind)
     net = net.double()
     ref = _grads(leangrad.engine("backprop"), copy.deepcopy(net), inputs, loss_fn)
     got = _grads(leangrad.engine("highway", k=length), net, inputs, loss_fn)

@@ -160,6 +160,7 @@ class Highway(Engine):
         k_fac = trace.k
         fpi = self.baseline == "fpi"
         w0 = a if fpi else cumsumprod(a, k_fac, scan=self.scan)  # eq. 10
+        del a  # only w0 is needed from here on
         cap = min(self.k, trace.length - 1)  # w^{L-1} is exact (Theorem 2)
         w = w0.clone() if cap > 0 else w0  # updated in place: w[:-1] = w0[:-1] + u[:-1]
         k_tail = None if k_fac is None else k_fac[:-1]

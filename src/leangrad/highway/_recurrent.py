@@ -32,7 +32,7 @@ from ._protocol import MISMATCHED_SIZES, SHORT_SEQUENCE, HighwayError, HighwaySt
 __all__ = ["CHUNK_ROWS", "GRULayer", "LSTMLayer"]
 
 CHUNK_ROWS = 2048
-"""The GRU J-vjp and parameter vjp run over chunks of about this many (step, example)
+"""The GRU/LSTM J-vjp and parameter vjp run over chunks of about this many (step, example)
 rows: matmuls stay large (efficient), the gate-cotangent buffer stays small (memory)."""
 
 
@@ -86,19 +86,6 @@ class _RecurrentLayer(HighwayStack):
 
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
         return dy
-
-    def _input_grads(
-        self, g_in: torch.Tensor, grads: dict[nn.Parameter, torch.Tensor], trace: Trace,
-        dy: torch.Tensor,
-    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
-        """W_ih, b_ih and input gradients from the ``(L·B, gates·H)`` cotangent of W_ih·x."""
-        x = trace.saved["x"]
-        grads[self.weight_ih] = g_in.t() @ x.reshape(-1, x.shape[-1])
-        grads[self.bias_ih] = g_in.sum(0)
-        dx = (g_in @ self.weight_ih.detach()).reshape(x.shape)
-        if self.residual:
-            dx = dx + dy
-        return {p: g for p, g in grads.items() if p.requires_grad}, dx
 
 
 class GRULayer(_RecurrentLayer):
@@ -283,53 +270,72 @@ class LSTMLayer(_RecurrentLayer):
         return Trace(output=out, length=length, k=None, saved=saved)
 
     def prepare(self, trace: Trace) -> None:
-        """The J-vjp factors and ``K = diag([f, 0])`` from the saved gates (vectorised)."""
+        """The J-vjp factors and ``K = diag([f, 0])`` from the saved gates (vectorised);
+        the factors overwrite the gate buffer (same layout), slot by slot."""
         s, hsz = trace.saved, self.hidden_size
         if "coef" in s:
             return
         with torch.no_grad():
             gates, tc, c_prev = s.pop("gates"), s.pop("tc"), s.pop("c_prev")
-            i, f, gg, o = gates.split(hsz, -1)
+            coef = gates.view(*gates.shape[:2], 4, hsz)
+            i, f, gg, o = coef.unbind(2)
             q = torch.mul(tc, tc).neg_().add_(1).mul_(o)  # ∂h'/∂c'
+            trace.k = torch.cat([f, torch.zeros_like(f)], -1)
+            s["q"], s["qf"] = q, q * f
             # With s = w_c + w_h ⊙ q (the cotangent reaching c'), the gate pre-activation
             # cotangents are s ⊙ [a_i, a_f, a_g] and w_h ⊙ a_o:
-            coef = tc.new_empty(*tc.shape[:2], 4, hsz)
-            torch.mul(gg, i, out=coef[:, :, 0]).mul_(1 - i)
-            torch.mul(c_prev, f, out=coef[:, :, 1]).mul_(1 - f)
-            torch.mul(gg, gg, out=coef[:, :, 2]).neg_().add_(1).mul_(i)
-            torch.mul(tc, o, out=coef[:, :, 3]).mul_(1 - o)
-            trace.k = torch.cat([f, torch.zeros_like(f)], -1)
-            s["coef"], s["q"], s["qf"] = coef, q, q * f
+            a_g = torch.mul(gg, gg).neg_().add_(1).mul_(i)
+            o.mul_(1 - o).mul_(tc)  # a_o
+            f.mul_(1 - f).mul_(c_prev)  # a_f
+            i.mul_(1 - i).mul_(gg)  # a_i
+            gg.copy_(a_g)
+        s["coef"] = coef
 
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
         return torch.cat([torch.zeros_like(dy), dy], -1)
 
-    def _g(self, trace: Trace, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Gate pre-activation cotangents ``(L·B, 4H)`` written into ``out``."""
-        hsz, coef = self.hidden_size, trace.saved["coef"]
-        wc, wh = w[..., :hsz], w[..., hsz:]
-        s = torch.addcmul(wc, wh, trace.saved["q"])  # the cotangent reaching c'
-        torch.mul(coef[:, :, :3], s.unsqueeze(2), out=out[:, :, :3])
-        torch.mul(coef[:, :, 3], wh, out=out[:, :, 3])
-        return out.view(w.shape[0] * w.shape[1], -1)
+    def _chunks(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(steps, gate pre-activation cotangents (rows, 4H))`` over chunks of about
+        CHUNK_ROWS rows, in one buffer reused across chunks and calls."""
+        s, length, batch, hsz = trace.saved, w.shape[0], w.shape[1], self.hidden_size
+        step = max(1, min(length, CHUNK_ROWS // max(batch, 1)))
+        if "g" not in s:
+            s["g"] = w.new_empty(step, batch, 4, hsz)
+        for t0 in range(0, length, step):
+            sl = slice(t0, min(t0 + step, length))
+            out, coef = s["g"][: sl.stop - sl.start], s["coef"][sl]
+            wc, wh = w[sl, :, :hsz], w[sl, :, hsz:]
+            cot = torch.addcmul(wc, wh, s["q"][sl])  # the cotangent reaching c'
+            torch.mul(coef[:, :, :3], cot.unsqueeze(2), out=out[:, :, :3])
+            torch.mul(coef[:, :, 3], wh, out=out[:, :, 3])
+            yield sl, out.view(-1, 4 * hsz)
 
     def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
-        """Into buffers reused across calls (the engine may overwrite the result)."""
+        """Into a buffer reused across calls (the engine may overwrite it until the next)."""
         s, hsz = trace.saved, self.hidden_size
-        if "g" not in s:
-            s["g"], s["jw"] = torch.empty_like(s["coef"]), torch.empty_like(w)
-        dh = self._g(trace, w, s["g"]) @ self.weight_hh.detach()
-        jw = s["jw"]
-        torch.mul(w[..., hsz:], s["qf"], out=jw[..., :hsz])
-        jw[..., hsz:] = dh.view(*w.shape[:-1], hsz)
+        if "jw" not in s:
+            s["jw"] = torch.empty_like(w)
+        jw, w_hh = s["jw"], self.weight_hh.detach()
+        torch.mul(w[..., hsz:], s["qf"], out=jw[..., :hsz])  # through c' = f ⊙ c + i ⊙ g
+        for sl, g in self._chunks(trace, w):
+            jw[sl, :, hsz:] = (g @ w_hh).view(sl.stop - sl.start, -1, hsz)
         return jw
 
     def param_vjp(self, trace: Trace, w: torch.Tensor, dy: torch.Tensor):
-        coef = trace.saved["coef"]
-        g = self._g(trace, w, trace.saved.pop("g", torch.empty_like(coef)))
-        h_prev = trace.saved["h_prev"]
-        grads = {
-            self.weight_hh: g.t() @ h_prev.reshape(-1, h_prev.shape[-1]),
-            self.bias_hh: g.sum(0),
-        }
-        return self._input_grads(g, grads, trace, dy)
+        s, hsz = trace.saved, self.hidden_size
+        x, h_prev = s["x"], s["h_prev"]
+        w_ih = self.weight_ih.detach()
+        d_hh, d_ih = torch.zeros_like(self.weight_hh), torch.zeros_like(self.weight_ih)
+        bias = torch.zeros_like(self.bias_hh)
+        dx = torch.empty_like(x)
+        for sl, g in self._chunks(trace, w):
+            d_hh.addmm_(g.t(), h_prev[sl].reshape(-1, hsz))
+            d_ih.addmm_(g.t(), x[sl].reshape(-1, x.shape[-1]))
+            bias += g.sum(0)
+            torch.mm(g, w_ih, out=dx[sl].view(-1, x.shape[-1]))
+        s.pop("g", None)
+        if self.residual:
+            dx += dy
+        grads = {self.weight_hh: d_hh, self.weight_ih: d_ih, self.bias_hh: bias,
+                 self.bias_ih: bias.clone()}  # fmt: skip
+        return {p: g for p, g in grads.items() if p.requires_grad}, dx
