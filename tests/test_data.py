@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def test_to_casts_inputs_only() -> None:
 
 
 def test_available_and_load() -> None:
-    assert data.available() == ["digits", "mnist5k", "synthetic", "synthetic-seq"]
+    assert data.available() == ["digits", "mnist5k", "synthetic", "synthetic-seq", "text"]
     assert tuple(data.load("digits", flatten=True).x.shape) == (1797, 64)
     syn = data.load("synthetic")
     assert syn.name == "synthetic" and len(syn) == 2048
@@ -224,7 +225,7 @@ def test_load_unknown_name() -> None:
     with pytest.raises(E.UnknownNameError) as info:
         data.load("cifar")
     assert str(info.value) == (
-        "unknown dataset 'cifar'; known datasets: digits, mnist5k, synthetic, synthetic-seq"
+        "unknown dataset 'cifar'; known datasets: digits, mnist5k, synthetic, synthetic-seq, text"
     )
     assert isinstance(info.value, KeyError)
 
@@ -233,11 +234,24 @@ def test_public_api() -> None:
     assert sorted(data.__all__) == sorted(
         [
             "Dataset",
+            "TextDataset",
             "available",
+            "default_text_paths",
             "digits",
             "load",
             "mnist5k",
             "synthetic_classification",
             "synthetic_sequences",
+            "text_chars",
         ]
     )
+
+
+def test_load_text_reads_files_on_disk(tmp_path: Path) -> None:
+    """``load("text", paths=...)``: next-character windows of local files (never fetched)."""
+    (tmp_path / "a.txt").write_text("abcabcabcabcabcabc")
+    ds = data.load("text", paths=[tmp_path], length=4)
+    assert ds.name == "text" and ds.x.shape[1] == 4 and ds.y.shape == ds.x.shape
+    assert ds.x.dtype == torch.int64 and ds.num_classes == 3
+    assert torch.equal(ds.x[0, 1:], ds.y[0, :-1])  # y is x shifted by one character
+    assert ds.decode(ds.x[0]) in "abcabcabc"

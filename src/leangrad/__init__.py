@@ -9,7 +9,7 @@ Quick use::
     optimizer.step()
 """
 
-from . import engines, layers, measure
+from . import data, engines, fad, highway, layers, measure, models, rad, train
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
 from .engines import Engine, StepResult, available, engine
 from .layers import Chain, ChainLayer
@@ -27,8 +27,14 @@ __all__ = [
     "UnknownNameError",
     "__version__",
     "available",
+    "data",
     "engine",
     "engines",
+    "fad",
+    "highway",
     "layers",
     "measure",
+    "models",
+    "rad",
+    "train",
 ]

@@ -20,15 +20,19 @@ from typing import Any
 from .. import _errors as E
 from ._real import Dataset, digits, mnist5k
 from ._synthetic import synthetic_classification, synthetic_sequences
+from ._text import TextDataset, default_text_paths, text_chars
 
 __all__ = [
     "Dataset",
+    "TextDataset",
     "available",
+    "default_text_paths",
     "digits",
     "load",
     "mnist5k",
     "synthetic_classification",
     "synthetic_sequences",
+    "text_chars",
 ]
 
 _REGISTRY: dict[str, Callable[..., Dataset]] = {
@@ -36,6 +40,7 @@ _REGISTRY: dict[str, Callable[..., Dataset]] = {
     "mnist5k": mnist5k,
     "synthetic": functools.partial(synthetic_classification, n=2048),
     "synthetic-seq": functools.partial(synthetic_sequences, n=2048),
+    "text": text_chars,
 }
 
 
@@ -53,7 +58,8 @@ def load(name: str, **kwargs: Any) -> Dataset:
 
     Args:
         name: One of ``available()``: ``"digits"``, ``"mnist5k"``, ``"synthetic"``
-            (``synthetic_classification``) or ``"synthetic-seq"`` (``synthetic_sequences``);
+            (``synthetic_classification``), ``"synthetic-seq"`` (``synthetic_sequences``)
+            or ``"text"`` (character windows of text files on disk, ``text_chars``);
             the synthetic ones have ``n=2048`` examples unless ``n=`` is given.
         **kwargs: Keyword arguments of the loader, e.g. ``flatten=True`` or ``seed=1``.
 
