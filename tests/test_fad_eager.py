@@ -19,6 +19,7 @@ from test_fad_nest import (
     Branchy,
     DataDependent,
     Head,
+    InPlaceModuleBetween,
     ResidualInPlace,
     WritesSource,
     gelu_tanh,
@@ -70,8 +71,9 @@ def test_branches_inplace_noncontiguous_and_float32() -> None:
     assert_same(model.double(), torch.randn(3, 2, 5, 5, dtype=torch.float64))
 
 
-def test_write_into_a_source_between_chain_ops() -> None:
-    assert_same(WritesSource().double(), torch.randn(2, 3, dtype=torch.float64))
+@pytest.mark.parametrize("make", [WritesSource, InPlaceModuleBetween])
+def test_write_into_a_source_between_chain_ops(make) -> None:  # type: ignore[no-untyped-def]
+    assert_same(make().double(), torch.randn(2, 3, dtype=torch.float64))
 
 
 def test_untraceable_model_runs_eagerly() -> None:

@@ -157,8 +157,21 @@ class WritesSource(nn.Module):
         return (s * h).sum(1)
 
 
-def test_chain_with_a_write_in_between_is_left_to_autograd() -> None:
-    model = WritesSource().double()
+class InPlaceModuleBetween(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.relu = nn.Linear(3, 3), nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        s = torch.sigmoid(h)
+        self.relu(h)  # an in-place module writes the source between the chain's ops
+        return (s * h).sum(1)
+
+
+@pytest.mark.parametrize("make", [WritesSource, InPlaceModuleBetween])
+def test_chain_with_a_write_in_between_is_left_to_autograd(make) -> None:  # type: ignore[no-untyped-def]
+    model = make().double()
     nested = fad.nest(model)
     (region,) = nested.fad_regions
     assert region.name is None

@@ -96,10 +96,12 @@ def _classify(gm: fx.GraphModule, node: fx.Node) -> _Info | None:
     return _Info(call, tuple(operands), params)
 
 
-def _mutates(node: fx.Node) -> bool:
+def _mutates(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Could this node write into one of its arguments?"""
     if "out" in node.kwargs or node.kwargs.get("inplace", False):
         return True
+    if node.op == "call_module":  # nn.ReLU(inplace=True), nn.Dropout(inplace=True), ...
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -188,7 +190,7 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
         else:
             lo, hi = order[members[0]], order[members[-1]]
             between = [n for n in nodes[lo:hi] if n not in inside]
-            if any(_mutates(n) and not _private(n, ok, inside) for n in between):
+            if any(_mutates(gm, n) and not _private(n, ok, inside) for n in between):
                 skipped = "another node may write in place while the chain runs"
         if skipped is not None:
             regions.append(Region(None, source.name, ops, len(outputs), skipped))
