@@ -181,3 +181,19 @@ def test_every_activation_in_both_modes(name: str) -> None:
     for got in (plain_grads(nested_model, x), nested_grads(model, x)):
         for a, b in zip(got, ref, strict=True):
             assert rel(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "conv", "rnn"])
+def test_library_models_in_both_modes(kind: str) -> None:
+    """The shared test problems: whatever chains they have (or none), gradients stay exact."""
+    from helpers import make_problem, reference_grads
+
+    prob = make_problem(kind, torch.float64, seed=3)
+    _, ref = reference_grads(prob.model, prob.inputs, prob.loss_fn)
+    nested_model = fad.nest(prob.model)
+    _, got = reference_grads(nested_model, prob.inputs, prob.loss_fn)
+    with fad.nested():
+        loss = prob.loss_fn(prob.model(*prob.inputs))
+    eager = dict(zip(ref, torch.autograd.grad(loss, list(prob.model.parameters())), strict=True))
+    for name, r in ref.items():
+        assert rel(got[name], r) < 1e-12 and rel(eager[name], r) < 1e-12, name
