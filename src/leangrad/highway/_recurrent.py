@@ -129,12 +129,12 @@ class GRULayer(_RecurrentLayer):
             xi = xi.reshape(length, batch, 3 * hsz)
             hs = x.new_empty(length + 1, batch, hsz)
             hs[0].zero_()
-            hh = x.new_empty(length, batch, 3 * hsz)
+            hh = self.bias_hh.detach().expand(length, batch, 3 * hsz).clone()  # + W_hh·h
             rz = x.new_empty(length, batch, 2 * hsz)
             n = x.new_empty(length, batch, hsz)
-            b_hh, w_hh_t = self.bias_hh.detach(), w_hh.t()
+            w_hh_t = w_hh.t()
             for t in range(length):
-                torch.addmm(b_hh, hs[t], w_hh_t, out=hh[t])
+                hh[t].addmm_(hs[t], w_hh_t)
                 torch.add(xi[t, :, : 2 * hsz], hh[t, :, : 2 * hsz], out=rz[t]).sigmoid_()
                 torch.addcmul(xi[t, :, 2 * hsz :], rz[t, :, :hsz], hh[t, :, 2 * hsz :],
                               out=n[t]).tanh_()  # fmt: skip
@@ -154,10 +154,12 @@ class GRULayer(_RecurrentLayer):
             # The factors of the W_hh·h cotangent overwrite the W_hh·h buffer, slot by slot
             # (r and z slots first, the n slot once hn is used), and ∂h'/∂(n pre-act.) n.
             coef = hh.view(*hh.shape[:2], 3, hsz)
-            omz = 1 - z
-            torch.sub(s["h_prev"], n, out=coef[:, :, 1]).mul_(z).mul_(omz)  # z pre-activation
-            c_n = n.mul_(n).neg_().add_(1).mul_(omz)  # n pre-activation
-            torch.mul(c_n, hn, out=coef[:, :, 0]).mul_(r).mul_(1 - r)  # r pre-activation
+            zz = torch.addcmul(z, z, z, value=-1)  # z (1 − z)
+            torch.sub(s["h_prev"], n, out=coef[:, :, 1]).mul_(zz)  # z pre-activation
+            omz = torch.rsub(z, 1)
+            c_n = omz.addcmul_(omz, n.mul_(n), value=-1)  # (1 − z)(1 − n²)
+            torch.addcmul(r, r, r, value=-1, out=zz).mul_(c_n)  # r (1 − r) c_n
+            torch.mul(zz, hn, out=coef[:, :, 0])  # r pre-activation
             torch.mul(c_n, r, out=coef[:, :, 2])  # W_hn·h + b_hn
             trace.k = z.contiguous()  # frees r
         s["coef"], s["c_n"] = coef, c_n
