@@ -34,7 +34,7 @@ def grads(fn, x: torch.Tensor, seed: int = 1):  # type: ignore[no-untyped-def]
     out = fn(x)
     outs = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator().manual_seed(seed)
-    cots = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+    cots = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
     (g,) = torch.autograd.grad(outs, x, cots)
     return [o.detach() for o in outs], g
 
@@ -232,3 +232,18 @@ def test_gelu_rejects_unknown_approximation() -> None:
 def test_error_messages_are_constants() -> None:
     assert "fad.nested()" in E.UNTRACEABLE
     assert "{op" in E.NOT_ELEMENTWISE and "{op" in E.TWO_SOURCES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_half_precision_within_rounding(name: str, dtype: torch.dtype) -> None:
+    """Low precision: FAD's gradient is as close to the float64 one as eager autograd's is
+    (both round every intermediate; tolerance 8 machine epsilons of the dtype)."""
+    make, ref = ACTIVATIONS[name]
+    x = torch.randn(32, 16, dtype=torch.float64) * 3
+    _, g64 = grads(ref, x)
+    _, g = grads(make(), x.to(dtype))
+    _, ge = grads(ref, x.to(dtype))
+    eps = torch.finfo(dtype).eps
+    assert rel(g.double(), g64) < 8 * eps
+    assert rel(ge.double(), g64) < 8 * eps
