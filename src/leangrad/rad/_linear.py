@@ -47,8 +47,7 @@ class _RandLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = (g2 @ weight).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            x_hat = ctx.spec.expand(kept, d, ctx.seed).reshape(-1, d)
-            gw = g2.T @ x_hat
+            gw = ctx.spec.weight_grad(g2, kept, d, ctx.seed)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         return gx, gw, gb, None, None
@@ -102,7 +101,7 @@ class RandLinear(nn.Linear):
 
     Trade-off: saved input bytes shrink by ``fraction`` (indices and projection
     matrices are regenerated from a seed, never stored) for extra gradient
-    variance; the backward rebuilds one dense ``x̂`` transiently.
+    variance; the backward never rebuilds a dense input (sparse or factored products).
     """
 
     def __init__(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -36,6 +37,7 @@ MODES = ("different", "same", "project")
 """Sampling modes: per-row samples, one sample per call, a seeded Rademacher projection."""
 
 _SEED_HIGH = 2**62
+_KEY_BLOCK = 1 << 16
 
 
 def check_fraction(fraction: object) -> float:
@@ -107,7 +109,14 @@ class SampleSpec:
         gen = _generator(seed, device)
         if self.replace:
             return torch.randint(d, (n, k), generator=gen, device=device)
-        return torch.rand(n, d, generator=gen, device=device).topk(k, dim=1).indices
+        # k distinct of d per row: top-k of uniform keys, drawn in row blocks so the
+        # transient keys stay small (about _KEY_BLOCK numbers) whatever the batch
+        step = max(1, _KEY_BLOCK // d)
+        parts = [
+            torch.rand(min(step, n - i), d, generator=gen, device=device).topk(k, dim=1).indices
+            for i in range(0, n, step)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def compress(self, x: torch.Tensor, seed: int) -> torch.Tensor:
         """The ``(rows, channels, k)`` reduced copy of ``x`` of shape ``(rows, channels, d)``.
@@ -124,6 +133,36 @@ class SampleSpec:
         if self.mode == "same":
             return x.index_select(2, idx[0])
         return x.gather(2, idx.unsqueeze(1).expand(rows, channels, k))
+
+    def weight_grad(self, g: torch.Tensor, kept: torch.Tensor, d: int, seed: int) -> torch.Tensor:
+        """``gᵀ x̂`` for a linear layer, without building the dense ``(rows, d)`` ``x̂``.
+
+        ``g``: ``(rows, out)`` output gradient; ``kept``: :meth:`compress`'s copy of the
+        ``(rows, 1, d)`` input. Returns the ``(out, d)`` weight gradient estimate. The
+        projection is applied as ``(gᵀ xR) Rᵀ``, "same" fills ``k`` columns, and
+        "different" multiplies by a sparse CSR ``x̂`` (``rows·k`` non-zeros), so the
+        backward allocates nothing of the input's full size.
+        """
+        rows, _, k = kept.shape
+        vals = kept.reshape(rows, k)
+        if self.exact:
+            return g.T @ vals
+        if self.mode == "project":
+            r = rademacher(d, k, seed=seed, device=kept.device, dtype=kept.dtype)
+            return (g.T @ vals) @ r.T
+        idx = self._indices(rows, d, k, seed, kept.device)
+        if self.mode == "same":
+            out = g.new_zeros(g.shape[1], d)
+            return out.index_add_(1, idx[0], (g.T @ vals).mul_(d / k))
+        cols, order = idx.sort(dim=1)  # CSR rows hold their column indices in order
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": dense @ CSR is enough
+            warnings.simplefilter("ignore", UserWarning)
+            x_hat = torch.sparse_csr_tensor(
+                torch.arange(0, rows * k + 1, k, device=kept.device), cols.reshape(-1),
+                (vals.gather(1, order) * (d / k)).reshape(-1), (rows, d),
+                check_invariants=False,
+            )  # fmt: skip
+        return g.T @ x_hat
 
     def expand(self, kept: torch.Tensor, d: int, seed: int) -> torch.Tensor:
         """``x̂`` of shape ``(rows, channels, d)``, ``E[x̂] = x``, from :meth:`compress`'s copy."""
