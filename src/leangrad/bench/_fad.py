@@ -61,13 +61,6 @@ _COMPILE_MEMORY = (
 )
 
 
-def _setting(suite: Suite, key: str, quick: bool, default: Any) -> Any:
-    s = suite.settings
-    if quick and f"quick_{key}" in s:
-        return s[f"quick_{key}"]
-    return s.get(key, default)
-
-
 class _Method:
     """One way to run a training step of the same model (parameters shared)."""
 
@@ -233,15 +226,15 @@ def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu",
     ``fad-activation`` record per (model, activation)."""
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    batch = int(_setting(suite, "batch", quick, 32))
-    budget_batch = int(_setting(suite, "budget_batch", quick, 32))
-    batch_cap = int(_setting(suite, "batch_cap", quick, 8 * budget_batch))
-    repeats = int(_setting(suite, "repeats", quick, 7))
-    act_repeats = int(_setting(suite, "act_repeats", quick, 21))  # milliseconds each: cheap
-    compile_for = list(_setting(suite, "compile", quick, []))
-    compile_limit = float(_setting(suite, "compile_limit_s", quick, 300))
-    models: dict[str, dict[str, int]] = dict(_setting(suite, "models", quick, {}))
-    acts = list(_setting(suite, "activations", quick, list(ACTIVATIONS)))
+    batch = int(suite.setting("batch", quick, 32))
+    budget_batch = int(suite.setting("budget_batch", quick, 32))
+    batch_cap = int(suite.setting("batch_cap", quick, 8 * budget_batch))
+    repeats = int(suite.setting("repeats", quick, 7))
+    act_repeats = int(suite.setting("act_repeats", quick, 21))  # milliseconds each: cheap
+    compile_for = list(suite.setting("compile", quick, []))
+    compile_limit = float(suite.setting("compile_limit_s", quick, 300))
+    models: dict[str, dict[str, int]] = dict(suite.setting("models", quick, {}))
+    acts = list(suite.setting("activations", quick, list(ACTIVATIONS)))
     jobs = [(k, a) for k in models for a in acts]
     records: list[dict[str, Any]] = []
     settings = {"batch": batch, "budget_batch": budget_batch, "cap": batch_cap,

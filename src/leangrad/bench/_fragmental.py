@@ -29,13 +29,6 @@ __all__ = [
 MiB = 2**20
 
 
-def _setting(suite: Suite, key: str, quick: bool, default: Any = None) -> Any:
-    s = suite.settings
-    if quick and f"quick_{key}" in s:
-        return s[f"quick_{key}"]
-    return s.get(key, default)
-
-
 # -- fragmental-1d ------------------------------------------------------------------
 
 
@@ -151,10 +144,10 @@ def run_depth_at_budget(
     suite: Suite, *, quick: bool, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
     """For each engine, the deepest network whose training step fits the budget."""
-    budget = int(float(_setting(suite, "budget_mib", quick)) * MiB)
-    max_depth = int(_setting(suite, "max_depth", quick, 256))
-    extra = int(_setting(suite, "extra_probes", quick, 2))
-    config = dict(_setting(suite, "config", quick))
+    budget = int(float(suite.setting("budget_mib", quick)) * MiB)
+    max_depth = int(suite.setting("max_depth", quick, 256))
+    extra = int(suite.setting("extra_probes", quick, 2))
+    config = dict(suite.setting("config", quick))
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     records = []

@@ -60,13 +60,6 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _setting(suite: Suite, key: str, quick: bool, default: Any) -> Any:
-    s = suite.settings
-    if quick and f"quick_{key}" in s:
-        return s[f"quick_{key}"]
-    return s.get(key, default)
-
-
 def _base(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
     rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
     rec.update(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=_now())
@@ -184,12 +177,12 @@ def run_rnn(
     suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
     """Time, memory and gradient quality of highway (each k) vs BPTT vs nn.GRU/nn.LSTM."""
-    repeats = int(_setting(suite, "repeats", quick, 5))
-    batch = int(_setting(suite, "batch", quick, 32))
-    hidden = int(_setting(suite, "hidden", quick, 128))
-    vocab = int(_setting(suite, "vocab", quick, 64))
-    ks = [int(k) for k in _setting(suite, "ks", quick, [0, 1, 2, 5, 10])]
-    seed = int(_setting(suite, "seed", quick, 0))
+    repeats = int(suite.setting("repeats", quick, 5))
+    batch = int(suite.setting("batch", quick, 32))
+    hidden = int(suite.setting("hidden", quick, 128))
+    vocab = int(suite.setting("vocab", quick, 64))
+    ks = [int(k) for k in suite.setting("ks", quick, [0, 1, 2, 5, 10])]
+    seed = int(suite.setting("seed", quick, 0))
     jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
     records: list[dict[str, Any]] = []
     bar = tqdm(jobs, desc=suite.name, disable=not progress)
@@ -339,10 +332,10 @@ def run_train(
     suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
     """Train one model per method from the same initialisation on the same batches."""
-    steps = int(_setting(suite, "steps", quick, 200))
-    every = int(_setting(suite, "eval_every", quick, 20))
-    seed = int(_setting(suite, "seed", quick, 0))
-    schedule = _setting(suite, "schedule", quick, None)
+    steps = int(suite.setting("steps", quick, 200))
+    every = int(suite.setting("eval_every", quick, 20))
+    seed = int(suite.setting("seed", quick, 0))
+    schedule = suite.setting("schedule", quick, None)
     jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
     records: list[dict[str, Any]] = []
     with num_threads(1):
@@ -405,10 +398,10 @@ def run_convergence(
     suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
     """Train with backprop; at several fractions of training, gradient quality per k."""
-    steps = int(_setting(suite, "steps", quick, 200))
-    seed = int(_setting(suite, "seed", quick, 0))
-    ks = [int(k) for k in _setting(suite, "ks", quick, list(range(11)))]
-    points = [float(f) for f in _setting(suite, "points", quick, [0, 0.25, 0.5, 0.75, 1])]
+    steps = int(suite.setting("steps", quick, 200))
+    seed = int(suite.setting("seed", quick, 0))
+    ks = [int(k) for k in suite.setting("ks", quick, list(range(11)))]
+    points = [float(f) for f in suite.setting("points", quick, [0, 0.25, 0.5, 0.75, 1])]
     at = sorted({round(f * steps) for f in points})
     jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
     records: list[dict[str, Any]] = []

@@ -35,7 +35,7 @@ from .. import data, rad
 from ..measure import MemoryTracker, saved_tensor_bytes
 from ._runner import machine_info
 from ._suites import Suite
-from ._training import _now, _setting
+from ._training import _now
 
 __all__ = ["memory_of", "render", "run_convergence", "run_pde", "run_variance"]
 
@@ -157,7 +157,7 @@ def _record(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, An
 def _estimators(suite: Suite, quick: bool) -> list[dict[str, Any]]:
     """``[{label, batch, fraction, mode}]`` from the suite's ``estimators`` setting."""
     out = []
-    for e in _setting(suite, "estimators", quick, []):
+    for e in suite.setting("estimators", quick, []):
         f = e.get("fraction")
         label = e.get("label") or (
             f"batch {e['batch']}" if f is None else f"RAD {f} {e.get('mode', 'different')}"
@@ -172,11 +172,11 @@ def run_variance(
 ) -> list[dict[str, Any]]:
     """Gradient MSE vs the full-data gradient, beside measured memory (Fig. 5)."""
     machine, created = machine_info(), _now()
-    seed = int(_setting(suite, "seed", quick, 0))
-    draws = int(_setting(suite, "draws", quick, 50))
-    pretrain = int(_setting(suite, "pretrain_steps", quick, 0))
-    models = list(_setting(suite, "models", quick, ["mlp", "cnn"]))
-    train, _ = _load(str(_setting(suite, "dataset", quick, "mnist5k")), seed, device)
+    seed = int(suite.setting("seed", quick, 0))
+    draws = int(suite.setting("draws", quick, 50))
+    pretrain = int(suite.setting("pretrain_steps", quick, 0))
+    models = list(suite.setting("models", quick, ["mlp", "cnn"]))
+    train, _ = _load(str(suite.setting("dataset", quick, "mnist5k")), seed, device)
     ests = _estimators(suite, quick)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=len(models) * len(ests) * draws, desc=suite.name, disable=not progress)
@@ -273,12 +273,12 @@ def run_convergence(
 ) -> list[dict[str, Any]]:
     """Train loss vs iteration at equal measured memory (Fig. 6 and the RNN analogue)."""
     machine, created = machine_info(), _now()
-    seed = int(_setting(suite, "seed", quick, 0))
-    batch = int(_setting(suite, "batch", quick, 150))
-    fraction = float(_setting(suite, "fraction", quick, 0.1))
-    modes = list(_setting(suite, "modes", quick, ["same", "different", "project"]))
-    runs = list(_setting(suite, "runs", quick, []))
-    train, test = _load(str(_setting(suite, "dataset", quick, "mnist5k")), seed, device)
+    seed = int(suite.setting("seed", quick, 0))
+    batch = int(suite.setting("batch", quick, 150))
+    fraction = float(suite.setting("fraction", quick, 0.1))
+    modes = list(suite.setting("modes", quick, ["same", "different", "project"]))
+    runs = list(suite.setting("runs", quick, []))
+    train, test = _load(str(suite.setting("dataset", quick, "mnist5k")), seed, device)
     records: list[dict[str, Any]] = []
     total = sum(int(r["steps"]) * (len(modes) + 2) for r in runs)
     bar = tqdm(total=total, desc=suite.name, disable=not progress)
@@ -314,7 +314,6 @@ def run_convergence(
     return records
 
 
-
 def run_pde(
     suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
@@ -322,15 +321,15 @@ def run_pde(
     from ..rad._pde import ReactionDiffusion, optimize, pde_gradient
 
     machine, created = machine_info(), _now()
-    seed = int(_setting(suite, "seed", quick, 0))
-    iterations = int(_setting(suite, "iterations", quick, 300))
-    lr = float(_setting(suite, "lr", quick, 0.05))
-    fractions = [float(f) for f in _setting(suite, "fractions", quick, [1.0, 0.1, 0.01])]
+    seed = int(suite.setting("seed", quick, 0))
+    iterations = int(suite.setting("iterations", quick, 300))
+    lr = float(suite.setting("lr", quick, 0.05))
+    fractions = [float(f) for f in suite.setting("fractions", quick, [1.0, 0.1, 0.01])]
     problem = ReactionDiffusion(
-        n=int(_setting(suite, "n", quick, 15)),
-        steps=int(_setting(suite, "steps", quick, 1024)),
-        t_end=float(_setting(suite, "t_end", quick, 2.0)),
-        D=float(_setting(suite, "D", quick, 0.25)),
+        n=int(suite.setting("n", quick, 15)),
+        steps=int(suite.setting("steps", quick, 1024)),
+        t_end=float(suite.setting("t_end", quick, 2.0)),
+        D=float(suite.setting("D", quick, 0.25)),
     )
     theta0 = problem.initial_theta(seed=seed, device=device)
     records: list[dict[str, Any]] = []

@@ -60,6 +60,12 @@ class Suite:
             )
         return [by_label[lb] for lb in series.engines]
 
+    def setting(self, key: str, quick: bool, default: Any = None) -> Any:
+        """``settings["quick_KEY"]`` in quick mode when present, else ``KEY``, else ``default``."""
+        if quick and f"quick_{key}" in self.settings:
+            return self.settings[f"quick_{key}"]
+        return self.settings.get(key, default)
+
     def repeats(self, quick: bool) -> int:
         key = "quick_repeats" if quick else "repeats"
         return int(self.settings.get(key, self.settings.get("repeats", 5)))

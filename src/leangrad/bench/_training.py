@@ -49,14 +49,6 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _setting(suite: Suite, key: str, quick: bool, default: Any) -> Any:
-    """``quick_KEY`` in quick mode when present, else ``KEY``, else ``default``."""
-    s = suite.settings
-    if quick and f"quick_{key}" in s:
-        return s[f"quick_{key}"]
-    return s.get(key, default)
-
-
 def _record(suite: Suite, series: str, sweep: str, x: int, quick: bool, **fields: Any) -> dict:
     rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
     rec.update(
@@ -148,13 +140,13 @@ def run_stability(
 ) -> list[dict[str, Any]]:
     """Train one RevNet per engine side by side; gradient error vs the float64 oracle."""
     machine, created = machine_info(), _now()
-    steps = int(_setting(suite, "steps", quick, 300))
-    every = int(_setting(suite, "eval_every", quick, 25))
-    batch = int(_setting(suite, "batch", quick, 32))
-    lr = float(_setting(suite, "lr", quick, 1e-3))
-    opt_name = str(_setting(suite, "optimizer", quick, "adam"))
-    seed = int(_setting(suite, "seed", quick, 0))
-    fraction = float(_setting(suite, "train_fraction", quick, 0.8))
+    steps = int(suite.setting("steps", quick, 300))
+    every = int(suite.setting("eval_every", quick, 25))
+    batch = int(suite.setting("batch", quick, 32))
+    lr = float(suite.setting("lr", quick, 1e-3))
+    opt_name = str(suite.setting("optimizer", quick, "adam"))
+    seed = int(suite.setting("seed", quick, 0))
+    fraction = float(suite.setting("train_fraction", quick, 0.8))
     train, test = data.digits(device=device).split(fraction, seed=seed)
     jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
     specs_all = {s.name: suite.engines_for(s) for s in suite.series}
@@ -277,15 +269,15 @@ def run_constrained(
 ) -> list[dict[str, Any]]:
     """Constrained vs unconstrained conv nets, trained with backprop, per epoch."""
     machine, created = machine_info(), _now()
-    epochs = int(_setting(suite, "epochs", quick, 10))
-    batch = int(_setting(suite, "batch", quick, 64))
-    lr = float(_setting(suite, "lr", quick, 1e-3))
-    opt_name = str(_setting(suite, "optimizer", quick, "adam"))
-    seed = int(_setting(suite, "seed", quick, 0))
-    fraction = float(_setting(suite, "train_fraction", quick, 0.8))
-    limit = _setting(suite, "train_limit", quick, None)
-    dataset = str(_setting(suite, "dataset", quick, "mnist5k"))
-    size = int(_setting(suite, "size", quick, 32))
+    epochs = int(suite.setting("epochs", quick, 10))
+    batch = int(suite.setting("batch", quick, 64))
+    lr = float(suite.setting("lr", quick, 1e-3))
+    opt_name = str(suite.setting("optimizer", quick, "adam"))
+    seed = int(suite.setting("seed", quick, 0))
+    fraction = float(suite.setting("train_fraction", quick, 0.8))
+    limit = suite.setting("train_limit", quick, None)
+    dataset = str(suite.setting("dataset", quick, "mnist5k"))
+    size = int(suite.setting("size", quick, 32))
     ds = data.load(dataset, device=device)
     ds = data.Dataset(_pad_to(ds.x, size), ds.y, ds.name, ds.num_classes)
     train, test = ds.split(fraction, seed=seed)
