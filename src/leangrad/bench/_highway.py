@@ -473,7 +473,7 @@ def _render_rnn(rs: list[dict[str, Any]]) -> list[str]:
         "forward of the same method (BPTT and nn.* record a graph; highway runs its traced "
         "no-grad forward). Speedups are BPTT's time over the method's, measured "
         "interleaved in one process. Peak = allocator-level tracker peak over the step. "
-        "Gradients vs autograd in float64. Timings taken on a shared 2-core machine.",
+        "Gradients vs autograd in float64.",
         "",
         *_targets(rs),
         "| series | L | method | step ms | step speedup | backward ms | backward speedup "
