@@ -457,8 +457,7 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
     kinds = {r.get("kind") for r in records}
     lines = [
         "*saved* = bytes autograd keeps for backward (parameters, targets excluded; the "
-        "input counts when kept); *peak* = tracker peak over forward and backward. "
-        "Timings were taken on a shared machine.",
+        "input counts when kept); *peak* = tracker peak over forward and backward.",
         "",
     ]
     if "rad-variance" in kinds:
