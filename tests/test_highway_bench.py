@@ -8,13 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from leangrad.bench._highway import (
-    char_corpus,
-    render,
-    run_convergence,
-    run_rnn,
-    run_train,
-)
+from leangrad.bench._highway import char_corpus, run_convergence, run_rnn, run_train
+from leangrad.bench._highway_report import render
 from leangrad.bench._suites import load_suite
 
 
