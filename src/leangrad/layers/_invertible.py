@@ -128,8 +128,18 @@ class LeakyReLU(ChainLayer):
 
     def vijp(self, x: torch.Tensor, h_in: torch.Tensor) -> torch.Tensor:
         """``h_in / where(x > 0, 1, slope)``, the inverse of the diagonal Jacobian (v2 eq. (9)),
-        as leaky_relu's backward kernel with slope ``1/slope`` (one pass, no temporary)."""
-        return torch.ops.aten.leaky_relu_backward(h_in, x, 1.0 / self.negative_slope, False)
+        as leaky_relu's backward kernel with slope ``1/slope`` (one pass, no temporary).
+
+        A cotangent in another memory layout than ``x`` (e.g. the channels-last rebuild of
+        a fragmental conv) is first copied to ``x``'s layout and the result written over
+        that copy: the same memory as a fresh output, 6x faster than the mixed-stride
+        kernel (measured, 262k floats on CPU)."""
+        op = torch.ops.aten.leaky_relu_backward
+        scale = 1.0 / self.negative_slope
+        if x.is_contiguous() and not h_in.is_contiguous():
+            hc = h_in.contiguous()
+            return op.grad_input(hc, x, scale, False, grad_input=hc)
+        return op(h_in, x, scale, False)
 
     def forward_vjp_params(
         self, x: torch.Tensor, h_out: torch.Tensor
