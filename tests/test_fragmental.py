@@ -365,3 +365,19 @@ def test_deepest_fitting_looks_past_a_non_monotone_dip() -> None:
     )
     assert depth == 11
     assert [p["depth"] for p in probes] == [1, 2, 4, 8, 16, 12, 10, 9, 11, 12 + 1, 12 + 2]
+
+
+def test_fragmental_cnn2d_under_moonwalk_is_exact() -> None:
+    """models.fragmental_cnn2d (blocks of rows, ragged: 13 rows) trained by moonwalk with
+    fragment=4 gives autograd's gradients (float64)."""
+    torch.manual_seed(0)
+    model = models.fragmental_cnn2d(2, 3, 2, 4).double()
+    x, y = torch.randn(2, 2, 13, 6, dtype=torch.float64), torch.randint(0, 4, (2,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    _, ref = reference_grads(model, (x,), loss_fn)
+    res = leangrad.engine("moonwalk", fragment=4).backward(model, x, loss_fn)
+    assert compare_grads(grads_of(model), ref).max_rel_err <= 1e-10
+    assert res.info["kept_cotangent_bytes"] == 2 * 2 * 3 * 4 * 2 * 6 * 8  # 2 layers, 4 blocks

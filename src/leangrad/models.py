@@ -21,6 +21,7 @@ __all__ = [
     "char_gru_lm",
     "conv_stack",
     "fragmental_cnn1d",
+    "fragmental_cnn2d",
     "mlp",
     "revnet",
     "rnn_classifier",
@@ -284,4 +285,29 @@ def fragmental_cnn1d(
         layers += [FragmentalConv1d(channels, kernel_size), LeakyReLU(negative_slope)]
     first = nn.Conv1d(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
     head = nn.Sequential(nn.AdaptiveMaxPool1d(1), nn.Flatten(), nn.Linear(channels, classes))
+    return Chain(*layers, stem=first, head=head)
+
+
+def fragmental_cnn2d(
+    in_channels: int = 3,
+    channels: int = 16,
+    depth: int = 4,
+    classes: int = 10,
+    *,
+    kernel_size: int = 3,
+    negative_slope: float = 0.5,
+    stem: str = "conv",
+) -> nn.Module:
+    """The 2D analogue of :func:`fragmental_cnn1d` (not in the paper): ``depth`` x
+    (size-keeping stride-1 :class:`~leangrad.layers.FragmentalConv2d` + LeakyReLU), whose
+    fragments are blocks of rows; global max pooling and a linear head. A Chain."""
+    from .layers import Chain, FragmentalConv2d, LeakyReLU
+
+    if stem not in ("conv", "repeat"):
+        raise ValueError(f"stem must be 'conv' or 'repeat', got {stem!r}")
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [FragmentalConv2d(channels, kernel_size), LeakyReLU(negative_slope)]
+    first = nn.Conv2d(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
+    head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
     return Chain(*layers, stem=first, head=head)

@@ -103,6 +103,20 @@ def _frag1d(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
     return model, (cin, length)
 
 
+def _frag2d(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
+    size, cin = c.get("size", 64), c.get("in_channels", 3)
+    model = models.fragmental_cnn2d(
+        cin,
+        c.get("channels", 16),
+        c["depth"],
+        c.get("classes", 10),
+        kernel_size=c.get("kernel_size", 3),
+        negative_slope=c.get("negative_slope", 0.5),
+        stem=c.get("stem", "conv"),
+    )
+    return model, (cin, size, size)
+
+
 MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]]]] = {
     "mlp": _mlp,
     "conv": _conv,
@@ -111,6 +125,7 @@ MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]
     "revnet": _revnet,
     "subcnn": _subcnn,
     "frag1d": _frag1d,
+    "frag2d": _frag2d,
 }
 
 
