@@ -8,6 +8,8 @@ layers carry the rules ``moonwalk`` and ``revbackprop`` need.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -188,16 +190,37 @@ def submersive_cnn(
     Returns a :class:`leangrad.Chain`. The input's spatial size must be divisible by
     ``2**depth``.
     """
-    from .layers import Chain, LeakyReLU, SubmersiveConv2d
+    from .layers import SubmersiveConv2d
 
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [SubmersiveConv2d(channels, channels, 3, stride=2, padding=1),
-                   LeakyReLU(negative_slope)]  # fmt: skip
+    def conv() -> nn.Module:
+        return SubmersiveConv2d(channels, channels, 3, stride=2, padding=1)
+
+    return _conv_chain(conv, 2, in_channels, channels, depth, classes, negative_slope, stem)
+
+
+def _conv_chain(
+    conv: Callable[[], nn.Module],
+    rank: int,
+    in_channels: int,
+    channels: int,
+    depth: int,
+    classes: int,
+    negative_slope: float,
+    stem: str,
+) -> nn.Module:
+    """``stem -> depth x (conv() + LeakyReLU) -> global max pool + linear``, as a Chain;
+    ``stem="conv"`` is a 1x1 conv, ``"repeat"`` parameter-free channel tiling."""
+    from .layers import Chain, LeakyReLU
+
     if stem not in ("conv", "repeat"):
         raise ValueError(f"stem must be 'conv' or 'repeat', got {stem!r}")
-    first = nn.Conv2d(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
-    head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [conv(), LeakyReLU(negative_slope)]
+    conv_nd, pool = (nn.Conv1d, nn.AdaptiveMaxPool1d) if rank == 1 else (nn.Conv2d,
+                                                                         nn.AdaptiveMaxPool2d)
+    first = conv_nd(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
+    head = nn.Sequential(pool(1), nn.Flatten(), nn.Linear(channels, classes))
     return Chain(*layers, stem=first, head=head)
 
 
@@ -276,16 +299,12 @@ def fragmental_cnn1d(
     ``(c/slope)^depth`` for large blocks (measured, depth 8, B=16, float32: 1.1e-1 at
     slope 0.1, 6e-4 at 0.2, 2.6e-5 at 0.3, 1.3e-6 at 0.5; see the ``fragmental-1d`` suite).
     """
-    from .layers import Chain, FragmentalConv1d, LeakyReLU
+    from .layers import FragmentalConv1d
 
-    if stem not in ("conv", "repeat"):
-        raise ValueError(f"stem must be 'conv' or 'repeat', got {stem!r}")
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [FragmentalConv1d(channels, kernel_size), LeakyReLU(negative_slope)]
-    first = nn.Conv1d(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
-    head = nn.Sequential(nn.AdaptiveMaxPool1d(1), nn.Flatten(), nn.Linear(channels, classes))
-    return Chain(*layers, stem=first, head=head)
+    def conv() -> nn.Module:
+        return FragmentalConv1d(channels, kernel_size)
+
+    return _conv_chain(conv, 1, in_channels, channels, depth, classes, negative_slope, stem)
 
 
 def fragmental_cnn2d(
@@ -301,13 +320,9 @@ def fragmental_cnn2d(
     """The 2D analogue of :func:`fragmental_cnn1d` (not in the paper): ``depth`` x
     (size-keeping stride-1 :class:`~leangrad.layers.FragmentalConv2d` + LeakyReLU), whose
     fragments are blocks of rows; global max pooling and a linear head. A Chain."""
-    from .layers import Chain, FragmentalConv2d, LeakyReLU
+    from .layers import FragmentalConv2d
 
-    if stem not in ("conv", "repeat"):
-        raise ValueError(f"stem must be 'conv' or 'repeat', got {stem!r}")
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [FragmentalConv2d(channels, kernel_size), LeakyReLU(negative_slope)]
-    first = nn.Conv2d(in_channels, channels, 1) if stem == "conv" else RepeatChannels(channels)
-    head = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
-    return Chain(*layers, stem=first, head=head)
+    def conv() -> nn.Module:
+        return FragmentalConv2d(channels, kernel_size)
+
+    return _conv_chain(conv, 2, in_channels, channels, depth, classes, negative_slope, stem)
