@@ -89,32 +89,25 @@ def _subcnn(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
     return model, (cin, size, size)
 
 
-def _frag1d(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
-    length, cin = c.get("length", 512), c.get("in_channels", 3)
-    model = models.fragmental_cnn1d(
-        cin,
-        c.get("channels", 64),
-        c["depth"],
-        c.get("classes", 10),
-        kernel_size=c.get("kernel_size", 3),
-        negative_slope=c.get("negative_slope", 0.5),
-        stem=c.get("stem", "conv"),
-    )
-    return model, (cin, length)
+def _fragmental(rank: int) -> Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]]]:
+    """Workload builder of ``models.fragmental_cnn1d`` (``length``) or ``..._cnn2d`` (``size``)."""
+    factory = models.fragmental_cnn1d if rank == 1 else models.fragmental_cnn2d
 
+    def build_model(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
+        cin = c.get("in_channels", 3)
+        spatial = (c.get("length", 512),) if rank == 1 else (c.get("size", 64),) * 2
+        model = factory(
+            cin,
+            c.get("channels", 64 if rank == 1 else 16),
+            c["depth"],
+            c.get("classes", 10),
+            kernel_size=c.get("kernel_size", 3),
+            negative_slope=c.get("negative_slope", 0.5),
+            stem=c.get("stem", "conv"),
+        )
+        return model, (cin, *spatial)
 
-def _frag2d(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
-    size, cin = c.get("size", 64), c.get("in_channels", 3)
-    model = models.fragmental_cnn2d(
-        cin,
-        c.get("channels", 16),
-        c["depth"],
-        c.get("classes", 10),
-        kernel_size=c.get("kernel_size", 3),
-        negative_slope=c.get("negative_slope", 0.5),
-        stem=c.get("stem", "conv"),
-    )
-    return model, (cin, size, size)
+    return build_model
 
 
 MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]]]] = {
@@ -124,8 +117,8 @@ MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]
     "rnn": _rnn,
     "revnet": _revnet,
     "subcnn": _subcnn,
-    "frag1d": _frag1d,
-    "frag2d": _frag2d,
+    "frag1d": _fragmental(1),
+    "frag2d": _fragmental(2),
 }
 
 

@@ -319,6 +319,10 @@ class Moonwalk(Engine):
             return h_out
         return layer.fragments(h_out, self.fragment)  # type: ignore[attr-defined]
 
+    def _kept_info(self, kept: list[Any]) -> dict[str, Any]:
+        """``StepResult.info`` entry: bytes Phase II keeps for Phase III (``fragment=``)."""
+        return {"kept_cotangent_bytes": _storage_bytes(kept)} if self.fragment else {}
+
     def _out_cotangent(
         self, layer: ChainLayer, x: torch.Tensor | None, h: torch.Tensor, kept: Any
     ) -> torch.Tensor:
@@ -338,7 +342,6 @@ class Moonwalk(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         chain, layers = self._layers(model)
-        self._info: dict[str, Any] = {}
         stem = StemRun(chain, inputs, self.label)
         stem_params = [n for n, _ in chain.iter_params(chain.stem) if n in params]
         seed_h1 = (
@@ -362,17 +365,20 @@ class Moonwalk(Engine):
                     params,
                     on_grad,
                 )  # fmt: skip
+            info = self._kept_info(kept)
             full_name = {id(p): n for n, p in params.items()}
             x = self._first_layer(stem, inputs, layers[0], h1, params, full_name, on_grad)
             state = [x, h1]
             del x, h1  # Phase III owns them now and frees each as soon as it is used
             self._phase_three(layers[1:], state, kept, params, full_name, on_grad)
-            return self._result(loss, **self._info)
+            return self._result(loss, **info)
         if self.mode == "mixed":
             loss, h0, kept = self._phase_one_two(
                 chain, layers, stem.take(), loss_fn, params, on_grad
             )
+            info = self._kept_info(kept)
         else:
+            info = {}
             kept = [None] * len(layers)
             x0 = stem.take()
             loss, h0 = self._pure_h0(chain, layers, x0, loss_fn, params, on_grad)
@@ -384,7 +390,7 @@ class Moonwalk(Engine):
             stem.backward(h0, params, None, keep=False)
             h = self._out_cotangent(layers[0], None, h0, kept[0])
             del h0
-            kept[0] = None
+            kept = kept[1:]  # Phase III must hold the only reference to the rest
             x = self._apply(layers[0], stem.replay(), h, params, full_name, on_grad)
             if on_grad is not None:  # only now: a step on the stem would change the replay
                 for n, p in chain.iter_params(chain.stem):
@@ -392,7 +398,7 @@ class Moonwalk(Engine):
                         on_grad(n, params[n])
             state = [x, h]
             del x, h
-            x_last = self._phase_three(layers[1:], state, kept[1:], params, full_name, on_grad)
+            x_last = self._phase_three(layers[1:], state, kept, params, full_name, on_grad)
         else:
             x0 = stem.backward(h0, params, on_grad)  # replayed: x0 was not kept meanwhile
             assert x0 is not None
@@ -401,7 +407,7 @@ class Moonwalk(Engine):
             x_last = self._phase_three(layers, state, kept, params, full_name, on_grad)
         if self.mode == "pure" and not self.per_example:
             loss, _ = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
-        return self._result(loss, **self._info)
+        return self._result(loss, **info)
 
     # -- Phase I + II: h0 through minimal residuals ------------------------------
     def _phase_one_two(
@@ -456,7 +462,6 @@ class Moonwalk(Engine):
                         kept[i] = self._kept(layers[i], h)
                         h = layers[i].vjp_input(residuals[i], h)
                     residuals[i] = None
-        self._info = {"kept_cotangent_bytes": _storage_bytes(kept)} if self.fragment else {}
         return loss, h, kept
 
     # -- pure mode: h0 by forward mode --------------------------------------------
