@@ -8,16 +8,17 @@ trainable parameter exactly as ``loss_fn(model(*inputs)).backward()`` would
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeAlias
 
 import torch
 from torch import nn
 
 from .. import _errors as E
-from ..measure._memory import FORWARD_END, mark
+from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
 
 __all__ = [
     "Engine",
@@ -68,6 +69,13 @@ class Engine(abc.ABC):
     name: ClassVar[str]
     exact: ClassVar[bool] = True
     """``True`` when the engine's gradient equals autograd's up to rounding."""
+    input_gradients: ClassVar[bool] = True
+    """``True`` when inputs with ``requires_grad=True`` get their ``.grad`` as under
+    autograd; engines that cannot compute them raise instead of leaving them ``None``."""
+    reruns: ClassVar[bool] = False
+    """``True`` when the engine runs part of the model again after the forward phase
+    (recomputation, replays): buffers are then guarded so that running statistics
+    advance once (:class:`~leangrad.engines._contract.BufferGuard`)."""
 
     def __init__(self, **options: Any) -> None:
         self.options: dict[str, Any] = options
@@ -122,7 +130,21 @@ class Engine(abc.ABC):
         xs = as_input_tuple(inputs)
         params = trainable_parameters(model)
         _check_inputs(xs, params)
-        return self._backward(model, xs, loss_fn, params, on_grad)
+        check_batch(xs)
+        if not self.input_gradients:
+            refuse_input_grads(self.label, xs)
+        rerun = list(self.rerun_modules(model))
+        if rerun:
+            refuse_hooks(self.label, rerun)
+        guard = BufferGuard(model) if self.reruns else contextlib.nullcontext()
+        with guard:
+            return self._backward(model, xs, loss_fn, params, on_grad)
+
+    def rerun_modules(self, model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+        """The (name, module) pairs this engine runs more than once per step; their
+        forward hooks would fire more than once, so :meth:`backward` refuses them."""
+        del model
+        return ()
 
     @abc.abstractmethod
     def _backward(
@@ -208,7 +230,7 @@ def forward_loss(
     """Run the model (any callable) and the loss with autograd recording, then mark the
     forward end."""
     loss = check_loss(loss_fn(run_forward(engine, model, xs)))
-    mark(FORWARD_END)
+    forward_end()
     return loss
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from typing import Literal
 
 import torch
@@ -30,10 +29,6 @@ NOT_SEQUENTIAL = (
     "in order; {model} is neither. Wrap the blocks in nn.Sequential"
 )
 BAD_SEGMENTS = "segments must be a positive int, 'sqrt' or None (one per block), got {value!r}"
-BATCHNORM_TWICE = (
-    "checkpoint recomputes {module} in training mode, so its running statistics are "
-    "updated twice per step; use eval-mode normalisation or a norm without running stats"
-)
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -67,10 +62,13 @@ class Checkpoint(Engine):
 
     Trade-off: one extra forward pass of the checkpointed segments; exact
     gradients (RNG state is restored for dropout). BatchNorm running statistics
-    are updated twice (a warning says so).
+    advance once per step, as under autograd: the recomputation's update is undone
+    (:class:`~leangrad.engines._contract.BufferGuard`). Modules that are recomputed
+    may not carry forward hooks (they would fire twice; the error names the module).
     """
 
     exact = True
+    reruns = True
 
     def __init__(self, *, segments: int | Literal["sqrt"] | None = None) -> None:
         ok = segments is None or segments == "sqrt"
@@ -87,6 +85,26 @@ class Checkpoint(Engine):
             return str(err)
         return None
 
+    def _groups(self, n: int) -> list[range]:
+        if self.segments is None:
+            s = n
+        elif self.segments == "sqrt":
+            s = math.ceil(math.sqrt(n))
+        else:
+            s = int(self.segments)
+        return split_segments(n, s)
+
+    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Every module of the checkpointed segments (all but the last): recomputed."""
+        blocks = model_blocks(model)
+        groups = self._groups(len(blocks))
+        return [
+            (n, m)
+            for group in groups[:-1]
+            for j in group
+            for n, m in blocks[j].named_modules(prefix=f"block{j}")
+        ]
+
     def _backward(
         self,
         model: nn.Module,
@@ -96,15 +114,7 @@ class Checkpoint(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         blocks = model_blocks(model)
-        _warn_batchnorm(blocks)
-        n = len(blocks)
-        if self.segments is None:
-            s = n
-        elif self.segments == "sqrt":
-            s = math.ceil(math.sqrt(n))
-        else:
-            s = int(self.segments)
-        groups = split_segments(n, s)
+        groups = self._groups(len(blocks))
 
         def run(xs: tuple[torch.Tensor, ...]) -> object:
             # The first block takes the engine's inputs unpacked; every later block
@@ -137,12 +147,3 @@ class _Segment:
         for block in self.blocks[1:]:
             out = block(out)
         return out
-
-
-def _warn_batchnorm(blocks: list[nn.Module]) -> None:
-    for block in blocks:
-        for m in block.modules():
-            bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
-            if bn and m.training and m.track_running_stats:
-                warnings.warn(BATCHNORM_TWICE.format(module=type(m).__name__), stacklevel=4)
-                return

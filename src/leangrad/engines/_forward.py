@@ -14,8 +14,8 @@ from torch import nn
 from torch.func import vmap
 
 from .. import _errors as E
-from ..measure._memory import FORWARD_END, mark
-from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad
+from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
+from ._contract import RngReplay, forward_end, used_parameters
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
@@ -43,6 +43,7 @@ class Forward(Engine):
     """
 
     exact = True
+    input_gradients = False
 
     def __init__(self, *, chunk_size: int = 16, chunk_bytes: int = 32 * 2**20) -> None:
         super().__init__(chunk_size=chunk_size, chunk_bytes=chunk_bytes)
@@ -57,10 +58,13 @@ class Forward(Engine):
         params: dict[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
+        # Parameters the loss does not use keep .grad None, as under autograd.
+        params = used_parameters(model, inputs, loss_fn, params, self._run)
         f = pure_loss(self.label, model, inputs, loss_fn, params)
         primals = {n: p.detach() for n, p in params.items()}
         bufs = BatchedBuffers(model)
-        mark(FORWARD_END)  # nothing is kept for a backward phase
+        rng = RngReplay(inputs)  # every chunk draws autograd's dropout masks
+        forward_end()  # nothing is kept for a backward phase
         loss: torch.Tensor | None = None
         n_jvps = 0
         grads: dict[str, torch.Tensor] = {}
@@ -84,7 +88,9 @@ class Forward(Engine):
                 tangents = torch.zeros(k, numel, dtype=theta.dtype, device=theta.device)
                 tangents[torch.arange(k), torch.arange(start, start + k)] = 1
                 b = bufs.batched(k)
+                rng.before_run()
                 value, dloss, updated = batched(tangents.view(k, *theta.shape), b)
+                rng.after_run()
                 bufs.commit(updated)
                 if loss is None:
                     loss = value[0]
@@ -92,6 +98,7 @@ class Forward(Engine):
                 n_jvps += k
                 del tangents, value, dloss, b, updated
             grads[name] = grad
+        rng.finish()
         # Every direction needs every parameter's current value, so gradients are
         # written (and on_grad called) only once all directions are done: an
         # optimizer step inside on_grad must not move the point of evaluation.
@@ -101,3 +108,9 @@ class Forward(Engine):
                 on_grad(name, p)
         assert loss is not None
         return self._result(loss, jvps=n_jvps)
+
+    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return list(model.named_modules())  # one forward per chunk of directions
+
+    def _run(self, fn: object, xs: tuple[torch.Tensor, ...]) -> object:
+        return run_forward(self.label, fn, xs)  # type: ignore[arg-type]

@@ -29,8 +29,8 @@ from torch import nn
 from .. import _errors as E
 from ..highway._protocol import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
 from ..highway._scan import SCANS, cumsumprod
-from ..measure._memory import FORWARD_END, mark
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
+from ._contract import forward_end
 from ._registry import register
 
 __all__ = ["BAD_BASELINE", "BAD_K", "BAD_SCAN", "BAD_TOL", "Highway", "StackResult"]
@@ -120,7 +120,7 @@ class Highway(Engine):
         xh = x.detach().requires_grad_()
         out = run_forward(self.label, net.head, (xh,)) if net.head is not None else xh
         loss = check_loss(loss_fn(out))
-        mark(FORWARD_END)
+        forward_end()
 
         grads: dict[nn.Parameter, torch.Tensor] = {}
         head_params = [p for p in net.head.parameters() if p.requires_grad] if net.head else []
@@ -132,11 +132,16 @@ class Highway(Engine):
             pg, dy, res = self.stack_backward(st, traces.pop(), dy)  # frees each trace
             _add(grads, list(pg), pg.values())
             results.append(res)
+        # The stem (autograd) and the inputs that want a .grad, as loss.backward() does.
+        wanted = [x for x in inputs if x.requires_grad]
         if net.stem is not None:
             stem_params = [p for p in net.stem.parameters() if p.requires_grad]
-            if stem_params and x0.requires_grad:
-                sg = torch.autograd.grad(x0, stem_params, dy, allow_unused=True)
-                _add(grads, stem_params, sg)
+            if (stem_params or wanted) and x0.requires_grad:
+                sg = torch.autograd.grad(x0, [*stem_params, *wanted], dy, allow_unused=True)
+                _add(grads, stem_params, sg[: len(stem_params)])
+                _add_input_grads(wanted, sg[len(stem_params) :])
+        elif wanted:
+            _add_input_grads(wanted[:1], [dy])
         for name, p in params.items():
             if p not in grads:  # unused by the loss: autograd leaves .grad as it is too
                 continue
@@ -191,3 +196,11 @@ def _add(grads: dict[nn.Parameter, torch.Tensor], params: list[Any], gs: Any) ->
     for p, g in zip(params, gs, strict=True):
         if g is not None:
             grads[p] = grads[p] + g if p in grads else g
+
+
+def _add_input_grads(xs: list[torch.Tensor], gs: Any) -> None:
+    """Accumulate into ``x.grad`` like autograd (a leaf input) — set, or add."""
+    for x, g in zip(xs, gs, strict=True):
+        if g is None or not x.is_leaf:
+            continue
+        x.grad = g.detach() if x.grad is None else x.grad + g.detach()

@@ -54,10 +54,10 @@ from ..layers._base import (
     NotSubmersiveError,
 )
 from ..layers._chain import Chain
-from ..measure._memory import FORWARD_END, mark
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
 from ._checkpoint import split_segments
+from ._contract import batch_coupling, forward_end, random_module, used_parameters
 from ._registry import register
 
 __all__ = [
@@ -67,8 +67,10 @@ __all__ = [
     "Moonwalk",
     "StemRun",
     "chain_of",
+    "chain_reruns",
     "hand_over",
     "head_backward",
+    "refuse_random_layers",
     "rule_layers",
 ]
 
@@ -96,6 +98,43 @@ NO_FRAGMENT_RULE = (
     "in Phase II, or a fragmental layer such as leangrad.layers.FragmentalConv1d"
 )
 LAYER_ERROR = "chain layer {index}: {error}"
+RANDOM_LAYER = (
+    "engine {engine!r} reruns the chain layers after the forward pass, so they must be "
+    "deterministic, but chain layer {index} has {module} in training mode (its masks "
+    "would differ between the runs); move dropout into the stem or the head, or call "
+    "model.eval() on that layer"
+)
+STEM_CHUNKS_COUPLED = (
+    "stem_chunks={chunks} runs the {where} on chunks of the batch, which is exact only "
+    "when it treats examples independently and deterministically, but it has {module} "
+    "in training mode; use stem_chunks=1 (or put that module in eval mode)"
+)
+PER_EXAMPLE_COUPLED = (
+    "per_example=True pushes one input direction for all examples at once, which is "
+    "exact only when the chain layers treat examples independently, but chain layer "
+    "{index} has {module} in training mode; use per_example=False"
+)
+PURE_BUFFERS = (
+    "mode='pure' runs the chain and head under forward-mode transforms that cannot "
+    "update running statistics once per step, but {where} has {module} in training mode; "
+    "use mode='mixed' (or put that module in eval mode)"
+)
+
+
+def refuse_random_layers(engine: str, layers: list[ChainLayer]) -> None:
+    """Chain layers are rerun (Phase III, inverses): dropout in them would draw new masks."""
+    for i, layer in enumerate(layers):
+        found = random_module(layer)
+        if found is not None:
+            raise E.EngineInputError(RANDOM_LAYER.format(engine=engine, index=i, module=found))
+
+
+def chain_reruns(chain: Chain, *, head: bool = False) -> list[tuple[str, nn.Module]]:
+    """The modules a chain engine runs more than once: the stem (replayed), the chain
+    layers (Phase III, inverses) and, in pure mode, the head."""
+    parts = [("stem", chain.stem), ("layers", chain.layers)]
+    parts += [("head", chain.head)] if head else []
+    return [(f"{p}.{n}" if n else p, m) for p, mod in parts for n, m in mod.named_modules()]
 
 
 def chain_of(model: nn.Module, engine: str) -> Chain:
@@ -150,6 +189,8 @@ class StemRun:
         self.cpu_state = torch.get_rng_state()
         self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.devices]
         self.engine = engine
+        self.input_grads = any(x.requires_grad for x in inputs)
+        """Inputs want ``.grad``: the stem's backward must run even without parameters."""
 
     def take(self) -> torch.Tensor:
         """x₀ from the first run of the stem (the caller should drop it when done)."""
@@ -182,7 +223,7 @@ class StemRun:
         """Give the stem's parameters their gradients from h₀ (replaying it with a graph);
         return x₀ (detached) for Phase III when ``keep``."""
         stem_params = {n: p for n, p in self.chain.iter_params(self.chain.stem) if n in params}
-        if not stem_params:
+        if not stem_params and not self.input_grads:
             return self.replay() if keep else None
         x0 = self.replay(grad=True)
         with grad_hooks(stem_params, on_grad):
@@ -202,7 +243,7 @@ def head_backward(
     xl = x_last.detach().requires_grad_(True)
     with torch.enable_grad():
         loss = check_loss(loss_fn(run_forward(engine, chain.head, (xl,))))
-    mark(FORWARD_END)
+    forward_end()
     head_params = {n: p for n, p in chain.iter_params(chain.head) if n in params}
     with grad_hooks(head_params, on_grad):
         loss.backward()
@@ -249,6 +290,7 @@ class Moonwalk(Engine):
     """
 
     exact = True
+    reruns = True
 
     def __init__(
         self,
@@ -311,6 +353,35 @@ class Moonwalk(Engine):
             layer.check_fragment(self.fragment)  # type: ignore[attr-defined]
         return chain, layers
 
+    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return chain_reruns(chain_of(model, self.label), head=self.mode == "pure")
+
+    def _preconditions(self, chain: Chain, layers: list[ChainLayer], seed_h1: bool) -> None:
+        """The documented preconditions of the options, enforced (a silent ~5% gradient
+        error otherwise, e.g. ``stem_chunks`` with a training-mode BatchNorm stem)."""
+        refuse_random_layers(self.label, layers)
+        if seed_h1 and self.stem_chunks > 1:
+            for where, mod in (("stem", chain.stem), ("first chain layer", layers[0])):
+                found = batch_coupling(mod) or random_module(mod)
+                if found is not None:
+                    raise E.EngineInputError(
+                        STEM_CHUNKS_COUPLED.format(
+                            chunks=self.stem_chunks, where=where, module=found
+                        )
+                    )
+        if self.mode == "pure":
+            if self.per_example:
+                for i, layer in enumerate(layers):
+                    found = batch_coupling(layer)
+                    if found is not None:
+                        raise E.EngineInputError(
+                            PER_EXAMPLE_COUPLED.format(index=i, module=found)
+                        )
+            for where, mod in (("the chain", chain.layers), ("the head", chain.head)):
+                found = batch_coupling(mod)
+                if found is not None:
+                    raise E.EngineInputError(PURE_BUFFERS.format(where=where, module=found))
+
     def _kept(self, layer: ChainLayer, h_out: torch.Tensor) -> Any:
         """What Phase II keeps of a layer's output cotangent (None for submersive layers)."""
         if layer.submersive:
@@ -346,8 +417,13 @@ class Moonwalk(Engine):
         stem_params = [n for n, _ in chain.iter_params(chain.stem) if n in params]
         seed_h1 = (
             self.mode == "mixed" and bool(layers) and not layers[0].vijp_needs_input
-            and not stem_params
+            and not stem_params and not stem.input_grads
         )  # fmt: skip
+        self._preconditions(chain, layers, seed_h1)
+        if self.mode == "pure":  # forward mode sees no graph: refuse a model-free loss first
+            used_parameters(
+                model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs)
+            )
         if seed_h1:
             # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
             # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
@@ -482,7 +558,7 @@ class Moonwalk(Engine):
             local = {n: b.clone() for n, b in buffers.items()}  # BatchNorm may update them
             return functional_call(body, {**state, **local}, (x,))
 
-        mark(FORWARD_END)
+        forward_end()
         if self.per_example:
             with torch.no_grad():
                 x_last = run_body(x0)

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from ..measure._memory import FORWARD_END, mark
-from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad
+from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
+from ._contract import RngReplay, forward_end, used_parameters
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
@@ -45,6 +45,7 @@ class ProjForward(Engine):
     """
 
     exact = False
+    input_gradients = False
 
     def __init__(
         self,
@@ -67,11 +68,16 @@ class ProjForward(Engine):
         self.chunk_size = chunk_size
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        if self.seed is None:
-            return None
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This engine's generator on ``device``. Without a seed, a fresh one per step,
+        seeded by one draw from PyTorch's global stream: the tangents never share a
+        stream with the model's own random draws (dropout masks), which each chunk
+        replays from the step's starting state."""
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            seed = self.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), device=device).item())
+            self._generators[device] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[device]
 
     def _draw(self, k: int, like: torch.Tensor) -> torch.Tensor:
@@ -90,10 +96,19 @@ class ProjForward(Engine):
         params: dict[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
+        if self.seed is None:
+            self._generators.clear()  # a new per-step generator, drawn before the forward
+        for t in params.values():
+            self._generator(t.device)
+        # Parameters the loss does not use keep .grad None, as under autograd.
+        params = used_parameters(
+            model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs)
+        )
         f = pure_loss(self.label, model, inputs, loss_fn, params)
         primals = {n: p.detach() for n, p in params.items()}
         bufs = BatchedBuffers(model)
-        mark(FORWARD_END)
+        rng = RngReplay(inputs)  # every chunk draws autograd's dropout masks
+        forward_end()
 
         def directional(
             v: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
@@ -107,16 +122,22 @@ class ProjForward(Engine):
             k = min(self.chunk_size, self.samples - start)
             tangents = {n: self._draw(k, t) for n, t in primals.items()}
             b = bufs.batched(k)
+            rng.before_run()
             value, dloss, updated = batched(tangents, b)
+            rng.after_run()
             bufs.commit(updated)
             if loss is None:
                 loss = value[0]
             for n, v in tangents.items():
                 total[n] += torch.tensordot(dloss, v, dims=1)
             del tangents, value, dloss, b, updated
+        rng.finish()
         assert loss is not None
         for n, p in params.items():
             accumulate_grad(p, total[n].div_(self.samples))
             if on_grad is not None:
                 on_grad(n, p)
         return self._result(loss, jvps=self.samples)
+
+    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return list(model.named_modules())  # one forward per chunk of samples

@@ -21,7 +21,15 @@ from .._errors import LeangradError
 from ..layers._base import ChainLayer
 from ..layers._chain import Chain
 from ._base import Engine, LossFn, OnGrad, StepResult, run_forward
-from ._moonwalk import StemRun, hand_over, head_backward, rule_layers
+from ._moonwalk import (
+    StemRun,
+    chain_of,
+    chain_reruns,
+    hand_over,
+    head_backward,
+    refuse_random_layers,
+    rule_layers,
+)
 from ._registry import register
 
 __all__ = ["RevBackprop"]
@@ -32,9 +40,13 @@ class RevBackprop(Engine):
     """Reversible backprop on a :class:`~leangrad.Chain` of invertible layers."""
 
     exact = True
+    reruns = True
 
     def __init__(self) -> None:
         super().__init__()
+
+    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return chain_reruns(chain_of(model, self.label))
 
     def supports(self, model: nn.Module) -> str | None:
         try:
@@ -55,6 +67,7 @@ class RevBackprop(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         chain, layers = self._layers(model)
+        refuse_random_layers(self.label, layers)
         full_name = {id(p): n for n, p in params.items()}
         stem = StemRun(chain, inputs, self.label)
         x = stem.take()

@@ -1,0 +1,288 @@
+"""What every engine keeps of ``loss.backward()``'s behaviour (issue: "behave like
+``loss.backward()``, or say why").
+
+Engines that run part of the model more than once (``checkpoint`` recomputes segments,
+``moonwalk`` replays its stem and reruns chain layers, ``revbackprop`` reruns each layer)
+must not advance BatchNorm running statistics more than once, must not fire a forward
+hook more than once, and must leave the RNG stream where one forward leaves it. The
+forward-mode engines must not write gradients of parameters the loss does not use.
+This module holds the shared machinery:
+
+- :class:`BufferGuard`: the buffers' state after the *first* forward (marked by
+  :func:`forward_end`) is the state a step leaves, whatever reruns did afterwards —
+  the same result as ``torch.utils.checkpoint``'s documented advice of not updating
+  statistics on recomputation, but for every engine and every buffer.
+- :func:`refuse_hooks`: a module an engine reruns may not carry forward hooks (they
+  would fire on each rerun); the error names the module and the fix.
+- :func:`used_parameters`: which parameters the loss depends on, from autograd's graph
+  of one forward on fake tensors (no compute, no RNG draw, no buffer update).
+- :func:`batch_coupling`: the first module that mixes examples of a batch (BatchNorm in
+  training mode), for engines whose options assume examples are independent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .. import _errors as E
+from ..measure._memory import FORWARD_END, mark
+
+__all__ = [
+    "HOOK_RERUN",
+    "NO_INPUT_GRADIENTS",
+    "BufferGuard",
+    "batch_coupling",
+    "forward_end",
+    "random_module",
+    "refuse_hooks",
+    "used_parameters",
+]
+
+HOOK_RERUN = (
+    "engine {engine!r} runs {module} more than once per step, so its forward {kind} "
+    "would fire more than once (autograd runs it once); remove the hook for training "
+    "steps, or use engine 'backprop'"
+)
+NO_INPUT_GRADIENTS = (
+    "engine {engine!r} does not compute input gradients, but input {index} has "
+    "requires_grad=True; pass inputs.detach(), or use an engine that does "
+    "(backprop, checkpoint, moonwalk, revbackprop, highway)"
+)
+EMPTY_BATCH = (
+    "input {index} is empty (shape {shape}): an empty batch has no loss to differentiate; "
+    "skip empty batches (e.g. DataLoader(drop_last=True))"
+)
+
+_GUARDS: list[BufferGuard] = []
+
+
+def forward_end() -> None:
+    """The engine's forward phase is done: mark it for the memory tracker and fix the
+    buffers' post-forward state for every active :class:`BufferGuard`."""
+    mark(FORWARD_END)
+    for guard in _GUARDS:
+        guard.settle()
+
+
+class BufferGuard:
+    """Put back, when the step ends, the buffers' values at the end of the first forward.
+
+    :meth:`settle` (called by :func:`forward_end`) copies the buffers of every module in
+    training mode (BatchNorm statistics and counters: small); on exit they are restored,
+    so whatever reruns did to them afterwards is undone and the statistics advance
+    exactly once. (Version counters cannot tell: BatchNorm's kernel updates
+    ``running_mean`` in place without bumping its version.)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        seen: set[int] = set()
+        self.buffers: list[torch.Tensor] = []
+        for m in model.modules():
+            if not m.training:
+                continue
+            for b in m.buffers(recurse=False):
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    self.buffers.append(b)
+        self.after_forward: list[torch.Tensor] | None = None
+
+    def __enter__(self) -> BufferGuard:
+        _GUARDS.append(self)
+        return self
+
+    def settle(self) -> None:
+        if self.after_forward is None:
+            self.after_forward = [b.detach().clone() for b in self.buffers]
+
+    def __exit__(self, *exc: object) -> None:
+        _GUARDS.remove(self)
+        if self.after_forward is None:
+            return
+        with torch.no_grad():
+            for b, value in zip(self.buffers, self.after_forward, strict=True):
+                b.copy_(value)
+
+
+def _hook_kinds(module: nn.Module) -> list[str]:
+    kinds = []
+    if module._forward_pre_hooks:
+        kinds.append("pre-hook")
+    if module._forward_hooks:
+        kinds.append("hook")
+    return kinds
+
+
+def refuse_hooks(engine: str, modules: Iterable[tuple[str, nn.Module]]) -> None:
+    """Raise if a module the engine reruns (or a global module hook) has forward hooks."""
+    from torch.nn.modules import module as module_mod
+
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+        raise E.EngineInputError(
+            HOOK_RERUN.format(engine=engine, module="every module", kind="global hook")
+        )
+    for name, m in modules:
+        kinds = _hook_kinds(m)
+        if kinds:
+            where = f"{type(m).__name__} {name!r}" if name else type(m).__name__
+            raise E.EngineInputError(
+                HOOK_RERUN.format(engine=engine, module=where, kind=" and ".join(kinds))
+            )
+
+
+def batch_coupling(module: nn.Module) -> str | None:
+    """``"BatchNorm2d 'stem.1'"`` for the first module that mixes the examples of a batch
+    (batch normalisation in training mode), else ``None``."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            return f"{type(m).__name__} {name!r}" if name else type(m).__name__
+    return None
+
+
+def random_module(module: nn.Module) -> str | None:
+    """The first module that draws random numbers in its forward (dropout in training)."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            return f"{type(m).__name__} {name!r}" if name else type(m).__name__
+    return None
+
+
+def check_batch(xs: tuple[torch.Tensor, ...]) -> None:
+    """An empty input has no loss to differentiate: refuse it with the fix."""
+    for i, x in enumerate(xs):
+        if x.numel() == 0:
+            raise E.EngineInputError(EMPTY_BATCH.format(index=i, shape=tuple(x.shape)))
+
+
+def refuse_input_grads(engine: str, xs: tuple[torch.Tensor, ...]) -> None:
+    for i, x in enumerate(xs):
+        if x.requires_grad:
+            raise E.EngineInputError(NO_INPUT_GRADIENTS.format(engine=engine, index=i))
+
+
+def used_parameters(
+    model: nn.Module,
+    xs: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    params: dict[str, nn.Parameter],
+    run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any],
+) -> dict[str, nn.Parameter]:
+    """The parameters the loss depends on (autograd would give the others no ``.grad``).
+
+    One forward of the model and the loss on fake tensors builds autograd's graph
+    without computing, drawing random numbers or touching the real buffers; the
+    parameters behind its ``AccumulateGrad`` nodes are the ones used. A model that fake
+    tensors cannot run (data-dependent control flow) gets one real forward instead,
+    with the RNG forked and every buffer put back afterwards.
+
+    Raises:
+        EngineInputError: the loss depends on no trainable parameter.
+    """
+    try:
+        leaves = _fake_leaves(model, xs, loss_fn, params, run)
+    except E.LeangradError:
+        raise
+    except Exception:
+        leaves = _real_leaves(model, xs, loss_fn, params, run)
+    used = {n: p for n, p in params.items() if n in leaves}
+    if not used:
+        raise E.EngineInputError(E.LOSS_NO_GRAD)
+    return used
+
+
+def _graph_leaves(loss: Any, names: dict[int, str]) -> set[str]:
+    from ._base import check_loss  # the same messages as every engine's loss check
+
+    loss = check_loss(loss)
+    found: set[str] = set()
+    stack = [loss.grad_fn]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) in names:
+            found.add(names[id(var)])
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return found
+
+
+def _fake_leaves(
+    model: nn.Module,
+    xs: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    params: dict[str, nn.Parameter],
+    run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any],
+) -> set[str]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.random.fork_rng(devices=[]):
+        state: dict[str, torch.Tensor] = {}
+        names: dict[int, str] = {}
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            fake = mode.from_tensor(t.detach())
+            if n in params:
+                fake.requires_grad_(True)
+                names[id(fake)] = n
+            state[n] = fake
+        fxs = tuple(mode.from_tensor(x.detach()) for x in xs)
+        with mode, torch.enable_grad():
+            out = run(lambda *a: functional_call(model, state, a, tie_weights=False), fxs)
+            loss = loss_fn(out)
+            return _graph_leaves(loss, names)
+
+
+def _real_leaves(
+    model: nn.Module,
+    xs: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    params: dict[str, nn.Parameter],
+    run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any],
+) -> set[str]:
+    names = {id(p): n for n, p in params.items()}
+    guard = BufferGuard(model)
+    with torch.random.fork_rng(devices=[]), guard, torch.enable_grad():
+        guard.settle()  # every change this forward makes is undone on exit
+        with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _t: None):
+            loss = loss_fn(run(model, tuple(x.detach() for x in xs)))
+        return _graph_leaves(loss, names)
+
+
+class RngReplay:
+    """Every run of the model starts from the RNG state the step began with (so each
+    chunk of a vmapped forward draws the same dropout masks, as one autograd forward
+    does), and the step ends with the stream where one run leaves it."""
+
+    def __init__(self, xs: Iterable[torch.Tensor]) -> None:
+        self.devices = sorted({x.device for x in xs if x.device.type == "cuda"}, key=str)
+        self.start = self._get()
+        self.after: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def _get(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
+
+    def _set(self, state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+        torch.set_rng_state(state[0])
+        for d, s in zip(self.devices, state[1], strict=True):
+            torch.cuda.set_rng_state(s, d)
+
+    def before_run(self) -> None:
+        """Rewind to the step's starting state (a no-op before the first run)."""
+        if self.after is not None:
+            self._set(self.start)
+
+    def after_run(self) -> None:
+        if self.after is None:
+            self.after = self._get()
+
+    def finish(self) -> None:
+        """Leave the stream where one forward leaves it."""
+        if self.after is not None:
+            self._set(self.after)
