@@ -227,3 +227,203 @@ def test_empty_batch_is_refused(name: str, opts: dict[str, object], kind: str) -
     empty = x[:, :0] if kind == "highway" else x[:0]
     with pytest.raises(E.EngineInputError, match="empty batch"):
         leangrad.engine(name, **opts).backward(model, empty, loss_fn)
+
+
+@pytest.mark.parametrize(("name", "opts", "kind"), CONFIGS)
+def test_non_finite_inputs_give_autograd_result(
+    name: str, opts: dict[str, object], kind: str
+) -> None:
+    """A NaN in the input: NaN exactly where autograd has NaN, the same numbers elsewhere
+    (masked weight entries stay exact zeros) — or, for the forward-mode engines, which
+    would multiply zero tangents by NaN, an error naming the input."""
+    model, x, loss_fn = _build(kind)
+    for m in model.modules():  # BatchNorm would spread one NaN over the whole batch
+        m.eval()
+    x = x.clone()
+    x.view(-1)[1] = float("nan")
+    if name in ("forward", "projforward"):
+        with pytest.raises(E.EngineInputError, match="input 0 holds NaN or Inf"):
+            leangrad.engine(name, **opts).backward(model, x, loss_fn)
+        return
+    if not _exact(name, opts):
+        pytest.skip("estimators: no entry-wise reference")
+    ref_model = copy.deepcopy(model)
+    loss_fn(ref_model(x)).backward()
+    leangrad.engine(name, **opts).backward(model, x, loss_fn)
+    for (n, p), r in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        if r.grad is None:
+            assert p.grad is None, n
+            continue
+        assert torch.equal(p.grad.isnan(), r.grad.isnan()), f"{n}: NaN pattern differs"
+        torch.testing.assert_close(p.grad, r.grad, rtol=TOL, atol=TOL, equal_nan=True, msg=n)
+
+
+# --- documented preconditions, enforced ------------------------------------------------
+
+
+def _expect(name: str, opts: dict[str, object], kind: str, pattern: str, edit=None) -> None:  # type: ignore[no-untyped-def]
+    model, x, loss_fn = _build(kind)
+    if edit is not None:
+        edit(model)
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    with pytest.raises(E.EngineInputError, match=pattern):
+        leangrad.engine(name, **opts).backward(model, x, loss_fn)
+    # Refused before any gradient was written.
+    assert all(
+        (p.grad is None) if g is None else torch.equal(p.grad, g)
+        for p, g in zip(model.parameters(), grads, strict=True)
+    )
+
+
+def test_stem_chunks_with_a_batch_coupling_stem_is_refused() -> None:
+    """Chunking a training-mode BatchNorm stem gave ~5% wrong gradients silently."""
+    _expect("moonwalk", {"stem_chunks": 2}, "subcnn_paramfree_stem",
+            r"stem_chunks=2 .* BatchNorm2d '1' in training mode; use stem_chunks=1")  # fmt: skip
+
+
+def test_stem_chunks_with_dropout_in_the_stem_is_refused() -> None:
+    def edit(m: nn.Module) -> None:
+        m.stem = nn.Sequential(models.RepeatChannels(3), nn.Dropout(0.5))
+
+    _expect("moonwalk", {"stem_chunks": 2}, "subcnn_paramfree_stem", r"Dropout '1'", edit)
+
+
+def test_stem_chunks_with_an_eval_mode_stem_is_exact() -> None:
+    model, x, loss_fn = _build("subcnn_paramfree_stem")
+    model.stem.eval()
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    leangrad.engine("moonwalk", stem_chunks=2).backward(model, x, loss_fn)
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        assert (p.grad is None) == (r.grad is None)
+        if r.grad is not None:
+            torch.testing.assert_close(p.grad, r.grad, rtol=TOL, atol=TOL)
+
+
+def test_per_example_with_batchnorm_in_the_chain_is_refused() -> None:
+    def edit(m: nn.Module) -> None:
+        m.layers[0] = AdditiveCoupling(nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2)))
+        m.layers[0].double()
+
+    _expect("moonwalk", {"mode": "pure", "per_example": True}, "revchain",
+            r"per_example=True .* chain layer 0 has BatchNorm2d", edit)  # fmt: skip
+
+
+def test_pure_mode_with_training_batchnorm_in_the_head_is_refused() -> None:
+    def edit(m: nn.Module) -> None:
+        m.head = nn.Sequential(nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(32, 3)).double()
+
+    _expect("moonwalk", {"mode": "pure"}, "revchain", r"mode='pure' .* the head has BatchNorm2d",
+            edit)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["moonwalk", "revbackprop"])
+def test_dropout_inside_a_chain_layer_is_refused(name: str) -> None:
+    def edit(m: nn.Module) -> None:
+        m.layers[0] = AdditiveCoupling(nn.Sequential(nn.Conv2d(2, 2, 1), nn.Dropout(0.5)))
+        m.layers[0].double()
+
+    _expect(name, {}, "revchain", r"chain layer 0 has Dropout '.*' in training mode", edit)
+
+
+# --- forward hooks on modules an engine reruns -----------------------------------------
+
+
+def _hooked(kind: str, where: Callable[[nn.Module], nn.Module]):  # type: ignore[no-untyped-def, type-arg]
+    model, x, loss_fn = _build(kind)
+    calls: list[int] = []
+    where(model).register_forward_hook(lambda _m, _i, _o: calls.append(1))
+    return model, x, loss_fn, calls
+
+
+@pytest.mark.parametrize(
+    ("name", "opts", "kind", "where"),
+    [
+        ("checkpoint", {}, "generic", lambda m: m[0]),
+        ("forward", {}, "generic", lambda m: m[4]),
+        ("projforward", {}, "generic", lambda m: m[4]),
+        ("moonwalk", {}, "subcnn", lambda m: m.stem[0]),
+        ("revbackprop", {}, "revchain", lambda m: m.layers[0]),
+    ],
+    ids=["checkpoint", "forward", "projforward", "moonwalk", "revbackprop"],
+)
+def test_hooks_on_rerun_modules_are_refused(name, opts, kind, where) -> None:  # type: ignore[no-untyped-def]
+    model, x, loss_fn, calls = _hooked(kind, where)
+    with pytest.raises(E.EngineInputError, match=r"more than once per step, so its forward hook"):
+        leangrad.engine(name, **opts).backward(model, x, loss_fn)
+    assert calls == []  # refused before anything ran
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "where"),
+    [("backprop", "generic", lambda m: m[0]), ("checkpoint", "generic", lambda m: m[6]),
+     ("moonwalk", "subcnn", lambda m: m.head)],
+    ids=["backprop", "checkpoint-last-segment", "moonwalk-head"],
+)  # fmt: skip
+def test_hooks_on_modules_run_once_fire_once(name, kind, where) -> None:  # type: ignore[no-untyped-def]
+    model, x, loss_fn, calls = _hooked(kind, where)
+    leangrad.engine(name).backward(model, x, loss_fn)
+    assert calls == [1]
+
+
+class _Counter(nn.Module):
+    """A stateful module: counts its training-mode calls in a buffer (version-tracked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return x
+
+
+def test_any_buffer_a_rerun_updates_advances_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _Counter(), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=DT)
+    leangrad.engine("checkpoint").backward(model, x, lambda out: out.square().mean())
+    assert int(model[1].calls) == 1
+
+
+# --- the transforms keep the same contract (rad/fad change what autograd saves) --------
+
+
+def _transformed(transform: str, model: nn.Module) -> nn.Module:
+    from leangrad import fad, rad
+
+    if transform == "fad.nest":
+        return fad.nest(model)
+    rad.randomize(model, fraction=0.5, mode="different", seed=0)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:randomize left .* exact")  # BatchNorm, Dropout, Tanh
+@pytest.mark.parametrize("transform", ["fad.nest", "rad.randomize"])
+@pytest.mark.parametrize("input_grad", [False, True], ids=["x", "x_requires_grad"])
+def test_transforms_keep_the_backward_contract(transform: str, input_grad: bool) -> None:
+    """Same .grad None-ness, statistics, RNG and input gradient as the plain model; values
+    exact for fad (an exact rewrite), and for rad where they do not depend on sampling
+    (input gradients and biases are exact by construction)."""
+    model, x, loss_fn = _build("generic")
+    ref_model = copy.deepcopy(model)
+    xr = x.clone().requires_grad_(input_grad)
+    ref_grads, ref_bufs, ref_rng, ref_xgrad = _reference(ref_model, xr, loss_fn, seed=7)
+
+    net = _transformed(transform, model)
+    xe = x.clone().requires_grad_(input_grad)
+    torch.manual_seed(7)
+    loss_fn(net(xe)).backward()
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (ref_grads[n] is None), n
+        exact_value = transform == "fad.nest" or n.endswith("bias")
+        if ref_grads[n] is not None and exact_value:
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=TOL, atol=TOL, msg=n)
+    for n, b in model.named_buffers():
+        torch.testing.assert_close(b, ref_bufs[n], rtol=1e-12, atol=1e-14, msg=n)
+    if transform == "fad.nest":  # rad draws its own samples from a seeded generator
+        assert torch.equal(torch.get_rng_state(), ref_rng)
+    if input_grad:
+        assert xe.grad is not None
+        torch.testing.assert_close(xe.grad, ref_xgrad, rtol=TOL, atol=TOL)

@@ -34,6 +34,7 @@ from ..measure._memory import FORWARD_END, mark
 
 __all__ = [
     "HOOK_RERUN",
+    "NON_FINITE_INPUT",
     "NO_INPUT_GRADIENTS",
     "BufferGuard",
     "batch_coupling",
@@ -52,6 +53,11 @@ NO_INPUT_GRADIENTS = (
     "engine {engine!r} does not compute input gradients, but input {index} has "
     "requires_grad=True; pass inputs.detach(), or use an engine that does "
     "(backprop, checkpoint, moonwalk, revbackprop, highway)"
+)
+NON_FINITE_INPUT = (
+    "engine {engine!r} cannot reproduce autograd's gradient when input {index} holds NaN "
+    "or Inf (forward mode multiplies zero tangents by them, giving NaN where autograd "
+    "gives exact zeros); clean the input (e.g. torch.nan_to_num), or use engine 'backprop'"
 )
 EMPTY_BATCH = (
     "input {index} is empty (shape {shape}): an empty batch has no loss to differentiate; "
@@ -72,39 +78,48 @@ def forward_end() -> None:
 class BufferGuard:
     """Put back, when the step ends, the buffers' values at the end of the first forward.
 
-    :meth:`settle` (called by :func:`forward_end`) copies the buffers of every module in
-    training mode (BatchNorm statistics and counters: small); on exit they are restored,
-    so whatever reruns did to them afterwards is undone and the statistics advance
-    exactly once. (Version counters cannot tell: BatchNorm's kernel updates
-    ``running_mean`` in place without bumping its version.)
+    :meth:`settle` (called by :func:`forward_end`) copies the buffers the forward can
+    have updated — BatchNorm statistics and counters of modules in training mode, and
+    any other buffer whose version counter moved during the forward — and on exit they
+    are restored, so whatever reruns did to them afterwards is undone and statistics
+    advance exactly once. Constant buffers (masks, tables) are never copied.
+    (BatchNorm's kernel updates ``running_mean`` in place without bumping its version,
+    hence the explicit list.)
     """
 
     def __init__(self, model: nn.Module) -> None:
         seen: set[int] = set()
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: list[tuple[torch.Tensor, bool]] = []  # (buffer, is BatchNorm state)
         for m in model.modules():
             if not m.training:
                 continue
+            is_bn = isinstance(m, nn.modules.batchnorm._BatchNorm)
             for b in m.buffers(recurse=False):
                 if id(b) not in seen:
                     seen.add(id(b))
-                    self.buffers.append(b)
-        self.after_forward: list[torch.Tensor] | None = None
+                    self.buffers.append((b, is_bn))
+        self.versions: list[int] = []
+        self.after_forward: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __enter__(self) -> BufferGuard:
+        self.versions = [b._version for b, _ in self.buffers]
         _GUARDS.append(self)
         return self
 
     def settle(self) -> None:
         if self.after_forward is None:
-            self.after_forward = [b.detach().clone() for b in self.buffers]
+            self.after_forward = [
+                (b, b.detach().clone())
+                for (b, is_bn), v in zip(self.buffers, self.versions, strict=True)
+                if is_bn or b._version != v
+            ]
 
     def __exit__(self, *exc: object) -> None:
         _GUARDS.remove(self)
         if self.after_forward is None:
             return
         with torch.no_grad():
-            for b, value in zip(self.buffers, self.after_forward, strict=True):
+            for b, value in self.after_forward:
                 b.copy_(value)
 
 
@@ -156,6 +171,14 @@ def check_batch(xs: tuple[torch.Tensor, ...]) -> None:
     for i, x in enumerate(xs):
         if x.numel() == 0:
             raise E.EngineInputError(EMPTY_BATCH.format(index=i, shape=tuple(x.shape)))
+
+
+def refuse_non_finite(engine: str, xs: tuple[torch.Tensor, ...]) -> None:
+    """Forward mode multiplies every zero tangent by the activations, so one NaN/Inf
+    input turns gradients NaN where autograd has exact zeros (masked entries): refuse."""
+    for i, x in enumerate(xs):
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise E.EngineInputError(NON_FINITE_INPUT.format(engine=engine, index=i))
 
 
 def refuse_input_grads(engine: str, xs: tuple[torch.Tensor, ...]) -> None:

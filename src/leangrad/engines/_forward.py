@@ -15,7 +15,7 @@ from torch.func import vmap
 
 from .. import _errors as E
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
-from ._contract import RngReplay, forward_end, used_parameters
+from ._contract import RngReplay, forward_end, refuse_non_finite, used_parameters
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
@@ -58,6 +58,7 @@ class Forward(Engine):
         params: dict[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
+        refuse_non_finite(self.label, inputs)
         # Parameters the loss does not use keep .grad None, as under autograd.
         params = used_parameters(model, inputs, loss_fn, params, self._run)
         f = pure_loss(self.label, model, inputs, loss_fn, params)

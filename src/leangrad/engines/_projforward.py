@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import vmap
 
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
-from ._contract import RngReplay, forward_end, used_parameters
+from ._contract import RngReplay, forward_end, refuse_non_finite, used_parameters
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
@@ -100,6 +100,7 @@ class ProjForward(Engine):
             self._generators.clear()  # a new per-step generator, drawn before the forward
         for t in params.values():
             self._generator(t.device)
+        refuse_non_finite(self.label, inputs)
         # Parameters the loss does not use keep .grad None, as under autograd.
         params = used_parameters(
             model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs)

@@ -358,8 +358,12 @@ class SubmersiveConv2d(ChainLayer):
             )
             idx = torch.arange(self.out_channels, device=w.device)
             p1, p2 = self.padding
+            g_raw = gw * self._mask
+            # index_put overwrote the diagonal taps, so autograd gives weight_raw exactly
+            # zero there (not gw·mask, which is NaN where gw is NaN).
+            g_raw[idx, idx, p1, p2] = 0
             full = {
-                "weight_raw": gw * self._mask,
+                "weight_raw": g_raw,
                 "diag_raw": gw[idx, idx, p1, p2] * diag_grad_from_raw(self.diag_raw),
             }
             if self.bias is not None:
