@@ -45,6 +45,11 @@ VARIANTS: dict[str, list[dict[str, object]]] = {
         {"fragment": "full"},
     ],
     "highway": [{"k": 10}],  # k >= L - 1: exact (Theorem 2)
+    # Seeded: rad's samples come from a generator of its own, so the global stream must
+    # advance as under autograd (seed=None draws them from the global stream, as
+    # dropout does: documented). fraction=1 is exact.
+    "rad": [{"fraction": 0.5, "seed": 0}, {"fraction": 1.0, "seed": 0}],
+    "fad": [{}, {"mode": "eager"}],
 }
 
 
@@ -124,27 +129,49 @@ def _build(kind: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, Callable]
     return model, x, lambda out: F.cross_entropy(out, y)
 
 
+# Compositions (base engine + transforms) keep the same contract.
+COMBOS: list[tuple[str, dict[str, object]]] = [
+    ("checkpoint+fad", {"segments": 2}),
+    ("checkpoint+rad", {"fraction": 1.0, "seed": 0}),
+    ("checkpoint+rad", {"fraction": 0.5, "seed": 0}),
+    ("moonwalk+fad", {}),
+    ("moonwalk+rad", {"fraction": 1.0, "seed": 0}),
+    ("revbackprop+fad", {}),
+    ("highway+fad", {"k": 10}),
+    ("fad+rad", {"fraction": 1.0, "seed": 0}),
+]
+
+
 def _configs() -> list[object]:
     out = []
-    for name in leangrad.available():
-        for opts in VARIANTS.get(name, [{}]):
-            for kind in MODELS:
-                model, _, _ = _build(kind)
-                if leangrad.engine(name, **opts).supports(model) is None:
-                    label = ",".join(f"{k}={v}" for k, v in opts.items())
-                    out.append(pytest.param(name, opts, kind, id=f"{name}({label})-{kind}"))
+    named = [(n, o) for n in leangrad.available() for o in VARIANTS.get(n, [{}])]
+    for name, opts in named + COMBOS:
+        for kind in MODELS:
+            model, _, _ = _build(kind)
+            if leangrad.engine(name, **opts).supports(model) is None:
+                label = ",".join(f"{k}={v}" for k, v in opts.items())
+                out.append(pytest.param(name, opts, kind, id=f"{name}({label})-{kind}"))
     return out
 
 
 CONFIGS = _configs()
 
 
-def test_every_engine_has_a_contract_case() -> None:
-    assert {p.values[0] for p in CONFIGS} == set(leangrad.available())
+def test_every_engine_and_combination_has_a_contract_case() -> None:
+    assert {p.values[0] for p in CONFIGS} == set(leangrad.available()) | {c for c, _ in COMBOS}
 
 
 def _exact(name: str, opts: dict[str, object]) -> bool:
-    return engine_class(name).exact or (name == "highway" and opts.get("k", 0) >= 5)
+    parts = name.split("+")
+    exact = True
+    for part in parts:
+        if part == "highway":
+            exact &= opts.get("k", 0) >= 5
+        elif part == "rad":
+            exact &= opts.get("fraction") == 1.0
+        elif part != "fad":
+            exact &= engine_class(part).exact
+    return exact
 
 
 def _reference(model: nn.Module, x: torch.Tensor, loss_fn: Callable, seed: int):  # type: ignore[no-untyped-def, type-arg]

@@ -7,6 +7,7 @@ and fills ``p.grad`` like ``loss.backward()``. ``available()`` lists the names.
 from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._checkpoint import Checkpoint
+from ._compose import Composed, Fad, Rad, Transform
 from ._forward import Forward
 from ._highway import Highway
 from ._moonwalk import Moonwalk
@@ -17,13 +18,17 @@ from ._revbackprop import RevBackprop
 __all__ = [
     "Backprop",
     "Checkpoint",
+    "Composed",
     "Engine",
+    "Fad",
     "Forward",
     "Highway",
     "Moonwalk",
     "ProjForward",
+    "Rad",
     "RevBackprop",
     "StepResult",
+    "Transform",
     "available",
     "engine",
     "engine_class",

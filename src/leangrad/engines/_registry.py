@@ -46,9 +46,17 @@ def engine_class(name: str) -> type[Engine]:
 def engine(name: str, **options: Any) -> Engine:
     """Make the engine ``name`` with keyword-only ``options``.
 
+    ``name`` is a registered engine (``available()``) or a composition
+    ``BASE+TRANSFORM[+...]`` such as ``"checkpoint+fad"`` (see
+    :mod:`leangrad.engines._compose`); options go to the part that knows them.
+
     >>> leangrad.engine("checkpoint", segments=4).label
     'checkpoint(segments=4)'
     """
+    if "+" in name:  # a base engine and transforms, e.g. "checkpoint+fad"
+        from ._compose import compose
+
+        return compose(name, options)
     cls = engine_class(name)
     params = inspect.signature(cls.__init__).parameters
     known = [p for p in params if p != "self" and params[p].kind is inspect.Parameter.KEYWORD_ONLY]

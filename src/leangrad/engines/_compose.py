@@ -1,0 +1,410 @@
+"""Composition: a base engine plus transforms, one spelling everywhere (DESIGN.md,
+"Composition and planning").
+
+A step is a *base engine* — how gradients flow (backprop, checkpoint, moonwalk, …) — plus
+*transforms* — what autograd keeps inside the parts the base engine leaves to autograd:
+
+- ``rad``: randomized AD (Oktay et al., ICLR 2021): linear maps keep a random
+  ``fraction`` of their input for the weight gradient (unbiased), ReLUs one bit;
+- ``fad``: nested forward-mode AD of element-wise chains (one derivative per chain
+  instead of its intermediates; exact), by the ``torch.fx`` pass ``fad.nest`` with the
+  eager ``fad.nested()`` mode as the automatic fallback for untraceable modules.
+
+``leangrad.engine("checkpoint+fad", segments="sqrt")`` runs checkpointing on a model
+whose blocks were each nested; ``"rad"`` and ``"fad"`` alone mean ``backprop+rad`` and
+``backprop+fad``. Options go to the one part that knows them (``fraction`` to rad,
+``segments`` to checkpoint); a name two parts share is written ``<part>_<option>``
+(``rad_seed=0``).
+
+The transformed model is prepared once per model (again only when its parameters,
+modules or train/eval modes change) and shares the user's ``Parameter`` and buffer
+objects, so ``.grad`` lands where the user's optimizer looks; the user's module is
+never modified. Where the transforms apply depends on the base engine: the whole model
+(backprop), each block (checkpoint: a block stays a block), or the stem and head
+(moonwalk, revbackprop, highway: the chain's layers keep their rules).
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import inspect
+import warnings
+import weakref
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .. import _errors as E
+from ._base import Engine, LossFn, OnGrad, StepResult
+from ._checkpoint import Checkpoint, model_blocks
+from ._registry import register
+
+__all__ = [
+    "INCOMPATIBLE",
+    "TRANSFORMS",
+    "Composed",
+    "Fad",
+    "FadTransform",
+    "Rad",
+    "RadTransform",
+    "Transform",
+    "compose",
+    "share_copy",
+]
+
+INCOMPATIBLE = "engine {pair!r} cannot work: {why}"
+BASE_FIRST = (
+    "{name!r}: write the base engine first and the transforms after it, e.g. "
+    "{suggestion!r}; base engines: {bases}; transforms: {transforms}"
+)
+TWICE = "{name!r} names the transform {transform!r} twice; apply each transform once"
+AMBIGUOUS = (
+    "engine {name!r}: option {option!r} belongs to {owners}; write it as one of "
+    "{spelled} to say which"
+)
+EAGER_WITH_RAD = (
+    "fad falls back to its eager mode on the {part} ({reason}), and the eager mode cannot "
+    "see inside rad's autograd Functions; use one of the two, or make the {part} "
+    "traceable by torch.fx"
+)
+BAD_FAD_MODE = "fad mode must be 'auto', 'fx' or 'eager', got {value!r}"
+
+
+def share_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module``'s structure that shares its parameters and buffers
+    (the same tensor objects), so transforming the copy leaves the original untouched
+    while gradients and statistics land on the user's tensors."""
+    memo: dict[int, Any] = {id(t): t for t in module.parameters()}
+    memo.update({id(t): t for t in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
+class Transform(abc.ABC):
+    """What a transform does to the autograd parts of a model (see module docstring)."""
+
+    name: ClassVar[str]
+    exact: ClassVar[bool]
+    forward_mode_why: ClassVar[str] = ""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @property
+    def label(self) -> str:
+        return _label(self.name, type(self), self.options)
+
+    @abc.abstractmethod
+    def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        """A transformed module sharing ``module``'s tensors, and a report of what changed."""
+
+
+class RadTransform(Transform):
+    """Randomized AD on every supported layer (``leangrad.rad.randomize``).
+
+    Args:
+        fraction: share of each linear map's input kept for its weight gradient, in
+            (0, 1]; 1 is exact.
+        mode: ``"different"`` (per-example samples), ``"same"`` or ``"project"``.
+        replace: sample with replacement (the paper) instead of without.
+        seed: seeds one generator owned by the prepared model, so the global RNG stream
+            advances as under autograd; ``None`` draws samples from the global stream
+            (like dropout does).
+    """
+
+    name = "rad"
+    exact = False
+    forward_mode_why = (
+        "forward mode keeps nothing for a backward pass, so rad has nothing to sample"
+    )
+
+    def __init__(
+        self, *, fraction: float = 0.1, mode: str = "different", replace: bool = False,
+        seed: int | None = None,
+    ) -> None:  # fmt: skip
+        from ..rad._sampling import SampleSpec
+
+        SampleSpec(fraction, mode, replace)  # validates now, not at the first step
+        super().__init__(fraction=fraction, mode=mode, replace=replace, seed=seed)
+
+    def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        from .. import rad
+
+        wrapped = nn.Sequential(share_copy(module))  # randomize swaps children, not the root
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report lists what stayed exact
+            report = rad.randomize(wrapped, **self.options)
+        return wrapped, {"swapped": report.swapped, "left_exact": report.left_exact}
+
+
+class FadTransform(Transform):
+    """Nested forward-mode AD of element-wise chains (``leangrad.fad``); exact.
+
+    Args:
+        mode: ``"auto"`` — the fx pass ``fad.nest``, or the eager ``fad.nested()`` mode
+            when fx cannot trace the module; ``"fx"`` or ``"eager"`` to force one.
+        min_ops: chains with fewer primitives are left to autograd (fx pass).
+    """
+
+    name = "fad"
+    exact = True
+    forward_mode_why = (
+        "forward mode runs no backward pass, so there is nothing for fad's fused "
+        "chains to save"
+    )
+
+    def __init__(self, *, mode: str = "auto", min_ops: int = 2) -> None:
+        if mode not in ("auto", "fx", "eager"):
+            raise ValueError(BAD_FAD_MODE.format(value=mode))
+        Engine._positive_int("min_ops", min_ops)
+        super().__init__(mode=mode, min_ops=min_ops)
+
+    def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        from .. import fad
+
+        mode, min_ops = self.options["mode"], self.options["min_ops"]
+        if mode != "eager":
+            try:
+                gm = fad.nest(share_copy(module), min_ops=min_ops)
+            except fad.FadTraceError as err:
+                if mode == "fx":
+                    raise
+                reason = str(err)
+            else:
+                fused = [r for r in gm.fad_regions if getattr(r, "fused", True)]
+                return gm, {"used": "fx", "regions": [str(r) for r in gm.fad_regions],
+                            "fused": len(fused)}  # fmt: skip
+        else:
+            reason = "mode='eager'"
+        return _Nested(module), {"used": "eager", "why": reason}
+
+
+class _Nested(nn.Module):
+    """Runs a module under ``fad.nested()`` (the eager mode, for untraceable modules)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *xs: Any) -> Any:
+        from .. import fad
+
+        with fad.nested():
+            return self.inner(*xs)
+
+
+TRANSFORMS: dict[str, type[Transform]] = {"rad": RadTransform, "fad": FadTransform}
+
+
+class Composed(Engine):
+    """A base engine run on the model as the transforms prepare it (module docstring).
+
+    Made by :func:`leangrad.engine` from a name such as ``"checkpoint+fad"``; ``"rad"``
+    and ``"fad"`` are registered as engines of their own (``backprop`` + the transform).
+    ``exact`` holds when the base engine and every transform are exact.
+    """
+
+    name = "composed"
+
+    def __init__(self, base: Engine, transforms: list[Transform]) -> None:
+        super().__init__()
+        self.base = base
+        self.transforms = transforms
+        self.exact = base.exact and all(t.exact for t in transforms)  # type: ignore[misc]
+        self.input_gradients = base.input_gradients  # type: ignore[misc]
+        for t in transforms:
+            if base.name in ("forward", "projforward"):
+                pair = f"{base.name}+{t.name}"
+                raise E.EngineInputError(INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why))
+        self._prepared: weakref.WeakKeyDictionary[nn.Module, tuple[Any, nn.Module, dict]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @property
+    def label(self) -> str:
+        return "+".join([self.base.label, *(t.label for t in self.transforms)])
+
+    def supports(self, model: nn.Module) -> str | None:
+        reason = self.base.supports(model)
+        if reason is None:
+            try:
+                self.prepare(model)
+            except E.LeangradError as err:
+                return str(err)
+        return reason
+
+    def prepare(self, model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        """The transformed model (cached per model) and what each transform changed."""
+        key = (
+            tuple(id(p) for p in model.parameters()),
+            tuple((id(m), m.training) for m in model.modules()),
+        )
+        hit = self._prepared.get(model)
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        prepared, report = self._build(model)
+        self._prepared[model] = (key, prepared, report)
+        return prepared, report
+
+    def _build(self, model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        report: dict[str, Any] = {t.name: {} for t in self.transforms}
+
+        def transform(part: str, module: nn.Module) -> nn.Module:
+            for t in self.transforms:
+                module, what = t.apply(module)
+                report[t.name][part] = what
+                if what.get("used") == "eager" and "rad" in report:
+                    why = EAGER_WITH_RAD.format(part=part, reason=what["why"])
+                    raise E.EngineInputError(INCOMPATIBLE.format(pair=self.label, why=why))
+            return module
+
+        if isinstance(self.base, Checkpoint):  # each block stays one block
+            blocks = model_blocks(model)
+            return nn.Sequential(*(transform(f"block{i}", b) for i, b in enumerate(blocks))), report
+        if self.base.name in ("moonwalk", "revbackprop", "highway"):
+            stem, head = getattr(model, "stem", None), getattr(model, "head", None)
+            new = copy.copy(model)  # the same layers and rules; only stem and head change
+            new._modules = dict(model._modules)
+            for part, module in (("stem", stem), ("head", head)):
+                if isinstance(module, nn.Module):
+                    setattr(new, part, transform(part, module))
+            return new, report
+        return transform("model", model), report
+
+    def _backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        if (reason := self.base.supports(model)) is not None:
+            raise E.EngineInputError(reason)
+        prepared, report = self.prepare(model)  # raises when the transforms cannot apply
+        names = {id(p): n for n, p in params.items()}
+
+        def handed(name: str, p: nn.Parameter) -> None:
+            assert on_grad is not None
+            on_grad(names.get(id(p), name), p)
+
+        res = self.base.backward(
+            prepared, inputs, loss_fn, on_grad=handed if on_grad is not None else None
+        )
+        return StepResult(loss=res.loss, engine=self.label, info={**res.info, **report})
+
+
+def _label(name: str, cls: type, options: dict[str, Any]) -> str:
+    params = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
+    shown = {k: v for k, v in options.items() if k not in params or params[k].default != v}
+    if not shown:
+        return name
+    return f"{name}({','.join(f'{k}={v}' for k, v in shown.items())})"
+
+
+def kw_options(cls: type) -> list[str]:
+    """The keyword-only options of an engine or transform class."""
+    params = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
+    return [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+@register("rad")
+class Rad(Composed):
+    """``backprop`` with randomized AD (:class:`RadTransform`): unbiased gradients that
+    keep ``fraction`` of each linear map's input (Oktay et al., ICLR 2021, section 4).
+
+    Trade-off: saved activations of linear maps fall to about ``fraction`` of autograd's
+    (ReLU masks to one bit); the gradient is an unbiased estimate whose variance grows
+    as ``fraction`` falls; ``fraction=1`` is exact.
+    """
+
+    exact = False
+
+    def __init__(
+        self, *, fraction: float = 0.1, mode: str = "different", replace: bool = False,
+        seed: int | None = None,
+    ) -> None:  # fmt: skip
+        from ._backprop import Backprop
+
+        t = RadTransform(fraction=fraction, mode=mode, replace=replace, seed=seed)
+        super().__init__(Backprop(), [t])
+        self.options = dict(t.options)
+
+    @property
+    def label(self) -> str:
+        return self.transforms[0].label
+
+
+@register("fad")
+class Fad(Composed):
+    """``backprop`` with nested forward-mode AD of element-wise chains
+    (:class:`FadTransform`; paper: nested forward-AD of activations, sections III–IV).
+
+    Exact. Trade-off: one saved derivative per custom element-wise chain instead of its
+    intermediates; PyTorch's fused built-ins (``nn.SiLU``, ``nn.GELU``, ``nn.Mish``) are
+    single opaque modules and are left alone. ``StepResult.info["fad"]`` says which pass
+    ran (``"fx"`` or the eager fallback, and why) and what was fused.
+    """
+
+    exact = True
+
+    def __init__(self, *, mode: str = "auto", min_ops: int = 2) -> None:
+        from ._backprop import Backprop
+
+        t = FadTransform(mode=mode, min_ops=min_ops)
+        super().__init__(Backprop(), [t])
+        self.options = dict(t.options)
+
+    @property
+    def label(self) -> str:
+        return self.transforms[0].label
+
+
+def compose(name: str, options: dict[str, Any]) -> Engine:
+    """Build the engine for a ``BASE+TRANSFORM[+...]`` name (see the module docstring)."""
+    from ._registry import available, engine_class
+
+    parts = name.split("+")
+    if parts[0] in TRANSFORMS:
+        base_name, tnames = "backprop", parts
+    else:
+        base_name, tnames = parts[0], parts[1:]
+    bases = [n for n in available() if n not in TRANSFORMS]
+    for t in tnames:
+        if t not in TRANSFORMS:
+            if t in bases:
+                order = "+".join([t, *(p for p in parts if p != t)])
+                raise E.UnknownNameError(BASE_FIRST.format(
+                    name=name, suggestion=order, bases=", ".join(bases),
+                    transforms=", ".join(TRANSFORMS)))  # fmt: skip
+            raise E.UnknownNameError(
+                E.UNKNOWN_NAME.format(kind="transform", name=t, known=", ".join(TRANSFORMS))
+            )
+    if len(set(tnames)) != len(tnames):
+        dup = next(t for t in tnames if tnames.count(t) > 1)
+        raise E.UnknownNameError(TWICE.format(name=name, transform=dup))
+    base_cls = engine_class(base_name)
+    owners: list[tuple[str, type]] = [(base_name, base_cls)] + [(t, TRANSFORMS[t]) for t in tnames]
+    routed: dict[str, dict[str, Any]] = {part: {} for part, _ in owners}
+    for key, value in options.items():
+        matches = [part for part, cls in owners if key in kw_options(cls)]
+        prefixed = [
+            part for part, cls in owners
+            if key.startswith(f"{part}_") and key[len(part) + 1:] in kw_options(cls)
+        ]  # fmt: skip
+        if len(matches) == 1:
+            routed[matches[0]][key] = value
+        elif len(matches) > 1:
+            raise E.UnknownNameError(AMBIGUOUS.format(
+                name=name, option=key, owners=" and ".join(matches),
+                spelled=", ".join(f"{m}_{key}" for m in matches)))  # fmt: skip
+        elif len(prefixed) == 1:
+            routed[prefixed[0]][key[len(prefixed[0]) + 1 :]] = value
+        else:
+            known = sorted({o for _, cls in owners for o in kw_options(cls)})
+            raise E.UnknownNameError(
+                E.UNKNOWN_OPTION.format(engine=name, option=key, known=", ".join(known))
+            )
+    base = base_cls(**routed[base_name])
+    return Composed(base, [TRANSFORMS[t](**routed[t]) for t in tnames])
