@@ -127,14 +127,21 @@ class RadTransform(Transform):
 
         SampleSpec(fraction, mode, replace)  # validates now, not at the first step
         super().__init__(fraction=fraction, mode=mode, replace=replace, seed=seed)
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        """One stream for every preparation (a model switched to eval and back is prepared
+        again, and must not restart its samples); saved with training checkpoints."""
 
     def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         from .. import rad
 
         wrapped = nn.Sequential(share_copy(module))  # randomize swaps children, not the root
+        opts = {**self.options, "seed": None}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the report lists what stayed exact
-            report = rad.randomize(wrapped, **self.options)
+            report = rad.randomize(wrapped, **opts)
+        for m in wrapped.modules():
+            if hasattr(m, "generator"):
+                m.generator = self.generator
         return wrapped, {"swapped": report.swapped, "left_exact": report.left_exact}
 
 
@@ -217,6 +224,10 @@ class Composed(Engine):
             if base.name in ("forward", "projforward"):
                 pair = f"{base.name}+{t.name}"
                 raise E.EngineInputError(INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why))
+        # Generators the transforms own, as an attribute: training checkpoints save them.
+        self.generators: dict[str, torch.Generator] = {
+            t.name: t.generator for t in transforms if getattr(t, "generator", None) is not None
+        }
         self._prepared: weakref.WeakKeyDictionary[nn.Module, tuple[Any, nn.Module, dict]] = (
             weakref.WeakKeyDictionary()
         )

@@ -1,0 +1,179 @@
+"""Composition of a base engine with transforms (``"checkpoint+fad"``, ``"rad"``, ...):
+the spelling, option routing, what is refused, and that the user's module is never
+changed. Gradients and the backward contract are covered by the reference test
+(test_engines.py) and the contract test (test_semantics.py)."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import leangrad
+from leangrad import _errors as E
+from leangrad.engines._compose import AMBIGUOUS, BASE_FIRST, INCOMPATIBLE, TWICE, Composed
+from leangrad.train._checkpoint import engine_rng_state, set_engine_rng_state
+
+
+class Swish(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), Swish(), nn.Linear(8, 8), nn.ReLU(),
+                         nn.Linear(8, 3)).double()  # fmt: skip
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "label"),
+    [
+        ("rad", {"fraction": 0.5}, "rad(fraction=0.5)"),
+        ("fad", {}, "fad"),
+        ("checkpoint+fad", {"segments": 2}, "checkpoint(segments=2)+fad"),
+        ("checkpoint+rad", {"segments": 2, "fraction": 0.2},
+         "checkpoint(segments=2)+rad(fraction=0.2)"),
+        ("fad+rad", {}, "backprop+fad+rad"),
+        ("moonwalk+rad", {"moonwalk_mode": "pure", "rad_mode": "same"},
+         "moonwalk(mode=pure)+rad(mode=same)"),
+    ],
+)  # fmt: skip
+def test_spelling_and_labels(name: str, options: dict[str, object], label: str) -> None:
+    assert leangrad.engine(name, **options).label == label
+
+
+def test_rad_and_fad_are_registered_engines() -> None:
+    assert {"rad", "fad"} <= set(leangrad.available())
+    assert "fad" in leangrad.available(exact=True)
+    assert "rad" in leangrad.available(exact=False)
+    assert leangrad.engine("checkpoint+fad").exact
+    assert not leangrad.engine("checkpoint+rad").exact
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("forward+fad", {}, INCOMPATIBLE.format(pair="forward+fad", why="forward mode runs")),
+        ("forward+rad", {}, INCOMPATIBLE.format(pair="forward+rad", why="forward mode keeps")),
+        ("projforward+rad", {}, "engine 'projforward+rad' cannot work"),
+        ("rad+checkpoint", {}, "'rad+checkpoint': write the base engine first"),
+        ("checkpoint+fad+fad", {}, TWICE.format(name="checkpoint+fad+fad", transform="fad")),
+        ("checkpoint+nosuch", {}, "unknown transform 'nosuch'; known transforms: rad, fad"),
+        ("nosuch+fad", {}, "unknown engine 'nosuch'"),
+        ("moonwalk+rad", {"mode": "pure"}, AMBIGUOUS.format(
+            name="moonwalk+rad", option="mode", owners="moonwalk and rad",
+            spelled="moonwalk_mode, rad_mode")),
+        ("checkpoint+fad", {"fraction": 0.1}, "engine 'checkpoint+fad' has no option 'fraction'"),
+    ],
+)  # fmt: skip
+def test_bad_compositions_name_the_pair_and_why(
+    name: str, options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(E.LeangradError, match=re.escape(message.split("{")[0][:60])):
+        leangrad.engine(name, **options)
+
+
+def test_base_first_message_suggests_the_order() -> None:
+    with pytest.raises(E.UnknownNameError) as info:
+        leangrad.engine("rad+checkpoint")
+    assert "'checkpoint+rad'" in str(info.value)
+    assert BASE_FIRST.split("{")[0] in str(info.value)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, float("nan")])
+def test_rad_options_are_validated_when_the_engine_is_made(value: float) -> None:
+    with pytest.raises(E.LeangradError, match="fraction"):
+        leangrad.engine("rad", fraction=value)
+
+
+def test_fad_mode_is_validated() -> None:
+    with pytest.raises(ValueError, match="fad mode must be 'auto', 'fx' or 'eager'"):
+        leangrad.engine("fad", mode="lazy")
+
+
+@pytest.mark.parametrize("name", ["rad", "fad", "checkpoint+fad", "checkpoint+rad"])
+def test_the_users_module_is_never_modified(name: str) -> None:
+    model = _model()
+    before = copy.deepcopy(model)
+    types = [type(m) for m in model.modules()]
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built on the original
+    leangrad.engine(name).backward(model, x, lambda out: F.cross_entropy(out, y))
+    assert [type(m) for m in model.modules()] == types
+    assert all(p.grad is not None for p in model.parameters())  # on the user's Parameters
+    opt.step()
+    moved = [not torch.equal(p, q) for p, q in zip(model.parameters(), before.parameters(),
+                                                   strict=True)]  # fmt: skip
+    assert all(moved)
+
+
+def test_prepared_once_per_model_and_again_after_a_mode_switch() -> None:
+    eng = leangrad.engine("fad")
+    assert isinstance(eng, Composed)
+    model = _model()
+    first, report = eng.prepare(model)
+    assert eng.prepare(model)[0] is first
+    assert report["fad"]["model"]["used"] == "fx" and report["fad"]["model"]["fused"] >= 1
+    model.eval()
+    again, _ = eng.prepare(model)
+    assert again is not first and not again.training
+    model.train()
+    assert eng.prepare(model)[0].training
+
+
+def test_fad_reports_its_eager_fallback_and_why() -> None:
+    class Untraceable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            if h.sum() > 0:  # data-dependent control flow: fx cannot trace it
+                h = h * torch.sigmoid(h)
+            return h
+
+    model = Untraceable().double()
+    x, y = _data()
+    res = leangrad.engine("fad").backward(model, x, lambda out: F.cross_entropy(out, y))
+    info = res.info["fad"]["model"]
+    assert info["used"] == "eager" and "torch.fx cannot trace" in info["why"]
+    with pytest.raises(E.LeangradError, match=r"torch\.fx cannot trace"):
+        leangrad.engine("fad", mode="fx").backward(model, x, lambda out: F.cross_entropy(out, y))
+
+
+def test_seeded_rad_stream_continues_across_preparations_and_checkpoints() -> None:
+    """A model switched to eval and back is prepared again: its samples must go on, not
+    restart; the generator is saved and restored with the engine's RNG state."""
+    x, y = _data()
+    loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
+
+    def grads(eng: leangrad.Engine, model: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        eng.backward(model, x, loss_fn)
+        return [p.grad.clone() for p in model.parameters()]
+
+    eng, model = leangrad.engine("rad", fraction=0.3, seed=3), _model()
+    g1 = grads(eng, model)
+    state = engine_rng_state(eng)
+    assert state, "the seeded generator is visible to training checkpoints"
+    model.eval()
+    model.train()
+    g2 = grads(eng, model)
+    assert not all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))  # new samples
+
+    resumed = leangrad.engine("rad", fraction=0.3, seed=3)
+    set_engine_rng_state(resumed, state)
+    g2b = grads(resumed, _model())
+    for a, b in zip(g2, g2b, strict=True):
+        assert torch.equal(a, b)
