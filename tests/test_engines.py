@@ -26,7 +26,8 @@ from helpers import MODEL_KINDS, draw_problem, make_problem, reference_grads, tr
 from leangrad import _errors as E
 from leangrad import models
 from leangrad.engines import engine_class
-from leangrad.engines._checkpoint import BAD_SEGMENTS, NOT_SEQUENTIAL
+from leangrad.engines._blocks import NO_BLOCKS
+from leangrad.engines._checkpoint import BAD_SEGMENTS
 from leangrad.engines._forward import BAD_CHUNK
 from leangrad.engines._projforward import BAD_DISTRIBUTION
 from leangrad.measure import compare_grads, estimator_stats, grads_of
@@ -524,7 +525,7 @@ def test_wrong_input_dtype(name: str) -> None:
         leangrad.engine(name).backward(prob.model, prob.inputs[0].float(), prob.loss_fn)
 
 
-def test_checkpoint_needs_sequential_model() -> None:
+def test_checkpoint_names_the_fix_when_no_blocks_repeat() -> None:
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -533,9 +534,13 @@ def test_checkpoint_needs_sequential_model() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.fc(x)
 
-    msg = NOT_SEQUENTIAL.format(model="Net")
+    msg = NO_BLOCKS.format(model="Net")
     with pytest.raises(E.EngineInputError, match=re.escape(msg)):
         leangrad.engine("checkpoint").backward(Net(), torch.randn(2, 3), lambda out: out.sum())
+    # naming the block works: the model as written, that block checkpointed
+    leangrad.engine("checkpoint", blocks=["fc"]).backward(
+        Net(), torch.randn(2, 3), lambda out: out.sum()
+    )
 
 
 @pytest.mark.parametrize("segments", [0, -2, True, 2.5, "cbrt"])

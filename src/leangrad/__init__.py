@@ -9,14 +9,15 @@ Quick use::
     optimizer.step()
 """
 
-from . import data, engines, fad, highway, layers, measure, models, rad, train
+from . import data, engines, fad, highway, layers, measure, models, rad, train, zoo
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
-from .engines import Engine, StepResult, available, engine
+from .engines import Blocks, Engine, StepResult, available, blocks, engine
 from .layers import Chain, ChainLayer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Blocks",
     "Chain",
     "ChainLayer",
     "Engine",
@@ -27,6 +28,7 @@ __all__ = [
     "UnknownNameError",
     "__version__",
     "available",
+    "blocks",
     "data",
     "engine",
     "engines",
@@ -37,4 +39,5 @@ __all__ = [
     "models",
     "rad",
     "train",
+    "zoo",
 ]

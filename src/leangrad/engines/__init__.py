@@ -6,6 +6,7 @@ and fills ``p.grad`` like ``loss.backward()``. ``available()`` lists the names.
 
 from ._backprop import Backprop
 from ._base import Engine, StepResult
+from ._blocks import Blocks, blocks
 from ._checkpoint import Checkpoint
 from ._compose import Composed, Fad, Rad, Transform
 from ._forward import Forward
@@ -17,6 +18,7 @@ from ._revbackprop import RevBackprop
 
 __all__ = [
     "Backprop",
+    "Blocks",
     "Checkpoint",
     "Composed",
     "Engine",
@@ -30,6 +32,7 @@ __all__ = [
     "StepResult",
     "Transform",
     "available",
+    "blocks",
     "engine",
     "engine_class",
     "register",

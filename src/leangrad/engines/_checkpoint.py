@@ -1,16 +1,23 @@
-"""``checkpoint``: activation checkpointing over a sequence of blocks (non-reentrant).
+"""``checkpoint``: activation checkpointing over a model's blocks (non-reentrant).
 
 Chen et al., "Training deep nets with sublinear memory cost" (2016): keep only
 the inputs of ``s`` segments during the forward pass and recompute each
 segment's activations during the backward pass. With ``s ≈ √L`` memory grows as
 O(√L) instead of O(L), for one extra forward pass.
+
+The blocks come from :func:`leangrad.blocks`: an ``nn.Sequential`` (or a module with
+``checkpoint_blocks()``) is a sequence of blocks, split into segments; a model written
+the ordinary way (a class with its own ``forward``) is run as written, with each of its
+repeated blocks (a transformer's layers, a ResNet's residual blocks) checkpointed on its
+own — inside a copy of the model that shares its tensors.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,26 +26,25 @@ from torch.utils.checkpoint import checkpoint
 from .. import _errors as E
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
+from ._blocks import Blocks, blocks
+from ._prepare import PreparedCache, share_copy
 from ._registry import register
 
-__all__ = ["Checkpoint", "model_blocks", "split_segments"]
+__all__ = ["BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint", "model_blocks",
+           "split_segments"]  # fmt: skip
 
-NOT_SEQUENTIAL = (
-    "the checkpoint engine needs a model made of blocks run one after another: an "
-    "nn.Sequential, or a module with a `checkpoint_blocks()` method returning its blocks "
-    "in order; {model} is neither. Wrap the blocks in nn.Sequential"
-)
 BAD_SEGMENTS = "segments must be a positive int, 'sqrt' or None (one per block), got {value!r}"
+SEGMENTS_NEED_SEQUENCE = (
+    "segments={value!r} groups consecutive blocks, which needs a model that is its blocks "
+    "run one after another (nn.Sequential, or checkpoint_blocks()); {model} runs its own "
+    "forward, so each of its blocks is checkpointed alone ({found}); drop segments="
+)
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of a Sequential-like model, in execution order."""
-    blocks_fn = getattr(model, "checkpoint_blocks", None)
-    if callable(blocks_fn):
-        return list(blocks_fn())
-    if isinstance(model, nn.Sequential):
-        return list(model)
-    raise E.EngineInputError(NOT_SEQUENTIAL.format(model=type(model).__name__))
+    """The blocks of a Sequential-like model, in execution order (see :func:`blocks`)."""
+    found = blocks(model)
+    return [found.modules[n] for n in found.names]
 
 
 def split_segments(n_blocks: int, segments: int) -> list[range]:
@@ -70,17 +76,34 @@ class Checkpoint(Engine):
     exact = True
     reruns = True
 
-    def __init__(self, *, segments: int | Literal["sqrt"] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        segments: int | Literal["sqrt"] | None = None,
+        blocks: Sequence[str] | None = None,
+    ) -> None:
         ok = segments is None or segments == "sqrt"
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
         if not ok:
             raise ValueError(BAD_SEGMENTS.format(value=segments))
-        super().__init__(segments=segments)
+        if isinstance(blocks, str):  # from the CLI: --engine-opt blocks=stages,head
+            blocks = [b.strip() for b in blocks.split(",") if b.strip()]
+        super().__init__(segments=segments, blocks=blocks)
         self.segments = segments
+        self.block_names = None if blocks is None else list(blocks)
+        self._wrapped: PreparedCache[nn.Module] = PreparedCache()
+
+    def blocks(self, model: nn.Module) -> Blocks:
+        """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`)."""
+        found = blocks(model, names=self.block_names)
+        if not found.sequential and self.segments is not None:
+            raise E.EngineInputError(SEGMENTS_NEED_SEQUENCE.format(
+                value=self.segments, model=type(model).__name__, found=found.how))  # fmt: skip
+        return found
 
     def supports(self, model: nn.Module) -> str | None:
         try:
-            model_blocks(model)
+            self.blocks(model)
         except E.EngineInputError as err:
             return str(err)
         return None
@@ -94,15 +117,21 @@ class Checkpoint(Engine):
             s = int(self.segments)
         return split_segments(n, s)
 
+    def _checkpointed(self, found: Blocks) -> list[str]:
+        """Names of the blocks that are recomputed: every segment but the last of a
+        sequence; every block but the last registered one of a model run as written."""
+        if found.sequential:
+            groups = self._groups(len(found.names))
+            return [found.names[j] for group in groups[:-1] for j in group]
+        return list(found.names[:-1])
+
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """Every module of the checkpointed segments (all but the last): recomputed."""
-        blocks = model_blocks(model)
-        groups = self._groups(len(blocks))
+        """Every module of the checkpointed blocks: recomputed during the backward pass."""
+        found = self.blocks(model)
         return [
             (n, m)
-            for group in groups[:-1]
-            for j in group
-            for n, m in blocks[j].named_modules(prefix=f"block{j}")
+            for name in self._checkpointed(found)
+            for n, m in found.modules[name].named_modules(prefix=name or "block")
         ]
 
     def _backward(
@@ -113,8 +142,15 @@ class Checkpoint(Engine):
         params: dict[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
-        blocks = model_blocks(model)
-        groups = self._groups(len(blocks))
+        found = self.blocks(model)
+        if not found.sequential:  # the model as written, its blocks checkpointed
+            wrapped = self._wrapped.get(model, lambda m: self._wrap(m, found))
+            loss = forward_loss(self.label, wrapped, inputs, loss_fn)
+            with grad_hooks(params, on_grad):
+                loss.backward()
+            return self._result(loss, blocks=len(found), checkpointed=len(found) - 1)
+        mods = [found.modules[n] for n in found.names]
+        groups = self._groups(len(mods))
 
         def run(xs: tuple[torch.Tensor, ...]) -> object:
             # The first block takes the engine's inputs unpacked; every later block
@@ -122,7 +158,7 @@ class Checkpoint(Engine):
             # nn.Sequential does.
             out: object = None
             for i, group in enumerate(groups):
-                seg = _Segment([blocks[j] for j in group])
+                seg = _Segment([mods[j] for j in group])
                 args = xs if i == 0 else (out,)
                 if i < len(groups) - 1:
                     out = checkpoint(seg, *args, use_reentrant=False)
@@ -134,6 +170,26 @@ class Checkpoint(Engine):
         with grad_hooks(params, on_grad):
             loss.backward()
         return self._result(loss, segments=len(groups))
+
+    def _wrap(self, model: nn.Module, found: Blocks) -> nn.Module:
+        """A copy of ``model`` sharing its tensors, each checkpointed block wrapped."""
+        new = share_copy(model)
+        for name in self._checkpointed(found):
+            new.set_submodule(name, _Checkpointed(new.get_submodule(name)))
+        return new
+
+
+class _Checkpointed(nn.Module):
+    """A block whose activations are recomputed in the backward pass (any arguments)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
 class _Segment:

@@ -30,7 +30,6 @@ import abc
 import copy
 import inspect
 import warnings
-import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -38,7 +37,9 @@ from torch import nn
 
 from .. import _errors as E
 from ._base import Engine, LossFn, OnGrad, StepResult
-from ._checkpoint import Checkpoint, model_blocks
+from ._blocks import blocks as find_blocks
+from ._checkpoint import Checkpoint
+from ._prepare import PreparedCache, share_copy
 from ._registry import register
 
 __all__ = [
@@ -70,15 +71,6 @@ EAGER_WITH_RAD = (
     "traceable by torch.fx"
 )
 BAD_FAD_MODE = "fad mode must be 'auto', 'fx' or 'eager', got {value!r}"
-
-
-def share_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module``'s structure that shares its parameters and buffers
-    (the same tensor objects), so transforming the copy leaves the original untouched
-    while gradients and statistics land on the user's tensors."""
-    memo: dict[int, Any] = {id(t): t for t in module.parameters()}
-    memo.update({id(t): t for t in module.buffers()})
-    return copy.deepcopy(module, memo)
 
 
 class Transform(abc.ABC):
@@ -228,8 +220,8 @@ class Composed(Engine):
         self.generators: dict[str, torch.Generator] = {
             t.name: t.generator for t in transforms if getattr(t, "generator", None) is not None
         }
-        self._prepared: weakref.WeakKeyDictionary[nn.Module, tuple[Any, nn.Module, dict]] = (
-            weakref.WeakKeyDictionary()
+        self._prepared: PreparedCache[tuple[nn.Module, dict[str, Any], Engine]] = (
+            PreparedCache()
         )
 
     @property
@@ -247,18 +239,11 @@ class Composed(Engine):
 
     def prepare(self, model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         """The transformed model (cached per model) and what each transform changed."""
-        key = (
-            tuple(id(p) for p in model.parameters()),
-            tuple((id(m), m.training) for m in model.modules()),
-        )
-        hit = self._prepared.get(model)
-        if hit is not None and hit[0] == key:
-            return hit[1], hit[2]
-        prepared, report = self._build(model)
-        self._prepared[model] = (key, prepared, report)
+        prepared, report, _ = self._prepared.get(model, self._build)
         return prepared, report
 
-    def _build(self, model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+    def _build(self, model: nn.Module) -> tuple[nn.Module, dict[str, Any], Engine]:
+        """``(prepared model, report, the engine that runs it)``."""
         report: dict[str, Any] = {t.name: {} for t in self.transforms}
 
         def transform(part: str, module: nn.Module) -> nn.Module:
@@ -270,18 +255,25 @@ class Composed(Engine):
                     raise E.EngineInputError(INCOMPATIBLE.format(pair=self.label, why=why))
             return module
 
-        if isinstance(self.base, Checkpoint):  # each block stays one block
-            blocks = model_blocks(model)
-            return nn.Sequential(*(transform(f"block{i}", b) for i, b in enumerate(blocks))), report
-        if self.base.name in ("moonwalk", "revbackprop", "highway"):
+        base = self.base
+        if isinstance(base, Checkpoint):  # each block stays one block
+            found = find_blocks(model, names=base.block_names)
+            if found.sequential:
+                mods = [transform(n, found.modules[n]) for n in found.names]
+                return nn.Sequential(*mods), report, base
+            new = share_copy(model)
+            for name in found.names:
+                new.set_submodule(name, transform(name, new.get_submodule(name)))
+            return new, report, Checkpoint(blocks=list(found.names))
+        if base.name in ("moonwalk", "revbackprop", "highway"):
             stem, head = getattr(model, "stem", None), getattr(model, "head", None)
             new = copy.copy(model)  # the same layers and rules; only stem and head change
             new._modules = dict(model._modules)
             for part, module in (("stem", stem), ("head", head)):
                 if isinstance(module, nn.Module):
                     setattr(new, part, transform(part, module))
-            return new, report
-        return transform("model", model), report
+            return new, report, base
+        return transform("model", model), report, base
 
     def _backward(
         self,
@@ -293,14 +285,15 @@ class Composed(Engine):
     ) -> StepResult:
         if (reason := self.base.supports(model)) is not None:
             raise E.EngineInputError(reason)
-        prepared, report = self.prepare(model)  # raises when the transforms cannot apply
+        # raises when the transforms cannot apply
+        prepared, report, runner = self._prepared.get(model, self._build)
         names = {id(p): n for n, p in params.items()}
 
         def handed(name: str, p: nn.Parameter) -> None:
             assert on_grad is not None
             on_grad(names.get(id(p), name), p)
 
-        res = self.base.backward(
+        res = runner.backward(
             prepared, inputs, loss_fn, on_grad=handed if on_grad is not None else None
         )
         return StepResult(loss=res.loss, engine=self.label, info={**res.info, **report})

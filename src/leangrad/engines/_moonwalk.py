@@ -76,8 +76,9 @@ __all__ = [
 
 NOT_A_CHAIN = (
     "engine {engine!r} needs a leangrad.Chain(stem=..., *layers, head=...) whose layers carry "
-    "chain rules; got {model}. Build the model as leangrad.Chain, or use 'backprop' or "
-    "'checkpoint', which take any module"
+    "chain rules; got {model}. Build the model as leangrad.Chain, or use an engine that "
+    "takes the model as written: 'backprop', 'checkpoint' (its repeated blocks, or "
+    "blocks=[...]), 'fad', 'rad'"
 )
 BAD_MODE = "mode must be 'mixed' or 'pure', got {value!r}"
 BAD_FRAGMENT = (

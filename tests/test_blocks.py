@@ -1,0 +1,204 @@
+"""The user's model as written: block discovery (``leangrad.blocks``), checkpointing a
+class-based model with no rewrite, and every engine that claims to take any module, on a
+class-based ResNet and GPT (``leangrad.zoo``). float64, exact engines to 1e-10."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import leangrad
+from leangrad import _errors as E
+from leangrad import zoo
+from leangrad.engines._blocks import NESTED_BLOCKS, NO_BLOCKS, UNKNOWN_BLOCK
+from leangrad.engines._checkpoint import SEGMENTS_NEED_SEQUENCE
+from leangrad.measure import MemoryTracker
+
+TOL = 1e-10
+
+
+def _resnet():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = zoo.resnet(18, width=4, in_channels=3, classes=5).double()
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    y = torch.randint(0, 5, (4,))
+    return model, x, lambda out: F.cross_entropy(out, y)
+
+
+def _gpt():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=11, dim=8, layers=3, heads=2, context=12).double()
+    idx = torch.randint(0, 11, (3, 12))
+    tgt = torch.randint(0, 11, (3, 12))
+    return model, idx, lambda out: zoo.GPT.loss(out, tgt)
+
+
+MODELS = {"resnet": _resnet, "gpt": _gpt}
+
+
+def test_blocks_of_a_resnet_are_its_residual_blocks() -> None:
+    model, _, _ = _resnet()
+    found = leangrad.blocks(model)
+    assert found.names == tuple(f"stages.{s}.{b}" for s in range(4) for b in range(2))
+    assert not found.sequential
+    assert "'stages.0': 2 x BasicBlock" in found.how
+    assert "stages.3.1" in str(found) and "BasicBlock" in str(found)
+
+
+def test_blocks_of_a_gpt_are_its_transformer_layers() -> None:
+    model, _, _ = _gpt()
+    found = leangrad.blocks(model)
+    assert found.names == ("blocks.0", "blocks.1", "blocks.2")
+    assert found.how == "repeated children of 'blocks': 3 x GPTBlock"
+
+
+def test_blocks_of_a_sequential_are_its_children() -> None:
+    model = leangrad.models.mlp(3, 4, 3, 2)
+    found = leangrad.blocks(model)
+    assert found.sequential and found.names == ("0", "1", "2", "3")
+
+
+def test_blocks_given_by_name() -> None:
+    model, _, _ = _gpt()
+    found = leangrad.blocks(model, names=["blocks"])  # a ModuleList stands for its children
+    assert found.names == ("blocks.0", "blocks.1", "blocks.2")
+    assert leangrad.blocks(model, names=["ln_f", "blocks.1"]).names == ("ln_f", "blocks.1")
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (["nosuch"], UNKNOWN_BLOCK.format(name="nosuch", model="GPT",
+                                          known="tok, blocks, ln_f, head")),
+        (["blocks.0", "blocks.0.mlp"], NESTED_BLOCKS.format(inner="blocks.0.mlp",
+                                                            outer="blocks.0")),
+    ],
+)  # fmt: skip
+def test_bad_block_names(names: list[str], message: str) -> None:
+    model, _, _ = _gpt()
+    with pytest.raises(E.EngineInputError, match=re.escape(message)):
+        leangrad.blocks(model, names=names)
+
+
+def test_no_repeated_blocks_names_the_fix() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    with pytest.raises(E.EngineInputError, match=re.escape(NO_BLOCKS.format(model="Two"))):
+        leangrad.blocks(Two())
+
+
+def test_segments_on_a_model_run_as_written_is_refused() -> None:
+    model, x, loss_fn = _gpt()
+    with pytest.raises(E.EngineInputError, match=re.escape(SEGMENTS_NEED_SEQUENCE.split("{")[0])):
+        leangrad.engine("checkpoint", segments=2).backward(model, x, loss_fn)
+
+
+# Every engine that claims to take any module, on both class-based models.
+ANY_MODULE = [
+    ("backprop", {}), ("checkpoint", {}), ("checkpoint", {"blocks": ["blocks.1"]}),
+    ("forward", {"chunk_size": 64}), ("projforward", {"samples": 2, "seed": 0}),
+    ("fad", {}), ("rad", {"fraction": 1.0, "seed": 0}), ("rad", {"fraction": 0.3, "seed": 0}),
+    ("checkpoint+fad", {}), ("checkpoint+rad", {"fraction": 1.0, "seed": 0}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize(("name", "opts"), ANY_MODULE)
+def test_engines_take_class_based_models_as_written(
+    name: str, opts: dict[str, object], kind: str
+) -> None:
+    model, x, loss_fn = MODELS[kind]()
+    if kind == "resnet" and opts.get("blocks"):
+        opts = {"blocks": ["stages.1.0"]}
+    if name == "forward" and kind == "resnet":
+        pytest.skip("one jvp per parameter: the ResNet's 180k parameters take minutes")
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    eng = leangrad.engine(name, **opts)
+    eng.backward(model, x, loss_fn)
+    exact = eng.exact or opts.get("fraction") == 1.0
+    for (n, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert (p.grad is None) == (r.grad is None), n
+        if exact and r.grad is not None:
+            torch.testing.assert_close(p.grad, r.grad, rtol=TOL, atol=TOL, msg=n)
+    for (n, b), r in zip(model.named_buffers(), ref.buffers(), strict=True):
+        torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=n)  # BatchNorm once
+
+
+class _MaskedBlock(nn.Module):
+    """A block called with a keyword argument, as attention blocks often are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * mask
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_MaskedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x > -1).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, mask=mask)
+        return x
+
+
+def test_checkpointed_blocks_take_keyword_arguments() -> None:
+    torch.manual_seed(0)
+    model = _Masked().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    ref(x).square().mean().backward()
+    leangrad.engine("checkpoint").backward(model, x, lambda out: out.square().mean())
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=TOL, atol=TOL)
+
+
+def _peak(step) -> int:  # type: ignore[no-untyped-def]
+    with MemoryTracker() as tracker:
+        step()
+    return tracker.report.peak_bytes
+
+
+def test_checkpointing_a_class_based_gpt_keeps_less_than_backprop() -> None:
+    """Behaviour, by bytes: per-block checkpointing of the model as written keeps only the
+    blocks' inputs, and equals torch.utils.checkpoint applied by hand to every block."""
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=50, dim=32, layers=6, heads=4, context=64)
+    idx = torch.randint(0, 50, (4, 64))
+    tgt = torch.randint(0, 50, (4, 64))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return zoo.GPT.loss(out, tgt)
+
+    def by_hand() -> None:
+        x = model.tok(idx) + model.pos[:64]
+        for i, block in enumerate(model.blocks):
+            last = i == len(model.blocks) - 1
+            x = block(x) if last else torch_checkpoint(block, x, use_reentrant=False)
+        loss_fn(model.head(model.ln_f(x))).backward()
+
+    plain = _peak(lambda: loss_fn(model(idx)).backward())
+    eng = leangrad.engine("checkpoint")
+    eng.backward(model, idx, loss_fn)  # the wrapped copy is made once, outside the tracker
+    ours = _peak(lambda: eng.backward(model, idx, loss_fn))
+    hand = _peak(by_hand)
+    assert ours < 0.6 * plain, (ours, plain)
+    assert ours <= hand * 1.02, (ours, hand)
