@@ -1,0 +1,176 @@
+"""Suite ``blocks``: checkpointing a model as written (a class-based ResNet and GPT from
+:mod:`leangrad.zoo`), side by side in one run with what a PyTorch user writes by hand:
+
+- ``backprop``: plain autograd (the reference);
+- ``leangrad checkpoint``: ``leangrad.engine("checkpoint")`` on the model as it is (its
+  blocks found by :func:`leangrad.blocks`, each checkpointed);
+- ``torch per-block``: ``torch.utils.checkpoint`` around every block but the last, in a
+  forward written for this model;
+- ``checkpoint_sequential(s)``: ``torch.utils.checkpoint.checkpoint_sequential`` over the
+  blocks as one ``nn.Sequential``, ``s`` segments.
+
+Per method: tracker peak (bytes above parameters and inputs, ``.grad`` preallocated),
+median step time of interleaved repeats (1 thread) and its ratio to backprop, and the
+float32 gradient's max relative error to backprop's.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from tqdm.auto import tqdm
+
+from .. import engine, zoo
+from ..measure import MemoryTracker, compare_grads, time_interleaved
+from ..measure._timer import num_threads
+from ._report import fmt_bytes
+from ._runner import RECORD_FIELDS, machine_info
+from ._suites import Suite
+
+__all__ = ["render", "run_blocks"]
+
+Step = Callable[[], None]
+
+
+def _gpt_parts(model: zoo.GPT, idx: torch.Tensor) -> tuple[Callable[[], torch.Tensor],
+                                                          list[nn.Module], Callable]:  # type: ignore[type-arg]  # fmt: skip
+    t = idx.shape[1]
+    return (lambda: model.tok(idx) + model.pos[:t], list(model.blocks),
+            lambda x: model.head(model.ln_f(x)))  # fmt: skip
+
+
+def _resnet_parts(model: zoo.ResNet, x: torch.Tensor) -> tuple[Callable[[], torch.Tensor],
+                                                              list[nn.Module], Callable]:  # type: ignore[type-arg]  # fmt: skip
+    blocks = [b for stage in model.stages for b in stage]
+    return (lambda: model.stem(x), blocks,
+            lambda h: model.head(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1)))  # fmt: skip
+
+
+def _workload(kind: str, size: dict[str, int]):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    batch = size["batch"]
+    if kind == "gpt":
+        model = zoo.gpt(vocab=size["vocab"], dim=size["dim"], layers=size["layers"],
+                        heads=size["heads"], context=size["context"])  # fmt: skip
+        idx = torch.randint(0, size["vocab"], (batch, size["context"]), generator=gen)
+        tgt = torch.randint(0, size["vocab"], (batch, size["context"]), generator=gen)
+        return model, idx, (lambda out: zoo.GPT.loss(out, tgt)), _gpt_parts(model, idx)
+    model = zoo.resnet(size["depth"], width=size["width"], classes=10)
+    x = torch.randn(batch, 3, size["image"], size["image"], generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    return model, x, (lambda out: F.cross_entropy(out, y)), _resnet_parts(model, x)
+
+
+def _methods(model: nn.Module, inp: torch.Tensor, loss_fn: Callable, parts: Any,  # type: ignore[type-arg]
+             segments: list[int]) -> dict[str, Step]:  # fmt: skip
+    stem, blocks, head = parts
+    eng = engine("checkpoint")
+
+    def backprop() -> None:
+        loss_fn(model(inp)).backward()
+
+    def ours() -> None:
+        eng.backward(model, inp, loss_fn)
+
+    def per_block() -> None:
+        h = stem()
+        for i, b in enumerate(blocks):
+            h = b(h) if i == len(blocks) - 1 else checkpoint(b, h, use_reentrant=False)
+        loss_fn(head(h)).backward()
+
+    seq = nn.Sequential(*blocks)
+
+    def sequential(s: int) -> Step:
+        def step() -> None:
+            h = checkpoint_sequential(seq, s, stem(), use_reentrant=False)
+            loss_fn(head(h)).backward()
+
+        return step
+
+    out: dict[str, Step] = {"backprop": backprop, "leangrad checkpoint": ours,
+                            "torch per-block": per_block}  # fmt: skip
+    out.update({f"checkpoint_sequential({s})": sequential(s) for s in segments})
+    return out
+
+
+def _peak(model: nn.Module, inp: torch.Tensor, step: Step) -> int:
+    for p in model.parameters():  # .grad preallocated: the step's own bytes are measured
+        p.grad = torch.zeros_like(p)
+    step()  # warm-up (the engine's prepared copy is made here, once)
+    with MemoryTracker(baseline=(model, inp)) as tracker:
+        step()
+    return tracker.report.peak_bytes
+
+
+def _grads(model: nn.Module, step: Step) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    step()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_blocks(suite: Suite, *, quick: bool = False, device: str = "cpu",
+               progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+    """One record per (model, method)."""
+    machine = machine_info()
+    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    models: dict[str, dict[str, int]] = dict(suite.setting("models", quick, {}))
+    segments = [int(s) for s in suite.setting("segments", quick, [2, 3, 4])]
+    repeats = suite.repeats(quick)
+    records: list[dict[str, Any]] = []
+    bar = tqdm(list(models), desc=f"bench {suite.name}", unit="model", disable=not progress)
+    with num_threads(1):
+        for kind in bar:
+            size = models[kind]
+            model, inp, loss_fn, parts = _workload(kind, size)
+            model, inp = model.to(device), inp.to(device)
+            methods = _methods(model, inp, loss_fn, parts, segments)
+            peaks = {n: _peak(model, inp, s) for n, s in methods.items()}
+            ref = _grads(model, methods["backprop"])
+            errs = {n: compare_grads(_grads(model, s), ref).max_rel_err
+                    for n, s in methods.items()}  # fmt: skip
+            times = time_interleaved(methods, repeats=repeats, warmup=1, reference="backprop")
+            for name in methods:
+                rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+                rec.update(
+                    suite=suite.name, series=kind, sweep="method", x=name, engine=name,
+                    config={"model": kind, **size, "dtype": "float32", "threads": 1},
+                    peak_bytes=peaks[name], peak_ratio=peaks[name] / peaks["backprop"],
+                    seconds_median=times[name].median, time_ratio=times[name].ratio,
+                    seconds_min=times[name].minimum, seconds_max=times[name].maximum,
+                    grad_max_rel_err=errs[name], quick=quick, machine=machine,
+                    created=created, blocks=len(parts[1]),
+                )  # fmt: skip
+                records.append(rec)
+    bar.close()
+    return records
+
+
+def render(suite: str, records: list[dict[str, Any]], directory: Any, *,
+           plots: bool = True) -> list[str]:  # fmt: skip
+    """Markdown section of ``leangrad report`` for the ``blocks`` suite."""
+    del suite, directory, plots
+    lines = ["Checkpointing a class-based model as written vs what PyTorch gives by hand. "
+             "Peak: tracker, bytes above parameters, inputs and preallocated `.grad`. Time: "
+             "median of interleaved repeats, 1 thread, ratio to backprop. Error: float32 "
+             "gradient vs backprop's.", ""]  # fmt: skip
+    for series in dict.fromkeys(r["series"] for r in records):
+        rs = [r for r in records if r["series"] == series]
+        cfg = {k: v for k, v in rs[0]["config"].items() if k not in ("dtype", "threads")}
+        lines += [f"### {series} ({rs[0].get('blocks')} blocks)", "", f"`{cfg}`", "",
+                  "| method | peak | peak ratio | time ratio | s median | grad err |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rs:
+            lines.append(
+                f"| {r['engine']} | {fmt_bytes(r['peak_bytes'])} | {r['peak_ratio']:.3f} "
+                f"| {r['time_ratio']:.3f} | {r['seconds_median']:.4f} "
+                f"| {r['grad_max_rel_err']:.1e} |"
+            )
+        lines.append("")
+    return lines
