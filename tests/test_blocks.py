@@ -232,3 +232,64 @@ def test_blocks_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: 
         assert all(r["grad_max_rel_err"] <= 1e-5 for r in rs.values())
     text = "\n".join(render("tiny-blocks", records, tmp_path))
     assert "| leangrad checkpoint |" in text and "### gpt (3 blocks)" in text
+
+
+class _Embed(nn.Module):
+    def __init__(self, model: zoo.GPT) -> None:
+        super().__init__()
+        self.tok, self.pos = model.tok, model.pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos[: idx.shape[1]]
+
+
+def _sequential_gpt() -> tuple[nn.Sequential, torch.Tensor, object]:
+    """The GPT's top-level modules as one nn.Sequential: blocks of very unequal size."""
+    torch.manual_seed(0)
+    g = zoo.gpt(vocab=40, dim=16, layers=5, heads=2, context=32)
+    model = nn.Sequential(_Embed(g), *g.blocks, g.ln_f, g.head)
+    idx = torch.randint(0, 40, (4, 32))
+    tgt = torch.randint(0, 40, (4, 32))
+    return model, idx, lambda out: zoo.GPT.loss(out, tgt)
+
+
+def test_auto_segments_from_measured_sizes_beat_every_equal_split() -> None:
+    """segments='auto' estimates each block's input and saved bytes and places the
+    boundaries; its tracked peak is no higher than checkpointing with any equal split
+    (checkpoint_sequential's), with the same gradient and BatchNorm-free state unchanged."""
+    model, idx, loss_fn = _sequential_gpt()
+    ref = copy.deepcopy(model)
+    loss_fn(ref(idx)).backward()
+
+    def peak(eng: leangrad.Engine) -> int:
+        model.zero_grad(set_to_none=True)
+        eng.backward(model, idx, loss_fn)  # warm-up: the measuring forward runs here
+        model.zero_grad(set_to_none=True)
+        return _peak(lambda: eng.backward(model, idx, loss_fn))
+
+    n = len(model)
+    equal = {s: peak(leangrad.engine("checkpoint", segments=s)) for s in range(1, n + 1)}
+    auto_eng = leangrad.engine("checkpoint", segments="auto")
+    auto = peak(auto_eng)
+    assert auto <= 1.02 * min(equal.values()), (auto, equal)
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_block_sizes_leave_rng_and_statistics_alone() -> None:
+    from leangrad.engines._segments import auto_segments, block_sizes, estimate
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)),
+              nn.Linear(8, 8), nn.Tanh()]  # fmt: skip
+    x = torch.randn(6, 4)
+    rng = torch.get_rng_state()
+    stats = blocks[0][1].running_mean.clone()
+    a, s = block_sizes(blocks, (x,))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(blocks[0][1].running_mean, stats)
+    assert a[0] == x.numel() * 4 and all(v > 0 for v in s)
+    groups = auto_segments(a, s)
+    assert [i for g in groups for i in g] == list(range(3))  # a partition, in order
+    assert estimate(groups, a, s) <= min(estimate([range(0, 3)], a, s),
+                                         estimate([range(i, i + 1) for i in range(3)], a, s))

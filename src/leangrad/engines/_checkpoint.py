@@ -29,11 +29,14 @@ from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
 from ._blocks import Blocks, blocks
 from ._prepare import PreparedCache, share_copy
 from ._registry import register
+from ._segments import auto_segments, block_sizes
 
 __all__ = ["BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint", "model_blocks",
            "split_segments"]  # fmt: skip
 
-BAD_SEGMENTS = "segments must be a positive int, 'sqrt' or None (one per block), got {value!r}"
+BAD_SEGMENTS = (
+    "segments must be a positive int, 'sqrt', 'auto' or None (one per block), got {value!r}"
+)
 SEGMENTS_NEED_SEQUENCE = (
     "segments={value!r} groups consecutive blocks, which needs a model that is its blocks "
     "run one after another (nn.Sequential, or checkpoint_blocks()); {model} runs its own "
@@ -61,7 +64,9 @@ class Checkpoint(Engine):
     Args:
         segments: number of segments. ``None`` (default) checkpoints every block;
             ``"sqrt"`` uses ⌈√L⌉ segments for L blocks (memory O(√L)); an int
-            uses that many. Every segment but the last is checkpointed: the
+            uses that many; ``"auto"`` places the boundaries from measured block sizes
+            (each block's input and saved bytes, one measuring forward per input shape;
+            :mod:`leangrad.engines._segments`). Every segment but the last is checkpointed: the
             last one's activations are the first the backward pass needs, so
             recomputing them would cost time and save no peak memory
             (as ``torch.utils.checkpoint.checkpoint_sequential``).
@@ -79,10 +84,10 @@ class Checkpoint(Engine):
     def __init__(
         self,
         *,
-        segments: int | Literal["sqrt"] | None = None,
+        segments: int | Literal["sqrt", "auto"] | None = None,
         blocks: Sequence[str] | None = None,
     ) -> None:
-        ok = segments is None or segments == "sqrt"
+        ok = segments is None or segments in ("sqrt", "auto")
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
         if not ok:
             raise ValueError(BAD_SEGMENTS.format(value=segments))
@@ -92,6 +97,7 @@ class Checkpoint(Engine):
         self.segments = segments
         self.block_names = None if blocks is None else list(blocks)
         self._wrapped: PreparedCache[nn.Module] = PreparedCache()
+        self._auto: PreparedCache[dict[Any, list[range]]] = PreparedCache()
 
     def blocks(self, model: nn.Module) -> Blocks:
         """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`)."""
@@ -109,7 +115,7 @@ class Checkpoint(Engine):
         return None
 
     def _groups(self, n: int) -> list[range]:
-        if self.segments is None:
+        if self.segments is None or self.segments == "auto":  # auto: measured in _backward
             s = n
         elif self.segments == "sqrt":
             s = math.ceil(math.sqrt(n))
@@ -151,6 +157,12 @@ class Checkpoint(Engine):
             return self._result(loss, blocks=len(found), checkpointed=len(found) - 1)
         mods = [found.modules[n] for n in found.names]
         groups = self._groups(len(mods))
+        if self.segments == "auto":  # boundaries from measured block sizes, once per shape
+            by_shape = self._auto.get(model, lambda _m: {})
+            key = tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
+            if key not in by_shape:
+                by_shape[key] = auto_segments(*block_sizes(mods, inputs))
+            groups = by_shape[key]
 
         def run(xs: tuple[torch.Tensor, ...]) -> object:
             # The first block takes the engine's inputs unpacked; every later block
