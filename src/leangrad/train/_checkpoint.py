@@ -12,6 +12,13 @@ rebuilds tensors and plain containers — it never runs code from the file.
 The payload holds the model and optimizer state dicts, every RNG state (torch,
 CUDA, numpy, Python ``random``, engines' own generators), the position in the
 data order and the step, so a resumed run continues bit-exactly.
+
+Only finite states are written: :func:`non_finite` names the NaN/Inf tensors
+``fit`` refuses to save, and a checkpoint written with them (by an older
+leangrad) is refused on resume. A run directory holds one run:
+:func:`run_marks` says whether a directory already holds one (a fresh run
+there is refused) and :func:`remove_run` deletes exactly that run's files
+(``--overwrite``).
 """
 
 from __future__ import annotations
@@ -34,12 +41,18 @@ from .._errors import LeangradError
 
 __all__ = [
     "CheckpointError",
+    "RunDirectoryError",
     "check_fingerprint",
+    "check_finite",
+    "describe_marks",
     "engine_rng_state",
     "list_checkpoints",
     "load_checkpoint",
     "model_fingerprint",
+    "non_finite",
+    "remove_run",
     "rng_state",
+    "run_marks",
     "save_checkpoint",
     "set_engine_rng_state",
     "set_rng_state",
@@ -66,10 +79,39 @@ WRONG_MODEL = (
     "was written for (its run config: {config}), or start a fresh run without --resume"
 )
 NO_CHECKPOINT = "no checkpoint step-*.pt in {dir}; nothing to resume"
+NON_FINITE_CHECKPOINT = (
+    "{path} holds non-finite values (NaN/Inf) in {names}: resuming would train on them. "
+    "Resume from an earlier checkpoint (--resume FILE; in {dir}: {others}), or start over "
+    "with a lower learning rate"
+)
+RUN_EXISTS = (
+    "{dir} already holds a training run ({found}); a fresh run there would mix the two "
+    "runs' checkpoints and metrics. Continue that run with --resume {dir} (fit(resume=...)), "
+    "or start over with --overwrite (fit(overwrite=True)), which first deletes that run's "
+    "checkpoints, metrics, run.json and plot (no other file), or pick another --out"
+)
+RESUME_AND_OVERWRITE = (
+    "--resume and --overwrite contradict each other: --resume continues the run in its "
+    "directory, --overwrite deletes it. Leave out --overwrite to continue the run, or "
+    "--resume to start over"
+)
+RESUME_INTO_OTHER_RUN = (
+    "{dir} already holds another training run ({found}), and the checkpoint to resume, "
+    "{path}, is not from it: the two runs' checkpoints and metrics would mix. Resume into "
+    "the checkpoint's own run directory (leave out --out) or into an empty --out"
+)
+
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.tmp", "run.json", "training.png")
+"""The files ``fit`` writes at the top of a run directory (besides ``checkpoints/``)."""
+_TEMP = re.compile(r"^\.step-(\d+)\.pt\.tmp-\d+$")
 
 
 class CheckpointError(LeangradError, ValueError):
     """A checkpoint that is missing, truncated, corrupt, foreign or for another model."""
+
+
+class RunDirectoryError(LeangradError, ValueError):
+    """A run directory that holds another run, or options that would mix two runs in one."""
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -172,6 +214,99 @@ def prune(directory: str | Path, keep: int) -> None:
     for p in list_checkpoints(directory)[: -max(keep, 1)]:
         with contextlib.suppress(OSError):
             p.unlink()
+
+
+# -- run directories -------------------------------------------------------------------
+
+
+def run_marks(out: str | Path) -> list[Path]:
+    """What shows that ``out`` holds a run: its ``checkpoints/step-*.pt`` and its
+    ``metrics.jsonl`` (empty when ``out`` is new or holds neither)."""
+    out = Path(out)
+    metrics = out / "metrics.jsonl"
+    return list_checkpoints(out / "checkpoints") + ([metrics] if metrics.is_file() else [])
+
+
+def describe_marks(marks: list[Path]) -> str:
+    """``checkpoints/step-000002.pt .. step-000006.pt (3), metrics.jsonl`` for messages."""
+    ckpts = [p for p in marks if _NAME.match(p.name)]
+    parts = []
+    if ckpts:
+        span = ckpts[0].name if len(ckpts) == 1 else f"{ckpts[0].name} .. {ckpts[-1].name}"
+        parts.append(f"checkpoints/{span} ({len(ckpts)})")
+    parts += [p.name for p in marks if not _NAME.match(p.name)]
+    return ", ".join(parts)
+
+
+def remove_run(out: str | Path) -> list[Path]:
+    """Delete the run in ``out`` that ``fit`` wrote: ``checkpoints/step-*.pt`` and the temp
+    files of interrupted writes, then ``checkpoints/`` itself if that left it empty, and
+    :data:`RUN_FILES` (metrics, run.json, the plot). Nothing else is touched.
+
+    Returns:
+        The paths deleted.
+    """
+    out = Path(out)
+    ckpt_dir = out / "checkpoints"
+    gone: list[Path] = []
+    targets = [out / name for name in RUN_FILES if (out / name).is_file()]
+    if ckpt_dir.is_dir():
+        temps = [p for p in ckpt_dir.iterdir() if _TEMP.match(p.name) and p.is_file()]
+        targets = list_checkpoints(ckpt_dir) + temps + targets  # checkpoints first
+    for p in targets:
+        p.unlink()
+        gone.append(p)
+    if ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
+        ckpt_dir.rmdir()
+    _fsync_dir(out)
+    return gone
+
+
+# -- finiteness ------------------------------------------------------------------------
+
+
+def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating-point tensors in ``named`` holding a NaN or an infinity.
+
+    One ``isfinite(t).all()`` reduction per tensor and one host sync per device (plus a
+    transient bool tensor of each tensor's size): cheap next to writing a checkpoint.
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        if t.is_floating_point() or t.is_complex():
+            by_device.setdefault(t.device, []).append(i)
+    bad: set[int] = set()
+    for idx in by_device.values():
+        flags = torch.stack([torch.isfinite(named[i][1]).all() for i in idx]).tolist()
+        bad.update(i for i, ok in zip(idx, flags, strict=True) if not ok)
+    return [named[i][0] for i in sorted(bad)]
+
+
+def _tensors(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in nested dicts/lists, named by its path (``optimizer.state.0.exp_avg``)."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if isinstance(obj, Mapping):
+        return [e for k, v in obj.items() for e in _tensors(v, f"{prefix}.{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [e for i, v in enumerate(obj) for e in _tensors(v, f"{prefix}.{i}")]
+    return []
+
+
+def check_finite(payload: Mapping[str, Any], path: str | Path) -> None:
+    """Raise :class:`CheckpointError` when the weights or optimizer state in ``payload``
+    hold NaN/Inf, naming them and the other checkpoints beside ``path``."""
+    named = _tensors(payload.get("model", {}), "model") + _tensors(
+        payload.get("optimizer", {}), "optimizer"
+    )
+    bad = non_finite(named)
+    if not bad:
+        return
+    path = Path(path)
+    others = [p.name for p in list_checkpoints(path.parent) if p.name != path.name]
+    names = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    raise CheckpointError(NON_FINITE_CHECKPOINT.format(
+        path=path, names=names, dir=path.parent, others=", ".join(others) or "none"))  # fmt: skip
 
 
 # -- model identity --------------------------------------------------------------------

@@ -68,6 +68,9 @@ def add_train_parser(sub: Any) -> None:
                    help="run directory (default: leangrad-run, or the --resume directory)")
     t.add_argument("--resume", default=None, metavar="DIR|FILE",
                    help="continue bit-exactly from the newest checkpoint of DIR (or FILE)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="--out may hold an earlier run: delete its checkpoints, metrics, "
+                   "run.json and plot first, nothing else (default: refuse such a directory)")
     t.add_argument("--keep", type=int, default=3, help="checkpoints kept (default: 3)")
     t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
     t.add_argument("--threads", type=int, default=None,
@@ -128,6 +131,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         res = fit(
             s.pop("model"), s.pop("data"), **s, out=out, resume=args.resume,
+            overwrite=args.overwrite,
             keep_checkpoints=args.keep, device=args.device, progress=not args.no_progress,
             plots=not args.no_plots, track_memory_every=args.track_memory_every,
             measure_saving=not args.no_measure_saving,
