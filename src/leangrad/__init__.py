@@ -11,6 +11,7 @@ Quick use::
 
 from . import data, engines, fad, highway, layers, measure, models, rad, train, zoo
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
+from ._plan import Plan, plan
 from .engines import Blocks, Engine, StepResult, available, blocks, engine
 from .layers import Chain, ChainLayer
 
@@ -24,6 +25,7 @@ __all__ = [
     "EngineInputError",
     "LeangradError",
     "OptionalDependencyError",
+    "Plan",
     "StepResult",
     "UnknownNameError",
     "__version__",
@@ -37,6 +39,7 @@ __all__ = [
     "layers",
     "measure",
     "models",
+    "plan",
     "rad",
     "train",
     "zoo",

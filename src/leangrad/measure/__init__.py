@@ -4,7 +4,8 @@
 - :func:`estimate_memory` — the same on fake tensors, for configurations too big to allocate;
 - :func:`run_rss_worker` — the fresh-process peak-RSS cross-check;
 - :func:`time_interleaved` — medians of interleaved repeats, ratios within one run;
-- :func:`compare_grads`, :func:`estimator_stats` — errors, cosine, bias and variance.
+- :func:`compare_grads`, :func:`estimator_stats` — errors, cosine, bias and variance;
+- :func:`profile_step` — all of it for one engine step (peak, kept bytes, time, error).
 """
 
 from ._estimate import estimate_memory
@@ -17,6 +18,7 @@ from ._memory import (
     baseline_bytes,
     mark,
 )
+from ._profile import StepProfile, profile_step
 from ._rss import RssReport, malloc_trim, proc_status_bytes, reset_peak_rss, run_rss_worker
 from ._saved import saved_tensor_bytes
 from ._timer import Timing, num_threads, time_interleaved
@@ -29,6 +31,7 @@ __all__ = [
     "MemoryReport",
     "MemoryTracker",
     "RssReport",
+    "StepProfile",
     "Timing",
     "baseline_bytes",
     "compare_grads",
@@ -39,6 +42,7 @@ __all__ = [
     "mark",
     "num_threads",
     "proc_status_bytes",
+    "profile_step",
     "reset_peak_rss",
     "run_rss_worker",
     "saved_tensor_bytes",

@@ -1,0 +1,244 @@
+"""``leangrad.plan``: the fastest way to train *this* model in a memory budget.
+
+The planner tries the ways of computing a step that apply to the model — plain backprop,
+checkpointing its blocks (per block, ``"auto"`` and ``"sqrt"`` segments for a sequence),
+nested forward-AD of its custom activation chains alone and under checkpointing, Moonwalk
+and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=False``,
+randomized AD and Highway-BP — measures each one's peak memory with the allocator-level
+tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
+(medians of interleaved repeats), and returns the fastest that fits, with the table it
+decided from. Nothing fits: it says so and names the smallest peak it found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _errors as E
+from .engines import Engine, engine
+from .measure import profile_step, time_interleaved
+from .measure._profile import untouched
+
+__all__ = ["Candidate", "Plan", "candidates", "plan"]
+
+BAD_BUDGET = "budget must be a positive number of bytes, got {value!r}"
+NOTHING_FITS = (
+    "nothing fits {budget}: the smallest peak found is {best} ({engine}); raise the budget, "
+    "lower the batch size{inexact}"
+)
+FORWARD_MAX_PARAMS = 20_000
+"""``forward`` costs one jvp per parameter: tried only below this many parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One row of a plan's table.
+
+    Attributes:
+        label: the engine's label (``leangrad.engine`` spelling and options).
+        exact: the engine's gradient equals autograd's.
+        peak_bytes: tracker peak of one step (``None`` when it could not run).
+        seconds: median step time (only for candidates that fit).
+        verdict: ``"chosen"``, ``"fits"``, or why it was rejected.
+    """
+
+    label: str
+    exact: bool
+    peak_bytes: int | None
+    seconds: float | None
+    verdict: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The fastest way found to compute a step within the budget.
+
+    Attributes:
+        engine: the chosen engine, usable like any engine (``None`` if nothing fits).
+        peak_bytes, seconds, exact: the chosen engine's measured peak, time, exactness.
+        budget: the budget in bytes.
+        table: every candidate tried, and why each was rejected.
+        message: one line saying what was chosen, or that nothing fits.
+        remeasured_peak_bytes: the chosen engine's peak measured again after the search.
+    """
+
+    engine: Engine | None
+    peak_bytes: int | None
+    seconds: float | None
+    exact: bool | None
+    budget: int
+    table: tuple[Candidate, ...]
+    message: str
+    remeasured_peak_bytes: int | None = None
+
+    def __str__(self) -> str:
+        from .bench._report import fmt_bytes
+
+        width = max([len(c.label) for c in self.table] + [6])
+        lines = [f"{'engine':{width}s}  {'exact':5s}  {'peak':>10s}  {'s/step':>8s}  verdict"]
+        for c in self.table:
+            secs = "" if c.seconds is None else f"{c.seconds:.4f}"
+            lines.append(f"{c.label:{width}s}  {'yes' if c.exact else 'no':5s}  "
+                         f"{fmt_bytes(c.peak_bytes):>10s}  {secs:>8s}  {c.verdict}")  # fmt: skip
+        return "\n".join([*lines, self.message])
+
+
+def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """The ``(engine name, options)`` the planner tries on ``model``."""
+    from .engines._blocks import blocks
+    from .highway import HighwayNet
+    from .layers import Chain
+
+    out: list[tuple[str, dict[str, Any]]] = [("backprop", {}), ("fad", {})]
+    try:
+        found = blocks(model)
+    except E.LeangradError:
+        found = None
+    if found is not None:
+        if found.sequential:
+            out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),
+                    ("checkpoint", {"segments": "sqrt"})]  # fmt: skip
+            out += [("checkpoint+fad", {"segments": "auto"})]
+        else:
+            out += [("checkpoint", {}), ("checkpoint+fad", {})]
+    if isinstance(model, Chain):
+        out += [("moonwalk", {}), ("moonwalk", {"segments": "sqrt"}),
+                ("moonwalk", {"fragment": "full"}), ("revbackprop", {})]  # fmt: skip
+    if not exact:
+        for f in (0.5, 0.25, 0.1):
+            out.append(("rad", {"fraction": f}))
+            if found is not None:
+                out.append(("checkpoint+rad", {"fraction": f}))
+        if isinstance(model, HighwayNet):
+            out += [("highway", {"k": 0}), ("highway", {"k": 2})]
+    return out
+
+
+def last_resorts(model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
+    """Tried only when nothing else fits: ``forward`` keeps nothing for a backward pass but
+    costs one jvp per parameter, so it is never the fastest of engines that fit."""
+    if sum(p.numel() for p in model.parameters()) <= FORWARD_MAX_PARAMS:
+        return [("forward", {})]
+    return []
+
+
+def plan(
+    model: nn.Module,
+    inputs: torch.Tensor | Sequence[torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    budget: int,
+    exact: bool = True,
+    engines: Sequence[tuple[str, dict[str, Any]]] | None = None,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Find the fastest engine whose measured peak fits ``budget`` bytes.
+
+    Args:
+        model, inputs, loss_fn: one training step, as for ``engine.backward``.
+        budget: bytes the step may allocate above the parameters, buffers and inputs
+            (the tracker's peak, with ``.grad`` allocated by the step).
+        exact: only engines whose gradient equals autograd's (``False`` adds rad and
+            highway).
+        engines: ``(name, options)`` to try instead of :func:`candidates`.
+        repeats: timed steps per fitting candidate (medians of interleaved repeats).
+        progress: called with a short message before each measurement.
+
+    Returns:
+        A :class:`Plan`; printing it prints the table. The model, its gradients, buffers
+        and the RNG are left as they were.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ValueError(BAD_BUDGET.format(value=budget))
+    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    tried: list[tuple[Engine | None, str, bool, int | None, str]] = []
+    first = list(engines) if engines is not None else candidates(model, exact=exact)
+    _measure(first, model, xs, loss_fn, budget, exact, tried, progress)
+    if engines is None and not any(e is not None and v == "fits" for e, *_, v in tried):
+        _measure(last_resorts(model), model, xs, loss_fn, budget, exact, tried, progress)
+    fitting = {label: e for e, label, _, peak, v in tried if e is not None and v == "fits"}
+    times: dict[str, float] = {}
+    if fitting:
+        if progress is not None:
+            progress(f"timing {len(fitting)} candidates side by side")
+        steps = {label: _step(e, model, xs, loss_fn) for label, e in fitting.items()}
+        with untouched(model, xs):
+            timed = time_interleaved(steps, repeats=repeats, warmup=1)
+        times = {label: t.median for label, t in timed.items()}
+    chosen = min(times, key=lambda k: times[k]) if times else None
+    table = tuple(
+        Candidate(label, ex, peak, times.get(label), "chosen" if label == chosen else verdict)
+        for _, label, ex, peak, verdict in tried
+    )
+    return _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
+                   loss_fn)  # fmt: skip
+
+
+def _measure(
+    todo: Sequence[tuple[str, dict[str, Any]]],
+    model: nn.Module,
+    xs: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    budget: int,
+    exact: bool,
+    tried: list[tuple[Engine | None, str, bool, int | None, str]],
+    progress: Callable[[str], None] | None,
+) -> None:
+    """Append ``(engine, label, exact, peak, verdict)`` for each candidate to ``tried``."""
+    for name, opts in todo:
+        eng = engine(name, **opts)
+        label = eng.label
+        if progress is not None:
+            progress(f"peak of {label}")
+        if not exact or eng.exact:
+            why = eng.supports(model)
+        else:
+            why = "not exact (plan with exact=False to allow estimators)"
+        if why is not None:
+            tried.append((None, label, eng.exact, None, f"n/a: {why}"))
+            continue
+        try:
+            peak = profile_step(eng, model, xs, loss_fn, repeats=0).peak_bytes
+        except E.LeangradError as err:
+            tried.append((None, label, eng.exact, None, f"n/a: {err}"))
+            continue
+        verdict = "fits" if peak <= budget else "over budget"
+        tried.append((eng, label, eng.exact, peak, verdict))
+
+
+def _step(eng: Engine, model: nn.Module, xs: tuple[torch.Tensor, ...],
+          loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], None]:  # fmt: skip
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        eng.backward(model, xs, loss_fn)
+
+    return step
+
+
+def _result(table: tuple[Candidate, ...], chosen: Engine | None, budget: int, exact: bool,
+            model: nn.Module, xs: tuple[torch.Tensor, ...],
+            loss_fn: Callable[[Any], torch.Tensor]) -> Plan:  # fmt: skip
+    from .bench._report import fmt_bytes
+
+    if chosen is None:
+        measured = [c for c in table if c.peak_bytes is not None]
+        if not measured:
+            msg = "nothing could run on this model (see the table)"
+        else:
+            best = min(measured, key=lambda c: c.peak_bytes or 0)
+            msg = NOTHING_FITS.format(
+                budget=fmt_bytes(budget), best=fmt_bytes(best.peak_bytes), engine=best.label,
+                inexact=", or allow estimators (exact=False / --inexact)" if exact else "",
+            )  # fmt: skip
+        return Plan(None, None, None, None, budget, table, msg)
+    row = next(c for c in table if c.verdict == "chosen")
+    again = profile_step(chosen, model, xs, loss_fn, repeats=0).peak_bytes
+    msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
+           f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip
+    return Plan(chosen, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg, again)

@@ -1,0 +1,135 @@
+"""``profile_step``: one call that measures what a training step with an engine costs —
+the measurement the planner, the benchmarks and the demo stand on (DESIGN.md,
+"Composition and planning").
+
+It leaves no trace: the model's ``.grad``, buffers (BatchNorm statistics) and the RNG
+streams are as they were before the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._grads import compare_grads
+from ._memory import MemoryTracker
+from ._timer import time_interleaved
+
+__all__ = ["StepProfile", "profile_step", "untouched"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProfile:
+    """What one step with an engine costs.
+
+    Attributes:
+        engine: the engine's label.
+        peak_bytes: tracker peak above the baseline (parameters, buffers, inputs), with
+            ``.grad`` starting as ``None`` — the step allocates its gradients, as after
+            ``optimizer.zero_grad()``.
+        kept_bytes: live bytes above the baseline when the engine's forward phase ended
+            (what it keeps for the backward phase); ``None`` if it did not mark it.
+        seconds: median step time over ``repeats`` (``None`` when ``repeats=0``).
+        grad_max_rel_err, grad_cosine: against ``reference`` (``None`` without one).
+        estimate: the peak was measured on fake tensors (nothing allocated).
+    """
+
+    engine: str
+    peak_bytes: int
+    kept_bytes: int | None
+    seconds: float | None
+    grad_max_rel_err: float | None = None
+    grad_cosine: float | None = None
+    estimate: bool = False
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+    """Inside the block, steps may write ``.grad``, advance statistics and draw random
+    numbers; on exit, gradients (of the model and the inputs), buffers and the RNG are put
+    back as they were."""
+    params = list(model.parameters())
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    in_grads = [None if x.grad is None else x.grad.detach().clone() for x in inputs]
+    bufs = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({x.device for x in inputs if x.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
+                for x, g in zip(inputs, in_grads, strict=True):
+                    x.grad = g
+                for b, v in bufs:
+                    b.copy_(v)
+
+
+def profile_step(
+    engine: Any,
+    model: nn.Module,
+    inputs: torch.Tensor | Sequence[torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    reference: Mapping[str, torch.Tensor] | None = None,
+    threads: int | None = 1,
+) -> StepProfile:
+    """Measure one step of ``engine.backward(model, inputs, loss_fn)``.
+
+    Args:
+        engine: a leangrad engine (anything with ``backward`` and ``label``).
+        model, inputs, loss_fn: as for ``engine.backward``.
+        repeats: timed steps (median); 0 measures memory only.
+        warmup: untimed steps first (the engine's prepared copies, allocator, caches).
+        reference: gradients to compare with (e.g. backprop's, by parameter name).
+        threads: ``torch.set_num_threads`` while timing (``None`` leaves it).
+
+    Returns:
+        A :class:`StepProfile`. The model, its gradients, buffers and the RNG streams are
+        left as they were.
+    """
+    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    named = dict(model.named_parameters())
+
+    def step() -> None:
+        for p in named.values():
+            p.grad = None
+        engine.backward(model, xs, loss_fn)
+
+    with untouched(model, xs):
+        for _ in range(warmup):
+            step()
+        for p in named.values():
+            p.grad = None
+        with MemoryTracker(baseline=(model, *xs)) as tracker:
+            engine.backward(model, xs, loss_fn)
+        err = cos = None
+        if reference is not None:
+            got = {n: p.grad for n, p in named.items() if n in reference and p.grad is not None}
+            if set(got) == set(reference):
+                cmp = compare_grads(got, reference)
+                err, cos = cmp.max_rel_err, cmp.cosine
+            else:
+                err, cos = float("inf"), float("nan")  # a gradient is missing
+        seconds = None
+        if repeats > 0:
+            timing = time_interleaved({"step": step}, repeats=repeats, warmup=0, threads=threads)
+            seconds = timing["step"].median
+    report = tracker.report
+    return StepProfile(
+        engine=str(getattr(engine, "label", type(engine).__name__)),
+        peak_bytes=report.peak_bytes,
+        kept_bytes=report.forward_live_bytes,
+        seconds=seconds,
+        grad_max_rel_err=err,
+        grad_cosine=cos,
+        estimate=report.estimate,
+    )

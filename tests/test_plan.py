@@ -1,0 +1,117 @@
+"""``leangrad.measure.profile_step`` and ``leangrad.plan``: what a step costs, and the
+fastest engine that fits a budget. Behaviour by bytes (the tracker), never by time."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import leangrad
+from leangrad import zoo
+from leangrad._plan import BAD_BUDGET, candidates
+from leangrad.bench._report import fmt_bytes
+from leangrad.measure import MemoryTracker, grads_of, profile_step
+
+
+def _gpt():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=32, dim=32, layers=4, heads=2, context=32)  # > 20k parameters
+    idx = torch.randint(0, 32, (4, 32))
+    tgt = torch.randint(0, 32, (4, 32))
+    return model, idx, lambda out: zoo.GPT.loss(out, tgt)
+
+
+def _bn_mlp():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.3), torch.nn.Linear(8, 3))  # fmt: skip
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    return model, x, lambda out: F.cross_entropy(out, y)
+
+
+def test_profile_step_leaves_no_trace() -> None:
+    model, x, loss_fn = _bn_mlp()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = copy.deepcopy(model)
+    rng = torch.get_rng_state()
+    prof = profile_step(leangrad.engine("checkpoint"), model, x, loss_fn, repeats=2)
+    assert prof.engine == "checkpoint" and prof.seconds is not None and prof.seconds > 0
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+    for b, r in zip(model.buffers(), before.buffers(), strict=True):
+        assert torch.equal(b, r)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_profile_step_peak_is_the_trackers_and_compares_gradients() -> None:
+    model, idx, loss_fn = _gpt()
+    ref_model = copy.deepcopy(model)
+    loss_fn(ref_model(idx)).backward()
+    ref = grads_of(ref_model)
+    prof = profile_step(leangrad.engine("backprop"), model, idx, loss_fn, repeats=0,
+                        reference=ref)  # fmt: skip
+    with MemoryTracker(baseline=(model, idx)) as tracker:
+        loss_fn(model(idx)).backward()
+    model.zero_grad(set_to_none=True)
+    assert prof.peak_bytes == tracker.report.peak_bytes
+    assert prof.seconds is None
+    assert prof.grad_max_rel_err == 0.0 and prof.grad_cosine == pytest.approx(1.0)
+    assert prof.kept_bytes is not None and 0 < prof.kept_bytes <= prof.peak_bytes
+
+
+def test_plan_fits_half_of_backprops_peak_exactly() -> None:
+    model, idx, loss_fn = _gpt()
+    full = profile_step(leangrad.engine("backprop"), model, idx, loss_fn, repeats=0).peak_bytes
+    p = leangrad.plan(model, idx, loss_fn, budget=full // 2, repeats=1)
+    assert p.engine is not None and p.exact
+    assert p.peak_bytes is not None and p.peak_bytes <= full // 2
+    assert p.remeasured_peak_bytes is not None
+    assert abs(p.remeasured_peak_bytes - p.peak_bytes) <= 0.05 * p.peak_bytes  # predicted
+    rows = {c.label: c for c in p.table}
+    assert rows["backprop"].verdict == "over budget"
+    assert sum(c.verdict == "chosen" for c in p.table) == 1
+    assert "chosen: " in str(p) and "backprop" in str(p)
+    # the plan's engine is an engine: exact gradients on the user's model
+    ref_model = copy.deepcopy(model)
+    loss_fn(ref_model(idx)).backward()
+    p.engine.backward(model, idx, loss_fn)
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_says_when_nothing_fits_and_names_the_smallest_peak() -> None:
+    model, idx, loss_fn = _gpt()
+    p = leangrad.plan(model, idx, loss_fn, budget=1024, repeats=1)
+    assert p.engine is None and p.peak_bytes is None
+    smallest = min(c.peak_bytes for c in p.table if c.peak_bytes is not None)
+    assert p.message.startswith("nothing fits 1 KiB: the smallest peak found is")
+    assert fmt_bytes(smallest) in p.message
+    assert all(c.verdict in ("over budget",) or c.verdict.startswith("n/a") for c in p.table)
+
+
+def test_plan_adds_estimators_only_when_asked() -> None:
+    model, _, _ = _gpt()
+    exact = {n for n, _ in candidates(model, exact=True)}
+    inexact = {n for n, _ in candidates(model, exact=False)}
+    assert "rad" not in exact and "rad" in inexact
+    assert {"backprop", "checkpoint", "fad", "checkpoint+fad"} <= exact
+
+
+def test_plan_on_a_chain_tries_moonwalk() -> None:
+    torch.manual_seed(0)
+    model = leangrad.models.submersive_cnn(2, 3, depth=2, classes=3)
+    x, y = torch.randn(4, 2, 8, 8), torch.randint(0, 3, (4,))
+    p = leangrad.plan(model, x, lambda out: F.cross_entropy(out, y), budget=2**30, repeats=1)
+    labels = [c.label for c in p.table]
+    assert "moonwalk" in labels and p.engine is not None
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1.5, True, "1GiB"])
+def test_plan_refuses_a_bad_budget(budget: object) -> None:
+    model, idx, loss_fn = _gpt()
+    with pytest.raises(ValueError, match=re.escape(BAD_BUDGET.format(value=budget))):
+        leangrad.plan(model, idx, loss_fn, budget=budget)  # type: ignore[arg-type]
