@@ -42,7 +42,8 @@ class Candidate:
     Attributes:
         label: the engine's label (``leangrad.engine`` spelling and options).
         exact: the engine's gradient equals autograd's.
-        peak_bytes: tracker peak of one step (``None`` when it could not run).
+        peak_bytes: the memory one step needs in all: parameters, buffers and inputs plus
+            the tracker's peak of the step (``None`` when it could not run).
         seconds: median step time (only for candidates that fit).
         verdict: ``"chosen"``, ``"fits"``, or why it was rejected.
     """
@@ -142,8 +143,9 @@ def plan(
 
     Args:
         model, inputs, loss_fn: one training step, as for ``engine.backward``.
-        budget: bytes the step may allocate above the parameters, buffers and inputs
-            (the tracker's peak, with ``.grad`` allocated by the step).
+        budget: bytes the step may use in all: parameters, buffers and inputs plus what
+            the step allocates (activations, saved tensors, gradients, scratch: the
+            tracker's peak). Optimizer state is not included.
         exact: only engines whose gradient equals autograd's (``False`` adds rad and
             highway).
         engines: ``(name, options)`` to try instead of :func:`candidates`.
@@ -204,7 +206,7 @@ def _measure(
             tried.append((None, label, eng.exact, None, f"n/a: {why}"))
             continue
         try:
-            peak = profile_step(eng, model, xs, loss_fn, repeats=0).peak_bytes
+            peak = profile_step(eng, model, xs, loss_fn, repeats=0).total_bytes
         except E.LeangradError as err:
             tried.append((None, label, eng.exact, None, f"n/a: {err}"))
             continue
@@ -238,7 +240,7 @@ def _result(table: tuple[Candidate, ...], chosen: Engine | None, budget: int, ex
             )  # fmt: skip
         return Plan(None, None, None, None, budget, table, msg)
     row = next(c for c in table if c.verdict == "chosen")
-    again = profile_step(chosen, model, xs, loss_fn, repeats=0).peak_bytes
+    again = profile_step(chosen, model, xs, loss_fn, repeats=0).total_bytes
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
            f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip
     return Plan(chosen, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg, again)

@@ -37,6 +37,7 @@ class StepProfile:
         seconds: median step time over ``repeats`` (``None`` when ``repeats=0``).
         grad_max_rel_err, grad_cosine: against ``reference`` (``None`` without one).
         estimate: the peak was measured on fake tensors (nothing allocated).
+        baseline_bytes: parameters, buffers and inputs (what exists before the step).
     """
 
     engine: str
@@ -46,6 +47,12 @@ class StepProfile:
     grad_max_rel_err: float | None = None
     grad_cosine: float | None = None
     estimate: bool = False
+    baseline_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Baseline plus the step's peak: the memory the step needs in all."""
+        return self.baseline_bytes + self.peak_bytes
 
 
 @contextlib.contextmanager
@@ -132,4 +139,5 @@ def profile_step(
         grad_max_rel_err=err,
         grad_cosine=cos,
         estimate=report.estimate,
+        baseline_bytes=report.baseline_bytes,
     )
