@@ -118,3 +118,22 @@ def test_plan_refuses_a_bad_budget(budget: object) -> None:
     model, idx, loss_fn = _gpt()
     with pytest.raises(ValueError, match=re.escape(BAD_BUDGET.format(value=budget))):
         leangrad.plan(model, idx, loss_fn, budget=budget)  # type: ignore[arg-type]
+
+
+def test_fit_with_a_budget_trains_with_the_planned_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    res = leangrad.train.fit("mlp", "digits", budget="64MiB", max_steps=3, progress=True,
+                             plots=False)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "chosen: " in out and res.steps == 3
+    assert res.config.engine in leangrad.available() or "+" in res.config.engine
+
+
+def test_fit_with_a_budget_nothing_fits_or_engine_options_given() -> None:
+    with pytest.raises(leangrad.EngineInputError, match="nothing fits 1 KiB"):
+        leangrad.train.fit("mlp", "digits", budget=1024, max_steps=1, progress=False,
+                           plots=False)  # fmt: skip
+    with pytest.raises(leangrad.EngineInputError, match="budget= chooses the engine"):
+        leangrad.train.fit("mlp", "digits", budget="64MiB", engine_options={"segments": 2},
+                           max_steps=1, progress=False, plots=False)  # fmt: skip

@@ -41,6 +41,7 @@ class Candidate:
 
     Attributes:
         label: the engine's label (``leangrad.engine`` spelling and options).
+        name, options: what :func:`leangrad.engine` makes it from.
         exact: the engine's gradient equals autograd's.
         peak_bytes: the memory one step needs in all: parameters, buffers and inputs plus
             the tracker's peak of the step (``None`` when it could not run).
@@ -53,6 +54,8 @@ class Candidate:
     peak_bytes: int | None
     seconds: float | None
     verdict: str
+    name: str = ""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +162,12 @@ def plan(
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(BAD_BUDGET.format(value=budget))
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    tried: list[tuple[Engine | None, str, bool, int | None, str]] = []
+    tried: list[_Tried] = []
     first = list(engines) if engines is not None else candidates(model, exact=exact)
     _measure(first, model, xs, loss_fn, budget, exact, tried, progress)
-    if engines is None and not any(e is not None and v == "fits" for e, *_, v in tried):
+    if engines is None and not any(t.verdict == "fits" for t in tried):
         _measure(last_resorts(model), model, xs, loss_fn, budget, exact, tried, progress)
-    fitting = {label: e for e, label, _, peak, v in tried if e is not None and v == "fits"}
+    fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     times: dict[str, float] = {}
     if fitting:
         if progress is not None:
@@ -175,11 +178,23 @@ def plan(
         times = {label: t.median for label, t in timed.items()}
     chosen = min(times, key=lambda k: times[k]) if times else None
     table = tuple(
-        Candidate(label, ex, peak, times.get(label), "chosen" if label == chosen else verdict)
-        for _, label, ex, peak, verdict in tried
+        Candidate(t.label, t.exact, t.peak, times.get(t.label),
+                  "chosen" if t.label == chosen else t.verdict, t.name, t.options)
+        for t in tried
     )
     return _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
                    loss_fn)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tried:
+    engine: Engine | None
+    label: str
+    exact: bool
+    peak: int | None
+    verdict: str
+    name: str
+    options: dict[str, Any]
 
 
 def _measure(
@@ -189,12 +204,17 @@ def _measure(
     loss_fn: Callable[[Any], torch.Tensor],
     budget: int,
     exact: bool,
-    tried: list[tuple[Engine | None, str, bool, int | None, str]],
+    tried: list[_Tried],
     progress: Callable[[str], None] | None,
 ) -> None:
-    """Append ``(engine, label, exact, peak, verdict)`` for each candidate to ``tried``."""
+    """Measure each candidate's peak and append what was found to ``tried``."""
     for name, opts in todo:
         eng = engine(name, **opts)
+
+        def add(e: Engine | None, peak: int | None, verdict: str,
+                eng: Engine = eng, name: str = name, opts: dict[str, Any] = opts) -> None:
+            tried.append(_Tried(e, eng.label, eng.exact, peak, verdict, name, dict(opts)))
+
         label = eng.label
         if progress is not None:
             progress(f"peak of {label}")
@@ -203,15 +223,14 @@ def _measure(
         else:
             why = "not exact (plan with exact=False to allow estimators)"
         if why is not None:
-            tried.append((None, label, eng.exact, None, f"n/a: {why}"))
+            add(None, None, f"n/a: {why}")
             continue
         try:
             peak = profile_step(eng, model, xs, loss_fn, repeats=0).total_bytes
         except E.LeangradError as err:
-            tried.append((None, label, eng.exact, None, f"n/a: {err}"))
+            add(None, None, f"n/a: {err}")
             continue
-        verdict = "fits" if peak <= budget else "over budget"
-        tried.append((eng, label, eng.exact, peak, verdict))
+        add(eng, peak, "fits" if peak <= budget else "over budget")
 
 
 def _step(eng: Engine, model: nn.Module, xs: tuple[torch.Tensor, ...],

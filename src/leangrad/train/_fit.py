@@ -18,6 +18,7 @@ always a good one to resume from.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -58,6 +59,10 @@ from ._registry import build_model, data_info, load_data
 
 __all__ = ["FitResult", "NonFiniteLossError", "TrainConfig", "evaluate", "fit"]
 
+BUDGET_AND_ENGINE = (
+    "budget= chooses the engine and its options; do not also give engine options "
+    "({options}): drop --engine-opt, or drop --budget and name the engine"
+)
 NON_FINITE_STATE = (
     "weights or optimizer state are not finite after the update of step {step}: NaN/Inf in "
     "{names} (the loss before that update was {loss}); training stopped and this step was "
@@ -157,6 +162,7 @@ def fit(
     keep_checkpoints: int = 3,
     resume: str | Path | None = None,
     overwrite: bool = False,
+    budget: int | str | None = None,
     max_steps: int | None = None,
     device: str | torch.device | None = None,
     dtype: str = "float32",
@@ -190,6 +196,12 @@ def fit(
             metrics, run.json and plot first (nothing else). Without it a fresh run into a
             directory holding another run's checkpoints or metrics is refused. Not
             with ``resume``; ignored without ``out``.
+        budget: plan the step instead of naming an engine: :func:`leangrad.plan` measures
+            the engines that apply to the model on a batch of the training data and the
+            run uses the fastest exact one whose memory (parameters, inputs and the step's
+            peak; optimizer state not included) fits, e.g. ``"64MiB"``; the plan's table
+            is printed and the chosen engine is stored in the run's config (a resumed
+            run keeps it). Not with ``engine_options``.
         max_steps: stop after this many steps in total.
         device, dtype: where and in which float type to train (default: CUDA if present).
         test_fraction: share of the data held out for per-epoch test loss/accuracy.
@@ -241,6 +253,8 @@ def fit(
     net = model
     if isinstance(model, str):
         net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
+    if budget is not None and resume is None:
+        cfg = _planned(cfg, net, ds, dev, budget, progress=progress)  # type: ignore[arg-type]
     run = _Run(cfg, net, ds, dev, ctx)  # type: ignore[arg-type]
     if resume is not None:
         run.resume(resume)
@@ -252,6 +266,28 @@ def fit(
         run.loop(interrupt, progress=progress, track_every=track_memory_every,
                  measure_saving=measure_saving)  # fmt: skip
     return run.finish(plots=plots)
+
+
+def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
+             budget: int | str, *, progress: bool) -> TrainConfig:  # fmt: skip
+    """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed)."""
+    from .._plan import plan
+    from ._advise import parse_bytes
+
+    if cfg.engine_options:
+        raise E.EngineInputError(BUDGET_AND_ENGINE.format(options=cfg.engine_options))
+    limit = parse_bytes(budget) if isinstance(budget, str) else budget
+    dtype = getattr(torch, cfg.dtype)
+    probe = copy.deepcopy(net).to(device=dev, dtype=dtype)  # the run's model stays as built
+    x = ds.x[: cfg.batch_size].to(dev)
+    x = x.to(dtype) if x.is_floating_point() else x
+    result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit)
+    if progress:
+        print(result, flush=True)
+    if result.engine is None:
+        raise E.EngineInputError(result.message)
+    row = next(c for c in result.table if c.verdict == "chosen")
+    return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options))
 
 
 def _claim_run_dir(out: Path, *, resume: str | Path | None, overwrite: bool,
