@@ -293,3 +293,50 @@ def test_block_sizes_leave_rng_and_statistics_alone() -> None:
     assert [i for g in groups for i in g] == list(range(3))  # a partition, in order
     assert estimate(groups, a, s) <= min(estimate([range(0, 3)], a, s),
                                          estimate([range(i, i + 1) for i in range(3)], a, s))
+
+
+ZOO = {
+    "resnet": lambda: zoo.resnet(10, width=4),
+    "gpt": lambda: zoo.gpt(vocab=16, dim=8, layers=2, heads=2, context=8),
+    "bert": lambda: zoo.bert(vocab=16, dim=8, layers=2, heads=2, context=8, classes=3),
+    "lstm_lm": lambda: zoo.rnn_lm("lstm", vocab=16, embed=6, hidden=8),
+    "gru_lm": lambda: zoo.rnn_lm("gru", vocab=16, embed=6, hidden=8),
+    "highway_gru_lm": lambda: zoo.highway_gru_lm(vocab=16, embed=6, hidden=8),
+    "vit": lambda: zoo.vit(image=8, patch=4, dim=8, layers=2, heads=2),
+}
+
+
+@pytest.mark.parametrize("name", list(zoo.MODELS))
+def test_zoo_models_run_offline_and_checkpoint_exactly(name: str) -> None:
+    """Every zoo model, with its offline batch: backprop runs, and where blocks repeat,
+    checkpointing them as written gives autograd's gradient (float64)."""
+    torch.manual_seed(0)
+    model = ZOO[name]().double()
+    x, loss_fn = zoo.batch(name, model, 3, length=8, image=8)
+    x = x.double() if x.is_floating_point() else x
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    eng = leangrad.engine("highway", k=10) if name == "highway_gru_lm" else leangrad.engine(
+        "checkpoint")  # fmt: skip
+    if eng.supports(model) is not None:
+        assert name in ("lstm_lm", "gru_lm")  # one fused nn.LSTM/nn.GRU: no repeated blocks
+        eng = leangrad.engine("backprop")
+    eng.backward(model, x, loss_fn)
+    for (n, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-9, atol=1e-10, msg=n)
+
+
+def test_highway_gru_lm_is_the_gru_lm_with_leangrads_layers() -> None:
+    """Same weights -> same logits as the fused nn.GRU model (what changed is only how)."""
+    torch.manual_seed(0)
+    plain = zoo.rnn_lm("gru", vocab=16, embed=6, hidden=8, layers=2).double()
+    hw = zoo.highway_gru_lm(vocab=16, embed=6, hidden=8, layers=2).double()
+    with torch.no_grad():
+        hw.stem.embed.weight.copy_(plain.embed.weight)
+        for i, layer in enumerate(hw.stacks):
+            for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                getattr(layer, w).copy_(getattr(plain.rnn, f"{w}_l{i}"))
+        hw.head.lin.weight.copy_(plain.head.weight)
+        hw.head.lin.bias.copy_(plain.head.bias)
+    idx = torch.randint(0, 16, (3, 7))
+    torch.testing.assert_close(hw(idx), plain(idx), rtol=1e-10, atol=1e-12)

@@ -196,7 +196,7 @@ class GRULayer(_RecurrentLayer):
         d_ih = torch.zeros_like(self.weight_ih)
         b_hh = torch.zeros_like(self.bias_hh)
         b_ih = torch.zeros_like(self.bias_ih)
-        dx = torch.empty_like(x)
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # x may be a view
         for sl, g in self._chunks(trace, w):
             g2 = g.view(-1, 3 * hsz)
             d_hh.addmm_(g2.t(), h_prev[sl].reshape(-1, hsz))
@@ -329,7 +329,7 @@ class LSTMLayer(_RecurrentLayer):
         w_ih = self.weight_ih.detach()
         d_hh, d_ih = torch.zeros_like(self.weight_hh), torch.zeros_like(self.weight_ih)
         bias = torch.zeros_like(self.bias_hh)
-        dx = torch.empty_like(x)
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # x may be a view
         for sl, g in self._chunks(trace, w):
             d_hh.addmm_(g.t(), h_prev[sl].reshape(-1, hsz))
             d_ih.addmm_(g.t(), x[sl].reshape(-1, x.shape[-1]))
