@@ -66,6 +66,7 @@ EXACT_COMBOS: list[tuple[str, dict[str, object]]] = [
     ("checkpoint+rad", {"fraction": 1.0, "seed": 0}),
     ("moonwalk+fad", {}),
     ("moonwalk+rad", {"fraction": 1.0, "seed": 0}),
+    ("checkpoint+bits", {"segments": 2}),
 ]
 
 

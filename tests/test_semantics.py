@@ -139,6 +139,9 @@ COMBOS: list[tuple[str, dict[str, object]]] = [
     ("revbackprop+fad", {}),
     ("highway+fad", {"k": 10}),
     ("fad+rad", {"fraction": 1.0, "seed": 0}),
+    ("checkpoint+bits", {"segments": 2}),
+    ("moonwalk+bits", {}),
+    ("fad+bits", {}),
 ]
 
 
@@ -169,7 +172,7 @@ def _exact(name: str, opts: dict[str, object]) -> bool:
             exact &= opts.get("k", 0) >= 5
         elif part == "rad":
             exact &= opts.get("fraction") == 1.0
-        elif part != "fad":
+        elif part not in ("fad", "bits"):
             exact &= engine_class(part).exact
     return exact
 

@@ -9,7 +9,7 @@ Quick use::
     optimizer.step()
 """
 
-from . import data, engines, fad, highway, layers, measure, models, rad, train, zoo
+from . import bits, data, engines, fad, highway, layers, measure, models, rad, train, zoo
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
 from ._plan import Plan, plan
 from .engines import Blocks, Engine, StepResult, available, blocks, engine
@@ -30,6 +30,7 @@ __all__ = [
     "UnknownNameError",
     "__version__",
     "available",
+    "bits",
     "blocks",
     "data",
     "engine",

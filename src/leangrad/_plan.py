@@ -2,7 +2,8 @@
 
 The planner tries the ways of computing a step that apply to the model — plain backprop,
 checkpointing its blocks (per block, ``"auto"`` and ``"sqrt"`` segments for a sequence),
-nested forward-AD of its custom activation chains alone and under checkpointing, Moonwalk
+nested forward-AD of its custom activation chains and the exact 1-bit masks of
+:mod:`leangrad.bits`, alone and under checkpointing, Moonwalk
 and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=False``,
 randomized AD and Highway-BP — measures each one's peak memory with the allocator-level
 tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
@@ -98,7 +99,7 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
     from .highway import HighwayNet
     from .layers import Chain
 
-    out: list[tuple[str, dict[str, Any]]] = [("backprop", {}), ("fad", {})]
+    out: list[tuple[str, dict[str, Any]]] = [("backprop", {}), ("fad", {}), ("bits", {})]
     try:
         found = blocks(model)
     except E.LeangradError:
@@ -107,9 +108,10 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
         if found.sequential:
             out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),
                     ("checkpoint", {"segments": "sqrt"})]  # fmt: skip
-            out += [("checkpoint+fad", {"segments": "auto"})]
+            out += [("checkpoint+fad", {"segments": "auto"}),
+                    ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
         else:
-            out += [("checkpoint", {}), ("checkpoint+fad", {})]
+            out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
     if isinstance(model, Chain):
         out += [("moonwalk", {}), ("moonwalk", {"segments": "sqrt"}),
                 ("moonwalk", {"fragment": "full"}), ("revbackprop", {})]  # fmt: skip

@@ -8,7 +8,7 @@ from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._blocks import Blocks, blocks
 from ._checkpoint import Checkpoint
-from ._compose import Composed, Fad, Rad, Transform
+from ._compose import Bits, Composed, Fad, Rad, Transform
 from ._forward import Forward
 from ._highway import Highway
 from ._moonwalk import Moonwalk
@@ -18,6 +18,7 @@ from ._revbackprop import RevBackprop
 
 __all__ = [
     "Backprop",
+    "Bits",
     "Blocks",
     "Checkpoint",
     "Composed",

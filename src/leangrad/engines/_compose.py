@@ -45,6 +45,8 @@ from ._registry import register
 __all__ = [
     "INCOMPATIBLE",
     "TRANSFORMS",
+    "Bits",
+    "BitsTransform",
     "Composed",
     "Fad",
     "FadTransform",
@@ -193,7 +195,33 @@ class _Nested(nn.Module):
             return self.inner(*xs)
 
 
-TRANSFORMS: dict[str, type[Transform]] = {"rad": RadTransform, "fad": FadTransform}
+class BitsTransform(Transform):
+    """Exact savings (:mod:`leangrad.bits`): ReLU, LeakyReLU and dropout keep 1-bit masks,
+    average pooling keeps nothing. Exact; it pays where nothing else keeps the full
+    tensor (the planner measures it)."""
+
+    name = "bits"
+    exact = True
+    forward_mode_why = (
+        "forward mode keeps nothing for a backward pass, so there is no mask to pack"
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        from .. import bits
+
+        wrapped = nn.Sequential(share_copy(module))  # the root may itself be a ReLU
+        report = bits.swap(wrapped)
+        return wrapped, {"swapped": {k.removeprefix("0."): v for k, v in report.swapped.items()}}
+
+
+TRANSFORMS: dict[str, type[Transform]] = {
+    "rad": RadTransform,
+    "fad": FadTransform,
+    "bits": BitsTransform,
+}
 
 
 class Composed(Engine):
@@ -412,3 +440,25 @@ def compose(name: str, options: dict[str, Any]) -> Engine:
             )
     base = base_cls(**routed[base_name])
     return Composed(base, [TRANSFORMS[t](**routed[t]) for t in tnames])
+
+
+@register("bits")
+class Bits(Composed):
+    """``backprop`` with exact savings (:class:`BitsTransform`, :mod:`leangrad.bits`):
+    1-bit masks for ReLU, LeakyReLU and dropout, average pooling that keeps nothing.
+
+    Exact. Trade-off: pays where no other layer keeps the full tensor (dropout masks; a
+    ReLU read only by dropout or a residual add); next to a ``Linear`` or BatchNorm that
+    keeps its input anyway it adds 1/32. Packing costs a little time.
+    """
+
+    exact = True
+
+    def __init__(self) -> None:
+        from ._backprop import Backprop
+
+        super().__init__(Backprop(), [BitsTransform()])
+
+    @property
+    def label(self) -> str:
+        return "bits"
