@@ -12,7 +12,7 @@ Quick use::
 from . import bits, data, engines, fad, highway, layers, measure, models, rad, train, zoo
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
 from ._plan import Plan, plan
-from .engines import Blocks, Engine, StepResult, available, blocks, engine
+from .engines import Blocks, Engine, StepResult, available, blocks, engine, explain
 from .layers import Chain, ChainLayer
 
 __version__ = "0.1.0"
@@ -35,6 +35,7 @@ __all__ = [
     "data",
     "engine",
     "engines",
+    "explain",
     "fad",
     "highway",
     "layers",

@@ -125,7 +125,7 @@ def _attention(qkv: nn.Linear, proj: nn.Linear, heads: int, x: torch.Tensor, *,
     q, k, v = qkv(x).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // heads)
     if causal:
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        mask = torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1)  # fx-traceable
         scores = scores.masked_fill(mask, float("-inf"))
     return proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
 
@@ -170,8 +170,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        if t > self.pos.shape[0]:
-            raise ValueError(f"sequence length {t} exceeds the context {self.pos.shape[0]}")
+        torch._assert(t <= self.pos.shape[0], "the sequence is longer than the context")
         x = self.tok(idx) + self.pos[:t]
         for block in self.blocks:
             x = block(x)

@@ -8,7 +8,7 @@ from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._blocks import Blocks, blocks
 from ._checkpoint import Checkpoint
-from ._compose import Bits, Composed, Fad, Rad, Transform
+from ._compose import Bits, Composed, Explanation, Fad, Rad, Transform, explain
 from ._forward import Forward
 from ._highway import Highway
 from ._moonwalk import Moonwalk
@@ -23,6 +23,7 @@ __all__ = [
     "Checkpoint",
     "Composed",
     "Engine",
+    "Explanation",
     "Fad",
     "Forward",
     "Highway",
@@ -36,5 +37,6 @@ __all__ = [
     "blocks",
     "engine",
     "engine_class",
+    "explain",
     "register",
 ]

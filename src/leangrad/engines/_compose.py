@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import dataclasses
 import inspect
 import warnings
 from typing import Any, ClassVar
@@ -48,12 +49,14 @@ __all__ = [
     "Bits",
     "BitsTransform",
     "Composed",
+    "Explanation",
     "Fad",
     "FadTransform",
     "Rad",
     "RadTransform",
     "Transform",
     "compose",
+    "explain",
     "share_copy",
 ]
 
@@ -136,7 +139,10 @@ class RadTransform(Transform):
         for m in wrapped.modules():
             if hasattr(m, "generator"):
                 m.generator = self.generator
-        return wrapped, {"swapped": report.swapped, "left_exact": report.left_exact}
+        return wrapped, {
+            "swapped": {k.removeprefix("0."): v for k, v in report.swapped.items()},
+            "left_exact": [k.removeprefix("0.") for k in report.left_exact],
+        }
 
 
 class FadTransform(Transform):
@@ -173,12 +179,32 @@ class FadTransform(Transform):
                     raise
                 reason = str(err)
             else:
-                fused = [r for r in gm.fad_regions if getattr(r, "fused", True)]
-                return gm, {"used": "fx", "regions": [str(r) for r in gm.fad_regions],
-                            "fused": len(fused)}  # fmt: skip
+                return gm, _fad_report(gm)
         else:
             reason = "mode='eager'"
         return _Nested(module), {"used": "eager", "why": reason}
+
+
+_BUILTIN_ACTIVATIONS = (nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish)
+"""PyTorch's fused activation modules that fad does not open (the pass lists its own
+primitives, e.g. a lone ReLU, with the reason it left them)."""
+
+
+def _fad_report(gm: Any) -> dict[str, Any]:
+    """What the fx pass fused, what it left to autograd (and why), and PyTorch's fused
+    activation modules it leaves alone (rewriting them saves no bytes: they keep only
+    their input, like a fused chain)."""
+    fused = [f"{r.name}: {' -> '.join(r.ops)} (from {r.source})"
+             for r in gm.fad_regions if r.skipped is None]  # fmt: skip
+    left = [f"{' -> '.join(r.ops)} (from {r.source}): {r.skipped}"
+            for r in gm.fad_regions if r.skipped is not None]  # fmt: skip
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            if isinstance(mod, _BUILTIN_ACTIVATIONS):
+                left.append(f"{type(mod).__name__} {node.target!r}: PyTorch's fused built-in "
+                            "(it keeps only its input already): left alone")  # fmt: skip
+    return {"used": "fx", "fused": fused, "left": left}
 
 
 class _Nested(nn.Module):
@@ -462,3 +488,51 @@ class Bits(Composed):
     @property
     def label(self) -> str:
         return "bits"
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What an engine does to a model, printable: the blocks it checkpoints, and for each
+    transform and part what it changed and what it left alone, and why."""
+
+    engine: str
+    lines: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "\n".join([f"engine {self.engine}", *self.lines])
+
+
+def explain(eng: Engine | str, model: nn.Module) -> Explanation:
+    """Say what ``eng`` (an engine or a name) does to ``model``, in one place."""
+    from ._registry import engine as make
+
+    eng = make(eng) if isinstance(eng, str) else eng
+    lines: list[str] = []
+    if (why := eng.supports(model)) is not None:
+        return Explanation(eng.label, (f"cannot run this model: {why}",))
+    base = eng.base if isinstance(eng, Composed) else eng
+    if isinstance(base, Checkpoint):
+        lines += str(base.blocks(model)).splitlines()
+    if isinstance(eng, Composed):
+        _, report = eng.prepare(model)
+        for t in eng.transforms:
+            for part, what in report[t.name].items():
+                lines += _explain_part(t.name, part, what)
+    return Explanation(eng.label, tuple(lines))
+
+
+def _explain_part(name: str, part: str, what: dict[str, Any]) -> list[str]:
+    if name == "fad":
+        if what.get("used") == "eager":
+            return [f"fad on {part} (eager fallback): {what['why']}"]
+        out = [f"fad on {part} (fx pass): {len(what['fused'])} chain(s) fused"]
+        out += [f"  fused: {f}" for f in what["fused"]]
+        out += [f"  left: {f}" for f in what["left"]]
+        return out
+    swapped = what.get("swapped", {})
+    if not swapped:
+        return [f"{name} on {part}: nothing to swap"]
+    out = [f"{name} on {part}: swapped {len(swapped)}"]
+    out += [f"  {k}: {v}" for k, v in swapped.items()]
+    out += [f"  left exact: {k} (no randomized version)" for k in what.get("left_exact", [])]
+    return out
