@@ -202,3 +202,38 @@ def test_revnet_couplings_alternate_halves() -> None:
     model = models.revnet(1, 8, 10, blocks=1, layers_per_block=3)
     kinds = [type(m).__name__ for m in model.layers]
     assert kinds == ["AdditiveCoupling", "SwapHalves"] * 3
+
+
+def test_stem_chunks_auto_chunks_when_safe_and_says_why_not() -> None:
+    """The default picks the measured best variant (4 chunks) where the stem and the first
+    layer treat examples independently: exact, and a lower tracked peak than 1 chunk; with
+    a training-mode BatchNorm in the stem it uses 1 chunk and says why."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from leangrad.measure import MemoryTracker
+
+    torch.manual_seed(0)
+    model = leangrad.models.submersive_cnn(3, 16, depth=3, classes=4, stem="repeat")
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 4, (8,))
+    loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x)).backward()
+    res = leangrad.engine("moonwalk").backward(model, x, loss_fn)
+    assert res.info["stem_chunks"] == 4 and "stem_chunks_note" not in res.info
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5)
+
+    def peak(eng: leangrad.Engine) -> int:
+        model.zero_grad(set_to_none=True)
+        with MemoryTracker(baseline=(model, x)) as tracker:
+            eng.backward(model, x, loss_fn)
+        return tracker.report.peak_bytes
+
+    assert peak(leangrad.engine("moonwalk")) < peak(leangrad.engine("moonwalk", stem_chunks=1))
+
+    model.stem = torch.nn.Sequential(model.stem, torch.nn.BatchNorm2d(16, affine=False))
+    res = leangrad.engine("moonwalk").backward(model, x, loss_fn)
+    assert res.info["stem_chunks"] == 1
+    assert "BatchNorm2d '1' in training mode" in res.info["stem_chunks_note"]
