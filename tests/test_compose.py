@@ -143,9 +143,16 @@ def test_fad_reports_its_eager_fallback_and_why() -> None:
                 h = h * torch.sigmoid(h)
             return h
 
+    torch.manual_seed(0)
     model = Untraceable().double()
     x, y = _data()
+    with torch.no_grad():  # take the branch: the output is an element-wise chain's value
+        model.lin.bias.fill_(10.0)
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
     res = leangrad.engine("fad").backward(model, x, lambda out: F.cross_entropy(out, y))
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-12, atol=1e-12)
     info = res.info["fad"]["model"]
     assert info["used"] == "eager" and "torch.fx cannot trace" in info["why"]
     with pytest.raises(E.LeangradError, match=r"torch\.fx cannot trace"):

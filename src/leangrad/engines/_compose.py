@@ -178,11 +178,39 @@ class FadTransform(Transform):
                 if mode == "fx":
                     raise
                 reason = str(err)
+                per_block = self._per_block(module)
+                if per_block is not None:
+                    return per_block
             else:
                 return gm, _fad_report(gm)
         else:
             reason = "mode='eager'"
         return _Nested(module), {"used": "eager", "why": reason}
+
+    def _per_block(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]] | None:
+        """A module that is its blocks run one after another (a ``leangrad.Chain``, whose
+        ``forward(*inputs)`` fx cannot trace) is nested block by block, each block by the
+        fx pass where it traces and by the eager mode where it does not."""
+        try:
+            found = find_blocks(module)
+        except E.LeangradError:
+            return None
+        if not found.sequential:
+            return None
+        parts, fused, left, eager = [], [], [], []
+        for name in found.names:
+            block, what = self.apply(found.modules[name])
+            parts.append(block)
+            if what["used"] == "fx":
+                fused += [f"{name}: {f}" for f in what["fused"]]
+                left += [f"{name}: {f}" for f in what["left"]]
+            else:
+                eager.append(name)
+        report = {"used": "fx+eager" if eager else "fx", "fused": fused, "left": left}
+        if eager:
+            report["why"] = f"fx cannot trace blocks {', '.join(eager)}: eager mode there"
+            left.append(report["why"])
+        return nn.Sequential(*parts), report
 
 
 _BUILTIN_ACTIVATIONS = (nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish)
@@ -207,6 +235,16 @@ def _fad_report(gm: Any) -> dict[str, Any]:
     return {"used": "fx", "fused": fused, "left": left}
 
 
+def _tree_map(fn: Any, out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_tree_map(fn, o) for o in out)
+    if isinstance(out, dict):
+        return {k: _tree_map(fn, v) for k, v in out.items()}
+    return out
+
+
 class _Nested(nn.Module):
     """Runs a module under ``fad.nested()`` (the eager mode, for untraceable modules)."""
 
@@ -218,7 +256,11 @@ class _Nested(nn.Module):
         from .. import fad
 
         with fad.nested():
-            return self.inner(*xs)
+            out = self.inner(*xs)
+            # A chain value leaving the block would reach the loss after the mode ended
+            # (its derivative never attached): pass each output tensor through one
+            # non-element-wise op inside the block.
+            return _tree_map(lambda t: torch.cat([t]) if t.requires_grad else t, out)
 
 
 class BitsTransform(Transform):
@@ -304,7 +346,7 @@ class Composed(Engine):
             for t in self.transforms:
                 module, what = t.apply(module)
                 report[t.name][part] = what
-                if what.get("used") == "eager" and "rad" in report:
+                if "eager" in what.get("used", "") and "rad" in report:
                     why = EAGER_WITH_RAD.format(part=part, reason=what["why"])
                     raise E.EngineInputError(INCOMPATIBLE.format(pair=self.label, why=why))
             return module
@@ -525,7 +567,8 @@ def _explain_part(name: str, part: str, what: dict[str, Any]) -> list[str]:
     if name == "fad":
         if what.get("used") == "eager":
             return [f"fad on {part} (eager fallback): {what['why']}"]
-        out = [f"fad on {part} (fx pass): {len(what['fused'])} chain(s) fused"]
+        how = "fx pass" if what["used"] == "fx" else "fx pass per block, eager where it fails"
+        out = [f"fad on {part} ({how}): {len(what['fused'])} chain(s) fused"]
         out += [f"  fused: {f}" for f in what["fused"]]
         out += [f"  left: {f}" for f in what["left"]]
         return out
