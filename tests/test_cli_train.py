@@ -47,16 +47,17 @@ def test_unknown_names_exit_2_listing_known(tmp_path, capsys) -> None:
     assert "unknown engine 'nope'; known engines: backprop" in capsys.readouterr().err
 
 
-def test_advise_recommends_or_says_nothing_fits(capsys) -> None:
-    base = ["advise", "--model", "mlp", "--batch-size", "8", "--engines",
+@pytest.mark.parametrize("command", ["plan", "advise"])  # advise: the same command
+def test_plan_recommends_or_says_nothing_fits(capsys, command: str) -> None:
+    base = [command, "--model", "mlp", "--batch-size", "8", "--engines",
             "backprop,checkpoint,moonwalk", "--repeats", "1", "--no-progress"]  # fmt: skip
     assert main([*base, "--budget", "2GiB"]) == 0
     text = capsys.readouterr().out
-    assert "| engine | exact | peak | time/step | fits |" in text
-    assert "recommended: " in text and "n/a: engine 'moonwalk' needs a leangrad.Chain" in text
+    assert "engine" in text and "verdict" in text
+    assert "chosen: " in text and "n/a: engine 'moonwalk' needs a leangrad.Chain" in text
     assert main([*base, "--budget", "1KiB"]) == 1
     text = capsys.readouterr().out
-    assert "no engine fits the budget of 1.00 KiB: the smallest peak found is" in text
+    assert "nothing fits 1 KiB: the smallest peak found is" in text
 
 
 def _env() -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "EngineInputError",
     "LeangradError",
+    "OptionError",
     "OptionalDependencyError",
     "UnknownNameError",
 ]
@@ -27,6 +28,10 @@ class UnknownNameError(LeangradError, KeyError):
 
 class EngineInputError(LeangradError, ValueError):
     """The model, inputs or loss function given to an engine break its contract."""
+
+
+class OptionError(LeangradError, ValueError):
+    """A setting (a model, data or engine option, a batch size, ...) that cannot work."""
 
 
 class OptionalDependencyError(LeangradError, ImportError):

@@ -1,11 +1,16 @@
-"""The ``leangrad`` command: a thin layer over :mod:`leangrad.bench`.
+"""The ``leangrad`` command: a thin layer over :mod:`leangrad.bench`, :func:`leangrad.plan`
+and :func:`leangrad.train.fit`.
 
 leangrad demo [--out DIR]
 leangrad bench --list
 leangrad bench SUITE [--quick] [--out DIR] [--no-rss]
 leangrad report DIR
-leangrad train [--model NAME] [--data DATA] [--engine NAME] [--engine-opt K=V ...] ...
-leangrad advise --model NAME --batch-size B --budget 2GiB
+leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE] ...
+leangrad plan --model NAME --batch-size B --budget 2GiB      (alias: advise)
+
+Every user error prints one line, ``leangrad: error: ...``, naming the option and the
+fix, and exits with code 2; the checks on outputs (a file where a directory is wanted)
+run before any work.
 """
 
 from __future__ import annotations
@@ -13,12 +18,29 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from . import _cli_types as T
 
 __all__ = ["main"]
 
+_VALUE_OPTIONS = ("--budget", "--lr", "--epochs", "--batch-size", "--max-steps",
+                  "--threads", "--test-fraction", "--repeats", "--checkpoint-every",
+                  "--keep", "--track-memory-every", "--max-step-seconds", "--seed")  # fmt: skip
+"""Options whose value may look like a flag (``--budget -1GiB``): joined with ``=`` so the
+value reaches its check instead of argparse's "expected one argument"."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line ``leangrad: error: ...`` and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"leangrad: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="leangrad",
         description="Gradients with less memory or time than backprop, measured side by side.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -29,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
         help="every engine on a small MLP and CNN on real digits",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    d.add_argument("--out", default="leangrad-demo", help="directory for demo.json and demo.png")
-    d.add_argument("--repeats", type=int, default=3, help="timed repeats per engine")
+    d.add_argument("--out", default="leangrad-demo", type=T.out_dir,
+                   help="directory for demo.json and demo.png")  # fmt: skip
+    d.add_argument("--repeats", type=T.positive_int, default=3, help="timed repeats per engine")
     d.add_argument("--rss", action="store_true", help="also run the fresh-process RSS check")
     b = sub.add_parser(
         "bench",
@@ -40,23 +63,42 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("suite", nargs="?", help="suite name (see --list)")
     b.add_argument("--list", action="store_true", help="list the suites and exit")
     b.add_argument("--quick", action="store_true", help="smaller sweep and fewer repeats")
-    b.add_argument("--out", default="results", help="directory for SUITE.json")
+    b.add_argument("--out", default="results", type=T.out_dir, help="directory for SUITE.json")
     b.add_argument("--no-rss", action="store_true", help="skip the fresh-process RSS cross-check")
-    b.add_argument("--device", default="cpu", help="cpu or cuda")
+    b.add_argument("--device", default="cpu", type=T.device, help="cpu or cuda")
     r = sub.add_parser("report", help="render every SUITE.json in DIR into DIR/report.md")
     r.add_argument("dir", help="directory holding suite JSON files")
     for sp in (d, b):
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    from .train._cli import add_advise_parser, add_train_parser
+    from .train._cli import add_plan_parser, add_train_parser
 
     add_train_parser(sub)
-    add_advise_parser(sub)
+    add_plan_parser(sub)
     return p
+
+
+def _join_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and not argv[i + 1].startswith("--"):  # fmt: skip
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    args = _parser().parse_args(argv)
+    args_list = _join_values(list(sys.argv[1:] if argv is None else argv))
+    try:
+        args = _parser().parse_args(args_list)
+    except SystemExit as exit_:
+        return int(exit_.code) if isinstance(exit_.code, int) else 2
     from ._errors import LeangradError
 
     try:
@@ -69,10 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     import torch
 
-    if args.command in ("train", "advise"):
-        from .train._cli import run_advise, run_train
+    if args.command == "train":
+        from .train._cli import run_train
 
-        return run_train(args) if args.command == "train" else run_advise(args)
+        return run_train(args)
+    if args.command in ("plan", "advise"):
+        from .train._cli import run_plan
+
+        return run_plan(args)
     from . import bench
 
     if args.command == "demo":
@@ -86,6 +132,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             for name, desc in bench.list_suites().items():
                 print(f"{name:24s} {desc}")
             return 0
+        bench.load_suite(args.suite)  # an unknown suite is named before any work
         torch.set_num_threads(1)
         print(
             f"leangrad bench {args.suite}: quick={args.quick}, out={args.out}, "

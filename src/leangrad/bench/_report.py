@@ -29,11 +29,22 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def load_records(directory: Path) -> dict[str, list[dict[str, Any]]]:
     """Suite name -> records, from every ``*.json`` list of records in ``directory``."""
+    if not directory.is_dir():
+        what = "a file" if directory.exists() else "not there"
+        raise E.LeangradError(
+            f"{directory} is {what}: name the directory that `leangrad bench SUITE --out DIR` "
+            "wrote to"
+        )
     out: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(directory.glob("*.json")):
-        data = json.loads(path.read_text())
-        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-            continue  # not a suite result (e.g. a demo summary)
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise E.LeangradError(
+                f"{path} is not valid JSON ({err}); run its suite again, or move the file away"
+            ) from None
+        if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
+            continue  # not a suite result (e.g. a demo summary), or an empty one
         out[path.stem] = data
     return out
 

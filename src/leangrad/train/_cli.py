@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_advise_parser", "add_train_parser", "run_advise", "run_train"]
+from .. import _cli_types as T
+
+__all__ = ["add_plan_parser", "add_train_parser", "run_plan", "run_train"]
 
 TRAIN_DEFAULTS: dict[str, Any] = {
     "model": "mlp",
@@ -51,31 +53,37 @@ def add_train_parser(sub: Any) -> None:
                       ("--data-opt", "data_options")):  # fmt: skip
         t.add_argument(flag, dest=key, action="append", default=None, metavar="KEY=VALUE",
                        help="keyword option, repeatable (default: none)")  # fmt: skip
-    opt("--epochs", "epochs", "passes over the training split", type=int)
-    opt("--batch-size", "batch_size", "examples per step (per process under torchrun)", type=int)
-    opt("--lr", "lr", "learning rate", type=float)
+    opt("--epochs", "epochs", "passes over the training split", type=T.positive_int)
+    opt("--batch-size", "batch_size", "examples per step (per process under torchrun)",
+        type=T.positive_int)  # fmt: skip
+    opt("--lr", "lr", "learning rate", type=T.positive_float)
     opt("--optimizer", "optimizer", "adam or sgd", choices=("adam", "sgd"))
-    opt("--seed", "seed", "seed of init, split and data order", type=int)
+    opt("--seed", "seed", "seed of init, split and data order", type=T.whole)
     opt("--step-per-layer", "step_per_layer", "optimizer step per parameter inside on_grad; "
         "gradients never all live at once (saving measured and printed)", action="store_const",
         const=True)  # fmt: skip
     opt("--checkpoint-every", "checkpoint_every", "checkpoint every N steps (always at the end)",
-        type=int)  # fmt: skip
-    opt("--max-steps", "max_steps", "stop after N steps in total", type=int)
+        type=T.positive_int)  # fmt: skip
+    opt("--max-steps", "max_steps", "stop after N steps in total", type=T.positive_int)
     opt("--dtype", "dtype", "float32 or float64", choices=("float32", "float64"))
-    opt("--test-fraction", "test_fraction", "held-out share for test accuracy", type=float)
-    t.add_argument("--out", default=None,
+    opt("--test-fraction", "test_fraction", "held-out share for test accuracy, in [0, 1)",
+        type=T.fraction)  # fmt: skip
+    t.add_argument("--budget", default=None, type=T.size,
+                   help="plan the step instead of naming an engine: train with the fastest "
+                   "exact engine whose memory fits, e.g. 64MiB (see `leangrad plan`)")
+    t.add_argument("--out", default=None, type=T.out_dir,
                    help="run directory (default: leangrad-run, or the --resume directory)")
     t.add_argument("--resume", default=None, metavar="DIR|FILE",
                    help="continue bit-exactly from the newest checkpoint of DIR (or FILE)")
     t.add_argument("--overwrite", action="store_true",
                    help="--out may hold an earlier run: delete its checkpoints, metrics, "
                    "run.json and plot first, nothing else (default: refuse such a directory)")
-    t.add_argument("--keep", type=int, default=3, help="checkpoints kept (default: 3)")
-    t.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
-    t.add_argument("--threads", type=int, default=None,
+    t.add_argument("--keep", type=T.positive_int, default=3, help="checkpoints kept (default: 3)")
+    t.add_argument("--device", default=None, type=T.device,
+                   help="cpu, cuda, cuda:1 (default: cuda if present)")
+    t.add_argument("--threads", type=T.positive_int, default=None,
                    help="torch.set_num_threads (default: torch's choice)")
-    t.add_argument("--track-memory-every", type=int, default=50,
+    t.add_argument("--track-memory-every", type=T.whole, default=50,
                    help="measure a step's peak memory every N steps, 0: never (default: 50)")
     t.add_argument("--no-measure-saving", action="store_true",
                    help="with --step-per-layer, skip measuring the saving on model copies")
@@ -119,11 +127,16 @@ def run_train(args: argparse.Namespace) -> int:
     from ._config import NonFiniteLossError
     from ._fit import fit
 
+    if args.resume is not None and args.overwrite:
+        from ._checkpoint import RESUME_AND_OVERWRITE, RunDirectoryError
+
+        raise RunDirectoryError(RESUME_AND_OVERWRITE)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     s = _settings(args)
     out = _run_dir(args)
-    shown = {**s, "out": str(out), "resume": args.resume, "device": args.device or "auto",
+    shown = {**s, "out": str(out), "resume": args.resume, "overwrite": args.overwrite,
+             "budget": args.budget, "device": args.device or "auto",
              "threads": torch.get_num_threads(), "keep": args.keep,
              "world_size": os.environ.get("WORLD_SIZE", "1")}  # fmt: skip
     if os.environ.get("RANK", "0") == "0":  # once under torchrun
@@ -131,7 +144,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         res = fit(
             s.pop("model"), s.pop("data"), **s, out=out, resume=args.resume,
-            overwrite=args.overwrite,
+            overwrite=args.overwrite, budget=args.budget,
             keep_checkpoints=args.keep, device=args.device, progress=not args.no_progress,
             plots=not args.no_plots, track_memory_every=args.track_memory_every,
             measure_saving=not args.no_measure_saving,
@@ -167,50 +180,71 @@ def _summary(res: Any) -> None:
         print(f"note: {note}")
 
 
-def add_advise_parser(sub: Any) -> None:
-    """Add the ``advise`` subcommand."""
+def add_plan_parser(sub: Any) -> None:
+    """Add the ``plan`` subcommand (``advise`` is the same command under its old name)."""
     a = sub.add_parser(
-        "advise",
-        help="measure the engines on a model and recommend the fastest that fits a budget",
+        "plan",
+        aliases=["advise"],
+        help="the fastest engine whose memory fits a budget, measured on your model",
+        description="Measure every engine and composition that applies to the model "
+        "(leangrad.plan) on one batch and print the table and the fastest whose memory "
+        "(parameters, inputs and the step's peak) fits the budget. A custom model is "
+        "'package.module:factory': the factory is called with its --model-opt keywords, "
+        "plus input_shape=(C, H, W) / (T,) and num_classes=K when its signature names them, "
+        "and returns an nn.Module taking a batch (N, *input_shape) of --data.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    a.add_argument("--model", default="mlp", help="model name or module:factory")
+    a.add_argument("--model", default="mlp", help="model name or package.module:factory")
     a.add_argument("--data", default="digits", help="data the model is built for (shapes)")
     a.add_argument("--model-opt", dest="model_options", action="append", default=None,
                    metavar="KEY=VALUE", help="model option, repeatable")  # fmt: skip
-    a.add_argument("--batch-size", type=int, default=64, help="examples per step")
-    a.add_argument("--budget", default="2GiB", help="memory budget, e.g. 512MiB, 2GiB, 1e9")
+    a.add_argument("--data-opt", dest="data_options", action="append", default=None,
+                   metavar="KEY=VALUE", help="data option, repeatable (e.g. shape=3,32,32)")
+    a.add_argument("--batch-size", type=T.positive_int, default=64, help="examples per step")
+    a.add_argument("--budget", type=T.size, default="2GiB",
+                   help="memory budget, e.g. 512MiB, 2GiB, 1e9")
     a.add_argument("--engines", default=None,
-                   help="comma-separated engines to try (default: every registered engine)")
-    a.add_argument("--repeats", type=int, default=3, help="timed repeats per engine")
-    a.add_argument("--max-step-seconds", type=float, default=20.0,
-                   help="stop and skip an engine whose single step takes longer")
-    a.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+                   help="comma-separated engines to try, e.g. backprop,checkpoint+fad "
+                   "(default: every one that applies)")
+    a.add_argument("--repeats", type=T.positive_int, default=3, help="timed repeats")
+    a.add_argument("--device", default=None, type=T.device,
+                   help="cpu or cuda (default: cuda if present)")
     a.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     a.add_argument("--inexact", action="store_true",
-                   help="also recommend estimating engines (e.g. projforward)")
-    a.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+                   help="also consider estimating engines (rad, highway)")
+    a.add_argument("--no-progress", action="store_true", help="say nothing while measuring")
 
 
-def run_advise(args: argparse.Namespace) -> int:
-    """Run ``leangrad advise``; exit code 0 with a recommendation, 1 when nothing fits."""
-    from ._advise import advise, parse_bytes
-    from ._registry import parse_options
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``leangrad plan``: exit code 0 with a plan, 1 when nothing fits."""
+    import torch
 
-    budget = parse_bytes(args.budget)
-    print(f"leangrad advise: model={args.model} data={args.data} batch_size={args.batch_size} "
-          f"budget={args.budget} ({budget} bytes) engines={args.engines or 'all'} "
-          f"repeats={args.repeats} max_step_seconds={args.max_step_seconds} "
-          f"device={args.device or 'auto'} dtype={args.dtype} "
-          f"inexact={args.inexact}", flush=True)  # fmt: skip
-    adv = advise(
-        args.model, args.batch_size, budget, data=args.data,
-        model_options=parse_options(args.model_options),
-        engines=args.engines.split(",") if args.engines else None, repeats=args.repeats,
-        device=args.device, dtype=args.dtype, exact_only=not args.inexact,
-        max_step_seconds=args.max_step_seconds,
-        progress=not args.no_progress,
-    )  # fmt: skip
-    print(adv.table())
-    print(adv.message)
-    return 0 if adv.recommended is not None else 1
+    from .. import engines as _engines
+    from .._plan import plan
+    from ..bench._report import fmt_bytes
+    from ._fit import _loss_fn
+    from ._registry import build_model, data_info, example_batch, load_data, parse_options
+
+    names = None
+    if args.engines:
+        names = [n.strip() for n in args.engines.split(",") if n.strip()]
+        for n in names:
+            _engines.engine(n)  # an unknown name is an error now, not a row later
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype)
+    print(f"leangrad plan: model={args.model} data={args.data} batch_size={args.batch_size} "
+          f"budget={fmt_bytes(args.budget)} ({args.budget} bytes) "
+          f"engines={args.engines or 'all that apply'} repeats={args.repeats} device={dev} "
+          f"dtype={args.dtype} inexact={args.inexact}", flush=True)  # fmt: skip
+    data_opts = parse_options(args.data_options)
+    info = data_info(args.data, load_data(args.data, **data_opts))
+    torch.manual_seed(0)
+    model = build_model(args.model, info, **parse_options(args.model_options))
+    model = model.to(device=dev, dtype=dtype)
+    x, y = example_batch(info, args.batch_size, device=dev, dtype=dtype)
+    say = None if args.no_progress else (lambda msg: print(f"  {msg}", file=sys.stderr))
+    result = plan(model, x, _loss_fn(y), budget=args.budget, exact=not args.inexact,
+                  engines=[(n, {}) for n in names] if names else None,
+                  repeats=args.repeats, progress=say)  # fmt: skip
+    print(result)
+    return 0 if result.engine is not None else 1

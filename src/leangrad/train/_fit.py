@@ -59,6 +59,7 @@ from ._registry import build_model, data_info, load_data
 
 __all__ = ["FitResult", "NonFiniteLossError", "TrainConfig", "evaluate", "fit"]
 
+BAD_SETTING = "{name} must be {want}, got {value!r}"
 BUDGET_AND_ENGINE = (
     "budget= chooses the engine and its options; do not also give engine options "
     "({options}): drop --engine-opt, or drop --budget and name the engine"
@@ -232,6 +233,10 @@ def fit(
     Between checkpoints a NaN/Inf weight makes the next step's loss NaN, which stops the
     run as a non-finite loss does; either way nothing non-finite is saved.
     """
+    _check_settings(epochs=epochs, batch_size=batch_size, max_steps=max_steps,
+                    checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                    track_memory_every=track_memory_every, test_fraction=test_fraction,
+                    lr=lr)  # fmt: skip
     if resume is not None and overwrite:
         raise C.RunDirectoryError(C.RESUME_AND_OVERWRITE)
     dev = _device(device)
@@ -266,6 +271,27 @@ def fit(
         run.loop(interrupt, progress=progress, track_every=track_memory_every,
                  measure_saving=measure_saving)  # fmt: skip
     return run.finish(plots=plots)
+
+
+def _check_settings(*, epochs: int, batch_size: int, max_steps: int | None,
+                    checkpoint_every: int | None, keep_checkpoints: int,
+                    track_memory_every: int, test_fraction: float, lr: float) -> None:  # fmt: skip
+    """Settings that make no sense are refused before anything runs (not run as no-ops)."""
+    at_least_1 = {"epochs": epochs, "batch_size": batch_size, "keep_checkpoints": keep_checkpoints,
+                  "max_steps": max_steps, "checkpoint_every": checkpoint_every}  # fmt: skip
+    for name, value in at_least_1.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):  # fmt: skip
+            raise E.OptionError(BAD_SETTING.format(name=name, value=value, want="an int >= 1"))
+    if isinstance(track_memory_every, bool) or not isinstance(track_memory_every, int) or \
+            track_memory_every < 0:  # fmt: skip
+        raise E.OptionError(BAD_SETTING.format(name="track_memory_every",
+                                               value=track_memory_every, want="an int >= 0"))
+    if not 0 <= test_fraction < 1:
+        raise E.OptionError(BAD_SETTING.format(name="test_fraction", value=test_fraction,
+                                               want="a share in [0, 1)"))
+    if not (math.isfinite(lr) and lr > 0):
+        raise E.OptionError(BAD_SETTING.format(name="lr", value=lr, want="a finite number > 0"))
 
 
 def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
@@ -321,7 +347,12 @@ class _Run:
         ds = ds.to(dev, dtype if ds.x.is_floating_point() else None)
         frac = cfg.test_fraction
         self.train, self.test = ds.split(1 - frac, seed=cfg.seed) if frac > 0 else (ds, None)
-        self.engine: Engine = make_engine(cfg.engine, **cfg.engine_options)
+        try:
+            self.engine: Engine = make_engine(cfg.engine, **cfg.engine_options)
+        except (ValueError, TypeError) as err:  # an option value the engine refuses
+            if isinstance(err, E.LeangradError):
+                raise
+            raise E.OptionError(f"--engine-opt (engine {cfg.engine!r}): {err}") from None
         if (reason := self.engine.supports(self.net)) is not None:
             label = self.engine.label
             raise E.EngineInputError(UNSUPPORTED.format(engine=label, model=cfg.model,
@@ -334,7 +365,7 @@ class _Run:
         self.per_step = cfg.batch_size * ctx.world_size
         self.steps_per_epoch = len(self.train) // self.per_step
         if self.steps_per_epoch < 1:
-            raise ValueError(BATCH_TOO_BIG.format(batch=cfg.batch_size, world=ctx.world_size,
+            raise E.OptionError(BATCH_TOO_BIG.format(batch=cfg.batch_size, world=ctx.world_size,
                                                   n=len(self.train)))  # fmt: skip
         full = cfg.epochs * self.steps_per_epoch
         self.total = full if cfg.max_steps is None else min(cfg.max_steps, full)

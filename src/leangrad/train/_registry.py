@@ -49,6 +49,17 @@ NEEDS_FLOATS = (
 BAD_SPEC = "{kind} spec {spec!r}: cannot import {target!r} ({error}); use 'package.module:factory'"
 NOT_A = "{kind} factory {spec!r} returned {type}, not a {want}"
 BAD_OPTION = "option {item!r} is not key=value"
+BAD_MODEL_OPTION = (
+    "--model-opt: model {spec!r} does not take that option ({error}); see its factory's "
+    "keyword arguments"
+)
+BAD_MODEL_VALUE = (
+    "--model-opt: model {spec!r} cannot be built with {opts} ({error}); check the values"
+)
+BAD_DATA_OPTION = (
+    "--data-opt: data {spec!r} does not take that option ({error}); see its loader's keyword "
+    "arguments (e.g. synthetic: shape=3,32,32, num_classes=10)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +82,8 @@ class DataInfo:
 def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
     """``["segments=4", "mode=pure"]`` -> ``{"segments": 4, "mode": "pure"}``.
 
-    Values are read as int, float, ``true``/``false``, ``none``, else kept as strings.
+    Values are read as int, float, ``true``/``false``, ``none``, a comma-separated list of
+    numbers as a tuple (``shape=3,32,32`` -> ``(3, 32, 32)``), else kept as strings.
     """
     out: dict[str, Any] = {}
     for item in items or ():
@@ -83,6 +95,11 @@ def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
 
 
 def _value(raw: str) -> Any:
+    if "," in raw:
+        parts = [_value(p.strip()) for p in raw.split(",") if p.strip()]
+        if parts and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in parts):
+            return tuple(parts)
+        return raw
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -122,6 +139,19 @@ def load_data(spec: str, **options: Any) -> _data.Dataset:
         spec: the data spec.
         **options: keyword arguments of the loader (e.g. ``length=32`` for text).
     """
+    try:
+        return _load(spec, **options)
+    except TypeError as err:
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise E.OptionError(BAD_DATA_OPTION.format(spec=spec, error=err)) from None
+    except ValueError as err:
+        if isinstance(err, E.LeangradError):
+            raise
+        raise E.OptionError(f"data {spec!r}: {err}") from None
+
+
+def _load(spec: str, **options: Any) -> _data.Dataset:
     if spec == "text" or spec.startswith("text:"):
         path = spec.partition(":")[2] or None
         return text_chars(path, **options)
@@ -231,7 +261,7 @@ def build_model(spec: str, info: DataInfo, **options: Any) -> nn.Module:
             for k, v in (("input_shape", info.input_shape), ("num_classes", info.num_classes))
             if k in params and k not in options
         }
-        model = factory(**extra, **options)
+        model = _call(spec, factory, {**extra, **options}, list(options))
         if not isinstance(model, nn.Module):
             raise E.EngineInputError(
                 NOT_A.format(kind="model", spec=spec, type=type(model).__name__, want="nn.Module")
@@ -241,7 +271,21 @@ def build_model(spec: str, info: DataInfo, **options: Any) -> nn.Module:
         raise E.UnknownNameError(
             E.UNKNOWN_NAME.format(kind="model", name=spec, known=", ".join(model_names()))
         )
-    return _MODELS[spec](info, **options)
+    return _call(spec, lambda **kw: _MODELS[spec](info, **kw), options, list(options))
+
+
+def _call(spec: str, factory: Callable[..., nn.Module], kwargs: dict[str, Any],
+          given: list[str]) -> nn.Module:  # fmt: skip
+    """``factory(**kwargs)``; a keyword it does not take is the user's --model-opt."""
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError) as err:
+        if not given or isinstance(err, E.LeangradError):
+            raise
+        if "unexpected keyword argument" in str(err):
+            raise E.OptionError(BAD_MODEL_OPTION.format(spec=spec, error=err)) from None
+        opts = ", ".join(f"{k}={kwargs[k]!r}" for k in given)
+        raise E.OptionError(BAD_MODEL_VALUE.format(spec=spec, opts=opts, error=err)) from None
 
 
 def example_batch(info: DataInfo, batch_size: int, *, device: torch.device | str,

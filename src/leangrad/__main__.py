@@ -1,0 +1,7 @@
+"""``python -m leangrad ...`` (and ``torchrun -m leangrad train ...``): the ``leangrad`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

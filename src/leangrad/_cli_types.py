@@ -1,0 +1,99 @@
+"""Argument types of the ``leangrad`` command: each checks one option's value and says,
+in one line, what is wrong and what to write instead (argparse reports it as
+``leangrad: error: argument --OPTION: MESSAGE`` with exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+__all__ = ["device", "fraction", "out_dir", "positive_float", "positive_int", "size",
+           "whole"]  # fmt: skip
+
+
+def _int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
+
+
+def positive_int(raw: str) -> int:
+    """A whole number ≥ 1."""
+    value = _int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def whole(raw: str) -> int:
+    """A whole number ≥ 0."""
+    value = _int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(raw: str) -> float:
+    """A finite number > 0 (a learning rate, seconds)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {raw}")
+    return value
+
+
+def fraction(raw: str) -> float:
+    """A share in [0, 1) (the held-out test fraction)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {raw}")
+    return value
+
+
+def size(raw: str) -> int:
+    """A memory size above 0: ``512MiB``, ``2GiB``, ``1.5GB``, ``1e9``."""
+    from .train._advise import parse_bytes
+
+    try:
+        value = parse_bytes(raw)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 bytes, got {raw!r}")
+    return value
+
+
+def device(raw: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` — and CUDA only where it is available."""
+    try:
+        dev = torch.device(raw)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a device; use cpu or cuda") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{raw!r}: CUDA is not available on this machine; use --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{raw!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif dev.type != "cpu":
+        raise argparse.ArgumentTypeError(f"{raw!r}: leangrad runs on cpu or cuda")
+    return raw
+
+
+def out_dir(raw: str) -> str:
+    """A directory to write into: it may exist, but not as a file."""
+    if os.path.exists(raw) and not os.path.isdir(raw):
+        raise argparse.ArgumentTypeError(f"{raw!r} is a file; name a directory")
+    return raw
