@@ -38,10 +38,12 @@ def test_swaps_in_place_shares_weights_and_reports() -> None:
     assert isinstance(model[0], rad.RandConv2d) and isinstance(model[5][0], rad.RandLinear)
     for n, p in model.named_parameters():  # the same Parameter objects: optimizers keep working
         assert params[n] is p
-    # randomizing twice changes nothing and finds nothing new to swap
+    # randomizing twice swaps nothing new; the randomized layers take the (same) settings
     with pytest.warns(UserWarning):
         again = rad.randomize(model, fraction=0.5, mode="same")
-    assert again.swapped == {}
+    assert set(again.swapped) == {"0", "5.0", "7"}
+    assert all(v.endswith("(settings replaced)") for v in again.swapped.values())
+    assert isinstance(model[0], rad.RandConv2d) and isinstance(model[5][0], rad.RandLinear)
 
 
 def test_training_step_with_an_optimizer_built_before_the_swap() -> None:

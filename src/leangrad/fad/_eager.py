@@ -31,6 +31,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
+import inspect
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -149,9 +151,29 @@ _INPLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__"
                               "__setitem__", "__iand__", "__ior__", "__ixor__"})  # fmt: skip
 
 
-def _writes_first_arg(func: Any) -> bool:
+def _writes_first_arg(func: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> bool:
+    """Does ``func(*args, **kwargs)`` write into its first argument? In-place methods
+    (``relu_``, ``__iadd__``, ...) do, and so do functionals called with ``inplace=True``
+    — by keyword (``F.relu(x, inplace=True)``, nn.ReLU) or by position
+    (``F.leaky_relu(x, 0.1, True)``, nn.LeakyReLU, nn.Hardtanh, nn.ELU, nn.Dropout)."""
     name = getattr(func, "__name__", "")
-    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+    if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):
+        return True
+    kwargs = kwargs or {}
+    if "inplace" in kwargs:
+        return bool(kwargs["inplace"])
+    position = _inplace_position(func)
+    return position is not None and len(args) > position and bool(args[position])
+
+
+@functools.lru_cache(maxsize=512)
+def _inplace_position(func: Any) -> int | None:
+    """Where ``func`` takes ``inplace`` positionally, if it has such a parameter."""
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+    return params.index("inplace") if "inplace" in params else None
 
 
 def _op_name(func: Any, call: Call | None) -> str:
@@ -195,7 +217,8 @@ class _NestedMode(TorchFunctionMode):
             return func(*args, **kwargs)
         self._note("YN", _op_name(func, call))
         target = args[0] if args else None
-        if _writes_first_arg(func) and isinstance(target, Tensor) and target in self.fad:
+        if _writes_first_arg(func, args, kwargs) and isinstance(target, Tensor) \
+                and target in self.fad:  # fmt: skip
             # an nfad op writes into a fad tensor: give the tensor itself its graph first
             attached = self._attach(target)
             del self.fad[target]

@@ -117,6 +117,7 @@ INPUT_SMALLER_THAN_KERNEL = (
     "{layer}: input size {n} in spatial dimension {dim} plus padding 2·{p} is smaller than "
     "the kernel ({k}); use inputs of at least {need} in that dimension"
 )
+NOT_FLOAT = "{layer} needs a floating-point input, got dtype {dtype}; cast it, e.g. x.float()"
 BAD_INPUT = (
     "{layer} needs an input of shape (N, {c_in}, H, W), got shape {shape}; "
     "add a batch dimension or match in_channels"
@@ -406,6 +407,8 @@ class SubmersiveConv2d(ChainLayer):
                     layer=self._describe(), c_in=self.in_channels, shape=tuple(x.shape)
                 )
             )
+        if not x.is_floating_point():
+            raise LayerConditionError(NOT_FLOAT.format(layer=self._describe(), dtype=x.dtype))
         for dim, (n, k, s, p) in enumerate(
             zip(x.shape[-2:], self.kernel_size, self.stride, self.padding, strict=True)
         ):

@@ -76,6 +76,7 @@ ZERO_DIAGONAL = (
     "forward substitution of eq. (20) divides by it: use unit_diagonal=True (the paper's "
     "normalisation) or keep the diagonal away from 0"
 )
+NOT_FLOAT = "{layer} needs a floating-point input, got dtype {dtype}; cast it, e.g. x.float()"
 BAD_INPUT = "{layer} needs an input of shape {want}, got shape {shape}"
 NEEDS_FRAGMENTS = (
     "{layer} is not submersive (stride 1 with 'same' padding: its first p positions never "
@@ -163,6 +164,9 @@ class _FragmentalConv(ChainLayer):
 
     # -- the layer -------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._as4d(x)  # shape and channels, named (not a raw conv error)
+        if not x.is_floating_point():
+            raise LayerConditionError(NOT_FLOAT.format(layer=self._describe(), dtype=x.dtype))
         conv = F.conv1d if self._rank == 1 else F.conv2d
         return conv(x, self.weight, self.bias, padding=self.padding)
 

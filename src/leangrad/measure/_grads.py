@@ -48,13 +48,21 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _finite(g: torch.Tensor, r: torch.Tensor) -> bool:
+    return bool(torch.isfinite(g).all()) and bool(torch.isfinite(r).all())
+
+
 def _rel(g: torch.Tensor, r: torch.Tensor) -> float:
+    if not _finite(g, r):
+        return math.nan  # a NaN/Inf anywhere is never "close"
     scale = r.abs().max().item() if r.numel() else 0.0
     err = (g - r).abs().max().item() if r.numel() else 0.0
     return err / scale if scale > 0 else err
 
 
 def _cos(g: torch.Tensor, r: torch.Tensor) -> float:
+    if not _finite(g, r):
+        return math.nan  # (min(1.0, nan) is 1.0 in Python: never clamp a NaN)
     ng, nr = g.norm().item(), r.norm().item()
     if ng == 0 and nr == 0:
         return 1.0
@@ -63,10 +71,20 @@ def _cos(g: torch.Tensor, r: torch.Tensor) -> float:
     return max(-1.0, min(1.0, float(torch.dot(g, r).item() / (ng * nr))))
 
 
+SHAPE_MISMATCH = (
+    "gradient {name!r} has shape {shape} but its reference has shape {ref}; compare the "
+    "gradients of the same parameters (a transposed weight is not the same gradient)"
+)
+
+
 def compare_grads(
     grads: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]
 ) -> GradComparison:
-    """Compare gradients to a reference with the same names (computed in float64)."""
+    """Compare gradients to a reference with the same names and shapes (in float64).
+
+    A NaN or Inf in either side makes that parameter's error and cosine (and the overall
+    ones) NaN: a non-finite gradient is never reported as close.
+    """
     if set(grads) != set(reference):
         missing = sorted(set(reference) - set(grads))
         extra = sorted(set(grads) - set(reference))
@@ -74,10 +92,11 @@ def compare_grads(
     per: dict[str, tuple[float, float]] = {}
     gs, rs = [], []
     for n, r in reference.items():
+        if tuple(grads[n].shape) != tuple(r.shape):
+            raise ValueError(SHAPE_MISMATCH.format(
+                name=n, shape=tuple(grads[n].shape), ref=tuple(r.shape)))  # fmt: skip
         g64 = grads[n].detach().to("cpu", torch.float64).reshape(-1)
         r64 = r.detach().to("cpu", torch.float64).reshape(-1)
-        if g64.shape != r64.shape:
-            raise ValueError(f"gradient {n!r} has {g64.numel()} elements, reference {r64.numel()}")
         per[n] = (_rel(g64, r64), _cos(g64, r64))
         gs.append(g64)
         rs.append(r64)

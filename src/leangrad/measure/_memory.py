@@ -29,7 +29,9 @@ from torch.utils._pytree import tree_leaves
 from .._errors import LeangradError
 
 __all__ = [
+    "BAD_BUDGET",
     "BUDGET_EXCEEDED",
+    "ENTERED_TWICE",
     "FORWARD_END",
     "MemoryBudgetExceeded",
     "MemoryReport",
@@ -38,6 +40,11 @@ __all__ = [
     "mark",
 ]
 
+BAD_BUDGET = "budget_bytes must be None or an int >= 1 (bytes), got {value!r}"
+ENTERED_TWICE = (
+    "this MemoryTracker is already active; a nested region needs a tracker of its own "
+    "(with MemoryTracker() as inner: ...)"
+)
 FORWARD_END = "forward_end"
 """Mark name engines record once the forward phase is done (what is kept for backward)."""
 
@@ -178,6 +185,10 @@ class MemoryTracker:
         estimate: bool = False,
         budget_bytes: int | None = None,
     ) -> None:
+        if budget_bytes is not None and (
+            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1
+        ):
+            raise ValueError(BAD_BUDGET.format(value=budget_bytes))
         objs = list(baseline) if isinstance(baseline, (list, tuple)) else [baseline]
         self._baseline_objs = objs
         self.device = torch.device(device) if device is not None else _infer_device(objs)
@@ -233,9 +244,16 @@ class MemoryTracker:
 
     # -- context protocol --------------------------------------------------
     def __enter__(self) -> MemoryTracker:
+        if self in _ACTIVE:
+            raise LeangradError(ENTERED_TWICE)
         storages = list(_storages(self._baseline_objs))
         unique = {id(st): st for st in storages}
         self._baseline = sum(st.nbytes() for st in unique.values())
+        self._entries.clear()
+        self.live = self.peak = 0
+        self.marks = {}
+        self._report = None
+        self._check_budget(0)  # before anything is pushed: a failed enter leaves no mode
         if self._use_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -243,22 +261,22 @@ class MemoryTracker:
         else:
             for st in unique.values():
                 self._see(st, external=True)
-            self._mode = _StorageMode(self)
-            self._mode.__enter__()
-        self._check_budget(0)
+            mode = _StorageMode(self)
+            mode.__enter__()
+            self._mode = mode
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _ACTIVE.remove(self)
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self._use_cuda:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
             self.live = torch.cuda.memory_allocated(self.device) - self._cuda_start
-        else:
-            assert self._mode is not None
-            self._mode.__exit__(*exc)
-            self._mode = None
+        elif self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(*exc)
         self._report = MemoryReport(
             device=str(self.device),
             baseline_bytes=self._baseline,

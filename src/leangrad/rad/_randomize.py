@@ -90,6 +90,8 @@ def randomize(
     :class:`RandGRUCell`, ``nn.ReLU`` -> :class:`BitReLU` (1-bit mask),
     ``nn.AvgPool2d`` / ``nn.AdaptiveAvgPool2d`` -> pooling that saves nothing.
     Other leaf layers stay exact and are listed in a ``UserWarning`` and the report.
+    Layers randomized by an earlier call take this call's settings (``fraction``,
+    ``mode``, ``replace``, ``seed``), so the report always describes what the model does.
 
     Args:
         model: the model to modify (not its root: wrap a bare layer in ``nn.Sequential``).
@@ -121,7 +123,9 @@ def randomize(
                 setattr(parent, name, new)
                 swapped[full] = f"{type(child).__name__} -> {type(new).__name__}"
             elif isinstance(child, _RANDOMIZED):
-                continue
+                if hasattr(child, "spec"):  # randomized before: it takes the new settings
+                    child.spec, child.generator = spec, gen
+                    swapped[full] = f"{type(child).__name__} (settings replaced)"
             elif next(child.children(), None) is None:
                 if not isinstance(child, _SAVE_NOTHING):
                     left.append(f"{full} ({type(child).__name__})")
