@@ -340,3 +340,28 @@ def test_highway_gru_lm_is_the_gru_lm_with_leangrads_layers() -> None:
         hw.head.lin.bias.copy_(plain.head.bias)
     idx = torch.randint(0, 16, (3, 7))
     torch.testing.assert_close(hw(idx), plain(idx), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "engine"),
+    [("factories:resnet", ["--data", "synthetic", "--data-opt", "shape=3,8,8"], "checkpoint"),
+     ("factories:resnet", ["--data", "synthetic", "--data-opt", "shape=3,8,8"],
+      "checkpoint+bits"),
+     ("factories:gpt", ["--data", "text", "--data-opt", "length=16"], "checkpoint+fad"),
+     ("factories:gpt", ["--data", "text", "--data-opt", "length=16"], "fad")],
+)  # fmt: skip
+def test_cli_trains_a_class_based_model_from_a_factory(
+    model: str, data: list[str], engine: str, tmp_path, capsys  # type: ignore[no-untyped-def]
+) -> None:
+    """The README's custom-model path: ``--model package.module:factory`` with
+    ``input_shape``/``num_classes`` passed by keyword, synthetic images from
+    ``--data-opt shape=C,H,W``, text windows — trained as written by engines that take
+    any module."""
+    from leangrad.cli import main
+
+    code = main(["train", "--model", model, *data, "--engine", engine, "--max-steps", "2",
+                 "--batch-size", "4", "--no-plots", "--no-progress", "--out",
+                 str(tmp_path / "run")])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "max_steps: 2 steps" in out.out
