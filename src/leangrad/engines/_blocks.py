@@ -7,7 +7,8 @@ blocks and runs them one after another. A model written the ordinary way — a c
 its own ``forward``, a stem, ``self.blocks``, a head — says so in its module tree: the
 repeated units are the children of an ``nn.ModuleList`` / ``nn.Sequential`` that repeat
 a type (ResNet stages' residual blocks, a transformer's layers). :func:`blocks` finds
-them and says how; ``blocks=`` (a list of submodule names) overrides the search.
+them and says how; ``blocks=`` (a list of submodule names) overrides the search. Where the
+module tree repeats nothing, the ``torch.fx`` graph is cut at its articulation points.
 """
 
 from __future__ import annotations
@@ -44,12 +45,16 @@ class Blocks:
             then be checkpointed as one. Otherwise every block is checkpointed alone.
         how: how they were found, e.g. ``"repeated children of 'blocks' (6 x Block)"``.
         modules: the block modules, by name.
+        runner: see below; ``None`` when the blocks are the model's own submodules.
     """
 
     names: tuple[str, ...]
     sequential: bool
     how: str
     modules: dict[str, nn.Module] = dataclasses.field(repr=False, compare=False)
+    runner: nn.Module | None = dataclasses.field(default=None, repr=False, compare=False)
+    """A module to run instead of the model, whose submodules the blocks are (the fx split
+    of a model whose module tree repeats nothing); it shares the model's tensors."""
 
     def __len__(self) -> int:
         return len(self.names)
@@ -146,6 +151,60 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None) -> Blocks:
 
     visit(model, "")
     if not found_list:
-        raise E.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
+        graph = _graph_blocks(model)
+        if graph is None:
+            raise E.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
+        return graph
     how = "repeated children of " + ", ".join(hows)
     return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
+
+
+def _graph_blocks(model: nn.Module) -> Blocks | None:
+    """Where the module tree says nothing: the model's ``torch.fx`` graph cut at its
+    articulation points — nodes every path from the inputs to the output passes through,
+    so that exactly one value crosses each cut — into about √n segments of similar op
+    counts (n: the ops). ``None`` when fx cannot trace the model or there are no cuts."""
+    import math
+
+    from torch import fx
+    from torch.fx.passes.split_module import split_module
+
+    try:
+        gm = fx.symbolic_trace(model)
+    except Exception:
+        return None
+    nodes = [n for n in gm.graph.nodes if n.op not in ("get_attr", "output")]
+    pos = {n: i for i, n in enumerate(nodes)}
+    ops = [i for i, n in enumerate(nodes) if n.op in ("call_module", "call_function",
+                                                       "call_method")]  # fmt: skip
+    if len(ops) < 4:
+        return None
+    cuts: list[int] = []
+    reach = -1  # the furthest position a node before i is used at
+    for i, n in enumerate(nodes):
+        if reach <= i and n.op != "placeholder" and i < len(nodes) - 1:
+            cuts.append(i)  # only n's own value leaves the prefix ending at n
+        uses = [pos[u] for u in n.users if u in pos]
+        reach = max(reach, *uses) if uses else reach
+    if not cuts:
+        return None
+    k = max(2, round(math.sqrt(len(ops))))
+    bounds: list[int] = []
+    for j in range(1, k):  # the cut nearest to each j/k of the ops
+        target = ops[min(len(ops) - 1, round(j * len(ops) / k))]
+        best = min(cuts, key=lambda c: abs(c - target))
+        if not bounds or best > bounds[-1]:
+            bounds.append(best)
+    part = {n: sum(pos[n] > b for b in bounds) for n in nodes}
+
+    def which(n: fx.Node) -> int:
+        if n in part:
+            return part[n]
+        return min(part[u] for u in n.users if u in part)  # get_attr: with its first user
+
+    runner = split_module(gm, model, which)
+    names = tuple(n for n, _ in runner.named_children() if n.startswith("submod_"))
+    if len(names) < 2:
+        return None
+    how = f"torch.fx graph cut at {len(bounds)} articulation point(s) ({len(ops)} ops)"
+    return Blocks(names, False, how, {n: runner.get_submodule(n) for n in names}, runner)

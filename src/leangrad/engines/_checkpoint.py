@@ -134,6 +134,8 @@ class Checkpoint(Engine):
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every module of the checkpointed blocks: recomputed during the backward pass."""
         found = self.blocks(model)
+        if found.runner is not None:  # fx split: hooks live on the model's own modules
+            return list(model.named_modules())
         return [
             (n, m)
             for name in self._checkpointed(found)
@@ -184,8 +186,9 @@ class Checkpoint(Engine):
         return self._result(loss, segments=len(groups))
 
     def _wrap(self, model: nn.Module, found: Blocks) -> nn.Module:
-        """A copy of ``model`` sharing its tensors, each checkpointed block wrapped."""
-        new = share_copy(model)
+        """A copy of ``model`` (or of the fx split that stands for it) sharing its tensors,
+        each checkpointed block wrapped."""
+        new = share_copy(found.runner if found.runner is not None else model)
         for name in self._checkpointed(found):
             new.set_submodule(name, _Checkpointed(new.get_submodule(name)))
         return new
