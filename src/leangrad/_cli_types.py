@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -21,20 +22,20 @@ def _int(raw: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
 
 
-def positive_int(raw: str) -> int:
-    """A whole number ≥ 1."""
-    value = _int(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(low: int, what: str) -> Callable[[str], int]:
+    def check(raw: str) -> int:
+        value = _int(raw)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return check
 
 
-def whole(raw: str) -> int:
-    """A whole number ≥ 0."""
-    value = _int(raw)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+positive_int = _at_least(1, "at least 1")
+"""A whole number ≥ 1."""
+whole = _at_least(0, "0 or more")
+"""A whole number ≥ 0."""
 
 
 def positive_float(raw: str) -> float:
