@@ -111,6 +111,7 @@ ANY_MODULE = [
     ("forward", {"chunk_size": 64}), ("projforward", {"samples": 2, "seed": 0}),
     ("fad", {}), ("rad", {"fraction": 1.0, "seed": 0}), ("rad", {"fraction": 0.3, "seed": 0}),
     ("checkpoint+fad", {}), ("checkpoint+rad", {"fraction": 1.0, "seed": 0}),
+    ("bits", {}), ("checkpoint+bits", {}), ("checkpoint", {"segments": None}),
 ]  # fmt: skip
 
 

@@ -76,7 +76,8 @@ SHORT_SEQUENCE = (
 NOT_HIGHWAY = (
     "the highway engine needs a leangrad.highway.HighwayNet (stem -> HighwayStacks -> head) "
     "or a HighwayStack, got {model}; build one, e.g. HighwayNet(stem, [ResidualStack(blocks)], "
-    "head) or HighwayNet(embedding, [GRULayer(h, h)], head)"
+    "head) or HighwayNet(embedding, [GRULayer(h, h)], head) (leangrad.zoo.highway_gru_lm), or "
+    "use an engine that takes the model as written: 'backprop', 'checkpoint', 'fad', 'rad'"
 )
 
 
