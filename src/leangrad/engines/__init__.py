@@ -8,13 +8,15 @@ from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._blocks import Blocks, blocks
 from ._checkpoint import Checkpoint
-from ._compose import Bits, Composed, Explanation, Fad, Rad, Transform, explain
+from ._compose import Bits, Composed, Fad, Rad
+from ._explain import Explanation, explain
 from ._forward import Forward
 from ._highway import Highway
 from ._moonwalk import Moonwalk
 from ._projforward import ProjForward
 from ._registry import available, engine, engine_class, register
 from ._revbackprop import RevBackprop
+from ._transforms import Transform
 
 __all__ = [
     "Backprop",
