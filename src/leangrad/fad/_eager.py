@@ -130,16 +130,23 @@ class _Pending(torch.autograd.Function):
 
 
 class _Attach(torch.autograd.Function):
-    """The YN post-process: one node, one saved derivative, backward ``grad * d``."""
+    """The YN post-process: one node, one saved derivative, backward ``grad * d``.
+
+    The value comes in a :class:`_Box`, not as an input, so the output is a plain tensor
+    (sharing the fad tensor's memory) rather than a view made inside a custom Function:
+    autograd then accepts in-place writes to it and to its views, as it does for the
+    value an ordinary op would have returned (``x.view(-1).relu_()``).
+    """
 
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, value: Tensor, deriv: Tensor | float) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchor: Tensor, box: _Box, deriv: Tensor | float) -> Tensor:  # type: ignore[override]
         if isinstance(deriv, Tensor):
             ctx.save_for_backward(deriv)
             ctx.const = None
         else:
             ctx.const = deriv
-        return value.view_as(value)
+        value, box.value = box.value, None
+        return value
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
@@ -234,7 +241,7 @@ class _NestedMode(TorchFunctionMode):
             return t
         data: _FadData = self.fad[t]
         if data.attached is None:
-            data.attached = _Attach.apply(data.anchor, t.detach(), data.deriv)
+            data.attached = _Attach.apply(data.anchor, _Box(t.detach()), data.deriv)
             self.stats.attached += 1
         return data.attached
 

@@ -143,12 +143,16 @@ class Elementwise(nn.Module):
 
     def __init__(self, fn: Callable[[Tensor], Any]) -> None:
         super().__init__()
+        if not callable(fn):
+            raise E.FadOpError(E.NOT_A_FUNCTION.format(type=type(fn).__name__))
         self.fn = fn
 
     def extra_repr(self) -> str:
         return getattr(self.fn, "__name__", repr(self.fn))
 
     def forward(self, x: Tensor) -> Any:
+        if not isinstance(x, Tensor):
+            raise E.FadOpError(E.NOT_A_TENSOR.format(fn=self.extra_repr(), type=type(x).__name__))
         if not (torch.is_grad_enabled() and x.requires_grad):
             values, _ = _dual_run(self.fn, x)  # same checks and errors as with grad
             return values[0] if len(values) == 1 else tuple(values)

@@ -9,6 +9,8 @@ __all__ = [
     "ESCAPED",
     "FALLBACK",
     "INPLACE_INPUT",
+    "NOT_A_FUNCTION",
+    "NOT_A_TENSOR",
     "NOT_ELEMENTWISE",
     "NOT_ONE_TENSOR",
     "TWO_SOURCES",
@@ -47,6 +49,11 @@ TWO_SOURCES = (
     "III-A). Pass the other tensor as a constant without requires_grad and of a shape that "
     "broadcasts to the input's, or keep this operator outside fad.elementwise"
 )
+NOT_A_FUNCTION = (
+    "fad.elementwise needs a function of one tensor, got {type}; pass e.g. "
+    "fad.elementwise(lambda x: x * torch.sigmoid(x))"
+)
+NOT_A_TENSOR = "fad.elementwise({fn}): the input must be a tensor, got {type}"
 INPLACE_INPUT = (
     "fad.elementwise: in-place operator {op!r} writes into the function's input or into a "
     "tensor outside the chain; use the out-of-place form (e.g. x.mul(2) instead of x.mul_(2))"
