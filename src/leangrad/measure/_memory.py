@@ -17,6 +17,7 @@ for the backward phase); marks are free when no tracker is active.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,13 +27,16 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .._errors import LeangradError
+from .._errors import LeangradError, OptionError
 
 __all__ = [
     "BAD_BUDGET",
+    "BAD_DEVICE",
     "BUDGET_EXCEEDED",
     "ENTERED_TWICE",
+    "EXITED_OUT_OF_ORDER",
     "FORWARD_END",
+    "NOT_ENTERED",
     "MemoryBudgetExceeded",
     "MemoryReport",
     "MemoryTracker",
@@ -41,9 +45,22 @@ __all__ = [
 ]
 
 BAD_BUDGET = "budget_bytes must be None or an int >= 1 (bytes), got {value!r}"
+BAD_DEVICE = (
+    "device {device!r} cannot be tracked: {why}; pass device='cpu', a CUDA device that "
+    "torch.cuda.is_available() confirms, or None to infer it from the baseline"
+)
 ENTERED_TWICE = (
     "this MemoryTracker is already active; a nested region needs a tracker of its own "
     "(with MemoryTracker() as inner: ...)"
+)
+NOT_ENTERED = (
+    "this MemoryTracker was exited without being entered (or exited twice); "
+    "use it as `with MemoryTracker() as tracker: ...`"
+)
+EXITED_OUT_OF_ORDER = (
+    "a MemoryTracker was exited while {count} tracker(s) entered inside it were still "
+    "active; they were exited first (their reports end here), but nested trackers must be "
+    "exited innermost first: use nested `with` blocks"
 )
 FORWARD_END = "forward_end"
 """Mark name engines record once the forward phase is done (what is kept for backward)."""
@@ -185,13 +202,10 @@ class MemoryTracker:
         estimate: bool = False,
         budget_bytes: int | None = None,
     ) -> None:
-        if budget_bytes is not None and (
-            isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1
-        ):
-            raise ValueError(BAD_BUDGET.format(value=budget_bytes))
+        budget_bytes = _check_budget_arg(budget_bytes)
         objs = list(baseline) if isinstance(baseline, (list, tuple)) else [baseline]
         self._baseline_objs = objs
-        self.device = torch.device(device) if device is not None else _infer_device(objs)
+        self.device = _check_device(device, estimate) if device is not None else _infer_device(objs)
         self.estimate = estimate
         self.live = 0
         self.peak = 0
@@ -244,7 +258,10 @@ class MemoryTracker:
 
     # -- context protocol --------------------------------------------------
     def __enter__(self) -> MemoryTracker:
-        if self in _ACTIVE:
+        """Start tracking. Transactional: everything that can fail (the budget check on the
+        baseline) runs before the dispatch mode is pushed, so a failed enter leaves nothing
+        behind and torch works as before."""
+        if any(t is self for t in _ACTIVE):
             raise LeangradError(ENTERED_TWICE)
         storages = list(_storages(self._baseline_objs))
         unique = {id(st): st for st in storages}
@@ -268,8 +285,28 @@ class MemoryTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        """Stop tracking and build the report; the dispatch mode is popped on every path.
+
+        Trackers entered inside this one and still active (a manual ``__enter__`` whose
+        ``__exit__`` never ran) are exited first, innermost first, so the mode popped is
+        always this tracker's own; without an exception in flight that misuse then raises
+        ``EXITED_OUT_OF_ORDER``.
+        """
+        index = next((i for i, t in enumerate(_ACTIVE) if t is self), None)
+        if index is None:
+            raise LeangradError(NOT_ENTERED)
+        exc = exc or (None, None, None)
+        inner = _ACTIVE[index + 1 :]
+        try:
+            for t in reversed(inner):
+                t.__exit__(*exc)
+        finally:
+            del _ACTIVE[index]
+            self._finish(exc)
+        if inner and exc[0] is None:
+            raise LeangradError(EXITED_OUT_OF_ORDER.format(count=len(inner)))
+
+    def _finish(self, exc: tuple[object, ...]) -> None:
         if self._use_cuda:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
@@ -301,6 +338,29 @@ class MemoryTracker:
         if self._report is None:
             raise RuntimeError("MemoryTracker.report is available after the `with` block exits")
         return self._report
+
+
+def _check_budget_arg(budget_bytes: object) -> int | None:
+    """``budget_bytes`` as an int (any integral type: numpy too), or ``None``."""
+    if budget_bytes is None:
+        return None
+    try:
+        value = None if isinstance(budget_bytes, bool) else operator.index(budget_bytes)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise OptionError(BAD_BUDGET.format(value=budget_bytes))
+    return value
+
+
+def _check_device(device: str | torch.device, estimate: bool) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise OptionError(BAD_DEVICE.format(device=device, why="not a torch device")) from e
+    if dev.type == "cuda" and not estimate and not torch.cuda.is_available():
+        raise OptionError(BAD_DEVICE.format(device=device, why="CUDA is not available"))
+    return dev
 
 
 def _infer_device(objs: list[Any]) -> torch.device:
