@@ -10,7 +10,17 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["Timing", "num_threads", "time_interleaved"]
+__all__ = ["BAD_COUNT", "NOT_CALLABLE", "NO_FUNCTIONS", "Timing", "num_threads", "time_interleaved"]
+
+BAD_COUNT = "{name} must be an int >= {least}, got {value!r}"
+NO_FUNCTIONS = (
+    "time_interleaved needs at least one function to time, got an empty mapping; "
+    "pass e.g. {{'backprop': step}}"
+)
+NOT_CALLABLE = (
+    "time_interleaved: fns[{name!r}] must be a zero-argument callable, got {type}; "
+    "wrap a call with arguments as lambda: step(model, x)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _check_count(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(BAD_COUNT.format(name=name, least=least, value=value))
+
+
 def time_interleaved(
     fns: Mapping[str, Callable[[], object]],
     *,
@@ -71,11 +86,23 @@ def time_interleaved(
         reference: name whose median the ratios divide by (e.g. ``"backprop"``).
         threads: ``torch.set_num_threads`` during timing (1 by default; ``None`` leaves it).
         progress: called after each timed call (e.g. a progress bar's update).
+
+    Raises:
+        ValueError: no functions, or ``repeats`` < 1, ``warmup`` < 0, ``threads`` < 1
+            (or not ints); TypeError: a value of ``fns`` is not callable; KeyError: an
+            unknown ``reference``.
     """
+    if not fns:
+        raise ValueError(NO_FUNCTIONS)
+    for name, fn in fns.items():
+        if not callable(fn):
+            raise TypeError(NOT_CALLABLE.format(name=name, type=type(fn).__name__))
     if reference is not None and reference not in fns:
         raise KeyError(f"reference {reference!r} is not among the timed functions {list(fns)}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    _check_count("repeats", repeats, 1)
+    _check_count("warmup", warmup, 0)
+    if threads is not None:
+        _check_count("threads", threads, 1)
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}
     with num_threads(threads):
