@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _errors as E
-from ._sampling import SampleSpec, draw_seed
+from ._sampling import SampleSpec, draw_seed, make_generator
 
 __all__ = ["RandConv2d"]
 
@@ -103,7 +103,9 @@ class RandConv2d(nn.Conv2d):
             device=device, dtype=dtype,
         )  # fmt: skip
         self.spec = SampleSpec(fraction, mode, replace)
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.generator = make_generator(seed)
+        if (why := self.supports(self)) is not None:
+            raise E.RadInputError(E.BAD_PADDING.format(layer=type(self).__name__, why=why))
 
     @staticmethod
     def supports(conv: nn.Conv2d) -> str | None:
@@ -135,6 +137,11 @@ class RandConv2d(nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
+        c = self.in_channels
+        if x.dim() not in (3, 4) or x.shape[-3] != c:
+            raise E.RadInputError(E.BAD_INPUT.format(
+                layer=type(self).__name__, want=f"an input of shape (N, {c}, H, W) or ({c}, H, W)",
+                shape=tuple(x.shape), fix=""))  # fmt: skip
         unbatched = x.dim() == 3
         if unbatched:
             if spec.mode == "different" and not spec.exact:

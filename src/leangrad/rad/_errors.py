@@ -20,6 +20,15 @@ BAD_FRACTION = (
     "it is the share of activations kept for the weight gradient (1 keeps all: exact)"
 )
 BAD_MODE = "unknown mode {mode!r}; known modes: {known}"
+BAD_REPLACE = "replace must be True or False, got {value!r}"
+BAD_SEED = (
+    "seed must be an int or None, got {value!r}; None draws from torch's global RNG "
+    "(torch.manual_seed makes it reproducible)"
+)
+BAD_NONLINEARITY = "unknown nonlinearity {value!r}; known nonlinearities: tanh, relu"
+BAD_INPUT = "{layer}: needs {want}, got shape {shape}{fix}"
+BAD_PADDING = "{layer}: cannot use {why}; use nn.Conv2d for it, or numeric zero padding"
+NOT_A_SPEC = "spec must be a SampleSpec, got {type}; build one with SampleSpec(fraction, mode)"
 NEEDS_BATCH = (
     "{layer}: mode {mode!r} draws a separate sample per example and needs a batch "
     "dimension, but got an unbatched input of shape {shape}; add one with x.unsqueeze(0) "

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _errors as E
-from ._sampling import SampleSpec, draw_seed
+from ._sampling import SampleSpec, draw_seed, make_generator
 
 __all__ = ["RandLinear", "rand_linear"]
 
@@ -74,7 +74,18 @@ def rand_linear(
 
     Returns:
         The exact output; its weight gradient is an unbiased estimate (section 4.2).
+
+    Raises:
+        RadInputError: ``spec`` is not a :class:`SampleSpec`, ``x``'s last dimension is not
+            the weight's ``in_features``, or mode ``"different"`` gets no batch dimension.
     """
+    if not isinstance(spec, SampleSpec):
+        raise E.RadInputError(E.NOT_A_SPEC.format(type=type(spec).__name__))
+    features = weight.shape[-1]
+    if x.dim() == 0 or x.shape[-1] != features:
+        raise E.RadInputError(E.BAD_INPUT.format(
+            layer=layer, want=f"an input of shape (..., {features})", shape=tuple(x.shape),
+            fix=f"; its last dimension must be the layer's {features} input features"))  # fmt: skip
     if x.dim() < 2 and spec.mode == "different" and not spec.exact:
         raise E.RadInputError(
             E.NEEDS_BATCH.format(layer=layer, mode=spec.mode, shape=tuple(x.shape))
@@ -119,7 +130,7 @@ class RandLinear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.spec = SampleSpec(fraction, mode, replace)
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.generator = make_generator(seed)
 
     @classmethod
     def from_linear(

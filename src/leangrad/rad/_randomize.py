@@ -20,7 +20,7 @@ from ._conv import RandConv2d
 from ._linear import RandLinear
 from ._recurrent import RandGRUCell, RandRNNCell
 from ._relu import BitReLU, LeanAdaptiveAvgPool2d, LeanAvgPool2d
-from ._sampling import SampleSpec
+from ._sampling import SampleSpec, make_generator
 
 __all__ = ["RandomizeReport", "randomize"]
 
@@ -106,14 +106,21 @@ def randomize(
         A :class:`RandomizeReport`.
 
     Raises:
-        RadInputError: bad ``fraction`` or ``mode``, or ``model`` itself is a supported layer.
+        RadInputError: bad ``fraction``, ``mode``, ``replace`` or ``seed``, or ``model``
+            itself is a supported layer (a root that is already randomized takes the new
+            settings instead, reported as ``"<root>"``).
     """
     spec = SampleSpec(fraction, mode, replace)
-    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    gen = make_generator(seed)
     if _swap(model, spec, gen) is not None:
         raise E.RadInputError(E.ROOT_SUPPORTED.format(kind=type(model).__name__))
     swapped: dict[str, str] = {}
     left: list[str] = []
+    if isinstance(model, _RANDOMIZED):  # a randomized layer as the root: nothing to swap
+        if hasattr(model, "spec"):
+            model.spec, model.generator = spec, gen
+            swapped["<root>"] = f"{type(model).__name__} (settings replaced)"
+        return RandomizeReport(swapped, left, spec.fraction, spec.mode, spec.replace)
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for name, child in parent.named_children():

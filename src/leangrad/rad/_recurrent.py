@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _errors as E
 from ._linear import rand_linear
 from ._relu import _BitReLUFn
-from ._sampling import SampleSpec, draw_seed
+from ._sampling import SampleSpec, draw_seed, make_generator
 
 __all__ = ["RandGRUCell", "RandRNNCell", "irnn_cell"]
 
@@ -28,9 +29,7 @@ __all__ = ["RandGRUCell", "RandRNNCell", "irnn_cell"]
 def _spec_and_gen(
     fraction: float, mode: str, replace: bool, seed: int | None
 ) -> tuple[SampleSpec, torch.Generator | None]:
-    return SampleSpec(fraction, mode, replace), (
-        None if seed is None else torch.Generator().manual_seed(seed)
-    )
+    return SampleSpec(fraction, mode, replace), make_generator(seed)
 
 
 def _adopt(new: nn.Module, cell: nn.RNNCellBase) -> None:
@@ -66,6 +65,8 @@ class RandRNNCell(nn.RNNCell):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        if nonlinearity not in ("tanh", "relu"):  # nn.RNNCell checks only in its forward
+            raise E.RadInputError(E.BAD_NONLINEARITY.format(value=nonlinearity))
         super().__init__(input_size, hidden_size, bias, nonlinearity, device=device, dtype=dtype)
         self.spec, self.generator = _spec_and_gen(fraction, mode, replace, seed)
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers._bits import PackedBits, pack_bits, unpack_bits
+from . import _errors as E
 
 __all__ = ["BitReLU", "LeanAdaptiveAvgPool2d", "LeanAvgPool2d"]
 
@@ -81,6 +82,13 @@ class _AdaptiveAvgPoolFn(torch.autograd.Function):
         return torch.ops.aten._adaptive_avg_pool2d_backward(g, _like(g, ctx.shape)), None
 
 
+def _check_rank(layer: nn.Module, x: torch.Tensor) -> None:
+    if x.dim() not in (3, 4):
+        raise E.RadInputError(E.BAD_INPUT.format(
+            layer=type(layer).__name__, want="an input of shape (N, C, H, W) or (C, H, W)",
+            shape=tuple(x.shape), fix=""))  # fmt: skip
+
+
 def _pair(v: int | tuple[int, ...]) -> list[int]:
     return [v, v] if isinstance(v, int) else list(v)
 
@@ -89,6 +97,7 @@ class LeanAvgPool2d(nn.AvgPool2d):
     """``nn.AvgPool2d`` that saves nothing for backward (its Jacobian is constant)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_rank(self, x)
         stride = self.stride if self.stride is not None else self.kernel_size
         opts = (
             _pair(self.kernel_size), _pair(stride), _pair(self.padding),
@@ -101,4 +110,5 @@ class LeanAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` that saves nothing for backward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_rank(self, x)
         return _AdaptiveAvgPoolFn.apply(x, self.output_size)

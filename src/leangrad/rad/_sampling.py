@@ -31,7 +31,15 @@ import torch
 
 from . import _errors as E
 
-__all__ = ["MODES", "SampleSpec", "check_fraction", "check_mode", "draw_seed", "rademacher"]
+__all__ = [
+    "MODES",
+    "SampleSpec",
+    "check_fraction",
+    "check_mode",
+    "draw_seed",
+    "make_generator",
+    "rademacher",
+]
 
 MODES = ("different", "same", "project")
 """Sampling modes: per-row samples, one sample per call, a seeded Rademacher projection."""
@@ -53,6 +61,15 @@ def check_mode(mode: object) -> str:
     if mode not in MODES:
         raise E.RadInputError(E.BAD_MODE.format(mode=mode, known=", ".join(MODES)))
     return str(mode)
+
+
+def make_generator(seed: object) -> torch.Generator | None:
+    """A CPU generator seeded with ``seed``, ``None`` for ``None``; RadInputError otherwise."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise E.RadInputError(E.BAD_SEED.format(value=seed))
+    return torch.Generator().manual_seed(int(seed))
 
 
 def draw_seed(generator: torch.Generator | None) -> int:
@@ -94,6 +111,8 @@ class SampleSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fraction", check_fraction(self.fraction))
         object.__setattr__(self, "mode", check_mode(self.mode))
+        if not isinstance(self.replace, bool):  # "no" would be truthy: with replacement
+            raise E.RadInputError(E.BAD_REPLACE.format(value=self.replace))
 
     def kept(self, d: int) -> int:
         """``k``: how many of ``d`` entries (or projection columns) are stored."""
@@ -106,6 +125,8 @@ class SampleSpec:
 
     def _indices(self, rows: int, d: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
         n = rows if self.mode == "different" else 1
+        if n == 0:  # an empty batch: no rows to sample for
+            return torch.zeros(0, k, dtype=torch.long, device=device)
         gen = _generator(seed, device)
         if self.replace:
             return torch.randint(d, (n, k), generator=gen, device=device)
