@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -217,6 +218,7 @@ class MemoryTracker:
         self._cuda_start = 0
         self._use_cuda = self.device.type == "cuda" and not estimate
         self._report: MemoryReport | None = None
+        self._thread: int | None = None  # dispatch modes are per thread
         self.budget_bytes = budget_bytes
 
     # -- bookkeeping (CPU) -------------------------------------------------
@@ -281,6 +283,7 @@ class MemoryTracker:
             mode = _StorageMode(self)
             mode.__enter__()
             self._mode = mode
+        self._thread = threading.get_ident()
         _ACTIVE.append(self)
         return self
 
@@ -296,12 +299,12 @@ class MemoryTracker:
         if index is None:
             raise LeangradError(NOT_ENTERED)
         exc = exc or (None, None, None)
-        inner = _ACTIVE[index + 1 :]
+        inner = [t for t in _ACTIVE[index + 1 :] if t._thread == self._thread]
         try:
             for t in reversed(inner):
                 t.__exit__(*exc)
         finally:
-            del _ACTIVE[index]
+            _ACTIVE.remove(self)  # trackers define no __eq__: this removes this very one
             self._finish(exc)
         if inner and exc[0] is None:
             raise LeangradError(EXITED_OUT_OF_ORDER.format(count=len(inner)))
