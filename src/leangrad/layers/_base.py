@@ -21,6 +21,7 @@ input cotangent h₀ known, ``h_i = vijp(f_i, x_{i−1}, h_{i−1})`` and
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, ClassVar
 
 import torch
@@ -29,12 +30,16 @@ from torch import nn
 from .._errors import LeangradError
 
 __all__ = [
+    "INPUT_DTYPE",
+    "NOT_POSITIVE_INT",
     "ChainLayer",
     "LayerConditionError",
     "NotInvertibleError",
     "NotSubmersiveError",
     "autograd_forward_vjp_params",
     "autograd_vjp_input",
+    "check_input_dtype",
+    "positive_int",
 ]
 
 
@@ -56,10 +61,36 @@ NOT_SUBMERSIVE = (
     "leangrad.layers.SubmersiveConv2d, whose Lemma 1 conditions guarantee it), move it "
     "into the chain's head, or use the 'checkpoint' engine"
 )
+NOT_POSITIVE_INT = "{layer}: {name} must be a positive int, got {value!r}"
+INPUT_DTYPE = (
+    "{layer} has {param} parameters but got an input of dtype {dtype}; cast the input, "
+    "e.g. x.to({param}), or the layer, e.g. layer.to({dtype})"
+)
 NOT_INVERTIBLE = (
     "{layer} is not invertible, so 'revbackprop' cannot recompute its input; "
     "use the 'moonwalk' or 'checkpoint' engine"
 )
+
+
+def positive_int(layer: str, name: str, value: object) -> int:
+    """``value`` as an int >= 1 (numpy ints too), else :class:`LayerConditionError`.
+
+    Never rounds: ``4.7`` features is an error, not 4; ``True`` is not 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise LayerConditionError(NOT_POSITIVE_INT.format(layer=layer, name=name, value=value))
+    return int(value)
+
+
+def check_input_dtype(layer: str, x: torch.Tensor, param: torch.Tensor) -> None:
+    """A floating input must have its layer's parameter dtype (autocast regions excepted:
+    there the kernels cast both), named here instead of as a raw kernel error."""
+    if (
+        x.dtype != param.dtype
+        and x.is_floating_point()
+        and not torch.is_autocast_enabled(x.device.type)
+    ):
+        raise LayerConditionError(INPUT_DTYPE.format(layer=layer, param=param.dtype, dtype=x.dtype))
 
 
 def autograd_vjp_input(layer: nn.Module, x: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,12 @@ from torch import nn
 from .._errors import EngineInputError
 from ._base import ChainLayer
 
-__all__ = ["NO_RULES", "Chain"]
+__all__ = ["NOT_A_MODULE", "NO_RULES", "Chain"]
+
+NOT_A_MODULE = (
+    "Chain: {what} is a {type}, not an nn.Module; wrap a function in a module "
+    "(e.g. leangrad.fad.elementwise(fn) for an element-wise one)"
+)
 
 NO_RULES = (
     "chain layer {index} ({layer}) has no chain rules (it is not a leangrad ChainLayer); "
@@ -38,6 +43,10 @@ class Chain(nn.Module):
         self, *layers: nn.Module, stem: nn.Module | None = None, head: nn.Module | None = None
     ) -> None:
         super().__init__()
+        named = [(f"layer {i}", m) for i, m in enumerate(layers)]
+        for what, m in [*named, ("stem", stem), ("head", head)]:
+            if m is not None and not isinstance(m, nn.Module):
+                raise EngineInputError(NOT_A_MODULE.format(what=what, type=type(m).__name__))
         self.stem = stem if stem is not None else nn.Identity()
         self.layers = nn.ModuleList(layers)
         self.head = head if head is not None else nn.Identity()

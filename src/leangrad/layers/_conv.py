@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import UNKNOWN_NAME, UnknownNameError
-from ._base import ChainLayer, LayerConditionError
+from ._base import ChainLayer, LayerConditionError, check_input_dtype, positive_int
 from ._linear import diag_from_raw, diag_grad_from_raw, triangular_inverse
 
 __all__ = ["VIJP_MODES", "SubmersiveConv2d"]
@@ -131,7 +131,7 @@ PARALLEL_INVALID = (
 
 def _pair(v: int | tuple[int, int], name: str) -> tuple[int, int]:
     t = (v, v) if isinstance(v, int) else tuple(v)
-    if len(t) != 2 or not all(isinstance(e, int) and e >= 0 for e in t):
+    if len(t) != 2 or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in t):
         raise LayerConditionError(f"SubmersiveConv2d: {name} must be an int ≥ 0 or a pair")
     return t  # type: ignore[return-value]
 
@@ -195,7 +195,8 @@ class SubmersiveConv2d(ChainLayer):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.in_channels = positive_int("SubmersiveConv2d", "in_channels", in_channels)
+        self.out_channels = positive_int("SubmersiveConv2d", "out_channels", out_channels)
         self.kernel_size = _pair(kernel_size, "kernel_size")
         self.stride = _pair(stride, "stride")
         self.padding = _pair(padding, "padding")
@@ -249,6 +250,7 @@ class SubmersiveConv2d(ChainLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        check_input_dtype(self._describe(), x, self.weight_raw)
         return F.conv2d(x, self.weight(), self.bias, self.stride, self.padding)
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Size:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._base import ChainLayer, LayerConditionError, NotSubmersiveError
+from ._base import ChainLayer, LayerConditionError, NotSubmersiveError, check_input_dtype
 from ._linear import triangular_inverse
 
 __all__ = [
@@ -108,10 +108,12 @@ class _FragmentalConv(ChainLayer):
         super().__init__()
         ks = (kernel_size,) * self._rank if isinstance(kernel_size, int) else tuple(kernel_size)
         name = type(self).__name__
-        if len(ks) != self._rank or not all(isinstance(k, int) and k >= 1 for k in ks):
-            raise LayerConditionError(f"{name}: kernel_size must be a positive int, got {ks}")
-        if not isinstance(channels, int) or channels < 1:
-            raise LayerConditionError(f"{name}: channels must be a positive int, got {channels}")
+        if len(ks) != self._rank or not all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks
+        ):
+            raise LayerConditionError(f"{name}: kernel_size must be a positive int, got {ks!r}")
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+            raise LayerConditionError(f"{name}: channels must be a positive int, got {channels!r}")
         layer = f"{name}(channels={channels}, kernel_size={kernel_size})"
         for k in ks:
             if k % 2 == 0:
@@ -167,6 +169,7 @@ class _FragmentalConv(ChainLayer):
         self._as4d(x)  # shape and channels, named (not a raw conv error)
         if not x.is_floating_point():
             raise LayerConditionError(NOT_FLOAT.format(layer=self._describe(), dtype=x.dtype))
+        check_input_dtype(self._describe(), x, self.weight_raw)
         conv = F.conv1d if self._rank == 1 else F.conv2d
         return conv(x, self.weight, self.bias, padding=self.padding)
 

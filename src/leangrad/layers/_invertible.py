@@ -24,6 +24,7 @@ AdditiveCoupling    x1, half the input (F is recomputed)        one vjp through 
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -31,13 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from .._errors import LeangradError
 from ._base import ChainLayer, LayerConditionError
 from ._bits import PackedBits, pack_bits, unpack_bits
 
 __all__ = ["AdditiveCoupling", "LeakyReLU", "SpaceToDepth", "Tanh"]
 
 SLOPE_NOT_POSITIVE = (
-    "LeakyReLU(negative_slope={slope}) is not invertible: its Jacobian is singular where "
+    "LeakyReLU(negative_slope={slope!r}) is not invertible: its Jacobian is singular where "
     "x ≤ 0 unless the slope is a finite number > 0; pass e.g. negative_slope=0.01 "
     "(a slope of 0 is ReLU, which Moonwalk cannot invert: use the fragmental mode for it)"
 )
@@ -58,6 +60,12 @@ SPACE_NOT_DIVISIBLE = (
     "divides both"
 )
 COUPLING_NOT_MODULE = "AdditiveCoupling(F=...) needs an nn.Module, got {type}"
+COUPLING_BAD_DIM = "AdditiveCoupling(split_dim={dim!r}): split_dim must be an int"
+NOT_FLOAT = "{layer} needs a floating-point input, got dtype {dtype}; cast it, e.g. x.float()"
+DEPTH_NOT_DIVISIBLE = (
+    "{layer}: inverse needs an input of shape (..., C·{b2}, H, W), got shape {shape}; "
+    "its channel count {c} is not divisible by block_size² = {b2} (is it this layer's output?)"
+)
 COUPLING_FEW_DIMS = (
     "{layer} splits along dim {dim}, but the input has shape {shape}; "
     "pass split_dim= naming the channel dimension"
@@ -102,7 +110,10 @@ class LeakyReLU(ChainLayer):
 
     def __init__(self, negative_slope: float = 0.01) -> None:
         super().__init__()
-        slope = float(negative_slope)
+        is_number = isinstance(negative_slope, numbers.Real) and not isinstance(
+            negative_slope, bool
+        )
+        slope = float(negative_slope) if is_number else math.nan  # a string is not a slope
         if not (slope > 0 and math.isfinite(slope)):
             raise LayerConditionError(SLOPE_NOT_POSITIVE.format(slope=negative_slope))
         self.negative_slope = slope
@@ -111,6 +122,9 @@ class LeakyReLU(ChainLayer):
         return f"negative_slope={self.negative_slope}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (a Proxy is skipped: the layer stays traceable by torch.fx, as fad.nest needs)
+        if not isinstance(x, torch.fx.Proxy) and not x.is_floating_point():
+            raise LayerConditionError(NOT_FLOAT.format(layer=self._describe(), dtype=x.dtype))
         return F.leaky_relu(x, self.negative_slope)
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> PackedBits:
@@ -306,6 +320,17 @@ class SpaceToDepth(ChainLayer):
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Depth-to-space (``pixel_shuffle``)."""
+        b2 = self.block_size**2
+        if y.dim() < 3:
+            raise LayerConditionError(
+                SPACE_TOO_FEW_DIMS.format(layer=self._describe(), shape=tuple(y.shape))
+            )
+        if y.shape[-3] % b2:
+            raise LayerConditionError(
+                DEPTH_NOT_DIVISIBLE.format(
+                    layer=self._describe(), b2=b2, shape=tuple(y.shape), c=y.shape[-3]
+                )
+            )
         return F.pixel_shuffle(y, self.block_size)
 
     def check(self, x: torch.Tensor | None = None) -> None:
@@ -369,6 +394,8 @@ class AdditiveCoupling(ChainLayer):
         super().__init__()
         if not isinstance(F, nn.Module):
             raise LayerConditionError(COUPLING_NOT_MODULE.format(type=type(F).__name__))
+        if isinstance(split_dim, bool) or not isinstance(split_dim, int):
+            raise LayerConditionError(COUPLING_BAD_DIM.format(dim=split_dim))
         self.F = F
         self.split_dim = split_dim
         self._warned_batchnorm = False
@@ -432,7 +459,14 @@ class AdditiveCoupling(ChainLayer):
     # -- the layer and its rules -------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = self._split(x)
-        f = self.F(x1)
+        try:
+            f = self.F(x1)
+        except RuntimeError as error:  # e.g. F built for all channels: it sees half of them
+            if isinstance(error, (LeangradError, torch.OutOfMemoryError)):
+                raise
+            raise LayerConditionError(
+                COUPLING_F_FAILED.format(layer=self._describe(), shape=tuple(x1.shape), error=error)
+            ) from error
         self._check_shape(x2.shape, f.shape)
         return self._join(x1, x2 + f)
 

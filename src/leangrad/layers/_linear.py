@@ -25,7 +25,7 @@ import warnings
 import torch
 from torch import nn
 
-from ._base import ChainLayer, LayerConditionError
+from ._base import ChainLayer, LayerConditionError, check_input_dtype, positive_int
 
 __all__ = ["SubmersiveLinear"]
 
@@ -41,6 +41,9 @@ LINEAR_TOO_WIDE = (
     "(got out_features={n_out} > in_features={n_in}); a layer that widens its input has no "
     "right-inverse Jacobian: use out_features ≤ {n_in}, or a non-submersive nn.Linear with "
     "the fragmental mode of the moonwalk engine"
+)
+LINEAR_NOT_FLOAT = (
+    "{layer} needs a floating-point input, got dtype {dtype}; cast it, e.g. x.float()"
 )
 LINEAR_BAD_INPUT = (
     "{layer} needs an input of shape (..., {n_in}), got shape {shape}; "
@@ -133,8 +136,8 @@ class SubmersiveLinear(ChainLayer):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        self.in_features = positive_int("SubmersiveLinear", "in_features", in_features)
+        self.out_features = positive_int("SubmersiveLinear", "out_features", out_features)
         self.has_bias = bias
         self.check()
         kw = {"device": device, "dtype": dtype}
@@ -164,6 +167,11 @@ class SubmersiveLinear(ChainLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
+        if not x.is_floating_point():
+            raise LayerConditionError(
+                LINEAR_NOT_FLOAT.format(layer=self._describe(), dtype=x.dtype)
+            )
+        check_input_dtype(self._describe(), x, self.weight_raw)
         return nn.functional.linear(x, self.weight(), self.bias)
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> None:

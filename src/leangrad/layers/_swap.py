@@ -15,6 +15,11 @@ from ._base import ChainLayer, LayerConditionError
 __all__ = ["SwapHalves"]
 
 ODD_CHANNELS = "{layer}: dimension {dim} has odd size {size}; halves need an even size"
+DIM_OUT_OF_RANGE = (
+    "{layer}: swaps halves along dim {dim}, but the input has shape {shape}; "
+    "pass dim= naming the channel dimension"
+)
+BAD_DIM = "SwapHalves(dim={dim!r}): dim must be an int (the dimension to swap halves of)"
 
 
 class SwapHalves(ChainLayer):
@@ -26,12 +31,18 @@ class SwapHalves(ChainLayer):
 
     def __init__(self, dim: int = 1) -> None:
         super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise LayerConditionError(BAD_DIM.format(dim=dim))
         self.dim = dim
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
 
     def _swap(self, t: torch.Tensor) -> torch.Tensor:
+        if not -t.dim() <= self.dim < t.dim():
+            raise LayerConditionError(
+                DIM_OUT_OF_RANGE.format(layer=self._describe(), dim=self.dim, shape=tuple(t.shape))
+            )
         size = t.shape[self.dim]
         if size % 2:
             raise LayerConditionError(
