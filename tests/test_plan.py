@@ -137,3 +137,32 @@ def test_fit_with_a_budget_nothing_fits_or_engine_options_given() -> None:
     with pytest.raises(leangrad.EngineInputError, match="budget= chooses the engine"):
         leangrad.train.fit("mlp", "digits", budget="64MiB", engine_options={"segments": 2},
                            max_steps=1, progress=False, plots=False)  # fmt: skip
+
+
+def test_plan_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The plan suite on tiny models: per budget a leangrad row and a PyTorch row, both
+    within the budget when they fit, and a report that says what it does not measure."""
+    import json
+
+    from leangrad.bench import run_suite
+    from leangrad.bench._plan_suite import NOT_MEASURED, render
+
+    suite = tmp_path / "tiny-plan.toml"
+    suite.write_text(
+        'runner = "leangrad.bench._plan_suite:run_plan_suite"\n'
+        "[settings]\nrepeats = 1\nfractions = [0.75, 0.35]\nsegments = [2]\n"
+        "[settings.models]\n"
+        # > 20k parameters each, so the planner's last resort (forward) is not tried
+        "gpt = { vocab = 16, dim = 32, layers = 3, heads = 2, context = 16, batch = 4 }\n"
+        "mlp = { features = 8, width = 128, layers = 3, batch = 64 }\n"
+    )
+    records = json.loads(run_suite(str(suite), out=tmp_path, quick=True,
+                                   progress=False).read_text())  # fmt: skip
+    assert {(r["series"], r["x"], r["engine"]) for r in records} == {
+        (m, f, side) for m in ("gpt", "mlp") for f in (0.75, 0.35)
+        for side in ("leangrad", "pytorch")}  # fmt: skip
+    for r in records:
+        if r["fits"]:
+            assert r["baseline_bytes"] + r["peak_bytes"] <= r["budget_bytes"] * 1.01
+    text = "\n".join(render("tiny-plan", records, tmp_path))
+    assert NOT_MEASURED in text and "| leangrad choice |" in text

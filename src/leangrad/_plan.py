@@ -112,6 +112,10 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
                     ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
         else:
             out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
+            # fewer checkpointed blocks: less recomputation where the budget allows it
+            n = len(found.names)
+            for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):
+                out.append(("checkpoint", {"blocks": list(found.names[:m])}))
     if isinstance(model, Chain):
         out += [("moonwalk", {}), ("moonwalk", {"segments": "sqrt"}),
                 ("moonwalk", {"fragment": "full"}), ("revbackprop", {})]  # fmt: skip

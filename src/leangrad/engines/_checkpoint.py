@@ -125,10 +125,13 @@ class Checkpoint(Engine):
 
     def _checkpointed(self, found: Blocks) -> list[str]:
         """Names of the blocks that are recomputed: every segment but the last of a
-        sequence; every block but the last registered one of a model run as written."""
+        sequence; every block but the last registered one of a model run as written;
+        every block named by ``blocks=``."""
         if found.sequential:
             groups = self._groups(len(found.names))
             return [found.names[j] for group in groups[:-1] for j in group]
+        if self.block_names is not None:  # named by the user: every one of them
+            return list(found.names)
         return list(found.names[:-1])
 
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
