@@ -19,6 +19,53 @@ from .. import _errors as E
 
 __all__ = ["Dataset", "digits", "mnist5k"]
 
+BAD_INT = "{name} must be an integer >= {least}, got {value!r}"
+BAD_DTYPE = (
+    "dtype must be a floating-point torch dtype or its name ('float32', 'float64'), got {value!r}"
+)
+BAD_DEVICE = "device {value!r} is not a torch device; use 'cpu' or 'cuda'"
+NO_CUDA = "device {value!r}: CUDA is not available on this machine; use 'cpu'"
+BAD_FLAG = "{name} must be true or false, got {value!r}"
+
+
+def check_int(name: str, value: Any, *, least: int) -> int:
+    """``value`` if it is an int (not a bool) ``>= least``, else ``ValueError`` naming it.
+
+    Loader options may come from the command line (``--data-opt n=abc``), so a wrong
+    type is the user's value, reported as such, not a ``TypeError`` from deep inside.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(BAD_INT.format(name=name, least=least, value=value))
+    return int(value)
+
+
+def check_dtype(value: Any) -> torch.dtype:
+    """A floating-point ``torch.dtype``, given as one or by name (``"float64"``)."""
+    dtype = value
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(BAD_DTYPE.format(value=value))
+    return dtype
+
+
+def check_device(value: Any) -> torch.device:
+    """A ``torch.device``, given as one or by name (``"cpu"``, ``"cuda:1"``)."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(BAD_DEVICE.format(value=value)) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(NO_CUDA.format(value=value))
+    return dev
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A bool (``--data-opt flatten=true``)."""
+    if not isinstance(value, bool):
+        raise ValueError(BAD_FLAG.format(name=name, value=value))
+    return value
+
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
@@ -161,9 +208,8 @@ def _build(
     device: torch.device | str,
 ) -> Dataset:
     """Scale pixels to [0, 1], shape them as images or rows, and wrap them in a Dataset."""
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-    shape = (x.shape[0], -1) if flatten else (x.shape[0], 1, *image)
+    dtype, device = check_dtype(dtype), check_device(device)
+    shape = (x.shape[0], -1) if check_flag("flatten", flatten) else (x.shape[0], 1, *image)
     xt = torch.tensor((x / scale).reshape(shape), dtype=dtype, device=device)
     yt = torch.tensor(y, dtype=torch.int64, device=device)
     return Dataset(x=xt, y=yt, name=name, num_classes=10)

@@ -12,21 +12,35 @@ from collections.abc import Sequence
 
 import torch
 
-from ._real import Dataset
+from ._real import Dataset, check_device, check_dtype, check_int
 
 __all__ = ["synthetic_classification", "synthetic_sequences"]
 
+BAD_SHAPE = (
+    "every input dimension must be a positive integer, got {shape!r}; "
+    "write e.g. shape=(3, 32, 32) (on the command line: --data-opt shape=3,32,32)"
+)
 
-def _check(n: int, num_classes: int, sizes: Sequence[int], dtype: torch.dtype) -> None:
-    """Reject sizes and dtypes that cannot make a data set."""
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-    if n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be at least 2, got {num_classes!r}")
-    if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"every input dimension must be a positive integer, got {tuple(sizes)}")
+
+def _check(n: int, num_classes: int, sizes: Sequence[int], dtype: torch.dtype | str,
+           device: torch.device | str, seed: int) -> tuple[torch.dtype, torch.device]:  # fmt: skip
+    """Reject sizes, seeds, dtypes and devices that cannot make a data set (a value of the
+    wrong type included: options may come from ``--data-opt``); the dtype and device."""
+    check_int("n", n, least=1)
+    check_int("num_classes", num_classes, least=2)
+    check_int("seed", seed, least=0)
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(BAD_SHAPE.format(shape=tuple(sizes)))
+    return check_dtype(dtype), check_device(device)
+
+
+def _shape(shape: Sequence[int] | int) -> tuple[int, ...]:
+    """``(3, 32, 32)``; a single int is a one-dimensional shape."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        return (shape,)
+    if isinstance(shape, str) or not isinstance(shape, Sequence):
+        raise ValueError(BAD_SHAPE.format(shape=shape))
+    return tuple(shape)
 
 
 def _teacher(features: int, num_classes: int, gen: torch.Generator) -> torch.Tensor:
@@ -51,7 +65,7 @@ def synthetic_classification(
 
     Args:
         n: Number of examples.
-        shape: Shape of one input, e.g. ``(64,)`` or ``(1, 8, 8)``.
+        shape: Shape of one input, e.g. ``(64,)`` or ``(1, 8, 8)`` (an int: ``(shape,)``).
         num_classes: Number of classes.
         seed: Seed of inputs and teacher; the same seed gives the same data set.
         dtype: Floating-point dtype of the inputs.
@@ -60,8 +74,8 @@ def synthetic_classification(
     Returns:
         A ``Dataset`` named ``"synthetic"`` with x of shape ``(n, *shape)``.
     """
-    shape = tuple(shape)
-    _check(n, num_classes, shape, dtype)
+    shape = _shape(shape)
+    dtype, device = _check(n, num_classes, shape, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed)
     teacher = _teacher(math.prod(shape), num_classes, gen)
     x = torch.randn(n, *shape, generator=gen)
@@ -99,7 +113,7 @@ def synthetic_sequences(
         A ``Dataset`` named ``"synthetic-seq"`` with x of shape ``(n, length, features)``
         (batch first), for recurrent models.
     """
-    _check(n, num_classes, (length, features), dtype)
+    dtype, device = _check(n, num_classes, (length, features), dtype, device, seed)
     gen = torch.Generator().manual_seed(seed)
     teacher = _teacher(features, num_classes, gen)
     x = torch.randn(n, length, features, generator=gen)

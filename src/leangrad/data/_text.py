@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ._real import Dataset
+from ._real import Dataset, check_device, check_int
 
 __all__ = ["TextDataset", "default_text_paths", "text_chars"]
 
+NO_PATH = "text data: {path} does not exist; give a text file or a directory of text files"
 NO_TEXT = (
     "text data: no readable text in {paths}; give a text file or a directory of text files"
 )
@@ -79,10 +80,14 @@ def text_chars(
     Returns:
         A :class:`TextDataset` named ``"text"``.
     """
-    if length < 1:
-        raise ValueError(f"length must be a positive integer, got {length!r}")
+    check_int("length", length, least=1)
+    check_int("max_chars", max_chars, least=1)
+    device = check_device(device)
     if isinstance(paths, (str, Path)):
         paths = [paths]
+    for p in paths or ():
+        if not Path(p).exists():
+            raise FileNotFoundError(NO_PATH.format(path=p))
     files = default_text_paths() if paths is None else _files(paths)
     parts: list[str] = []
     total = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 import signal
 import threading
@@ -40,7 +41,8 @@ NOTHING_FITS = (
     "no engine fits the budget of {budget}: the smallest peak found is {peak} ({engine}). "
     "Lower --batch-size, use a smaller model, or raise the budget"
 )
-TOO_SLOW = "slower than {seconds:g} s per step: stopped (raise --max-step-seconds to measure)"
+TOO_SLOW = "slower than {seconds:g} s per step: stopped (raise max_step_seconds to measure)"
+BAD_ADVISE = "advise: {name} must be {want}, got {value!r}"
 NOTHING_RAN = "no engine could run model {model!r}: see the reasons in the table"
 RECOMMEND = "recommended: {engine} — fastest of the {n} engine(s) whose peak fits {budget}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -50,15 +52,21 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_bytes(value: str | int | float) -> int:
     """``"2GiB"`` -> 2147483648; ``"1.5GB"``, ``"512MiB"``, ``"1e9"`` and numbers work too."""
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
-    if m is None or m.group(2).lower() not in _UNITS:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float):
+        number, unit = value, ""
+    else:
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(BAD_BYTES.format(value=value))
+        try:
+            number, unit = float(m.group(1)), m.group(2).lower()
+        except ValueError:
+            raise ValueError(BAD_BYTES.format(value=value)) from None
+    if not math.isfinite(number * _UNITS[unit]):  # "1e400": no int can hold it
         raise ValueError(BAD_BYTES.format(value=value))
-    try:
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    except ValueError:
-        raise ValueError(BAD_BYTES.format(value=value)) from None
+    return int(number * _UNITS[unit])
 
 
 def _size(n: int | None) -> str:
@@ -183,6 +191,13 @@ def advise(
         An :class:`Advice`; its ``table()`` shows what the decision was made from.
     """
     budget_bytes = parse_bytes(budget)
+    for key, value, least in (("batch_size", batch_size, 1), ("repeats", repeats, 1),
+                              ("budget", budget_bytes, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(BAD_ADVISE.format(name=key, want=f"an int >= {least}", value=value))
+    for key, value in (("max_step_seconds", max_step_seconds), ("slow_seconds", slow_seconds)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(BAD_ADVISE.format(name=key, want="a finite number > 0", value=value))
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
     tdtype = getattr(torch, dtype)

@@ -48,6 +48,14 @@ NEEDS_FLOATS = (
 )
 BAD_SPEC = "{kind} spec {spec!r}: cannot import {target!r} ({error}); use 'package.module:factory'"
 NOT_A = "{kind} factory {spec!r} returned {type}, not a {want}"
+NOT_CALLABLE = (
+    "{kind} spec {spec!r} names a {type}, not a factory; name a function or class, "
+    "'package.module:factory'"
+)
+BAD_FACTORY_CALL = (
+    "{kind} factory {spec!r} cannot be called with {given} ({error}); give its arguments "
+    "with {option} KEY=VALUE"
+)
 BAD_OPTION = "option {item!r} is not key=value"
 BAD_MODEL_OPTION = (
     "--model-opt: model {spec!r} does not take that option ({error}); see its factory's "
@@ -56,10 +64,16 @@ BAD_MODEL_OPTION = (
 BAD_MODEL_VALUE = (
     "--model-opt: model {spec!r} cannot be built with {opts} ({error}); check the values"
 )
+BAD_DATA = "--data {spec!r}: {error}"
+BAD_DATA_VALUE = "--data-opt (data {spec!r}): {error}"
 BAD_DATA_OPTION = (
     "--data-opt: data {spec!r} does not take that option ({error}); see its loader's keyword "
     "arguments (e.g. synthetic: shape=3,32,32, num_classes=10)"
 )
+
+
+class DataMismatchError(E.EngineInputError):
+    """A registered model that cannot take the data's examples (whatever its options)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +130,38 @@ def _value(raw: str) -> Any:
 def _import(spec: str, kind: str) -> Callable[..., Any]:
     module, _, attr = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        factory = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
         raise E.UnknownNameError(
             BAD_SPEC.format(kind=kind, spec=spec, target=spec, error=err)
         ) from err
+    if not callable(factory):
+        raise E.OptionError(NOT_CALLABLE.format(kind=kind, spec=spec,
+                                                type=type(factory).__name__))  # fmt: skip
+    return factory
+
+
+def _signature(factory: Callable[..., Any]) -> inspect.Signature | None:
+    """The factory's signature, or None where Python cannot tell (some builtins)."""
+    try:
+        return inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_call(spec: str, kind: str, option: str, factory: Callable[..., Any],
+                kwargs: dict[str, Any]) -> None:  # fmt: skip
+    """Refuse, before calling it, a call the factory's signature does not take (a missing
+    required argument, an unknown keyword), naming the option that gives its arguments."""
+    sig = _signature(factory)
+    if sig is None:
+        return
+    try:
+        sig.bind(**kwargs)
+    except TypeError as err:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no arguments"
+        raise E.OptionError(BAD_FACTORY_CALL.format(kind=kind, spec=spec, given=given,
+                                                    error=err, option=option)) from None
 
 
 # -- data ------------------------------------------------------------------------------
@@ -138,6 +179,11 @@ def load_data(spec: str, **options: Any) -> _data.Dataset:
     Args:
         spec: the data spec.
         **options: keyword arguments of the loader (e.g. ``length=32`` for text).
+
+    Raises:
+        UnknownNameError: an unknown name, or a spec that does not import.
+        OptionError: an option the loader does not take or whose value it refuses, or a
+            path that does not exist, with the option named.
     """
     try:
         return _load(spec, **options)
@@ -145,10 +191,11 @@ def load_data(spec: str, **options: Any) -> _data.Dataset:
         if "unexpected keyword argument" not in str(err):
             raise
         raise E.OptionError(BAD_DATA_OPTION.format(spec=spec, error=err)) from None
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:  # a value or a path the loader refuses
         if isinstance(err, E.LeangradError):
             raise
-        raise E.OptionError(f"data {spec!r}: {err}") from None
+        bad = BAD_DATA_VALUE if options and not isinstance(err, FileNotFoundError) else BAD_DATA
+        raise E.OptionError(bad.format(spec=spec, error=err)) from None
 
 
 def _load(spec: str, **options: Any) -> _data.Dataset:
@@ -156,7 +203,9 @@ def _load(spec: str, **options: Any) -> _data.Dataset:
         path = spec.partition(":")[2] or None
         return text_chars(path, **options)
     if ":" in spec:
-        ds = _import(spec, "data")(**options)
+        factory = _import(spec, "data")
+        _check_call(spec, "data", "--data-opt", factory, options)
+        ds = factory(**options)
         if not isinstance(ds, _data.Dataset):
             raise E.EngineInputError(
                 NOT_A.format(kind="data", spec=spec, type=type(ds).__name__, want="Dataset")
@@ -184,7 +233,7 @@ def data_info(name: str, ds: _data.Dataset) -> DataInfo:
 
 def _image(model: str, info: DataInfo) -> tuple[int, int, int]:
     if len(info.input_shape) != 3 or info.tokens:
-        raise E.EngineInputError(
+        raise DataMismatchError(
             NEEDS_IMAGES.format(model=model, data=info.name, shape=info.input_shape)
         )
     c, h, w = info.input_shape
@@ -201,7 +250,7 @@ def _halvings(h: int, w: int, most: int) -> int:
 
 def _mlp(info: DataInfo, **kw: Any) -> nn.Module:
     if info.tokens:
-        raise E.EngineInputError(NEEDS_FLOATS.format(model="mlp", data=info.name))
+        raise DataMismatchError(NEEDS_FLOATS.format(model="mlp", data=info.name))
     kw = {"width": 64, "depth": 2, **kw}
     return _models.mlp(math.prod(info.input_shape), kw.pop("width"), kw.pop("depth"),
                        info.num_classes, **kw)  # fmt: skip
@@ -226,7 +275,7 @@ def _resnet(info: DataInfo, **kw: Any) -> nn.Module:
 
 def _gru_lm(info: DataInfo, **kw: Any) -> nn.Module:
     if not info.tokens or len(info.input_shape) != 1:
-        raise E.EngineInputError(
+        raise DataMismatchError(
             NEEDS_TOKENS.format(model="gru_lm", data=info.name, dtype="float",
                                 shape=info.input_shape)
         )
@@ -255,12 +304,14 @@ def build_model(spec: str, info: DataInfo, **options: Any) -> nn.Module:
     """
     if ":" in spec:
         factory = _import(spec, "model")
-        params = inspect.signature(factory).parameters
+        sig = _signature(factory)
+        params = sig.parameters if sig is not None else {}
         extra: Mapping[str, Any] = {
             k: v
             for k, v in (("input_shape", info.input_shape), ("num_classes", info.num_classes))
             if k in params and k not in options
         }
+        _check_call(spec, "model", "--model-opt", factory, {**extra, **options})
         model = _call(spec, factory, {**extra, **options}, list(options))
         if not isinstance(model, nn.Module):
             raise E.EngineInputError(
@@ -279,8 +330,8 @@ def _call(spec: str, factory: Callable[..., nn.Module], kwargs: dict[str, Any],
     """``factory(**kwargs)``; a keyword it does not take is the user's --model-opt."""
     try:
         return factory(**kwargs)
-    except (TypeError, ValueError) as err:
-        if not given or isinstance(err, E.LeangradError):
+    except (TypeError, ValueError, E.LeangradError) as err:
+        if not given or isinstance(err, DataMismatchError):
             raise
         if "unexpected keyword argument" in str(err):
             raise E.OptionError(BAD_MODEL_OPTION.format(spec=spec, error=err)) from None
