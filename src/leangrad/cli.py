@@ -16,13 +16,22 @@ run before any work.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from . import _cli_types as T
 
-__all__ = ["main"]
+__all__ = ["check_out_dir", "main"]
+
+OUT_UNDER_FILE = (
+    "{option} {path}: {file} is a file, so no directory can be made there; name a directory"
+)
+OUT_CANNOT_MAKE = "{option} {path}: cannot create it ({error}); name a directory you can write to"
+OUT_NOT_WRITABLE = "{option} {path}: not writable; name a directory you can write to"
+INTERRUPTED = "leangrad: interrupted"
 
 _VALUE_OPTIONS = ("--budget", "--lr", "--epochs", "--batch-size", "--max-steps",
                   "--threads", "--test-fraction", "--repeats", "--checkpoint-every",
@@ -92,6 +101,43 @@ def _join_values(argv: list[str]) -> list[str]:
     return out
 
 
+def check_out_dir(path: str | Path, option: str = "--out") -> None:
+    """Refuse, before any work, an output directory that cannot be written: one under a
+    file, one that cannot be created, one not writable. Leaves nothing behind: levels it
+    had to create to find out are removed again (the run creates them when it writes).
+
+    Raises:
+        OptionError: naming ``option``, the path and the fix.
+    """
+    from ._errors import OptionError
+
+    p = Path(path)
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise OptionError(OUT_NOT_WRITABLE.format(option=option, path=p))
+        return
+    if p.exists():  # a file: argparse's type check names it; a library caller gets this
+        raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=p))
+    made: list[Path] = []
+    q = p
+    while not q.exists() and q != q.parent:
+        made.append(q)
+        q = q.parent
+    if q.exists() and not q.is_dir():
+        raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=q))
+    try:
+        p.mkdir(parents=True, exist_ok=True)  # exist_ok: torchrun ranks probe at once
+    except OSError as err:
+        raise OptionError(OUT_CANNOT_MAKE.format(option=option, path=p,
+                                                 error=err.strerror or err)) from None  # fmt: skip
+    finally:
+        for level in made:  # deepest first
+            try:
+                level.rmdir()
+            except OSError:
+                break
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args_list = _join_values(list(sys.argv[1:] if argv is None else argv))
@@ -103,9 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return _dispatch(args)
-    except LeangradError as err:
+    except LeangradError as err:  # every error leangrad raises on purpose: the user's input
         print(f"leangrad: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside training (which checkpoints and exits 130)
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -122,6 +171,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from . import bench
 
     if args.command == "demo":
+        check_out_dir(args.out)
         torch.set_num_threads(1)
         bench.run_demo(
             out=args.out, repeats=args.repeats, rss=args.rss, progress=not args.no_progress
@@ -132,7 +182,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             for name, desc in bench.list_suites().items():
                 print(f"{name:24s} {desc}")
             return 0
-        bench.load_suite(args.suite)  # an unknown suite is named before any work
+        bench.load_suite(args.suite).check()  # a suite that cannot run: before any work
+        check_out_dir(args.out)
         torch.set_num_threads(1)
         print(
             f"leangrad bench {args.suite}: quick={args.quick}, out={args.out}, "

@@ -27,26 +27,53 @@ def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+NOT_A_DIRECTORY = (
+    "{directory} is {what}: name the directory that `leangrad bench SUITE --out DIR` wrote to"
+)
+BAD_JSON = "{path} is not valid JSON ({error}); run its suite again, or move the file away"
+UNREADABLE = "cannot read {path} ({error}); make it readable, or move it away"
+NO_RESULTS = (
+    "no suite results (*.json lists of records) in {directory}{why}; "
+    "run `leangrad bench SUITE --out DIR` first"
+)
+MISSING_FIELD = (
+    "{path}: a record has no field {field!r}, which the report of suite {suite!r} needs; "
+    "run `leangrad bench {suite}` again to rewrite it, or move the file away"
+)
+
+_JSON_KIND = {"dict": "an object", "str": "a string", "int": "a number", "float": "a number",
+              "bool": "true/false", "NoneType": "null"}  # fmt: skip
+
+
 def load_records(directory: Path) -> dict[str, list[dict[str, Any]]]:
     """Suite name -> records, from every ``*.json`` list of records in ``directory``."""
+    return _scan(Path(directory))[0]
+
+
+def _scan(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+    """The suites' records, and why each other ``*.json`` file is not a suite result."""
     if not directory.is_dir():
         what = "a file" if directory.exists() else "not there"
-        raise E.LeangradError(
-            f"{directory} is {what}: name the directory that `leangrad bench SUITE --out DIR` "
-            "wrote to"
-        )
+        raise E.LeangradError(NOT_A_DIRECTORY.format(directory=directory, what=what))
     out: dict[str, list[dict[str, Any]]] = {}
+    skipped: list[str] = []
     for path in sorted(directory.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise E.LeangradError(
-                f"{path} is not valid JSON ({err}); run its suite again, or move the file away"
-            ) from None
-        if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
-            continue  # not a suite result (e.g. a demo summary), or an empty one
-        out[path.stem] = data
-    return out
+            raise E.LeangradError(BAD_JSON.format(path=path, error=err)) from None
+        except OSError as err:
+            raise E.LeangradError(UNREADABLE.format(path=path, error=err.strerror)) from None
+        if not isinstance(data, list):
+            what = _JSON_KIND.get(type(data).__name__, type(data).__name__)
+            skipped.append(f"{path.name} holds {what}, not a list of records")
+        elif not data:
+            skipped.append(f"{path.name} is an empty list")
+        elif not all(isinstance(r, dict) for r in data):
+            skipped.append(f"{path.name} is a list of values, not of records (objects)")
+        else:
+            out[path.stem] = data
+    return out, skipped
 
 
 def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path) -> None:
@@ -234,15 +261,31 @@ def _report_hook(suite: str) -> Any:
     return spec.resolve_report() if spec.report is not None else None
 
 
+def _suite_section(suite: str, records: list[dict[str, Any]], directory: Path, *,
+                   plots: bool) -> list[str]:  # fmt: skip
+    """Markdown of one suite's records: its own renderer's, or one section per series."""
+    hook = _report_hook(suite)
+    if hook is not None:
+        return list(hook(suite, records, directory, plots=plots))
+    lines: list[str] = []
+    by_series: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_series[r.get("series", "")].append(r)
+    for series, recs in by_series.items():
+        if recs[0].get("kind") == "training":
+            lines += _training_section(suite, series, recs, directory, plots=plots)
+        else:
+            lines += sweep_section(suite, series, recs, directory, plots=plots)
+    return lines
+
+
 def render_report(directory: str | Path, *, plots: bool = True) -> Path:
     """Write ``directory/report.md`` (and ``plots/*.png``) from the suite JSON files there."""
     directory = Path(directory)
-    suites = load_records(directory)
+    suites, skipped = _scan(directory)
     if not suites:
-        raise E.LeangradError(
-            f"no suite results (*.json lists of records) in {directory}; "
-            "run `leangrad bench SUITE --out DIR` first"
-        )
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise E.LeangradError(NO_RESULTS.format(directory=directory, why=why))
     lines = ["# leangrad benchmark report", ""]
     first = next(iter(suites.values()))[0]
     m = first.get("machine", {})
@@ -262,18 +305,12 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
     for suite, records in suites.items():
         quick = " (quick)" if records and records[0].get("quick") else ""
         lines += [f"## {suite}{quick}", ""]
-        hook = _report_hook(suite)
-        if hook is not None:
-            lines += hook(suite, records, directory, plots=plots)
-            continue
-        by_series: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for r in records:
-            by_series[r.get("series", "")].append(r)
-        for series, recs in by_series.items():
-            if recs[0].get("kind") == "training":
-                lines += _training_section(suite, series, recs, directory, plots=plots)
-                continue
-            lines += sweep_section(suite, series, recs, directory, plots=plots)
+        try:
+            lines += _suite_section(suite, records, directory, plots=plots)
+        except KeyError as err:  # a record without a field its renderer reads
+            raise E.LeangradError(MISSING_FIELD.format(
+                path=directory / f"{suite}.json", field=err.args[0] if err.args else "?",
+                suite=suite)) from None  # fmt: skip
     path = directory / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

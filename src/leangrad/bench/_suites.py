@@ -24,6 +24,13 @@ from ._runner import EngineSpec
 
 __all__ = ["Series", "Suite", "list_suites", "load_suite"]
 
+BAD_SUITE = (
+    "suite {name!r} ({source}): {problem}; write it like the suites shipped in "
+    "leangrad/bench/suites/ (`leangrad bench --list`)"
+)
+NO_SUITE_FILE = "suite file {path} does not exist; name a .toml file or one of: {known}"
+BAD_HOOK = "suite {name!r}: its {what} {spec!r} cannot be imported ({error})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Series:
@@ -72,17 +79,40 @@ class Suite:
 
     def resolve_runner(self) -> Any:
         assert self.runner is not None
-        return _resolve(self.runner)
+        return _resolve(self.runner, suite=self.name, what="runner")
 
     def resolve_report(self) -> Any:
         assert self.report is not None
-        return _resolve(self.report)
+        return _resolve(self.report, suite=self.name, what="report")
+
+    def check(self) -> None:
+        """Refuse, before any work, what would stop the run part-way: an engine name or
+        option the registry refuses, a series naming an engine label the suite lacks, a
+        runner or report function that does not import."""
+        try:
+            for spec in self.engines:
+                spec.make()
+            for series in self.series:
+                self.engines_for(series)
+        except (TypeError, ValueError) as err:
+            if isinstance(err, E.LeangradError):
+                raise
+            msg = str(err) if str(err).startswith("suite ") else f"suite {self.name!r}: {err}"
+            raise E.LeangradError(msg) from None
+        if self.runner is not None:
+            self.resolve_runner()
+        if self.report is not None:
+            self.resolve_report()
 
 
-def _resolve(spec: str) -> Any:
+def _resolve(spec: str, *, suite: str, what: str) -> Any:
     """``"module:function"`` -> the function."""
     module, _, func = spec.partition(":")
-    return getattr(importlib.import_module(module), func)
+    try:
+        return getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as err:
+        raise E.LeangradError(BAD_HOOK.format(name=suite, what=what, spec=spec,
+                                              error=err)) from err  # fmt: skip
 
 
 def _files() -> dict[str, Any]:
@@ -104,10 +134,19 @@ def load_suite(name: str) -> Suite:
 
     Unknown names raise with the list of known ones.
     """
-    if name.endswith(".toml") and Path(name).is_file():
-        text, name = Path(name).read_text(), Path(name).stem
+    files = _files()
+    source = "shipped with leangrad"
+    if name.endswith(".toml") and name not in files:
+        if not Path(name).is_file():
+            raise E.UnknownNameError(
+                NO_SUITE_FILE.format(path=name, known=", ".join(sorted(files)))
+            )
+        try:
+            text = Path(name).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise E.LeangradError(f"cannot read suite file {name}: {err}") from None
+        source, name = name, Path(name).stem
     else:
-        files = _files()
         if name not in files:
             raise E.UnknownNameError(
                 E.UNKNOWN_NAME.format(kind="suite", name=name, known=", ".join(sorted(files)))
@@ -117,6 +156,16 @@ def load_suite(name: str) -> Suite:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise E.LeangradError(f"suite {name!r} is not valid TOML: {err}") from err
+    try:
+        return _parse(name, data)
+    except KeyError as err:
+        problem = f"an entry lacks the key {err.args[0]!r}"
+    except (TypeError, ValueError) as err:
+        problem = str(err)
+    raise E.LeangradError(BAD_SUITE.format(name=name, source=source, problem=problem))
+
+
+def _parse(name: str, data: dict[str, Any]) -> Suite:
     series = [
         Series(
             name=s["name"],

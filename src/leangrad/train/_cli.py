@@ -31,6 +31,32 @@ TRAIN_DEFAULTS: dict[str, Any] = {
 """Defaults of the settings a resumed run takes from its checkpoint instead."""
 
 _OPTS = ("engine_options", "model_options", "data_options")
+MAX_SEED = 2**63 - 1
+"""Largest seed: torch's generators take 64 bits, and epoch ``e`` reshuffles with seed + e."""
+BAD_SEED = "must be at most 2**63 - 1, got {value}; pick a smaller seed"
+BAD_ENGINE_OPTION = "--engine-opt (engine {engine!r}): {error}"
+NO_ENGINES = (
+    "--engines {value!r} names no engine; give comma-separated names, e.g. "
+    "backprop,checkpoint+fad, or leave --engines out to try every one that applies"
+)
+RETIRED_MAX_STEP_SECONDS = (
+    "`leangrad plan` (formerly advise) has no per-step time limit; drop --max-step-seconds "
+    "(to skip slow engines, name the ones to try with --engines)"
+)
+
+
+def _seed(raw: str) -> int:
+    """A seed: a whole number that torch's generators take."""
+    value = T.whole(raw)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(BAD_SEED.format(value=value))
+    return value
+
+
+def _retired_max_step_seconds(raw: str) -> float:
+    """The old advise's option: refused with what to do instead, never silently ignored."""
+    del raw
+    raise argparse.ArgumentTypeError(RETIRED_MAX_STEP_SECONDS)
 
 
 def add_train_parser(sub: Any) -> None:
@@ -58,7 +84,7 @@ def add_train_parser(sub: Any) -> None:
         type=T.positive_int)  # fmt: skip
     opt("--lr", "lr", "learning rate", type=T.positive_float)
     opt("--optimizer", "optimizer", "adam or sgd", choices=("adam", "sgd"))
-    opt("--seed", "seed", "seed of init, split and data order", type=T.whole)
+    opt("--seed", "seed", "seed of init, split and data order", type=_seed)
     opt("--step-per-layer", "step_per_layer", "optimizer step per parameter inside on_grad; "
         "gradients never all live at once (saving measured and printed)", action="store_const",
         const=True)  # fmt: skip
@@ -134,7 +160,12 @@ def run_train(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     s = _settings(args)
+    if s["engine_options"] and args.budget is None:
+        _check_engine_options(s["engine"], s["engine_options"])
     out = _run_dir(args)
+    from ..cli import check_out_dir
+
+    check_out_dir(out, "--out" if args.out is not None or args.resume is None else "--resume")
     shown = {**s, "out": str(out), "resume": args.resume, "overwrite": args.overwrite,
              "budget": args.budget, "device": args.device or "auto",
              "threads": torch.get_num_threads(), "keep": args.keep,
@@ -154,6 +185,22 @@ def run_train(args: argparse.Namespace) -> int:
         return 3
     _summary(res)
     return 130 if res.stopped == "interrupted" else 0
+
+
+def _check_engine_options(name: str, options: dict[str, Any]) -> None:
+    """Make the engine once before any work, so that an option value it refuses (of any
+    error type: an unknown ``mode``, a bad ``fraction``) is reported as ``--engine-opt``'s;
+    an unknown engine name is reported as it is."""
+    from .. import engines
+    from .._errors import LeangradError, OptionError
+
+    engines.engine(name)
+    try:
+        engines.engine(name, **options)
+    except (LeangradError, ValueError, TypeError) as err:
+        if str(err).startswith("--engine-opt"):
+            raise
+        raise OptionError(BAD_ENGINE_OPTION.format(engine=name, error=err)) from None
 
 
 def _summary(res: Any) -> None:
@@ -207,6 +254,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="comma-separated engines to try, e.g. backprop,checkpoint+fad "
                    "(default: every one that applies)")
     a.add_argument("--repeats", type=T.positive_int, default=3, help="timed repeats")
+    a.add_argument("--max-step-seconds", type=_retired_max_step_seconds, default=None,
+                   help=argparse.SUPPRESS)  # the old advise's; refused with the fix
     a.add_argument("--device", default=None, type=T.device,
                    help="cpu or cuda (default: cuda if present)")
     a.add_argument("--dtype", default="float32", choices=("float32", "float64"))
@@ -226,8 +275,12 @@ def run_plan(args: argparse.Namespace) -> int:
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
     names = None
-    if args.engines:
+    if args.engines is not None:
         names = [n.strip() for n in args.engines.split(",") if n.strip()]
+        if not names:
+            from .._errors import OptionError
+
+            raise OptionError(NO_ENGINES.format(value=args.engines))
         for n in names:
             _engines.engine(n)  # an unknown name is an error now, not a row later
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
