@@ -36,11 +36,10 @@ from torch.utils.checkpoint import (
 )
 from tqdm.auto import tqdm
 
-from .. import zoo
 from .._plan import plan
 from ..measure import profile_step, time_interleaved
 from ..measure._timer import num_threads
-from ._blocks import _gpt_parts, _resnet_parts
+from ._blocks import _workload as _blocks_workload
 from ._report import fmt_bytes
 from ._runner import RECORD_FIELDS, machine_info
 from ._suites import Suite
@@ -68,21 +67,12 @@ def _mlp_parts(model: nn.Sequential, x: torch.Tensor) -> tuple[Callable[[], torc
 
 
 def _workload(kind: str, size: dict[str, int]):  # type: ignore[no-untyped-def]
+    """The blocks suite's ResNet and GPT, and an MLP with dropout as an nn.Sequential."""
+    if kind in ("gpt", "resnet"):
+        return _blocks_workload(kind, size)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    b = size["batch"]
-    if kind == "gpt":
-        model = zoo.gpt(vocab=size["vocab"], dim=size["dim"], layers=size["layers"],
-                        heads=size["heads"], context=size["context"])  # fmt: skip
-        x = torch.randint(0, size["vocab"], (b, size["context"]), generator=gen)
-        t = torch.randint(0, size["vocab"], (b, size["context"]), generator=gen)
-        return model, x, (lambda out: zoo.GPT.loss(out, t)), _gpt_parts(model, x)
-    if kind == "resnet":
-        model = zoo.resnet(size["depth"], width=size["width"], classes=10)
-        x = torch.randn(b, 3, size["image"], size["image"], generator=gen)
-        y = torch.randint(0, 10, (b,), generator=gen)
-        return model, x, (lambda out: F.cross_entropy(out, y)), _resnet_parts(model, x)
-    w, layers = size["width"], size["layers"]
+    w, layers, b = size["width"], size["layers"], size["batch"]
     blocks: list[nn.Module] = [nn.Sequential(nn.Linear(size["features"], w), nn.ReLU(),
                                              nn.Dropout(0.1))]  # fmt: skip
     blocks += [nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Dropout(0.1))
