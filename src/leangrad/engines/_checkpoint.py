@@ -96,12 +96,14 @@ class Checkpoint(Engine):
         super().__init__(segments=segments, blocks=blocks)
         self.segments = segments
         self.block_names = None if blocks is None else list(blocks)
+        self._found: PreparedCache[Blocks] = PreparedCache()
         self._wrapped: PreparedCache[nn.Module] = PreparedCache()
         self._auto: PreparedCache[dict[Any, list[range]]] = PreparedCache()
 
     def blocks(self, model: nn.Module) -> Blocks:
-        """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`)."""
-        found = blocks(model, names=self.block_names)
+        """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`);
+        found once per model (a step asks two or three times, and the fx fallback traces)."""
+        found = self._found.get(model, lambda m: blocks(m, names=self.block_names))
         if not found.sequential and self.segments is not None:
             raise E.EngineInputError(SEGMENTS_NEED_SEQUENCE.format(
                 value=self.segments, model=type(model).__name__, found=found.how))  # fmt: skip
