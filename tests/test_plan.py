@@ -166,3 +166,68 @@ def test_plan_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: ig
             assert r["baseline_bytes"] + r["peak_bytes"] <= r["budget_bytes"] * 1.01
     text = "\n".join(render("tiny-plan", records, tmp_path))
     assert NOT_MEASURED in text and "| leangrad choice |" in text
+
+
+def _deep_mlp():  # type: ignore[no-untyped-def]
+    """Wide enough that checkpointing leaves gradients as the largest part of the peak."""
+    torch.manual_seed(0)
+    w = 64
+    layers = [torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.ReLU()) for _ in range(6)]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(w, 3))
+    x, y = torch.randn(16, w), torch.randint(0, 3, (16,))
+    return model, x, lambda out: F.cross_entropy(out, y)
+
+
+def _sgd(ps):  # type: ignore[no-untyped-def]
+    return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+
+def test_plan_with_an_optimizer_steps_per_layer_below_every_full_step() -> None:
+    """Per-layer steps free each gradient once used: the plan reaches a budget no
+    candidate with the optimizer stepped after backward fits, and leaves the user's model,
+    gradients and parameters as they were (the steps ran on a copy)."""
+    model, x, loss_fn = _deep_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    probe = leangrad.plan(model, x, loss_fn, budget=2**40, optimizer=_sgd, repeats=1)
+    full = [c for c in probe.table if not c.per_layer and c.peak_bytes is not None]
+    per_layer = [c for c in probe.table if c.per_layer and c.peak_bytes is not None]
+    assert len(full) == len(per_layer) > 0
+    assert all(c.label.endswith(", step per layer") for c in per_layer)
+    budget = min(c.peak_bytes for c in full) - 1  # type: ignore[type-var]
+    assert min(c.peak_bytes for c in per_layer) <= budget  # type: ignore[type-var, operator]
+    p = leangrad.plan(model, x, loss_fn, budget=budget, optimizer=_sgd, repeats=1)
+    assert p.engine is not None and p.per_layer and p.exact
+    assert p.peak_bytes is not None and p.peak_bytes <= budget
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b) and b.grad is None
+    # following Plan.per_layer's recipe trains exactly like backward + optimizer.step()
+    ref = copy.deepcopy(model)
+    opt = _sgd(list(ref.parameters()))
+    plo = leangrad.train.PerLayerOptimizer(dict(model.named_parameters()), _sgd)
+    for _ in range(2):
+        loss_fn(ref(x)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        p.engine.backward(model, x, loss_fn, on_grad=plo.on_grad)
+        plo.finish()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert a.grad is None
+
+
+def test_plan_with_an_optimizer_refuses_a_model_it_cannot_copy() -> None:
+    model, x, loss_fn = _deep_mlp()
+
+    class NoCopy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.inner(h)
+
+        def __deepcopy__(self, memo: dict) -> NoCopy:  # type: ignore[type-arg]
+            raise TypeError("holds a file handle")
+
+    with pytest.raises(leangrad.LeangradError, match=r"cannot be copied \(holds a file handle\)"):
+        leangrad.plan(NoCopy(), x, loss_fn, budget=2**40, optimizer=_sgd)

@@ -5,7 +5,9 @@ checkpointing its blocks (per block, ``"auto"`` and ``"sqrt"`` segments for a se
 nested forward-AD of its custom activation chains and the exact 1-bit masks of
 :mod:`leangrad.bits`, alone and under checkpointing, Moonwalk
 and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=False``,
-randomized AD and Highway-BP — measures each one's peak memory with the allocator-level
+randomized AD and Highway-BP — with an ``optimizer``, each also with per-layer optimizer
+steps inside ``on_grad`` (gradients never all live at once: Moonwalk v1, Algorithm 1) —
+measures each one's peak memory with the allocator-level
 tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
 (medians of interleaved repeats), and returns the fastest that fits, with the table it
 decided from. Nothing fits: it says so and names the smallest peak it found.
@@ -13,9 +15,11 @@ decided from. Nothing fits: it says so and names the smallest peak it found.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,12 +29,21 @@ from .engines import Engine, engine
 from .measure import profile_step, time_interleaved
 from .measure._profile import untouched
 
+if TYPE_CHECKING:
+    from .train._perlayer import MakeOptimizer
+
 __all__ = ["Candidate", "Plan", "candidates", "plan"]
 
 BAD_BUDGET = "budget must be a positive number of bytes, got {value!r}"
 NOTHING_FITS = (
     "nothing fits {budget}: the smallest peak found is {best} ({engine}); raise the budget, "
     "lower the batch size{inexact}"
+)
+PER_LAYER = ", step per layer"
+"""Label suffix of a candidate whose optimizer steps each parameter inside ``on_grad``."""
+NOT_COPYABLE = (
+    "plan(optimizer=...) steps a copy of the model (copy.deepcopy) so yours is left as it "
+    "was, and this model cannot be copied ({why}); plan without optimizer="
 )
 FORWARD_MAX_PARAMS = 20_000
 """``forward`` costs one jvp per parameter: tried only below this many parameters."""
@@ -48,6 +61,8 @@ class Candidate:
             the tracker's peak of the step (``None`` when it could not run).
         seconds: median step time (only for candidates that fit).
         verdict: ``"chosen"``, ``"fits"``, or why it was rejected.
+        per_layer: measured with the optimizer stepped per parameter inside ``on_grad``
+            (only when the plan was given an ``optimizer``).
     """
 
     label: str
@@ -57,6 +72,7 @@ class Candidate:
     verdict: str
     name: str = ""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    per_layer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +86,10 @@ class Plan:
         table: every candidate tried, and why each was rejected.
         message: one line saying what was chosen, or that nothing fits.
         remeasured_peak_bytes: the chosen engine's peak measured again after the search.
+        per_layer: the chosen step runs the optimizer per parameter inside ``on_grad``:
+            ``opt = leangrad.train.PerLayerOptimizer(dict(model.named_parameters()), make)``,
+            then ``plan.engine.backward(model, x, loss_fn, on_grad=opt.on_grad)`` and
+            ``opt.finish()``, with no ``optimizer.step()`` after it.
     """
 
     engine: Engine | None
@@ -80,6 +100,7 @@ class Plan:
     table: tuple[Candidate, ...]
     message: str
     remeasured_peak_bytes: int | None = None
+    per_layer: bool = False
 
     def __str__(self) -> str:
         from .bench._report import fmt_bytes
@@ -137,6 +158,35 @@ def last_resorts(model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
     return []
 
 
+class _OptimizedStep:
+    """An engine's step followed by the optimizer's: after backward, or per parameter inside
+    ``on_grad`` (:class:`leangrad.train.PerLayerOptimizer`). Engine-like for
+    :func:`profile_step`; the optimizers are made on first use for the model stepped."""
+
+    def __init__(self, inner: Engine, make: MakeOptimizer, *, per_layer: bool) -> None:
+        self.inner, self.make, self.per_layer = inner, make, per_layer
+        self.label = inner.label + (PER_LAYER if per_layer else "")
+        self.exact = inner.exact
+        self._opt: Any = None
+
+    def backward(self, model: nn.Module, xs: tuple[torch.Tensor, ...],
+                 loss_fn: Callable[[Any], torch.Tensor]) -> None:  # fmt: skip
+        from .train._perlayer import PerLayerOptimizer
+
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if self._opt is None:
+            self._opt = (PerLayerOptimizer(params, self.make) if self.per_layer
+                         else self.make(list(params.values())))  # fmt: skip
+        if self.per_layer:
+            self.inner.backward(model, xs, loss_fn, on_grad=self._opt.on_grad)
+            self._opt.finish()
+        else:
+            self.inner.backward(model, xs, loss_fn)
+            self._opt.step()
+            for p in params.values():
+                p.grad = None
+
+
 def plan(
     model: nn.Module,
     inputs: torch.Tensor | Sequence[torch.Tensor],
@@ -144,6 +194,7 @@ def plan(
     *,
     budget: int,
     exact: bool = True,
+    optimizer: MakeOptimizer | None = None,
     engines: Sequence[tuple[str, dict[str, Any]]] | None = None,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
@@ -157,6 +208,11 @@ def plan(
             tracker's peak). Optimizer state is not included.
         exact: only engines whose gradient equals autograd's (``False`` adds rad and
             highway).
+        optimizer: makes an optimizer from a list of parameters (e.g.
+            ``lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)``). Each step then
+            includes the optimizer step, and every candidate is also tried with the
+            optimizer stepped per parameter inside ``on_grad`` (``Plan.per_layer``), which
+            frees each gradient as soon as it is used. Measured on a copy of the model.
         engines: ``(name, options)`` to try instead of :func:`candidates`.
         repeats: timed steps per fitting candidate (medians of interleaved repeats).
         progress: called with a short message before each measurement.
@@ -168,11 +224,17 @@ def plan(
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(BAD_BUDGET.format(value=budget))
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if optimizer is not None:
+        try:
+            model = copy.deepcopy(model)  # stepped by the optimizer: never the user's
+        except Exception as err:  # any reason a module cannot be copied
+            raise E.EngineInputError(NOT_COPYABLE.format(why=err)) from err
     tried: list[_Tried] = []
     first = list(engines) if engines is not None else candidates(model, exact=exact)
-    _measure(first, model, xs, loss_fn, budget, exact, tried, progress)
+    _measure(first, model, xs, loss_fn, budget, exact, tried, progress, optimizer)
     if engines is None and not any(t.verdict == "fits" for t in tried):
-        _measure(last_resorts(model), model, xs, loss_fn, budget, exact, tried, progress)
+        _measure(last_resorts(model), model, xs, loss_fn, budget, exact, tried, progress,
+                 optimizer)  # fmt: skip
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     times: dict[str, float] = {}
     if fitting:
@@ -183,24 +245,21 @@ def plan(
             timed = time_interleaved(steps, repeats=repeats, warmup=1)
         times = {label: t.median for label, t in timed.items()}
     chosen = min(times, key=lambda k: times[k]) if times else None
-    table = tuple(
-        Candidate(t.label, t.exact, t.peak, times.get(t.label),
-                  "chosen" if t.label == chosen else t.verdict, t.name, t.options)
-        for t in tried
-    )
+    table = tuple(_candidate(t, times.get(t.label), chosen) for t in tried)
     return _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
                    loss_fn)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class _Tried:
-    engine: Engine | None
+    engine: Any  # an Engine, or an _OptimizedStep around one
     label: str
     exact: bool
     peak: int | None
     verdict: str
     name: str
     options: dict[str, Any]
+    per_layer: bool = False
 
 
 def _measure(
@@ -212,34 +271,43 @@ def _measure(
     exact: bool,
     tried: list[_Tried],
     progress: Callable[[str], None] | None,
+    optimizer: MakeOptimizer | None = None,
 ) -> None:
     """Measure each candidate's peak and append what was found to ``tried``."""
     for name, opts in todo:
         eng = engine(name, **opts)
-
-        def add(e: Engine | None, peak: int | None, verdict: str,
-                eng: Engine = eng, name: str = name, opts: dict[str, Any] = opts) -> None:
-            tried.append(_Tried(e, eng.label, eng.exact, peak, verdict, name, dict(opts)))
-
-        label = eng.label
-        if progress is not None:
-            progress(f"peak of {label}")
+        steps: list[Any] = [eng]
+        if optimizer is not None:
+            steps = [_OptimizedStep(eng, optimizer, per_layer=False),
+                     _OptimizedStep(eng, optimizer, per_layer=True)]  # fmt: skip
         if not exact or eng.exact:
             why = eng.supports(model)
         else:
             why = "not exact (plan with exact=False to allow estimators)"
-        if why is not None:
-            add(None, None, f"n/a: {why}")
-            continue
-        try:
-            peak = profile_step(eng, model, xs, loss_fn, repeats=0).total_bytes
-        except E.LeangradError as err:
-            add(None, None, f"n/a: {err}")
-            continue
-        add(eng, peak, "fits" if peak <= budget else "over budget")
+        for step in steps:
+            row = functools.partial(_Tried, label=step.label, exact=eng.exact, name=name,
+                                    options=dict(opts),
+                                    per_layer=bool(getattr(step, "per_layer", False)))  # fmt: skip
+            if why is not None:
+                tried.append(row(engine=None, peak=None, verdict=f"n/a: {why}"))
+                continue
+            if progress is not None:
+                progress(f"peak of {step.label}")
+            try:
+                peak = profile_step(step, model, xs, loss_fn, repeats=0).total_bytes
+            except E.LeangradError as err:
+                tried.append(row(engine=None, peak=None, verdict=f"n/a: {err}"))
+                continue
+            verdict = "fits" if peak <= budget else "over budget"
+            tried.append(row(engine=step, peak=peak, verdict=verdict))
 
 
-def _step(eng: Engine, model: nn.Module, xs: tuple[torch.Tensor, ...],
+def _candidate(t: _Tried, seconds: float | None, chosen: str | None) -> Candidate:
+    verdict = "chosen" if t.label == chosen else t.verdict
+    return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options, t.per_layer)
+
+
+def _step(eng: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
           loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], None]:  # fmt: skip
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -248,7 +316,7 @@ def _step(eng: Engine, model: nn.Module, xs: tuple[torch.Tensor, ...],
     return step
 
 
-def _result(table: tuple[Candidate, ...], chosen: Engine | None, budget: int, exact: bool,
+def _result(table: tuple[Candidate, ...], chosen: Any, budget: int, exact: bool,
             model: nn.Module, xs: tuple[torch.Tensor, ...],
             loss_fn: Callable[[Any], torch.Tensor]) -> Plan:  # fmt: skip
     from .bench._report import fmt_bytes
@@ -268,4 +336,6 @@ def _result(table: tuple[Candidate, ...], chosen: Engine | None, budget: int, ex
     again = profile_step(chosen, model, xs, loss_fn, repeats=0).total_bytes
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
            f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip
-    return Plan(chosen, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg, again)
+    inner = chosen.inner if isinstance(chosen, _OptimizedStep) else chosen
+    return Plan(inner, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg, again,
+                row.per_layer)  # fmt: skip

@@ -200,9 +200,11 @@ def fit(
         budget: plan the step instead of naming an engine: :func:`leangrad.plan` measures
             the engines that apply to the model on a batch of the training data and the
             run uses the fastest exact one whose memory (parameters, inputs and the step's
-            peak; optimizer state not included) fits, e.g. ``"64MiB"``; the plan's table
-            is printed and the chosen engine is stored in the run's config (a resumed
-            run keeps it). Not with ``engine_options``.
+            peak; optimizer state not included) fits, e.g. ``"64MiB"``, with the
+            optimizer stepped after backward or per layer (which then turns
+            ``step_per_layer`` on); the plan's table is printed and the chosen engine is
+            stored in the run's config (a resumed run keeps it). Not with
+            ``engine_options``.
         max_steps: stop after this many steps in total.
         device, dtype: where and in which float type to train (default: CUDA if present).
         test_fraction: share of the data held out for per-epoch test loss/accuracy.
@@ -307,13 +309,17 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     probe = copy.deepcopy(net).to(device=dev, dtype=dtype)  # the run's model stays as built
     x = ds.x[: cfg.batch_size].to(dev)
     x = x.to(dtype) if x.is_floating_point() else x
-    result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit)
+    make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
+    result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
+                  optimizer=make)  # fmt: skip
     if progress:
         print(result, flush=True)
     if result.engine is None:
         raise E.EngineInputError(result.message)
     row = next(c for c in result.table if c.verdict == "chosen")
-    return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options))
+    per_layer = cfg.step_per_layer or result.per_layer
+    return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options),
+                               step_per_layer=per_layer)  # fmt: skip
 
 
 def _claim_run_dir(out: Path, *, resume: str | Path | None, overwrite: bool,
