@@ -140,8 +140,9 @@ def test_fit_with_a_budget_nothing_fits_or_engine_options_given() -> None:
 
 
 def test_plan_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The plan suite on tiny models: per budget a leangrad row and a PyTorch row, both
-    within the budget when they fit, and a report that says what it does not measure."""
+    """The plan suite on tiny models: per budget a leangrad, a PyTorch-eager and a
+    torch.compile row, each within the budget when it fits; the smallest peak per side; the
+    plan's prediction beside its fresh-process RSS; a report that says what it omits."""
     import json
 
     from leangrad.bench import run_suite
@@ -151,21 +152,29 @@ def test_plan_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: ig
     suite.write_text(
         'runner = "leangrad.bench._plan_suite:run_plan_suite"\n'
         "[settings]\nrepeats = 1\nfractions = [0.75, 0.35]\nsegments = [2]\n"
+        "compile_budgets = [1.0]\n"
         "[settings.models]\n"
         # > 20k parameters each, so the planner's last resort (forward) is not tried
-        "gpt = { vocab = 16, dim = 32, layers = 3, heads = 2, context = 16, batch = 4 }\n"
         "mlp = { features = 8, width = 128, layers = 3, batch = 64 }\n"
     )
     records = json.loads(run_suite(str(suite), out=tmp_path, quick=True,
                                    progress=False).read_text())  # fmt: skip
-    assert {(r["series"], r["x"], r["engine"]) for r in records} == {
-        (m, f, side) for m in ("gpt", "mlp") for f in (0.75, 0.35)
-        for side in ("leangrad", "pytorch")}  # fmt: skip
+    sides = ("leangrad", "pytorch", "compile")
+    assert {(r["series"], r["sweep"], r["x"], r["engine"]) for r in records} == {
+        ("mlp", "fraction", f, side) for f in (0.75, 0.35) for side in sides
+    } | {("mlp", "smallest", None, side) for side in sides}
     for r in records:
-        if r["fits"]:
+        if r["sweep"] == "fraction" and r["fits"]:
             assert r["baseline_bytes"] + r["peak_bytes"] <= r["budget_bytes"] * 1.01
+            assert r["time_vs_backprop"] > 0
+        if r["engine"] == "leangrad" and r["sweep"] == "fraction" and r["fits"]:
+            assert r["remeasured_bytes"] == r["predicted_bytes"]  # the tracker is exact
+            assert r["rss_bytes"] > 0 and r["rss_backprop_bytes"] > 0
+    small = {r["engine"]: r for r in records if r["sweep"] == "smallest"}
+    assert all(s["peak_bytes"] > 0 and s["choice"] for s in small.values())
     text = "\n".join(render("tiny-plan", records, tmp_path))
-    assert NOT_MEASURED in text and "| leangrad choice |" in text
+    assert NOT_MEASURED in text and "| torch.compile | RSS peak |" in text
+    assert "Smallest step peak each side reaches" in text
 
 
 def _deep_mlp():  # type: ignore[no-untyped-def]

@@ -129,6 +129,9 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
         if found.sequential:
             out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),
                     ("checkpoint", {"segments": "sqrt"})]  # fmt: skip
+            # fewer segments than blocks: less recomputation where the budget allows it
+            n = len(found.names)
+            out += [("checkpoint", {"segments": k}) for k in (2, 3, 4) if k < n - 1]
             out += [("checkpoint+fad", {"segments": "auto"}),
                     ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
         else:

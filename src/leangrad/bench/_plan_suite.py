@@ -1,120 +1,50 @@
 """Suite ``plan``: ``leangrad.plan`` against what a PyTorch user can do by hand, at budgets
-that are fractions of backprop's step memory (issue 13's targets).
+that are fractions of backprop's training-step memory (issue 13's targets).
 
-For each model (a class-based ResNet-18-style CNN and GPT from :mod:`leangrad.zoo`, and an
-MLP with dropout as an ``nn.Sequential``) and each budget ``baseline + f × backprop's
-step peak`` (f = 0.75, 0.5, 0.35, 0.25; baseline = parameters and inputs):
+A training step is backward and an SGD step (momentum 0.9; its state exists before the
+measured step). For each model (a class-based ResNet-18-style CNN and GPT from
+:mod:`leangrad.zoo`, and an MLP with dropout as an ``nn.Sequential``) and each budget
+``baseline + f × backprop's step peak`` (f = 0.75, 0.5, 0.35, 0.25; baseline = parameters,
+buffers and inputs):
 
-- leangrad: :func:`leangrad.plan` (exact) picks an engine; its peak and time are
-  re-measured here;
-- PyTorch by hand, exact: ``checkpoint_sequential(s)`` over the blocks (s = 2, 3, 4, 6),
-  ``torch.utils.checkpoint`` around every block, and selective checkpointing of every
-  block (matmuls and convolutions saved, the rest recomputed). The fastest that fits
-  is the peer's answer.
+- leangrad: :func:`leangrad.plan` (exact, ``optimizer=``) picks an engine and whether the
+  optimizer steps per layer; its peak is re-measured (tracker) and cross-checked by the
+  resident set of a fresh process;
+- PyTorch eager, exact (:mod:`leangrad.bench._plan_peers`): ``checkpoint_sequential``,
+  per-block and selective checkpointing, each with the optimizer after backward or inside
+  it (gradient hooks); the fastest that fits is the peer's answer;
+- ``torch.compile`` with ``activation_memory_budget`` (1.0 … 0.0), measured in fresh
+  processes by the resident set (the tracker cannot see inductor's buffers), its time as
+  a ratio to eager backprop timed beside it in that process.
 
-``torch.compile`` with ``activation_memory_budget`` and Rockmate are not in this version
-(the tracker cannot see inductor's buffers: they need the fresh-process RSS; Rockmate is
-not installed here) — the report says so. Peak: tracker, above the baseline, ``.grad``
-allocated by the step. Time: medians of interleaved repeats, 1 thread.
+Peak: tracker, above the baseline, ``.grad`` allocated by the step. Time: medians of
+interleaved repeats, 1 thread; every side is reported as a ratio to eager backprop timed in
+the same round-robin, so compile's ratio (another process) compares with the others'.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
-from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    checkpoint_sequential,
-    create_selective_checkpoint_contexts,
-)
 from tqdm.auto import tqdm
 
-from .._plan import plan
+from .._plan import Plan, plan
 from ..measure import profile_step, time_interleaved
+from ..measure._rss import run_json_worker
 from ..measure._timer import num_threads
-from ._blocks import _workload as _blocks_workload
+from ..train._perlayer import PerLayerOptimizer
+from ._plan_peers import HOOKED, Step, make_sgd, optimizer_in_backward, peers, workload
 from ._report import fmt_bytes
 from ._runner import RECORD_FIELDS, machine_info
 from ._suites import Suite
 
 __all__ = ["render", "run_plan_suite"]
 
-Step = Callable[[], None]
-_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-         torch.ops.aten.convolution.default}  # fmt: skip
+WORKER = "leangrad.bench._plan_worker"
 NOT_MEASURED = (
-    "torch.compile with activation_memory_budget and Rockmate are not in this version: "
-    "inductor's buffers are invisible to the tracker (they need the fresh-process RSS) and "
-    "Rockmate is not installed here"
+    "Rockmate: not measured — see the README's peers section for why it does not run here"
 )
-
-
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    del ctx, args, kwargs
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _mlp_parts(model: nn.Sequential, x: torch.Tensor) -> tuple[Callable[[], torch.Tensor],
-                                                               list[nn.Module], Callable]:  # type: ignore[type-arg]  # fmt: skip
-    return (lambda: x, list(model), lambda h: h)
-
-
-def _workload(kind: str, size: dict[str, int]):  # type: ignore[no-untyped-def]
-    """The blocks suite's ResNet and GPT, and an MLP with dropout as an nn.Sequential."""
-    if kind in ("gpt", "resnet"):
-        return _blocks_workload(kind, size)
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    w, layers, b = size["width"], size["layers"], size["batch"]
-    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(size["features"], w), nn.ReLU(),
-                                             nn.Dropout(0.1))]  # fmt: skip
-    blocks += [nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Dropout(0.1))
-               for _ in range(layers - 1)]  # fmt: skip
-    model = nn.Sequential(*blocks, nn.Linear(w, 10))
-    x = torch.randn(b, size["features"], generator=gen)
-    y = torch.randint(0, 10, (b,), generator=gen)
-    return model, x, (lambda out: F.cross_entropy(out, y)), _mlp_parts(model, x)
-
-
-def _peers(parts: Any, loss_fn: Callable, segments: list[int]) -> dict[str, Step]:  # type: ignore[type-arg]
-    stem, blocks, head = parts
-    seq = nn.Sequential(*blocks)
-    selective = functools.partial(create_selective_checkpoint_contexts, _policy)
-
-    def run(wrap: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> Step:
-        def step() -> None:
-            h = stem()
-            for i, b in enumerate(blocks):
-                h = b(h) if i == len(blocks) - 1 else wrap(i, b, h)
-            loss_fn(head(h)).backward()
-
-        return step
-
-    out: dict[str, Step] = {
-        "torch per-block": run(lambda i, b, h: checkpoint(b, h, use_reentrant=False)),
-        "torch selective": run(lambda i, b, h: checkpoint(
-            b, h, use_reentrant=False, context_fn=selective)),
-    }  # fmt: skip
-    for s in segments:
-        if s < len(blocks):
-            out[f"checkpoint_sequential({s})"] = _sequential(seq, s, stem, head, loss_fn)
-    return out
-
-
-def _sequential(seq: nn.Sequential, s: int, stem: Callable, head: Callable,  # type: ignore[type-arg]
-                loss_fn: Callable) -> Step:  # type: ignore[type-arg]  # fmt: skip
-    def step() -> None:
-        h = checkpoint_sequential(seq, s, stem(), use_reentrant=False)
-        loss_fn(head(h)).backward()
-
-    return step
 
 
 class _Stepper:
@@ -123,101 +53,318 @@ class _Stepper:
     def __init__(self, label: str, step: Step) -> None:
         self.label, self._step = label, step
 
-    def backward(self, model: nn.Module, xs: Any, loss_fn: Any) -> None:
+    def backward(self, model: Any, xs: Any, loss_fn: Any) -> None:
         del model, xs, loss_fn
         self._step()
 
 
-def run_plan_suite(suite: Suite, *, quick: bool = False, device: str = "cpu",
-                   progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
-    """One record per (model, budget, side): the choice, its peak and time."""
+def run_plan_suite(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """One record per (model, budget, side) and per (model, side) for the smallest peak."""
     if device != "cpu":
         raise ValueError("the plan suite runs on cpu in this version")
-    machine = machine_info()
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    ctx = {
+        "suite": suite.name,
+        "quick": quick,
+        "machine": machine_info(),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "fractions": [float(f) for f in suite.setting("fractions", quick, [0.75, 0.5, 0.35, 0.25])],
+        "segments": [int(s) for s in suite.setting("segments", quick, [2, 3, 4, 6])],
+        "compile": [float(b) for b in suite.setting("compile_budgets", quick, [1.0, 0.0])],
+        "repeats": suite.repeats(quick),
+    }
     models: dict[str, dict[str, int]] = dict(suite.setting("models", quick, {}))
-    fractions = [float(f) for f in suite.setting("fractions", quick, [0.75, 0.5, 0.35, 0.25])]
-    segments = [int(s) for s in suite.setting("segments", quick, [2, 3, 4, 6])]
-    repeats = suite.repeats(quick)
     records: list[dict[str, Any]] = []
     bar = tqdm(list(models), desc=f"bench {suite.name}", unit="model", disable=not progress)
     with num_threads(1):
         for kind in bar:
-            records += _run_model(suite.name, kind, models[kind], fractions, segments,
-                                  repeats, quick, machine, created)  # fmt: skip
+            records += _run_model(kind, models[kind], ctx, bar)
     bar.close()
     return records
 
 
-def _run_model(suite: str, kind: str, size: dict[str, int], fractions: list[float],
-               segments: list[int], repeats: int, quick: bool, machine: Any,
-               created: str) -> list[dict[str, Any]]:  # fmt: skip
-    model, x, loss_fn, parts = _workload(kind, size)
-    ref = profile_step(_Stepper("backprop", lambda: loss_fn(model(x)).backward()), model, x,
-                       loss_fn, repeats=0)  # fmt: skip
-    peers = _peers(parts, loss_fn, segments)
-    peer_peak = {n: profile_step(_Stepper(n, s), model, x, loss_fn, repeats=0).peak_bytes
-                 for n, s in peers.items()}  # fmt: skip
-    records = []
-    for f in fractions:
-        budget = ref.baseline_bytes + int(f * ref.peak_bytes)
-        p = plan(model, x, loss_fn, budget=budget, repeats=repeats)
-        fits = {n: s for n, s in peers.items() if ref.baseline_bytes + peer_peak[n] <= budget}
-        steps: dict[str, Step] = dict(fits)
+def _run_model(
+    kind: str, size: dict[str, int], ctx: dict[str, Any], bar: Any
+) -> list[dict[str, Any]]:
+    model, x, loss_fn, parts = workload(kind, size)
+    hooked, hx, hloss, hparts = workload(kind, size)  # its own copy: the hooks stay on it
+    optimizer_in_backward(hooked)
+    opt = make_sgd([p for p in model.parameters() if p.requires_grad])
+    steps = {
+        **peers(parts, loss_fn, ctx["segments"], optimizer=opt),
+        **peers(hparts, hloss, ctx["segments"], optimizer=None, suffix=HOOKED),
+    }
+    prof = {
+        n: profile_step(
+            _Stepper(n, s),
+            hooked if n.endswith(HOOKED) else model,
+            hx if n.endswith(HOOKED) else x,
+            loss_fn,
+            repeats=0,
+        )
+        for n, s in steps.items()
+    }
+    ref = prof["backprop"]
+    base = ref.baseline_bytes
+    bar.set_postfix_str(f"{kind}: torch.compile in fresh processes")
+    compiled = {
+        b: run_json_worker(
+            WORKER,
+            {"mode": "compile", "kind": kind, "size": size, "budget": b, "repeats": ctx["repeats"]},
+        )
+        for b in ctx["compile"]
+    }
+    common = {
+        "suite": ctx["suite"],
+        "series": kind,
+        "quick": ctx["quick"],
+        "machine": ctx["machine"],
+        "created": ctx["created"],
+        "baseline_bytes": base,
+        "backprop_peak_bytes": ref.peak_bytes,
+        "not_measured": NOT_MEASURED,
+        "config": {
+            "model": kind,
+            **size,
+            "dtype": "float32",
+            "threads": 1,
+            "optimizer": "SGD(lr=1e-3, momentum=0.9)",
+        },
+    }
+    records: list[dict[str, Any]] = []
+    smallest: dict[str, tuple[str, int]] = {}
+    for f in ctx["fractions"]:
+        bar.set_postfix_str(f"{kind}: plan at {f}")
+        budget = base + int(f * ref.peak_bytes)
+        p = plan(model, x, loss_fn, budget=budget, optimizer=make_sgd, repeats=ctx["repeats"])
+        fits = [n for n in steps if prof[n].total_bytes <= budget]
+        timed = {"backprop": steps["backprop"], **{n: steps[n] for n in fits}}
         if p.engine is not None:
-            eng = p.engine
-            steps["leangrad"] = lambda eng=eng: eng.backward(model, x, loss_fn)
-        times = (time_interleaved(steps, repeats=repeats, warmup=1) if steps else {})
-        model.zero_grad(set_to_none=True)
-        best = min(fits, key=lambda n: times[n].median) if fits else None
-        ours = p.table and next((c for c in p.table if c.verdict == "chosen"), None)
-        base = {"suite": suite, "series": kind, "sweep": "fraction", "x": f, "quick": quick,
-                "machine": machine, "created": created, "budget_bytes": budget,
-                "baseline_bytes": ref.baseline_bytes, "backprop_peak_bytes": ref.peak_bytes,
-                "config": {"model": kind, **size, "dtype": "float32", "threads": 1},
-                "not_measured": NOT_MEASURED}  # fmt: skip
-        for side, label, peak, secs in (
-            ("leangrad", ours.label if ours else None,
-             (ours.peak_bytes - ref.baseline_bytes) if ours and ours.peak_bytes else None,
-             times["leangrad"].median if ours else None),
-            ("pytorch", best, peer_peak[best] if best else None,
-             times[best].median if best else None),
-        ):  # fmt: skip
-            rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-            rec.update(base, engine=side, choice=label, peak_bytes=peak, seconds_median=secs,
-                       fits=label is not None)  # fmt: skip
-            records.append(rec)
+            timed["leangrad"] = _leangrad_step(p, model, x, loss_fn)
+        t = {
+            n: v.median
+            for n, v in time_interleaved(timed, repeats=ctx["repeats"], warmup=1).items()
+        }
+        rec = {**common, "sweep": "fraction", "x": f, "budget_bytes": budget}
+        records += _budget_records(rec, p, kind, size, prof, fits, t, compiled, base)
+        measured = [c for c in p.table if c.peak_bytes is not None]
+        low = min(measured, key=lambda c: c.peak_bytes or 0)
+        smallest["leangrad"] = (low.label, (low.peak_bytes or 0) - base)
+    eager = min(prof, key=lambda n: prof[n].peak_bytes)
+    smallest["pytorch"] = (eager, prof[eager].peak_bytes)
+    low_b = min(compiled, key=lambda b: compiled[b]["rss_compiled"])
+    smallest["compile"] = (f"torch.compile(budget={low_b})", compiled[low_b]["rss_compiled"])
+    for side, (label, peak) in smallest.items():
+        records.append(_record(common, side, label, peak, None, None, sweep="smallest", x=None))
     return records
 
 
-def render(suite: str, records: list[dict[str, Any]], directory: Any, *,
-           plots: bool = True) -> list[str]:  # fmt: skip
-    """Markdown: per model and budget, leangrad's plan beside PyTorch's best by hand."""
+def _leangrad_step(p: Plan, model: Any, x: Any, loss_fn: Any) -> Step:
+    eng = p.engine
+    assert eng is not None
+    params = {n: q for n, q in model.named_parameters() if q.requires_grad}
+    if p.per_layer:
+        plo = PerLayerOptimizer(params, make_sgd)
+
+        def step() -> None:
+            eng.backward(model, x, loss_fn, on_grad=plo.on_grad)
+            plo.finish()
+
+        return step
+    opt = make_sgd(list(params.values()))
+
+    def full() -> None:
+        eng.backward(model, x, loss_fn)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return full
+
+
+def _record(
+    common: dict[str, Any],
+    side: str,
+    label: str | None,
+    peak: int | None,
+    seconds: float | None,
+    vs_backprop: float | None,
+    **extra: Any,
+) -> dict[str, Any]:
+    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
+    rec.update(
+        common,
+        engine=side,
+        choice=label,
+        peak_bytes=peak,
+        seconds_median=seconds,
+        time_vs_backprop=vs_backprop,
+        fits=label is not None,
+        **extra,
+    )
+    return rec
+
+
+def _budget_records(
+    rec: dict[str, Any],
+    p: Plan,
+    kind: str,
+    size: dict[str, int],
+    prof: dict[str, Any],
+    fits: list[str],
+    t: dict[str, float],
+    compiled: dict[float, dict[str, Any]],
+    base: int,
+) -> list[dict[str, Any]]:
+    """The three sides at one budget: leangrad's plan, the fastest eager peer that fits, and
+    the fastest ``torch.compile`` setting whose fresh-process peak fits."""
+    tb = t["backprop"]
+    out = []
+    row = next((c for c in p.table if c.verdict == "chosen"), None)
+    if row is None:
+        out.append(_record(rec, "leangrad", None, None, None, None))
+    else:
+        rss = run_json_worker(
+            WORKER,
+            {
+                "mode": "engine",
+                "kind": kind,
+                "size": size,
+                "engine": row.name,
+                "options": row.options,
+                "per_layer": row.per_layer,
+            },
+        )
+        out.append(
+            _record(
+                rec,
+                "leangrad",
+                row.label,
+                (row.peak_bytes or 0) - base,
+                t["leangrad"],
+                t["leangrad"] / tb,
+                predicted_bytes=row.peak_bytes,
+                remeasured_bytes=p.remeasured_peak_bytes,
+                rss_bytes=rss["rss"],
+                rss_backprop_bytes=rss["rss_backprop"],
+            )
+        )
+    best = min(fits, key=lambda n: t[n]) if fits else None
+    out.append(
+        _record(
+            rec,
+            "pytorch",
+            best,
+            prof[best].peak_bytes if best else None,
+            t[best] if best else None,
+            t[best] / tb if best else None,
+        )
+    )
+    ok = [b for b, c in compiled.items() if base + c["rss_compiled"] <= rec["budget_bytes"]]
+    cb = min(ok, key=lambda b: compiled[b]["t_compiled"] / compiled[b]["t_eager"]) if ok else None
+    c = compiled[cb] if cb is not None else None
+    out.append(
+        _record(
+            rec,
+            "compile",
+            f"torch.compile(budget={cb})" if c else None,
+            c["rss_compiled"] if c else None,
+            c["t_compiled"] if c else None,
+            c["t_compiled"] / c["t_eager"] if c else None,
+            compile_seconds=c["compile_s"] if c else None,
+            rss_eager_bytes=c["rss_eager"] if c else None,
+        )
+    )
+    return out
+
+
+def render(
+    suite: str, records: list[dict[str, Any]], directory: Any, *, plots: bool = True
+) -> list[str]:
+    """Markdown: per model and budget the three sides, the smallest peak each reaches, and
+    the plan's predicted peak beside its re-measured and fresh-process peaks."""
     del suite, directory, plots
-    lines = ["`leangrad.plan` (exact) against the fastest exact PyTorch option that fits the "
-             "same budget: checkpoint_sequential(2/3/4/6), per-block and selective "
-             "checkpointing. Budget = parameters and inputs + f × backprop's step peak. "
-             "Peak: tracker, above parameters and inputs. Time: medians of interleaved "
-             "repeats, 1 thread; the two sides are timed in the same round-robin.", "",
-             f"Not measured: {NOT_MEASURED}.", ""]  # fmt: skip
+    lines = [
+        "A training step (backward + SGD with momentum) at budgets of parameters and inputs "
+        "+ f × backprop's step peak. leangrad: `leangrad.plan(exact=True, optimizer=...)`. "
+        "PyTorch eager: the fastest of checkpoint_sequential, per-block and selective "
+        "checkpointing, each with the optimizer after backward or inside it (gradient "
+        "hooks). torch.compile: `activation_memory_budget` settings, peak by fresh-process "
+        "RSS. Peak: above parameters and inputs. Time: × eager backprop timed in the same "
+        "round-robin (1 thread); last column: leangrad / the fastest exact peer that fits.",
+        "",
+        f"{records[0]['not_measured']}." if records else "",
+        "",
+    ]
     for series in dict.fromkeys(r["series"] for r in records):
         rs = [r for r in records if r["series"] == series]
-        lines += [f"### {series}", "",
-                  "| f | budget | leangrad choice | peak | s/step | PyTorch choice | peak "
-                  "| s/step | time leangrad / PyTorch |", "|---|---|---|---|---|---|---|---|---|"]
-        for f in dict.fromkeys(r["x"] for r in rs):
-            ours = next(r for r in rs if r["x"] == f and r["engine"] == "leangrad")
-            peer = next(r for r in rs if r["x"] == f and r["engine"] == "pytorch")
-
-            def cell(r: dict[str, Any]) -> str:
-                if not r["fits"]:
-                    return "nothing fits | — | —"
-                return (f"{r['choice']} | {fmt_bytes(r['peak_bytes'])} | "
-                        f"{r['seconds_median']:.4f}")  # fmt: skip
-
-            ratio = (f"{ours['seconds_median'] / peer['seconds_median']:.2f}"
-                     if ours["fits"] and peer["fits"] else "—")  # fmt: skip
-            lines.append(f"| {f} | {fmt_bytes(ours['budget_bytes'])} | {cell(ours)} | "
-                         f"{cell(peer)} | {ratio} |")  # fmt: skip
-        lines.append("")
+        lines += _budget_table(series, rs) + _smallest_table(rs) + _check_table(rs)
     return lines
+
+
+def _cell(r: dict[str, Any]) -> str:
+    if not r["fits"]:
+        return "nothing fits | — | —"
+    return f"{r['choice']} | {fmt_bytes(r['peak_bytes'])} | {r['time_vs_backprop']:.2f}×"
+
+
+def _budget_table(series: str, rs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"### {series}",
+        "",
+        "| f | budget | leangrad | peak | time | PyTorch eager | peak | time "
+        "| torch.compile | RSS peak | time | leangrad / best peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in dict.fromkeys(r["x"] for r in rs if r["sweep"] == "fraction"):
+        side = {r["engine"]: r for r in rs if r["sweep"] == "fraction" and r["x"] == f}
+        ours = side["leangrad"]
+        peer_times = [
+            side[k]["time_vs_backprop"] for k in ("pytorch", "compile") if side[k]["fits"]
+        ]
+        ratio = (
+            f"{ours['time_vs_backprop'] / min(peer_times):.2f}"
+            if ours["fits"] and peer_times
+            else "—"
+        )
+        lines.append(
+            f"| {f} | {fmt_bytes(ours['budget_bytes'])} | {_cell(ours)} | "
+            f"{_cell(side['pytorch'])} | {_cell(side['compile'])} | {ratio} |"
+        )
+    return [*lines, ""]
+
+
+def _smallest_table(rs: list[dict[str, Any]]) -> list[str]:
+    bp = rs[0]["backprop_peak_bytes"]
+    lines = [
+        "Smallest step peak each side reaches (its lowest feasible budget):",
+        "",
+        "| side | how | peak | × backprop |",
+        "|---|---|---|---|",
+    ]
+    for r in (r for r in rs if r["sweep"] == "smallest"):
+        lines.append(
+            f"| {r['engine']} | {r['choice']} | {fmt_bytes(r['peak_bytes'])} | "
+            f"{r['peak_bytes'] / bp:.3f} |"
+        )
+    return [*lines, ""]
+
+
+def _check_table(rs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "The plan's predicted peak (in all) against the same step re-measured (tracker) "
+        "and in a fresh process (RSS + parameters and inputs):",
+        "",
+        "| f | predicted | re-measured | fresh-process RSS | RSS / predicted |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rs:
+        if r["sweep"] != "fraction" or r["engine"] != "leangrad" or not r["fits"]:
+            continue
+        rss = r["rss_bytes"] + r["baseline_bytes"]
+        lines.append(
+            f"| {r['x']} | {fmt_bytes(r['predicted_bytes'])} | "
+            f"{fmt_bytes(r['remeasured_bytes'])} | {fmt_bytes(rss)} | "
+            f"{rss / r['predicted_bytes']:.3f} |"
+        )
+    return [*lines, ""]

@@ -15,18 +15,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
     "RssReport",
     "malloc_trim",
+    "peak_rss_above",
     "proc_status_bytes",
     "reset_peak_rss",
     "rss_supported",
+    "run_json_worker",
     "run_rss_worker",
 ]
 
@@ -69,14 +73,22 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def run_rss_worker(module: str, payload: dict[str, Any], *, timeout: float = 600) -> RssReport:
-    """Run ``python -m module`` with ``payload`` as JSON on stdin; it prints an RssReport as JSON.
+def peak_rss_above(step: Callable[[], object]) -> int:
+    """Bytes the resident set grows by while ``step()`` runs (its high-water mark above the
+    RSS before it), after a garbage collection and a heap trim. Faithful only in a process
+    started with ``MALLOC_MMAP_THRESHOLD_`` set (see :func:`run_json_worker`)."""
+    gc.collect()
+    malloc_trim()
+    reset_peak_rss()
+    before = proc_status_bytes("VmRSS")
+    step()
+    return max(0, proc_status_bytes("VmHWM") - before)
 
-    The worker must: build its step, run it once (warm-up), free what the
-    warm-up left, call :func:`malloc_trim` and :func:`reset_peak_rss`, read
-    ``VmRSS``, run the step, read ``VmHWM``, and print
-    ``{"rss_before": ..., "rss_peak": ...}`` as its last line.
-    """
+
+def run_json_worker(module: str, payload: dict[str, Any], *, timeout: float = 600) -> Any:
+    """Run ``python -m module`` in a fresh process with ``payload`` as JSON on stdin and
+    ``MALLOC_MMAP_THRESHOLD_=65536`` (so its RSS follows live memory); return the JSON
+    its last line of output holds."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", module],
@@ -91,5 +103,16 @@ def run_rss_worker(module: str, payload: dict[str, Any], *, timeout: float = 600
         raise RuntimeError(
             f"RSS worker {module} failed ({proc.returncode}):\n{proc.stderr[-2000:]}"
         )
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_rss_worker(module: str, payload: dict[str, Any], *, timeout: float = 600) -> RssReport:
+    """Run ``python -m module`` with ``payload`` as JSON on stdin; it prints an RssReport as JSON.
+
+    The worker must: build its step, run it once (warm-up), free what the
+    warm-up left, call :func:`malloc_trim` and :func:`reset_peak_rss`, read
+    ``VmRSS``, run the step, read ``VmHWM``, and print
+    ``{"rss_before": ..., "rss_peak": ...}`` as its last line.
+    """
+    data = run_json_worker(module, payload, timeout=timeout)
     return RssReport(rss_before=int(data["rss_before"]), rss_peak=int(data["rss_peak"]))
