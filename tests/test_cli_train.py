@@ -60,6 +60,15 @@ def test_plan_recommends_or_says_nothing_fits(capsys, command: str) -> None:
     assert "nothing fits 1 KiB: the smallest peak found is" in text
 
 
+def test_plan_with_an_optimizer_tries_per_layer_steps(capsys) -> None:
+    args = ["plan", "--model", "mlp", "--batch-size", "8", "--engines", "backprop,checkpoint",
+            "--repeats", "1", "--no-progress", "--optimizer", "sgd", "--budget", "2GiB"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "optimizer=sgd" in text
+    assert "backprop, step per layer" in text and "checkpoint, step per layer" in text
+
+
 def _env() -> dict[str, str]:
     src = os.path.join(os.path.dirname(__file__), os.pardir, "src")
     return {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1"}

@@ -261,6 +261,11 @@ def add_plan_parser(sub: Any) -> None:
     a.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     a.add_argument("--inexact", action="store_true",
                    help="also consider estimating engines (rad, highway)")
+    a.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
+                   help="plan the training step with this optimizer's step: every candidate "
+                   "is also tried with the optimizer stepped per layer (train with "
+                   "--step-per-layer when that is chosen)")
+    a.add_argument("--lr", type=T.positive_float, default=0.01, help="with --optimizer")
     a.add_argument("--no-progress", action="store_true", help="say nothing while measuring")
 
 
@@ -271,7 +276,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from .. import engines as _engines
     from .._plan import plan
     from ..bench._report import fmt_bytes
-    from ._fit import _loss_fn
+    from ._fit import _loss_fn, _make_optimizer
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
     names = None
@@ -288,7 +293,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"leangrad plan: model={args.model} data={args.data} batch_size={args.batch_size} "
           f"budget={fmt_bytes(args.budget)} ({args.budget} bytes) "
           f"engines={args.engines or 'all that apply'} repeats={args.repeats} device={dev} "
-          f"dtype={args.dtype} inexact={args.inexact}", flush=True)  # fmt: skip
+          f"dtype={args.dtype} inexact={args.inexact} optimizer={args.optimizer}",
+          flush=True)  # fmt: skip
     data_opts = parse_options(args.data_options)
     info = data_info(args.data, load_data(args.data, **data_opts))
     torch.manual_seed(0)
@@ -298,6 +304,11 @@ def run_plan(args: argparse.Namespace) -> int:
     say = None if args.no_progress else (lambda msg: print(f"  {msg}", file=sys.stderr))
     result = plan(model, x, _loss_fn(y), budget=args.budget, exact=not args.inexact,
                   engines=[(n, {}) for n in names] if names else None,
+                  optimizer=None if args.optimizer == "none" else
+                  _make_optimizer(args.optimizer, args.lr),
                   repeats=args.repeats, progress=say)  # fmt: skip
     print(result)
+    if result.per_layer:
+        print("the optimizer steps per layer in this plan: train it with --step-per-layer "
+              "(leangrad.train.PerLayerOptimizer in your own loop)")
     return 0 if result.engine is not None else 1
