@@ -43,7 +43,10 @@ __all__ = ["render", "run_plan_suite"]
 
 WORKER = "leangrad.bench._plan_worker"
 NOT_MEASURED = (
-    "Rockmate: not measured — see the README's peers section for why it does not run here"
+    "Rockmate: not measured — rockmate 2.0.0 installs beside torch 2.13.0 but does not "
+    "import (its dependency rkgb 2.0.0 on PyPI lacks the rkgb.core subpackage), and it "
+    'hard-codes CUDA (rockmate.py: self.device = torch.device("cuda"); torch.cuda.Stream '
+    "in compiler.make_gd), so it cannot run on this CPU-only machine"
 )
 
 
