@@ -32,7 +32,7 @@ from .measure._profile import untouched
 if TYPE_CHECKING:
     from .train._perlayer import MakeOptimizer
 
-__all__ = ["Candidate", "Plan", "candidates", "plan"]
+__all__ = ["Candidate", "Plan", "TrainingStep", "candidates", "plan"]
 
 BAD_BUDGET = "budget must be a positive number of bytes, got {value!r}"
 NOTHING_FITS = (
@@ -161,32 +161,34 @@ def last_resorts(model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
     return []
 
 
-class _OptimizedStep:
+class TrainingStep:
     """An engine's step followed by the optimizer's: after backward, or per parameter inside
-    ``on_grad`` (:class:`leangrad.train.PerLayerOptimizer`). Engine-like for
-    :func:`profile_step`; the optimizers are made on first use for the model stepped."""
+    ``on_grad`` (:class:`leangrad.train.PerLayerOptimizer`). Engine-like (``backward``,
+    ``label``, ``exact``) for :func:`profile_step`; the optimizer is made on first use for
+    the model stepped, and kept."""
 
     def __init__(self, inner: Engine, make: MakeOptimizer, *, per_layer: bool) -> None:
         self.inner, self.make, self.per_layer = inner, make, per_layer
         self.label = inner.label + (PER_LAYER if per_layer else "")
         self.exact = inner.exact
         self._opt: Any = None
+        self._params: list[nn.Parameter] = []
 
-    def backward(self, model: nn.Module, xs: tuple[torch.Tensor, ...],
-                 loss_fn: Callable[[Any], torch.Tensor]) -> None:  # fmt: skip
+    def backward(self, model: nn.Module, xs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
         from .train._perlayer import PerLayerOptimizer
 
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if self._opt is None:
+            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            self._params = list(params.values())
             self._opt = (PerLayerOptimizer(params, self.make) if self.per_layer
-                         else self.make(list(params.values())))  # fmt: skip
+                         else self.make(self._params))  # fmt: skip
         if self.per_layer:
             self.inner.backward(model, xs, loss_fn, on_grad=self._opt.on_grad)
             self._opt.finish()
         else:
             self.inner.backward(model, xs, loss_fn)
             self._opt.step()
-            for p in params.values():
+            for p in self._params:
                 p.grad = None
 
 
@@ -255,7 +257,7 @@ def plan(
 
 @dataclasses.dataclass(frozen=True)
 class _Tried:
-    engine: Any  # an Engine, or an _OptimizedStep around one
+    engine: Any  # an Engine, or an TrainingStep around one
     label: str
     exact: bool
     peak: int | None
@@ -281,8 +283,8 @@ def _measure(
         eng = engine(name, **opts)
         steps: list[Any] = [eng]
         if optimizer is not None:
-            steps = [_OptimizedStep(eng, optimizer, per_layer=False),
-                     _OptimizedStep(eng, optimizer, per_layer=True)]  # fmt: skip
+            steps = [TrainingStep(eng, optimizer, per_layer=False),
+                     TrainingStep(eng, optimizer, per_layer=True)]  # fmt: skip
         if not exact or eng.exact:
             why = eng.supports(model)
         else:
@@ -339,6 +341,6 @@ def _result(table: tuple[Candidate, ...], chosen: Any, budget: int, exact: bool,
     again = profile_step(chosen, model, xs, loss_fn, repeats=0).total_bytes
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
            f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip
-    inner = chosen.inner if isinstance(chosen, _OptimizedStep) else chosen
+    inner = chosen.inner if isinstance(chosen, TrainingStep) else chosen
     return Plan(inner, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg, again,
                 row.per_layer)  # fmt: skip

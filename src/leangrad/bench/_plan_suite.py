@@ -29,11 +29,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .._plan import Plan, plan
+from .._plan import Plan, TrainingStep, plan
 from ..measure import profile_step, time_interleaved
 from ..measure._rss import run_json_worker
 from ..measure._timer import num_threads
-from ..train._perlayer import PerLayerOptimizer
 from ._plan_peers import HOOKED, Step, make_sgd, optimizer_in_backward, peers, workload
 from ._report import fmt_bytes
 from ._runner import RECORD_FIELDS, machine_info
@@ -164,25 +163,9 @@ def _run_model(
 
 
 def _leangrad_step(p: Plan, model: Any, x: Any, loss_fn: Any) -> Step:
-    eng = p.engine
-    assert eng is not None
-    params = {n: q for n, q in model.named_parameters() if q.requires_grad}
-    if p.per_layer:
-        plo = PerLayerOptimizer(params, make_sgd)
-
-        def step() -> None:
-            eng.backward(model, x, loss_fn, on_grad=plo.on_grad)
-            plo.finish()
-
-        return step
-    opt = make_sgd(list(params.values()))
-
-    def full() -> None:
-        eng.backward(model, x, loss_fn)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return full
+    assert p.engine is not None
+    step = TrainingStep(p.engine, make_sgd, per_layer=p.per_layer)
+    return lambda: step.backward(model, x, loss_fn)
 
 
 def _record(

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from .._plan import TrainingStep
 from ..engines import engine
 from ..measure import time_interleaved
-from ..measure._rss import peak_rss_above
-from ..train._perlayer import PerLayerOptimizer
+from ..measure._rss import measure_rss
 from ._plan_peers import make_sgd, workload
 
 
@@ -43,7 +43,7 @@ def _train(forward_loss: Callable[[], torch.Tensor],
 def _warm_rss(step: Callable[[], None]) -> int:
     step()  # warm-up: optimizer state, allocator, compiled code
     step()
-    return peak_rss_above(step)
+    return measure_rss(step).peak_above
 
 
 def _compile(payload: dict[str, Any]) -> dict[str, Any]:
@@ -69,25 +69,12 @@ def _compile(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _engine(payload: dict[str, Any]) -> dict[str, Any]:
     model, x, loss_fn, _ = workload(payload["kind"], payload["size"])
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     eng = engine(payload["engine"], **payload.get("options", {}))
-    if payload.get("per_layer"):
-        plo = PerLayerOptimizer(params, make_sgd)
-
-        def step() -> None:
-            eng.backward(model, x, loss_fn, on_grad=plo.on_grad)
-            plo.finish()
-    else:
-        opt = make_sgd(list(params.values()))
-
-        def step() -> None:
-            eng.backward(model, x, loss_fn)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    ours = _warm_rss(step)
-    ref = _warm_rss(_train(lambda: loss_fn(model(x)), make_sgd(list(params.values()))))
-    return {"rss": ours, "rss_backprop": ref}
+    ours = TrainingStep(eng, make_sgd, per_layer=bool(payload.get("per_layer")))
+    rss = _warm_rss(lambda: ours.backward(model, x, loss_fn))
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = _warm_rss(_train(lambda: loss_fn(model(x)), make_sgd(params)))
+    return {"rss": rss, "rss_backprop": ref}
 
 
 def main() -> None:

@@ -7,14 +7,13 @@ and prints ``{"rss_before": ..., "rss_peak": ...}``. Nothing is timed here.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 
 import torch
 
 from ..engines import engine
-from ..measure._rss import malloc_trim, proc_status_bytes, reset_peak_rss
+from ..measure._rss import measure_rss
 from ._workloads import build
 
 
@@ -25,13 +24,8 @@ def main() -> None:
     eng = engine(payload["engine"], **payload.get("options", {}))
     eng.backward(wl.model, wl.inputs, wl.loss_fn)
     wl.model.zero_grad(set_to_none=True)
-    gc.collect()
-    malloc_trim()
-    reset_peak_rss()
-    before = proc_status_bytes("VmRSS")
-    eng.backward(wl.model, wl.inputs, wl.loss_fn)
-    peak = proc_status_bytes("VmHWM")
-    print(json.dumps({"rss_before": before, "rss_peak": peak}))
+    rss = measure_rss(lambda: eng.backward(wl.model, wl.inputs, wl.loss_fn))
+    print(json.dumps({"rss_before": rss.rss_before, "rss_peak": rss.rss_peak}))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any
 __all__ = [
     "RssReport",
     "malloc_trim",
-    "peak_rss_above",
+    "measure_rss",
     "proc_status_bytes",
     "reset_peak_rss",
     "rss_supported",
@@ -73,16 +73,16 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def peak_rss_above(step: Callable[[], object]) -> int:
-    """Bytes the resident set grows by while ``step()`` runs (its high-water mark above the
-    RSS before it), after a garbage collection and a heap trim. Faithful only in a process
-    started with ``MALLOC_MMAP_THRESHOLD_`` set (see :func:`run_json_worker`)."""
+def measure_rss(step: Callable[[], object]) -> RssReport:
+    """The resident set before ``step()`` and its high-water mark during it, after a garbage
+    collection and a heap trim. Faithful only in a process started with
+    ``MALLOC_MMAP_THRESHOLD_`` set (see :func:`run_json_worker`)."""
     gc.collect()
     malloc_trim()
     reset_peak_rss()
     before = proc_status_bytes("VmRSS")
     step()
-    return max(0, proc_status_bytes("VmHWM") - before)
+    return RssReport(rss_before=before, rss_peak=proc_status_bytes("VmHWM"))
 
 
 def run_json_worker(module: str, payload: dict[str, Any], *, timeout: float = 600) -> Any:
