@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import os
 import platform
 from collections.abc import Callable, Mapping, Sequence
@@ -18,13 +17,7 @@ from typing import Any
 import torch
 
 from .. import engines
-from ..measure import (
-    MemoryTracker,
-    compare_grads,
-    grads_of,
-    run_rss_worker,
-    time_interleaved,
-)
+from ..measure import profile_step, run_rss_worker, time_interleaved
 from ..measure._rss import rss_supported
 from ._workloads import Workload, build
 
@@ -102,20 +95,6 @@ def _step(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
     return step
 
 
-def _tracked(
-    engine: engines.Engine, wl: Workload, *, prealloc: bool
-) -> tuple[MemoryTracker, dict[str, Any]]:
-    """One step under the tracker; the tracker and the step's ``StepResult.info``."""
-    wl.model.zero_grad(set_to_none=True)
-    if prealloc:
-        for p in wl.model.parameters():
-            p.grad = torch.zeros_like(p)
-    gc.collect()
-    with MemoryTracker(baseline=(wl.model, wl.inputs, wl.targets)) as tracker:
-        result = engine.backward(wl.model, wl.inputs, wl.loss_fn)
-    return tracker, dict(result.info)
-
-
 def measure_config(
     config: Mapping[str, Any],
     specs: Sequence[EngineSpec],
@@ -187,20 +166,18 @@ def measure_config(
             continue
         wl = workloads[label] = copy.deepcopy(base)
         engines_run[label] = engine
-        _step(engine, wl)()  # warm-up: lazy initialisation is not the step's memory
-        tracker, info = _tracked(engine, wl, prealloc=False)
-        rep = tracker.report
-        cmp = compare_grads(grads_of(wl.model), ref_grads)
+        prof = profile_step(engine, wl.model, wl.inputs, wl.loss_fn, repeats=0,
+                            reference=ref_grads, prealloc=True,
+                            baseline=(wl.targets,))  # fmt: skip
         rec.update(
-            peak_bytes=rep.peak_bytes,
-            saved_bytes=rep.forward_live_bytes,
-            baseline_bytes=rep.baseline_bytes,
-            grad_max_rel_err=cmp.max_rel_err,
-            grad_cosine=cmp.cosine,
-            peak_bytes_prealloc=_tracked(engine, wl, prealloc=True)[0].report.peak_bytes,
-            engine_info=info,
+            peak_bytes=prof.peak_bytes,
+            saved_bytes=prof.kept_bytes,
+            baseline_bytes=prof.baseline_bytes,
+            grad_max_rel_err=prof.grad_max_rel_err,
+            grad_cosine=prof.grad_cosine,
+            peak_bytes_prealloc=prof.peak_bytes_prealloc,
+            engine_info=dict(prof.info),
         )
-        wl.model.zero_grad(set_to_none=True)
         tick(f"memory {label}")
         if rss and rss_supported() and device == "cpu":
             r = run_rss_worker(
@@ -208,7 +185,7 @@ def measure_config(
                 {"config": dict(config), "engine": spec.name, "options": spec.options},
             )
             rec["rss_peak_bytes"] = r.peak_above
-            rec["rss_exceeds_tracker"] = r.peak_above > rep.peak_bytes * (1 + RSS_TOLERANCE)
+            rec["rss_exceeds_tracker"] = r.peak_above > prof.peak_bytes * (1 + RSS_TOLERANCE)
             tick(f"rss {label}")
     if workloads:
         labels = list(workloads)

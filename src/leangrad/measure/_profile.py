@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,8 @@ class StepProfile:
     grad_cosine: float | None = None
     estimate: bool = False
     baseline_bytes: int = 0
+    peak_bytes_prealloc: int | None = None
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -88,6 +91,8 @@ def profile_step(
     warmup: int = 1,
     reference: Mapping[str, torch.Tensor] | None = None,
     threads: int | None = 1,
+    prealloc: bool = False,
+    baseline: Sequence[Any] = (),
 ) -> StepProfile:
     """Measure one step of ``engine.backward(model, inputs, loss_fn)``.
 
@@ -98,6 +103,10 @@ def profile_step(
         warmup: untimed steps first (the engine's prepared copies, allocator, caches).
         reference: gradients to compare with (e.g. backprop's, by parameter name).
         threads: ``torch.set_num_threads`` while timing (``None`` leaves it).
+        prealloc: also measure a step whose ``.grad`` are pre-allocated as zeros
+            (``StepProfile.peak_bytes_prealloc``).
+        baseline: more tensors or modules that exist before the step and are counted in
+            the baseline, not the peak (e.g. the targets ``loss_fn`` closes over).
 
     Returns:
         A :class:`StepProfile`. The model, its gradients, buffers and the RNG streams are
@@ -116,8 +125,9 @@ def profile_step(
             step()
         for p in named.values():
             p.grad = None
-        with MemoryTracker(baseline=(model, *xs)) as tracker:
-            engine.backward(model, xs, loss_fn)
+        gc.collect()
+        with MemoryTracker(baseline=(model, *xs, *baseline)) as tracker:
+            result = engine.backward(model, xs, loss_fn)
         err = cos = None
         if reference is not None:
             got = {n: p.grad for n, p in named.items() if n in reference and p.grad is not None}
@@ -126,6 +136,14 @@ def profile_step(
                 err, cos = cmp.max_rel_err, cmp.cosine
             else:
                 err, cos = float("inf"), float("nan")  # a gradient is missing
+        prealloc_peak = None
+        if prealloc:
+            for p in named.values():
+                p.grad = torch.zeros_like(p)
+            gc.collect()
+            with MemoryTracker(baseline=(model, *xs, *baseline)) as again:
+                engine.backward(model, xs, loss_fn)
+            prealloc_peak = again.report.peak_bytes
         seconds = None
         if repeats > 0:
             timing = time_interleaved({"step": step}, repeats=repeats, warmup=0, threads=threads)
@@ -140,4 +158,6 @@ def profile_step(
         grad_cosine=cos,
         estimate=report.estimate,
         baseline_bytes=report.baseline_bytes,
+        peak_bytes_prealloc=prealloc_peak,
+        info=dict(getattr(result, "info", None) or {}),
     )
