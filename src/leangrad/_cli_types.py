@@ -62,7 +62,7 @@ def fraction(raw: str) -> float:
 
 def size(raw: str) -> int:
     """A memory size above 0: ``512MiB``, ``2GiB``, ``1.5GB``, ``1e9``."""
-    from .train._advise import parse_bytes
+    from ._sizes import parse_bytes
 
     try:
         value = parse_bytes(raw)

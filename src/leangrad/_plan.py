@@ -11,13 +11,18 @@ measures each one's peak memory with the allocator-level
 tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
 (medians of interleaved repeats), and returns the fastest that fits, with the table it
 decided from. Nothing fits: it says so and names the smallest peak it found.
+
+A step too big to allocate here (backprop's estimate above ``allocate_limit``, or a
+candidate that runs out of memory) is measured on fake tensors instead
+(:func:`leangrad.measure.estimate_step`: shapes only, nothing allocated); such rows are
+labelled estimates and cannot be timed, so among them the planner keeps its candidate
+order (least recomputation first) and says that it did.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +30,9 @@ import torch
 from torch import nn
 
 from . import _errors as E
-from .engines import Engine, engine
+from ._plan_measure import ESTIMATED, Context, TrainingStep, Tried, measure, too_big
+from ._sizes import free_bytes
+from .engines import Engine
 from .measure import profile_step, time_interleaved
 from .measure._profile import untouched
 
@@ -35,16 +42,19 @@ if TYPE_CHECKING:
 __all__ = ["Candidate", "Plan", "TrainingStep", "candidates", "plan"]
 
 BAD_BUDGET = "budget must be a positive number of bytes, got {value!r}"
+BAD_SETTING = "plan: {name} must be {want}, got {value!r}"
+NOT_TIMED = (" — peak is a fake-tensor estimate and untimed (too big to allocate here); "
+             "chosen as the first fitting candidate in the planner's order")  # fmt: skip
 NOTHING_FITS = (
     "nothing fits {budget}: the smallest peak found is {best} ({engine}); raise the budget, "
     "lower the batch size{inexact}"
 )
-PER_LAYER = ", step per layer"
-"""Label suffix of a candidate whose optimizer steps each parameter inside ``on_grad``."""
 NOT_COPYABLE = (
     "plan(optimizer=...) steps a copy of the model (copy.deepcopy) so yours is left as it "
     "was, and this model cannot be copied ({why}); plan without optimizer="
 )
+CLOSE = 0.05
+"""Candidates timed within this fraction of the fastest are timed again, longer."""
 FORWARD_MAX_PARAMS = 20_000
 """``forward`` costs one jvp per parameter: tried only below this many parameters."""
 
@@ -63,6 +73,7 @@ class Candidate:
         verdict: ``"chosen"``, ``"fits"``, or why it was rejected.
         per_layer: measured with the optimizer stepped per parameter inside ``on_grad``
             (only when the plan was given an ``optimizer``).
+        estimate: ``peak_bytes`` was measured on fake tensors (too big to allocate here).
     """
 
     label: str
@@ -73,6 +84,7 @@ class Candidate:
     name: str = ""
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     per_layer: bool = False
+    estimate: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +102,7 @@ class Plan:
             ``opt = leangrad.train.PerLayerOptimizer(dict(model.named_parameters()), make)``,
             then ``plan.engine.backward(model, x, loss_fn, on_grad=opt.on_grad)`` and
             ``opt.finish()``, with no ``optimizer.step()`` after it.
+        estimate: the chosen peak is a fake-tensor estimate and it was not timed.
     """
 
     engine: Engine | None
@@ -101,6 +114,7 @@ class Plan:
     message: str
     remeasured_peak_bytes: int | None = None
     per_layer: bool = False
+    estimate: bool = False
 
     def __str__(self) -> str:
         from .bench._report import fmt_bytes
@@ -109,8 +123,9 @@ class Plan:
         lines = [f"{'engine':{width}s}  {'exact':5s}  {'peak':>10s}  {'s/step':>8s}  verdict"]
         for c in self.table:
             secs = "" if c.seconds is None else f"{c.seconds:.4f}"
+            peak = ("~" if c.estimate else "") + fmt_bytes(c.peak_bytes)
             lines.append(f"{c.label:{width}s}  {'yes' if c.exact else 'no':5s}  "
-                         f"{fmt_bytes(c.peak_bytes):>10s}  {secs:>8s}  {c.verdict}")  # fmt: skip
+                         f"{peak:>10s}  {secs:>8s}  {c.verdict}")  # fmt: skip
         return "\n".join([*lines, self.message])
 
 
@@ -161,37 +176,6 @@ def last_resorts(model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
     return []
 
 
-class TrainingStep:
-    """An engine's step followed by the optimizer's: after backward, or per parameter inside
-    ``on_grad`` (:class:`leangrad.train.PerLayerOptimizer`). Engine-like (``backward``,
-    ``label``, ``exact``) for :func:`profile_step`; the optimizer is made on first use for
-    the model stepped, and kept."""
-
-    def __init__(self, inner: Engine, make: MakeOptimizer, *, per_layer: bool) -> None:
-        self.inner, self.make, self.per_layer = inner, make, per_layer
-        self.label = inner.label + (PER_LAYER if per_layer else "")
-        self.exact = inner.exact
-        self._opt: Any = None
-        self._params: list[nn.Parameter] = []
-
-    def backward(self, model: nn.Module, xs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
-        from .train._perlayer import PerLayerOptimizer
-
-        if self._opt is None:
-            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-            self._params = list(params.values())
-            self._opt = (PerLayerOptimizer(params, self.make) if self.per_layer
-                         else self.make(self._params))  # fmt: skip
-        if self.per_layer:
-            self.inner.backward(model, xs, loss_fn, on_grad=self._opt.on_grad)
-            self._opt.finish()
-        else:
-            self.inner.backward(model, xs, loss_fn)
-            self._opt.step()
-            for p in self._params:
-                p.grad = None
-
-
 def plan(
     model: nn.Module,
     inputs: torch.Tensor | Sequence[torch.Tensor],
@@ -202,6 +186,7 @@ def plan(
     optimizer: MakeOptimizer | None = None,
     engines: Sequence[tuple[str, dict[str, Any]]] | None = None,
     repeats: int = 3,
+    allocate_limit: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Find the fastest engine whose measured peak fits ``budget`` bytes.
@@ -219,7 +204,12 @@ def plan(
             optimizer stepped per parameter inside ``on_grad`` (``Plan.per_layer``), which
             frees each gradient as soon as it is used. Measured on a copy of the model.
         engines: ``(name, options)`` to try instead of :func:`candidates`.
-        repeats: timed steps per fitting candidate (medians of interleaved repeats).
+        repeats: timed steps per fitting candidate (medians of interleaved repeats);
+            those within 5% of the fastest are timed again with ``max(5, 2 * repeats)``.
+        allocate_limit: bytes a step may allocate here; when backprop's fake-tensor
+            estimate is above it, every candidate is estimated, not run (default: the
+            device's free memory, :func:`leangrad._sizes.free_bytes`). A candidate that
+            runs out of memory is estimated too.
         progress: called with a short message before each measurement.
 
     Returns:
@@ -228,18 +218,26 @@ def plan(
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(BAD_BUDGET.format(value=budget))
+    for key, value, least in (("repeats", repeats, 1), ("allocate_limit", allocate_limit, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < least):  # fmt: skip
+            raise ValueError(BAD_SETTING.format(name=key, want=f"an int >= {least}",
+                                                value=value))  # fmt: skip
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    device = xs[0].device if xs else next(model.parameters()).device
+    limit = allocate_limit if allocate_limit is not None else free_bytes(device)
     if optimizer is not None:
         try:
             model = copy.deepcopy(model)  # stepped by the optimizer: never the user's
         except Exception as err:  # any reason a module cannot be copied
             raise E.EngineInputError(NOT_COPYABLE.format(why=err)) from err
-    tried: list[_Tried] = []
+    tried: list[Tried] = []
     first = list(engines) if engines is not None else candidates(model, exact=exact)
-    _measure(first, model, xs, loss_fn, budget, exact, tried, progress, optimizer)
-    if engines is None and not any(t.verdict == "fits" for t in tried):
-        _measure(last_resorts(model), model, xs, loss_fn, budget, exact, tried, progress,
-                 optimizer)  # fmt: skip
+    ctx = Context(model, xs, loss_fn, budget, exact, optimizer, progress,
+                   too_big(model, xs, loss_fn, limit))  # fmt: skip
+    measure(first, ctx, tried)
+    if engines is None and not any(t.fits for t in tried):
+        measure(last_resorts(model), ctx, tried)
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     times: dict[str, float] = {}
     if fitting:
@@ -248,68 +246,28 @@ def plan(
         steps = {label: _step(e, model, xs, loss_fn) for label, e in fitting.items()}
         with untouched(model, xs):
             timed = time_interleaved(steps, repeats=repeats, warmup=1)
-        times = {label: t.median for label, t in timed.items()}
+            times = {label: t.median for label, t in timed.items()}
+            best = min(times.values())
+            close = {lb: steps[lb] for lb, t in times.items() if t <= (1 + CLOSE) * best}
+            if len(close) > 1:  # near-equal: a longer second round decides between them
+                if progress is not None:
+                    progress(f"timing the {len(close)} within {CLOSE:.0%} of the fastest again")
+                again = time_interleaved(close, repeats=max(5, 2 * repeats), warmup=0)
+                times.update({label: t.median for label, t in again.items()})
     chosen = min(times, key=lambda k: times[k]) if times else None
+    if chosen is None:  # nothing fitting could be run here: the first fitting estimate
+        chosen = next((t.label for t in tried if t.fits and t.estimate), None)
+        fitting = {t.label: t.engine for t in tried if t.label == chosen}
     table = tuple(_candidate(t, times.get(t.label), chosen) for t in tried)
     return _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
                    loss_fn)  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tried:
-    engine: Any  # an Engine, or an TrainingStep around one
-    label: str
-    exact: bool
-    peak: int | None
-    verdict: str
-    name: str
-    options: dict[str, Any]
-    per_layer: bool = False
-
-
-def _measure(
-    todo: Sequence[tuple[str, dict[str, Any]]],
-    model: nn.Module,
-    xs: tuple[torch.Tensor, ...],
-    loss_fn: Callable[[Any], torch.Tensor],
-    budget: int,
-    exact: bool,
-    tried: list[_Tried],
-    progress: Callable[[str], None] | None,
-    optimizer: MakeOptimizer | None = None,
-) -> None:
-    """Measure each candidate's peak and append what was found to ``tried``."""
-    for name, opts in todo:
-        eng = engine(name, **opts)
-        steps: list[Any] = [eng]
-        if optimizer is not None:
-            steps = [TrainingStep(eng, optimizer, per_layer=False),
-                     TrainingStep(eng, optimizer, per_layer=True)]  # fmt: skip
-        if not exact or eng.exact:
-            why = eng.supports(model)
-        else:
-            why = "not exact (plan with exact=False to allow estimators)"
-        for step in steps:
-            row = functools.partial(_Tried, label=step.label, exact=eng.exact, name=name,
-                                    options=dict(opts),
-                                    per_layer=bool(getattr(step, "per_layer", False)))  # fmt: skip
-            if why is not None:
-                tried.append(row(engine=None, peak=None, verdict=f"n/a: {why}"))
-                continue
-            if progress is not None:
-                progress(f"peak of {step.label}")
-            try:
-                peak = profile_step(step, model, xs, loss_fn, repeats=0).total_bytes
-            except E.LeangradError as err:
-                tried.append(row(engine=None, peak=None, verdict=f"n/a: {err}"))
-                continue
-            verdict = "fits" if peak <= budget else "over budget"
-            tried.append(row(engine=step, peak=peak, verdict=verdict))
-
-
-def _candidate(t: _Tried, seconds: float | None, chosen: str | None) -> Candidate:
-    verdict = "chosen" if t.label == chosen else t.verdict
-    return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options, t.per_layer)
+def _candidate(t: Tried, seconds: float | None, chosen: str | None) -> Candidate:
+    verdict = ("chosen" + (f" ({ESTIMATED})" if t.estimate else "")) if t.label == chosen \
+        else t.verdict
+    return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options, t.per_layer,
+                     t.estimate)  # fmt: skip
 
 
 def _step(eng: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
@@ -337,10 +295,15 @@ def _result(table: tuple[Candidate, ...], chosen: Any, budget: int, exact: bool,
                 inexact=", or allow estimators (exact=False / --inexact)" if exact else "",
             )  # fmt: skip
         return Plan(None, None, None, None, budget, table, msg)
-    row = next(c for c in table if c.verdict == "chosen")
+    row = next(c for c in table if c.verdict.startswith("chosen"))
+    inner = chosen.inner if isinstance(chosen, TrainingStep) else chosen
+    if row.estimate:
+        msg = (f"chosen: {row.label} — peak ~{fmt_bytes(row.peak_bytes)} of "
+               f"{fmt_bytes(budget)}{NOT_TIMED}")  # fmt: skip
+        return Plan(inner, row.peak_bytes, None, chosen.exact, budget, table, msg, None,
+                    row.per_layer, estimate=True)  # fmt: skip
     again = profile_step(chosen, model, xs, loss_fn, repeats=0).total_bytes
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
            f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip
-    inner = chosen.inner if isinstance(chosen, TrainingStep) else chosen
     return Plan(inner, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg, again,
                 row.per_layer)  # fmt: skip

@@ -5,10 +5,11 @@
 - :func:`run_rss_worker` — the fresh-process peak-RSS cross-check;
 - :func:`time_interleaved` — medians of interleaved repeats, ratios within one run;
 - :func:`compare_grads`, :func:`estimator_stats` — errors, cosine, bias and variance;
-- :func:`profile_step` — all of it for one engine step (peak, kept bytes, time, error).
+- :func:`profile_step` — all of it for one engine step (peak, kept bytes, time, error);
+  :func:`estimate_step` — its memory figures on a fake copy, for a step too big to run.
 """
 
-from ._estimate import estimate_memory
+from ._estimate import estimate_memory, estimate_step
 from ._grads import EstimatorStats, GradComparison, compare_grads, estimator_stats, grads_of
 from ._memory import (
     FORWARD_END,
@@ -36,6 +37,7 @@ __all__ = [
     "baseline_bytes",
     "compare_grads",
     "estimate_memory",
+    "estimate_step",
     "estimator_stats",
     "grads_of",
     "malloc_trim",

@@ -8,15 +8,23 @@ space and allocator rounding, which the real tracker and the RSS cross-check see
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import copy
+import functools
+import itertools
+import types
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from .._errors import EngineInputError
 from ._memory import MemoryReport, MemoryTracker
 
-__all__ = ["BUILD_RESULT", "NOT_CALLABLE", "READS_VALUES", "estimate_memory"]
+if TYPE_CHECKING:
+    from ._profile import StepProfile
+
+__all__ = ["BUILD_RESULT", "NOT_CALLABLE", "READS_VALUES", "estimate_memory", "estimate_step"]
 
 NOT_CALLABLE = (
     "estimate_memory: {name} must be a callable, got {type}; pass e.g. "
@@ -76,3 +84,97 @@ def estimate_memory(
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise EngineInputError(READS_VALUES.format(op=e)) from e
     return tracker.report
+
+
+def estimate_step(
+    engine: Any,
+    model: nn.Module,
+    inputs: torch.Tensor | Sequence[torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    baseline: Sequence[Any] = (),
+) -> StepProfile:
+    """:func:`~leangrad.measure.profile_step`'s memory figures for a step too big to run
+    here: one step of ``engine`` on a fake copy of ``model`` and ``inputs`` (shapes only,
+    nothing allocated), with ``.grad`` starting as ``None``.
+
+    The copy shares nothing with ``model``, which is left untouched; ``loss_fn`` may close
+    over real tensors (targets), which enter the fake step as fake ones made before it, as
+    a real step finds them (tensors it reaches only through other objects are made during
+    the step and count as its allocations: a slight over-estimate). Use a fresh
+    engine (or one not yet used on ``model``): engines that keep state per model (an
+    optimizer inside a training step) would otherwise mix real and fake tensors.
+
+    Returns:
+        A :class:`~leangrad.measure.StepProfile` with ``estimate=True`` and no time. It
+        misses kernel scratch space and allocator rounding, as every fake-tensor estimate.
+
+    Raises:
+        EngineInputError: the step reads a tensor value (``.item()``, data-dependent shapes).
+    """
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+    )
+
+    from ._profile import StepProfile
+
+    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        fake = mode.from_tensor(t)
+        memo[id(t)] = (nn.Parameter(fake, requires_grad=t.requires_grad)
+                       if isinstance(t, nn.Parameter) else fake)  # fmt: skip
+    fake_model = copy.deepcopy(model, memo)
+    fake_xs = tuple(mode.from_tensor(x) for x in xs)
+    fake_extra = [mode.from_tensor(b) if isinstance(b, torch.Tensor) else b for b in baseline]
+    fake_loss_fn = _with_fake_tensors(loss_fn, mode)
+    with mode:
+        try:
+            with MemoryTracker(baseline=(fake_model, *fake_xs, *fake_extra),
+                               estimate=True) as tracker:  # fmt: skip
+                result = engine.backward(fake_model, fake_xs, fake_loss_fn)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise EngineInputError(READS_VALUES.format(op=e)) from e
+    report = tracker.report
+    return StepProfile(
+        engine=str(getattr(engine, "label", type(engine).__name__)),
+        peak_bytes=report.peak_bytes,
+        kept_bytes=report.forward_live_bytes,
+        seconds=None,
+        estimate=True,
+        baseline_bytes=report.baseline_bytes,
+        info=dict(getattr(result, "info", None) or {}),
+    )
+
+
+def _with_fake_tensors(fn: Any, mode: Any) -> Any:
+    """``fn`` with the tensors it closes over (closure cells, defaults, a partial's
+    arguments; one level deep, lists and tuples included) made fake before the step, as a
+    real step finds its targets existing: neither baseline nor allocation."""
+
+    def fake(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return mode.from_tensor(x)
+        if isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor) for y in x):
+            return type(x)(fake(y) for y in x)
+        return x
+
+    if isinstance(fn, functools.partial):
+        return functools.partial(_with_fake_tensors(fn.func, mode), *map(fake, fn.args),
+                                 **{k: fake(v) for k, v in fn.keywords.items()})  # fmt: skip
+    if not isinstance(fn, types.FunctionType):
+        return fn  # a callable object: its tensors enter the step as they are met
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(types.CellType(fake(cell.cell_contents)))
+        except ValueError:  # an empty cell
+            cells.append(cell)
+    defaults = tuple(map(fake, fn.__defaults__)) if fn.__defaults__ else fn.__defaults__
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults,
+                             tuple(cells) if fn.__closure__ is not None else None)  # fmt: skip
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out

@@ -13,7 +13,7 @@ Quick use::
   the registries (plus ``"module:factory"`` specs);
 - :func:`save_checkpoint`, :func:`load_checkpoint` — the checkpoint format;
 - :func:`measure_grad_memory` — what per-layer steps save, measured;
-- :func:`advise` — which engine fits a memory budget, measured.
+- :func:`leangrad.plan` (``leangrad plan``) — which engine fits a memory budget, measured.
 """
 
 from ._checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint

@@ -1,5 +1,5 @@
-"""``leangrad train`` and ``leangrad advise``: thin argument parsing over :func:`fit`
-and :func:`advise`. Every setting is printed before the run starts."""
+"""``leangrad train`` and ``leangrad plan``: thin argument parsing over :func:`fit`
+and :func:`leangrad.plan`. Every setting is printed before the run starts."""
 
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
              budget: int | str, *, progress: bool) -> TrainConfig:  # fmt: skip
     """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed)."""
     from .._plan import plan
-    from ._advise import parse_bytes
+    from .._sizes import parse_bytes
 
     if cfg.engine_options:
         raise E.EngineInputError(BUDGET_AND_ENGINE.format(options=cfg.engine_options))

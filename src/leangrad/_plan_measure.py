@@ -1,0 +1,166 @@
+"""How :func:`leangrad.plan` measures a candidate: its step (the engine, with an optimizer
+after backward or per layer inside ``on_grad``), its peak — for real with
+:func:`leangrad.measure.profile_step`, or on fake tensors with
+:func:`leangrad.measure.estimate_step` where the step cannot be allocated here — and the
+row of the plan's table that records it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import _errors as E
+from .engines import Engine, engine
+from .measure import estimate_step, profile_step
+
+if TYPE_CHECKING:
+    from .train._perlayer import MakeOptimizer
+
+__all__ = ["ESTIMATED", "PER_LAYER", "Context", "TrainingStep", "Tried", "measure", "too_big"]
+
+ESTIMATED = "estimate"
+"""Verdict suffix of a row measured on fake tensors (too big to allocate here)."""
+PER_LAYER = ", step per layer"
+"""Label suffix of a candidate whose optimizer steps each parameter inside ``on_grad``."""
+
+
+class TrainingStep:
+    """An engine's step followed by the optimizer's: after backward, or per parameter inside
+    ``on_grad`` (:class:`leangrad.train.PerLayerOptimizer`). Engine-like (``backward``,
+    ``label``, ``exact``) for :func:`profile_step`; the optimizer is made on first use for
+    the model stepped, and kept."""
+
+    def __init__(self, inner: Engine, make: MakeOptimizer, *, per_layer: bool) -> None:
+        self.inner, self.make, self.per_layer = inner, make, per_layer
+        self.label = inner.label + (PER_LAYER if per_layer else "")
+        self.exact = inner.exact
+        self._opt: Any = None
+        self._params: list[nn.Parameter] = []
+
+    def backward(self, model: nn.Module, xs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+        from .train._perlayer import PerLayerOptimizer
+
+        if self._opt is None:
+            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            self._params = list(params.values())
+            self._opt = (PerLayerOptimizer(params, self.make) if self.per_layer
+                         else self.make(self._params))  # fmt: skip
+        if self.per_layer:
+            self.inner.backward(model, xs, loss_fn, on_grad=self._opt.on_grad)
+            self._opt.finish()
+        else:
+            self.inner.backward(model, xs, loss_fn)
+            self._opt.step()
+            for p in self._params:
+                p.grad = None
+
+
+def too_big(model: nn.Module, xs: tuple[torch.Tensor, ...],
+             loss_fn: Callable[[Any], torch.Tensor], limit: int) -> bool:  # fmt: skip
+    """Backprop's step, estimated on fake tensors, needs more than ``limit`` bytes (a step
+    whose ops fake tensors cannot run is measured for real, as if it fitted)."""
+    try:
+        return estimate_step(engine("backprop"), model, xs, loss_fn).peak_bytes > limit
+    except Exception:  # any op fake tensors cannot run: measure for real
+        return False
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """An allocation failed: CUDA's OutOfMemoryError or the CPU allocator's refusal."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every candidate's measurement shares."""
+
+    model: nn.Module
+    xs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[[Any], torch.Tensor]
+    budget: int
+    exact: bool
+    optimizer: MakeOptimizer | None
+    progress: Callable[[str], None] | None
+    estimate_only: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Tried:
+    engine: Any  # an Engine, or an TrainingStep around one
+    label: str
+    exact: bool
+    peak: int | None
+    verdict: str
+    name: str
+    options: dict[str, Any]
+    per_layer: bool = False
+    estimate: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.peak is not None and self.verdict.startswith("fits")
+
+
+def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
+             tried: list[Tried]) -> None:  # fmt: skip
+    """Measure each candidate's peak (for real, or on fake tensors where it cannot be
+    allocated) and append what was found to ``tried``."""
+    for name, opts in todo:
+        eng = engine(name, **opts)
+        kinds: list[bool | None] = [None] if ctx.optimizer is None else [False, True]
+        if not ctx.exact or eng.exact:
+            why = eng.supports(ctx.model)
+        else:
+            why = "not exact (plan with exact=False to allow estimators)"
+        for per_layer in kinds:
+            step = _make_step(name, opts, ctx.optimizer, per_layer, eng)
+            row = functools.partial(Tried, label=step.label, exact=eng.exact, name=name,
+                                    options=dict(opts), per_layer=bool(per_layer))  # fmt: skip
+            if why is not None:
+                tried.append(row(engine=None, peak=None, verdict=f"n/a: {why}"))
+                continue
+            if ctx.progress is not None:
+                ctx.progress(f"peak of {step.label}")
+            try:
+                peak, est = _peak(step, name, opts, per_layer, ctx)
+            except E.LeangradError as err:
+                tried.append(row(engine=None, peak=None, verdict=f"n/a: {err}"))
+                continue
+            verdict = "fits" if peak <= ctx.budget else "over budget"
+            if est:
+                verdict += f" ({ESTIMATED})"
+            tried.append(row(engine=step, peak=peak, verdict=verdict, estimate=est))
+
+
+def _make_step(name: str, opts: dict[str, Any], optimizer: MakeOptimizer | None,
+               per_layer: bool | None, eng: Engine | None = None) -> Any:  # fmt: skip
+    """The candidate's engine, wrapped in a :class:`TrainingStep` with an optimizer."""
+    eng = eng if eng is not None else engine(name, **opts)
+    if optimizer is None or per_layer is None:
+        return eng
+    return TrainingStep(eng, optimizer, per_layer=per_layer)
+
+
+def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
+          ctx: Context) -> tuple[int, bool]:  # fmt: skip
+    """The step's total bytes, and whether they are a fake-tensor estimate."""
+    if not ctx.estimate_only:
+        try:
+            return profile_step(step, ctx.model, ctx.xs, ctx.loss_fn, repeats=0).total_bytes, False
+        except Exception as err:  # only running out of memory falls back to an estimate
+            if not _out_of_memory(err):
+                raise
+    fresh = _make_step(name, opts, ctx.optimizer, per_layer)  # no real state in a fake step
+    try:
+        return estimate_step(fresh, ctx.model, ctx.xs, ctx.loss_fn).total_bytes, True
+    except E.LeangradError:
+        raise
+    except Exception as err:  # an op fake tensors cannot run
+        raise E.EngineInputError(f"too big to allocate here and cannot be estimated "
+                                 f"on fake tensors ({type(err).__name__}: {err})") from err
