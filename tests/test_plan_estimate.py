@@ -125,7 +125,8 @@ def test_near_equal_candidates_are_timed_again_longer(monkeypatch) -> None:  # t
     """Medians within 5% of the fastest get a second, longer round that decides."""
     model, idx, loss_fn = _gpt()
     calls: list[tuple[list[str], int]] = []
-    first = {"backprop": 1.00, "checkpoint": 1.03, "checkpoint+fad": 1.50}
+    third = "checkpoint(blocks=['blocks.0'])"
+    first = {"backprop": 1.00, "checkpoint": 1.03, third: 1.50}
     second = {"backprop": 1.10, "checkpoint": 1.00}
 
     def fake_timing(fns, *, repeats, warmup, **kwargs):  # type: ignore[no-untyped-def]
@@ -136,11 +137,24 @@ def test_near_equal_candidates_are_timed_again_longer(monkeypatch) -> None:  # t
     monkeypatch.setattr(planner, "time_interleaved", fake_timing)
     p = leangrad.plan(model, idx, loss_fn, budget=2**30, repeats=2,
                       engines=[("backprop", {}), ("checkpoint", {}),
-                               ("checkpoint+fad", {})])  # fmt: skip
-    assert calls == [(["backprop", "checkpoint", "checkpoint+fad"], 2),
+                               ("checkpoint", {"blocks": ["blocks.0"]})])  # fmt: skip
+    assert calls == [(sorted(["backprop", "checkpoint", third]), 2),
                      (["backprop", "checkpoint"], 5)]  # fmt: skip
     assert p.engine is not None and p.engine.label == "checkpoint" and p.seconds == 1.00
-    assert {c.label: c.seconds for c in p.table}["checkpoint+fad"] == 1.50
+    assert {c.label: c.seconds for c in p.table}[third] == 1.50
+
+
+def test_a_transform_that_changes_nothing_is_not_offered() -> None:
+    """The zoo GPT's only activation is nn.GELU (PyTorch's fused built-in, left alone) and
+    it has no ReLU or dropout: fad and bits change nothing, so the plan does not offer
+    them under a name that claims they do."""
+    model, idx, loss_fn = _gpt()
+    p = leangrad.plan(model, idx, loss_fn, budget=2**30, repeats=1,
+                      engines=[("fad", {}), ("checkpoint+bits", {}), ("checkpoint", {})])
+    rows = {c.label: c for c in p.table}
+    assert rows["fad"].verdict.startswith("n/a: fad change(s) nothing on this model")
+    assert rows["checkpoint+bits"].verdict.startswith("n/a: bits change(s) nothing")
+    assert rows["fad"].peak_bytes is None and rows["checkpoint"].verdict == "chosen"
 
 
 @pytest.mark.parametrize(("kwargs", "fragment"), [

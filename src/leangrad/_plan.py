@@ -151,6 +151,8 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
                     ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
         else:
             out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
+            # every block, the last too: its recomputation can lower the peak (measured)
+            out.append(("checkpoint", {"blocks": list(found.names)}))
             # fewer checkpointed blocks: less recomputation where the budget allows it
             n = len(found.names)
             for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):

@@ -16,6 +16,7 @@ from torch import nn
 
 from . import _errors as E
 from .engines import Engine, engine
+from .engines._compose import Composed
 from .measure import estimate_step, profile_step
 
 if TYPE_CHECKING:
@@ -25,6 +26,8 @@ __all__ = ["ESTIMATED", "PER_LAYER", "Context", "TrainingStep", "Tried", "measur
 
 ESTIMATED = "estimate"
 """Verdict suffix of a row measured on fake tensors (too big to allocate here)."""
+IDLE = ("{names} change(s) nothing on this model, so {label} is its base engine again "
+        "(leangrad.explain says why)")  # fmt: skip
 PER_LAYER = ", step per layer"
 """Label suffix of a candidate whose optimizer steps each parameter inside ``on_grad``."""
 
@@ -116,6 +119,9 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
         kinds: list[bool | None] = [None] if ctx.optimizer is None else [False, True]
         if not ctx.exact or eng.exact:
             why = eng.supports(ctx.model)
+            if why is None and isinstance(eng, Composed) and (idle := eng.idle_transforms(
+                    ctx.model)):  # fmt: skip
+                why = IDLE.format(names=" and ".join(idle), label=eng.label)
         else:
             why = "not exact (plan with exact=False to allow estimators)"
         for per_layer in kinds:

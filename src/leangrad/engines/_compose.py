@@ -93,6 +93,19 @@ class Composed(Engine):
     def label(self) -> str:
         return "+".join([self.base.label, *(t.label for t in self.transforms)])
 
+    def idle_transforms(self, model: nn.Module) -> list[str]:
+        """The transforms that change nothing on ``model``: fad fused no chain (and did not
+        fall back to its eager mode), bits or rad swapped no module. Such a composition
+        computes what its base engine does; :func:`leangrad.plan` does not offer it."""
+        _, report = self.prepare(model)
+        idle = []
+        for t in self.transforms:
+            parts = report[t.name].values()
+            if not any(what.get("used") == "eager" or what.get("fused") or what.get("swapped")
+                       for what in parts):  # fmt: skip
+                idle.append(t.name)
+        return idle
+
     def supports(self, model: nn.Module) -> str | None:
         reason = self.base.supports(model)
         if reason is None:

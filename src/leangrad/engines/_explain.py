@@ -39,12 +39,31 @@ def explain(eng: Engine | str, model: nn.Module) -> Explanation:
     base = eng.base if isinstance(eng, Composed) else eng
     if isinstance(base, Checkpoint):
         lines += str(base.blocks(model)).splitlines()
+        lines += _traced_lines(base, model)
     if isinstance(eng, Composed):
         _, report = eng.prepare(model)
         for t in eng.transforms:
             for part, what in report[t.name].items():
                 lines += _explain_part(t.name, part, what)
     return Explanation(eng.label, tuple(lines))
+
+
+def _traced_lines(base: Checkpoint, model: nn.Module) -> list[str]:
+    """Which recomputed blocks run as torch.fx code (intermediates die at last use)."""
+    from ._checkpoint import traced
+
+    if not base.trace:
+        return ["recomputed blocks run as written (trace=False)"]
+    found = base.blocks(model)
+    names = base._checkpointed(found)
+    fx_code = [n for n in names if traced(found.modules[n]) is not found.modules[n]]
+    as_written = [n for n in names if n not in fx_code]
+    out = [f"recomputed as torch.fx code (intermediates freed at last use): "
+           f"{', '.join(fx_code) or 'none'}"]  # fmt: skip
+    if as_written:
+        out.append(f"recomputed as written (untraceable, optional arguments or a Python side "
+                   f"effect): {', '.join(as_written)}")  # fmt: skip
+    return out
 
 
 def _explain_part(name: str, part: str, what: dict[str, Any]) -> list[str]:
