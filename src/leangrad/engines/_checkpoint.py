@@ -25,11 +25,14 @@ import contextlib
 import inspect
 import itertools
 import math
+import random
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as E
@@ -110,13 +113,10 @@ def _generators(block: nn.Module) -> list[torch.Generator]:
 def _python_state(block: nn.Module) -> tuple[Any, ...]:
     """:func:`_attrs`, plus the states of the generators the modules hold and of the global
     RNGs."""
-    import random
-
-    import numpy as np
-
-    gens = tuple(bytes(g.get_state().numpy()) for g in _generators(block))
-    rng = (bytes(torch.get_rng_state().numpy()), repr(random.getstate()),
-           repr(np.random.get_state()))  # fmt: skip
+    with unset_fake_temporarily():  # under an estimate's fake mode: the real states
+        gens = tuple(bytes(g.get_state().numpy()) for g in _generators(block))
+        rng = (bytes(torch.get_rng_state().numpy()), repr(random.getstate()),
+               repr(np.random.get_state()))  # fmt: skip
     return (_attrs(block), gens, rng)
 
 
@@ -125,24 +125,27 @@ def _undo_side_effects(block: nn.Module) -> Iterator[list[tuple[Any, ...]]]:
     """Run a trace; the list it yields then holds the state the trace left (for
     :func:`traced`'s check), and the RNGs, the generators and the modules' public
     non-tensor attributes are put back as they were."""
-    import random
-
-    import numpy as np
-
-    gens = [(g, g.get_state()) for g in _generators(block)]
+    with unset_fake_temporarily():
+        gens = [(g, g.get_state()) for g in _generators(block)]
     attrs = [(m, {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in
              block.modules()]  # fmt: skip
     py, npy = random.getstate(), np.random.get_state()
+    with unset_fake_temporarily():
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     after: list[tuple[Any, ...]] = []
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield after
-        finally:
-            after.append(_python_state(block))
-    random.setstate(py)
-    np.random.set_state(npy)
-    for g, state in gens:
-        g.set_state(state)
+    try:
+        yield after
+    finally:
+        after.append(_python_state(block))
+        random.setstate(py)
+        np.random.set_state(npy)
+        with unset_fake_temporarily():
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            for g, state in gens:
+                g.set_state(state)
     for m, d in attrs:
         for k, v in d.items():
             if vars(m).get(k, v) is not v:
