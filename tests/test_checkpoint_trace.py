@@ -40,12 +40,12 @@ def test_traced_resnet_blocks_peak_one_activation_lower_and_exact() -> None:
     model = zoo.ResNet((2, 2), width=8, in_channels=3, classes=10)
     x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
     loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
-    on = profile_step(leangrad.engine("checkpoint"), model, x, loss_fn, repeats=0)
-    off = profile_step(leangrad.engine("checkpoint", trace=False), model, x, loss_fn, repeats=0)
+    on = profile_step(leangrad.engine("checkpoint", trace=True), model, x, loss_fn, repeats=0)
+    off = profile_step(leangrad.engine("checkpoint"), model, x, loss_fn, repeats=0)
     activation = 16 * 8 * 16 * 16 * 4  # one first-stage block activation, float32
     assert on.peak_bytes <= off.peak_bytes - activation
     model, x = model.double(), x.double()
-    _check_exact(leangrad.engine("checkpoint"), model, x, loss_fn)
+    _check_exact(leangrad.engine("checkpoint", trace=True), model, x, loss_fn)
 
 
 class _Counting(nn.Module):
@@ -126,20 +126,20 @@ def test_checkpointed_sequences_of_such_blocks_equal_autograd(make) -> None:  # 
     loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
     if make is _Counting:  # the count is part of the function: compare like with like
         twin = copy.deepcopy(model)
-        leangrad.engine("checkpoint").backward(model, x, loss_fn)
-        leangrad.engine("checkpoint", trace=False).backward(twin, x, loss_fn)
+        leangrad.engine("checkpoint", trace=True).backward(model, x, loss_fn)
+        leangrad.engine("checkpoint").backward(twin, x, loss_fn)
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
         assert [m.calls for m in model[:2]] == [m.calls for m in twin[:2]]
         return
     if make is _Seeded:
         twin = copy.deepcopy(model)
-        leangrad.engine("checkpoint").backward(model, x, loss_fn)
-        leangrad.engine("checkpoint", trace=False).backward(twin, x, loss_fn)
+        leangrad.engine("checkpoint", trace=True).backward(model, x, loss_fn)
+        leangrad.engine("checkpoint").backward(twin, x, loss_fn)
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
         return
-    _check_exact(leangrad.engine("checkpoint"), model, x, loss_fn)
+    _check_exact(leangrad.engine("checkpoint", trace=True), model, x, loss_fn)
 
 
 def test_a_changed_flag_or_mode_is_traced_again() -> None:
@@ -148,7 +148,7 @@ def test_a_changed_flag_or_mode_is_traced_again() -> None:
     x = torch.randn(5, 4, dtype=torch.float64)
     y = torch.randint(0, 2, (5,))
     loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
-    eng = leangrad.engine("checkpoint")
+    eng = leangrad.engine("checkpoint", trace=True)
     _check_exact(eng, model, x, loss_fn)
     model[0].skip = False
     _check_exact(eng, model, x, loss_fn)

@@ -39,7 +39,7 @@ CORE = ("backprop", "checkpoint", "forward", "projforward")
 # a fixed count and ⌈√L⌉; forward: the default chunk and a chunk of 7 directions,
 # which never divides these parameter sizes evenly, so partial chunks are exercised.
 VARIANTS: dict[str, list[dict[str, object]]] = {
-    "checkpoint": [{}, {"segments": 2}, {"segments": "sqrt"}],
+    "checkpoint": [{}, {"segments": 2}, {"segments": "sqrt"}, {"segments": 2, "trace": True}],
     "forward": [{}, {"chunk_size": 7}],
     "moonwalk": [
         {},

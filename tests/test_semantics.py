@@ -34,7 +34,7 @@ TOL = 1e-10
 
 # Option variants worth a contract check of their own (different code paths).
 VARIANTS: dict[str, list[dict[str, object]]] = {
-    "checkpoint": [{}, {"segments": 2}],
+    "checkpoint": [{}, {"segments": 2}, {"trace": True}],
     "forward": [{"chunk_size": 7}],
     "projforward": [{"samples": 3, "chunk_size": 2, "seed": 0}],
     "moonwalk": [

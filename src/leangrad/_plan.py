@@ -143,7 +143,8 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
     if found is not None:
         if found.sequential:
             out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),
-                    ("checkpoint", {"segments": "sqrt"})]  # fmt: skip
+                    ("checkpoint", {"segments": "sqrt"}),
+                    ("checkpoint", {"segments": "auto", "trace": True})]  # fmt: skip
             # fewer segments than blocks: less recomputation where the budget allows it
             n = len(found.names)
             out += [("checkpoint", {"segments": k}) for k in (2, 3, 4) if k < n - 1]
@@ -151,8 +152,11 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
                     ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
         else:
             out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
-            # every block, the last too: its recomputation can lower the peak (measured)
-            out.append(("checkpoint", {"blocks": list(found.names)}))
+            # every block, the last too: its recomputation can lower the peak (measured);
+            # blocks as fx code: intermediates freed at last use (measured: it may not pay)
+            out += [("checkpoint", {"blocks": list(found.names)}),
+                    ("checkpoint", {"trace": True}),
+                    ("checkpoint", {"blocks": list(found.names), "trace": True})]  # fmt: skip
             # fewer checkpointed blocks: less recomputation where the budget allows it
             n = len(found.names)
             for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):

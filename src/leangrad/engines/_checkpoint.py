@@ -11,12 +11,14 @@ the ordinary way (a class with its own ``forward``) is run as written, with each
 repeated blocks (a transformer's layers, a ResNet's residual blocks) checkpointed on its
 own — inside a copy of the model that shares its tensors.
 
-A checkpointed block runs as torch.fx code where fx can trace it (``trace=True``, the
-default): generated code drops each intermediate at its last use, while a Python
-``forward`` keeps its locals alive until they are rebound or it returns. Nothing is saved
-while a checkpointed block runs, so those lifetimes are its memory: on a ResNet basic
-block (``h = bn2(conv2(h))`` keeps the first ReLU's output alive through ``bn2``) the
-checkpointed step's peak falls by one activation (tests/test_checkpoint_trace.py).
+With ``trace=True`` a checkpointed block runs as torch.fx code where that is safe:
+generated code drops each intermediate at its last use, while a Python ``forward`` keeps
+its locals alive until they are rebound or it returns. Nothing is saved while a
+checkpointed block runs, so those lifetimes are its memory: on a ResNet basic block
+(``h = bn2(conv2(h))`` keeps the first ReLU's output alive through ``bn2``) the
+checkpointed step's peak falls by one activation (tests/test_checkpoint_trace.py). It is
+not the default: the generated code ran 2% (ResNet) to 6% (GPT, no memory gained) slower
+here, so :func:`leangrad.plan` measures both and keeps what pays.
 """
 
 from __future__ import annotations
@@ -190,8 +192,9 @@ class Checkpoint(Engine):
         blocks: names of the blocks to checkpoint (every one of them; see
             :func:`leangrad.blocks`).
         trace: run each checkpointed block as torch.fx code where that is safe
-            (:func:`traced`): intermediates die at their last use, a lower peak at no
-            measurable cost. ``False`` runs the blocks' own ``forward``.
+            (:func:`traced`): intermediates die at their last use — a lower peak where a
+            block's Python keeps them longer, at a few percent of time. ``False`` (the
+            default) runs the blocks' own ``forward``.
 
     Trade-off: one extra forward pass of the checkpointed segments; exact
     gradients (RNG state is restored for dropout). BatchNorm running statistics
@@ -208,7 +211,7 @@ class Checkpoint(Engine):
         *,
         segments: int | Literal["sqrt", "auto"] | None = None,
         blocks: Sequence[str] | None = None,
-        trace: bool = True,
+        trace: bool = False,
     ) -> None:
         ok = segments is None or segments in ("sqrt", "auto")
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
