@@ -206,7 +206,7 @@ def _budget_records(
     the fastest ``torch.compile`` setting whose fresh-process peak fits."""
     tb = t["backprop"]
     out = []
-    row = next((c for c in p.table if c.verdict == "chosen"), None)
+    row = next((c for c in p.table if c.verdict.startswith("chosen")), None)
     if row is None:
         out.append(_record(rec, "leangrad", None, None, None, None))
     else:

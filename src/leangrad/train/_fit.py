@@ -312,11 +312,10 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
     result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
                   optimizer=make)  # fmt: skip
-    if progress:
-        print(result, flush=True)
+    print(result if progress else result.message, flush=True)
     if result.engine is None:
         raise E.EngineInputError(result.message)
-    row = next(c for c in result.table if c.verdict == "chosen")
+    row = next(c for c in result.table if c.verdict.startswith("chosen"))
     per_layer = cfg.step_per_layer or result.per_layer
     return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options),
                                step_per_layer=per_layer)  # fmt: skip
