@@ -138,16 +138,7 @@ def estimate_step(
                 result = engine.backward(fake_model, fake_xs, fake_loss_fn)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise EngineInputError(READS_VALUES.format(op=e)) from e
-    report = tracker.report
-    return StepProfile(
-        engine=str(getattr(engine, "label", type(engine).__name__)),
-        peak_bytes=report.peak_bytes,
-        kept_bytes=report.forward_live_bytes,
-        seconds=None,
-        estimate=True,
-        baseline_bytes=report.baseline_bytes,
-        info=dict(getattr(result, "info", None) or {}),
-    )
+    return StepProfile.of(engine, tracker.report, result)
 
 
 def _with_fake_tensors(fn: Any, mode: Any) -> Any:

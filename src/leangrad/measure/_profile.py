@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ._grads import compare_grads
-from ._memory import MemoryTracker
+from ._memory import MemoryReport, MemoryTracker
 from ._timer import time_interleaved
 
 __all__ = ["StepProfile", "profile_step", "untouched"]
@@ -51,6 +51,16 @@ class StepProfile:
     baseline_bytes: int = 0
     peak_bytes_prealloc: int | None = None
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: Any, report: MemoryReport, result: Any, **measured: Any) -> StepProfile:
+        """The profile of a step of ``engine`` that ``report`` tracked and that returned
+        ``result`` (a ``StepResult``, whose ``info`` is kept), plus what else was measured."""
+        return cls(engine=str(getattr(engine, "label", type(engine).__name__)),
+                   peak_bytes=report.peak_bytes, kept_bytes=report.forward_live_bytes,
+                   seconds=measured.pop("seconds", None), estimate=report.estimate,
+                   baseline_bytes=report.baseline_bytes,
+                   info=dict(getattr(result, "info", None) or {}), **measured)  # fmt: skip
 
     @property
     def total_bytes(self) -> int:
@@ -148,16 +158,6 @@ def profile_step(
         if repeats > 0:
             timing = time_interleaved({"step": step}, repeats=repeats, warmup=0, threads=threads)
             seconds = timing["step"].median
-    report = tracker.report
-    return StepProfile(
-        engine=str(getattr(engine, "label", type(engine).__name__)),
-        peak_bytes=report.peak_bytes,
-        kept_bytes=report.forward_live_bytes,
-        seconds=seconds,
-        grad_max_rel_err=err,
-        grad_cosine=cos,
-        estimate=report.estimate,
-        baseline_bytes=report.baseline_bytes,
-        peak_bytes_prealloc=prealloc_peak,
-        info=dict(getattr(result, "info", None) or {}),
-    )
+    return StepProfile.of(engine, tracker.report, result, seconds=seconds,
+                          grad_max_rel_err=err, grad_cosine=cos,
+                          peak_bytes_prealloc=prealloc_peak)  # fmt: skip
