@@ -149,16 +149,34 @@ def test_cli_demo_prints_the_table(
     small = {k: {**v, "batch": 16, "channels": 4} for k, v in _demo.DEMO_CONFIGS.items()}
     small["mlp"]["width"] = 8
     monkeypatch.setattr(_demo, "DEMO_CONFIGS", small)
+    from leangrad.bench import _demo_headline as H
+
+    monkeypatch.setattr(H, "DEPTH_CONFIG", {**H.DEPTH_CONFIG, "length": 32, "channels": 8})
+    monkeypatch.setattr(H, "DEPTH_BUDGET", 200_000)
+    monkeypatch.setattr(H, "DEPTH_MAX", 16)
+    monkeypatch.setattr(H, "PLAN_SIZE", {**H.PLAN_SIZE, "dim": 32, "layers": 2, "context": 32,
+                                         "batch": 4})  # fmt: skip
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--repeats", "1", "--no-progress"]) == 0
     text = capsys.readouterr().out
-    header = text.splitlines()[1]
+    table = [ln for ln in text.splitlines()[1:] if not ln.startswith("wrote ")]  # paths: tmp
+    assert all(len(line) <= 100 for line in table), "fits 100 columns"
+    assert "Deepest fragmental 1D CNN each engine trains in" in text
+    assert "planned to half its memory" in text and "leangrad.plan chose" in text
+    header = next(line for line in text.splitlines() if line.startswith("model "))
     for col in ("engine", "peak", "saved", "time ratio", "max rel err", "cosine"):
         assert col in header
     for engine in ("backprop", "checkpoint(per-block)", "forward", "projforward", "moonwalk",
                    "revbackprop"):  # fmt: skip
         assert engine in text
-    records = json.loads((out / "demo.json").read_text())
+    every = json.loads((out / "demo.json").read_text())
+    depth = {r["engine"]: r["max_depth"] for r in every if r.get("kind") == "depth_at_budget"}
+    assert set(depth) == {"backprop", "checkpoint", "moonwalk", "moonwalk B=4", "moonwalk B=16"}
+    assert depth["backprop"] >= 1 and depth["moonwalk B=16"] >= depth["backprop"]
+    (planned,) = [r for r in every if r.get("kind") == "plan_half"]
+    assert planned["choice"] is not None
+    assert planned["plan_total_bytes"] <= planned["budget_bytes"] < planned["backprop_total_bytes"]
+    records = [r for r in every if r.get("kind") is None]
     assert {r["series"] for r in records} == set(small)
     ran = {(r["series"], r["engine"]) for r in records if not r["skipped"]}
     # Chain engines run on the Chain models and are marked not applicable elsewhere.
@@ -167,4 +185,5 @@ def test_cli_demo_prints_the_table(
     for r in records:
         if not r["skipped"] and r["exact"]:
             assert r["grad_max_rel_err"] < 1e-4, (r["series"], r["engine"])
-    assert (out / "demo.png").stat().st_size > 1000
+    for png in ("demo.png", "demo-plan.png", "demo-engines.png"):
+        assert (out / png).stat().st_size > 1000

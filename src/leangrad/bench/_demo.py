@@ -1,4 +1,6 @@
-"""``leangrad demo``: every engine on a small MLP and CNN on real digits, one table."""
+"""``leangrad demo``: the headline — the deepest network each engine trains in one budget,
+a zoo GPT planned to half its memory (:mod:`leangrad.bench._demo_headline`) — then every
+engine on small models on real digits, one table that fits 100 columns."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any, TextIO
 from tqdm.auto import tqdm
 
 from .. import engines
+from ..measure._timer import num_threads
 from ._report import fmt_bytes
 from ._run import write_records
 from ._runner import EngineSpec, machine_info, measure_config
@@ -40,7 +43,8 @@ _VARIANTS: dict[str, list[EngineSpec]] = {
     "forward": [EngineSpec("forward", max_params=6_000)],
     "moonwalk": [
         EngineSpec("moonwalk"),
-        EngineSpec("moonwalk", {"mode": "pure", "per_example": True, "chunk_size": 64}),
+        EngineSpec("moonwalk", {"mode": "pure", "per_example": True, "chunk_size": 64},
+                   label="moonwalk(pure)"),
     ],
 }
 
@@ -57,53 +61,68 @@ def demo_engines() -> list[EngineSpec]:
 _COLUMNS = ("model", "engine", "peak", "saved", "time ratio", "max rel err", "cosine")
 
 
-def format_table(records: list[dict[str, Any]]) -> str:
-    """A plain-text table of demo records, one row per (model, engine)."""
-    rows = [_COLUMNS]
+
+def format_table(records: list[dict[str, Any]], *, width: int = 100) -> str:
+    """A plain-text table of demo records, one row per (model, engine), at most ``width``
+    columns: an engine that does not apply shows why, cut to fit."""
+    rows: list[tuple[str, ...]] = [_COLUMNS]
     for r in records:
         if r.get("skipped"):
-            why = "needs a leangrad.Chain" if "leangrad.Chain" in r["skipped"] else r["skipped"]
-            rows.append((r["series"], r["engine"], "n/a", "", "", "", why[:48]))
+            why = next((f"needs a {k}" for k in ("leangrad.Chain", "HighwayNet")
+                        if k in r["skipped"]), r["skipped"])  # fmt: skip
+            rows.append((r["series"], r["engine"], f"n/a: {why}"))
             continue
-        rows.append(
-            (
-                r["series"],
-                r["engine"],
-                fmt_bytes(r["peak_bytes"]),
-                fmt_bytes(r["saved_bytes"]),
-                f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else "—",
-                f"{r['grad_max_rel_err']:.1e}",
-                f"{r['grad_cosine']:.5f}",
-            )
-        )
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+        rows.append((
+            r["series"], r["engine"], fmt_bytes(r["peak_bytes"]), fmt_bytes(r["saved_bytes"]),
+            f"{r['time_ratio']:.2f}" if r["time_ratio"] is not None else "—",
+            f"{r['grad_max_rel_err']:.1e}", f"{r['grad_cosine']:.5f}",
+        ))  # fmt: skip
+    full = [row for row in rows if len(row) == len(_COLUMNS)]
+    widths = [max(len(row[i]) for row in full) for i in range(len(_COLUMNS))]
+    widths[1] = max(widths[1], *(len(row[1]) for row in rows))
+    lines = []
+    for row in rows:
+        cells = [c.ljust(w) for c, w in zip(row, widths, strict=False)]
+        if len(row) < len(_COLUMNS):  # the reason takes the rest of the line
+            cells[-1] = row[-1]
+        lines.append("  ".join(cells).rstrip()[:width])
+    lines.insert(1, "  ".join("-" * w for w in widths)[:width])
     return "\n".join(lines)
 
 
+_CLIP = 2.5
+"""Peak ratios above this are drawn cut (orange) with their value written."""
+
+
 def _plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Per demo model, each engine's peak as a multiple of backprop's (linear axis), its
+    time ratio written on the bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["series"] for r in records))
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 3.2 * len(models)), squeeze=False)
-    for row, model in zip(axes, models, strict=True):
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
         rs = [r for r in records if r["series"] == model and not r.get("skipped")]
-        names = [r["engine"] for r in rs]
-        row[0].barh(names, [r["peak_bytes"] / 2**20 for r in rs], color="tab:blue")
-        row[0].set_xscale("log")
-        row[0].set_xlabel("peak memory above baseline (MiB, log)")
-        row[1].barh(names, [r["time_ratio"] for r in rs], color="tab:orange")
-        row[1].set_xscale("log")
-        row[1].axvline(1.0, color="k", lw=0.8)
-        row[1].set_xlabel("time / backprop (log)")
-        for ax in row:
-            ax.invert_yaxis()
-            ax.set_title(f"{model} on digits (batch {rs[0]['config']['batch']})")
-            ax.grid(alpha=0.3, axis="x")
+        base = next((r["peak_bytes"] for r in rs if r["engine"] == "backprop"), None) or 1
+        peaks = [r["peak_bytes"] / base for r in rs]
+        shown = [min(p, _CLIP) for p in peaks]  # a forward-mode bar would flatten the rest
+        bars = ax.barh([r["engine"] for r in rs], shown,
+                       color=["tab:orange" if p > _CLIP else "tab:blue" for p in peaks])
+        labels = [(f"{p:.0f}× mem, " if p > _CLIP else "")
+                  + ("—" if r["time_ratio"] is None else f"{r['time_ratio']:.1f}× time")
+                  for p, r in zip(peaks, rs, strict=True)]  # fmt: skip
+        ax.bar_label(bars, labels=labels, padding=2, fontsize=7)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlim(0, _CLIP * 2)
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_xlabel(f"peak memory × backprop's (cut at {_CLIP:g}×)")
+        ax.set_title(f"{model} (digits, batch {rs[0]['config']['batch']})", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle("Every engine: peak memory (bar) and time (label), relative to backprop")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -117,44 +136,52 @@ def run_demo(
     progress: bool = True,
     stream: TextIO | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every engine on the demo workloads; print the table; write JSON and a PNG."""
+    """The headline (deepest network per engine in one budget; a zoo GPT planned to half
+    its memory), then every engine on the demo workloads; print the tables; write
+    ``demo.json``, ``demo.png`` (depth), ``demo-plan.png`` and ``demo-engines.png``."""
+    from . import _demo_headline as H
+
     out = Path(out)
     stream = stream if stream is not None else sys.stdout
     specs = demo_engines()
-    print(
-        f"leangrad demo: engines {[s.display for s in specs]}, repeats={repeats}, "
-        f"threads=1, out={out}/",
-        file=stream,
-    )
-    records: list[dict[str, Any]] = []
+    print(f"leangrad demo: {len(specs)} engine variants, repeats={repeats}, threads=1, "
+          f"out={out}/", file=stream)  # fmt: skip
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    bar = tqdm(DEMO_CONFIGS.items(), desc="demo", unit="model", disable=not progress)
-    for model, config in bar:
+    common = {"suite": "demo", "quick": False, "machine": machine, "created": created}
+    bar = tqdm(total=2 + len(DEMO_CONFIGS), desc="demo", unit="part", disable=not progress)
+
+    def say(msg: str) -> None:
+        bar.set_postfix_str(msg, refresh=True)
+
+    depth = H.deepest(progress=say)
+    bar.update()
+    with num_threads(1):
+        planned = H.plan_half(repeats=repeats, progress=say)
+    bar.update()
+    records: list[dict[str, Any]] = []
+    for model, config in DEMO_CONFIGS.items():
         bar.set_description(f"demo {model}")
-        recs = measure_config(
-            config,
-            specs,
-            repeats=repeats,
-            rss=rss,
-            progress=lambda msg: bar.set_postfix_str(msg, refresh=True),
-        )
+        recs = measure_config(config, specs, repeats=repeats, rss=rss, progress=say)
         for r in recs:
-            r.update(
-                suite="demo",
-                series=model,
-                sweep="model",
-                x=model,
-                quick=False,
-                machine=machine,
-                created=created,
-            )
+            r.update(series=model, sweep="model", x=model, **common)
         records += recs
+        bar.update()
+    bar.close()
+    print(H.format_depth(depth), file=stream)
+    print(file=stream)
+    print(H.format_plan(planned), file=stream)
+    print(file=stream)
     print(format_table(records), file=stream)
-    write_records(records, out / "demo.json")
+    extra = [{**r, "kind": "depth_at_budget", "series": "depth", **common} for r in depth]
+    extra.append({**planned, "kind": "plan_half", "series": "plan", **common})
+    write_records(records + extra, out / "demo.json")
     try:
-        _plot(records, out / "demo.png")
-        print(f"wrote {out / 'demo.json'} and {out / 'demo.png'}", file=stream)
+        H.plot_depth(depth, out / "demo.png")
+        H.plot_plan(planned, out / "demo-plan.png")
+        _plot(records, out / "demo-engines.png")
+        print(f"wrote {out / 'demo.json'}, demo.png, demo-plan.png and demo-engines.png",
+              file=stream)  # fmt: skip
     except ImportError:
-        print(f"wrote {out / 'demo.json'} (install leangrad[plot] for the PNG)", file=stream)
-    return records
+        print(f"wrote {out / 'demo.json'} (install leangrad[plot] for the PNGs)", file=stream)
+    return records + extra
