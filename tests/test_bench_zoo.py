@@ -1,16 +1,113 @@
-"""The ``zoo`` suite's machinery on tiny sizes (seconds): its methods and the max-batch
-search. Nothing here asserts a time."""
+"""The ``zoo`` suite's machinery on tiny sizes (seconds): its records, the exactness of the
+exact methods, the max-batch search, the estimate rows, the headline table and the report.
+Nothing here asserts a time."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import pytest
 import torch
 
+from leangrad import zoo
+from leangrad.bench import RECORD_FIELDS, load_suite
+from leangrad.bench._zoo import run_zoo
 from leangrad.bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
 from leangrad.bench._zoo_methods import Method, build, leangrad_methods, pytorch_methods
+from leangrad.bench._zoo_report import best_within, headline_table, render
 
 GPT = {"vocab": 32, "dim": 24, "layers": 4, "heads": 2, "context": 32, "batch": 8}
 LSTM = {"vocab": 1024, "embed": 8, "hidden": 16, "layers": 2, "length": 12, "batch": 4}
+EST_GPT = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "context": 32, "batch": 8}
+SHARED = ("suite", "series", "sweep", "x", "side", "quick", "machine", "created", "config")
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict[str, Any]]:
+    """The suite's runner on a tiny GPT and LSTM LM and one tiny estimate configuration: one
+    repeat, no torch.compile (a cold compile takes tens of seconds), fresh-process RSS of the
+    key rows (one worker per model). Widths and vocabularies put both models above the
+    planner's 20k parameters, so where nothing fits it does not try ``forward`` (one jvp per
+    parameter: minutes)."""
+    suite = load_suite("zoo")
+    settings = {
+        **suite.settings,
+        "quick_models": {"gpt": GPT, "lstm_lm": LSTM},
+        "quick_estimate_models": {"gpt": EST_GPT},
+        "quick_compile_models": [],
+        "quick_rss_rows": "key",
+        "quick_repeats": 1,
+        "quick_chunks": [3],
+        "quick_estimate_max_batch": True,
+        "quick_forward_max_params": 0,
+    }
+    return run_zoo(dataclasses.replace(suite, settings=settings), quick=True, progress=False)
+
+
+def _row(records: list[dict[str, Any]], series: str, engine: str) -> dict[str, Any]:
+    return next(r for r in records if r["series"] == series and r["engine"] == engine)
+
+
+def test_suite_file_names_every_zoo_model_and_its_hooks() -> None:
+    suite = load_suite("zoo")
+    suite.check()
+    for quick in (False, True):
+        assert set(suite.setting("models", quick)) == set(zoo.MODELS)
+    assert suite.resolve_runner() is run_zoo
+
+
+def test_records_have_the_shared_fields(records: list[dict[str, Any]]) -> None:
+    for r in records:
+        assert set(RECORD_FIELDS) <= set(r) and set(SHARED) <= set(r), r["engine"]
+        assert r["suite"] == "zoo" and r["quick"] is True and r["x"] == r["engine"]
+    measured = [r for r in records if r.get("peak_ratio") is not None]
+    sides = {r["side"] for r in measured if not r["estimate"]}
+    assert {"reference", "leangrad", "plan", "pytorch"} <= sides
+    for r in (r for r in measured if r["peak_source"] == "tracker"):
+        assert r["peak_bytes"] > 0 and r["max_batch"] >= 0 and r["time_ratio"] > 0
+        assert r["max_batch_method"] in ("estimate", "tracker")
+    bp = _row(records, "gpt", "backprop")
+    assert bp["time_ratio"] == 1.0 and bp["peak_ratio"] == 1.0
+    assert bp["rss_peak_bytes"] > 0 and bp["kept_bytes"] > 0
+
+
+def test_skipped_and_failed_rows_say_why(records: list[dict[str, Any]]) -> None:
+    assert "leangrad.Chain" in _row(records, "gpt", "moonwalk")["skipped"]
+    assert "forward_max_params" in _row(records, "gpt", "forward")["skipped"]
+    assert "no blocks to wrap" in _row(records, "lstm_lm", "torch per-block")["skipped"]
+    for r in records:
+        if r.get("skipped") or r.get("failed"):
+            assert r["peak_bytes"] is None and r["seconds_median"] is None
+
+
+def test_exact_methods_match_backprop(records: list[dict[str, Any]]) -> None:
+    """Checkpointing, fad, bits, the plans and PyTorch's recipes (time chunks included)
+    recompute the same float32 values, up to kernel reassociation."""
+    exact = [r for r in records if r.get("exact") and r.get("grad_max_rel_err") is not None]
+    assert {"checkpoint", "fad", "torch per-block", "torch time chunks(3)"} <= {
+        r["engine"] for r in exact
+    }
+    for r in exact:
+        assert r["grad_max_rel_err"] < 1e-4 and r["grad_cosine"] > 1 - 1e-6, r["engine"]
+    bf16 = _row(records, "gpt", "torch bf16 autocast")
+    assert bf16["exact"] is False and 0.99 < bf16["grad_cosine"] < 1
+
+
+def test_plan_rows_fit_their_budget(records: list[dict[str, Any]]) -> None:
+    for r in (r for r in records if r["side"] == "plan" and r.get("peak_bytes")):
+        assert r["baseline_bytes"] + r["peak_bytes"] <= r["budget_bytes"]
+        assert r["choice"] and r["peak_ratio"] <= r["fraction"] + 0.01
+
+
+def test_max_batch_of_backprop_is_its_base_batch(records: list[dict[str, Any]]) -> None:
+    """The budget is backprop's total at the base batch, so backprop fits exactly that."""
+    for series in ("gpt", "lstm_lm", "gpt (estimate)"):
+        bp = _row(records, series, "backprop")
+        assert bp["max_batch"] == bp["base_batch"]
+    # fake tensors miss the fused LSTM kernel's workspace: the tracker searched instead
+    lstm = _row(records, "lstm_lm", "backprop")
+    assert lstm["max_batch_method"] == "tracker" and lstm["estimate_vs_tracker"] < 0.99
 
 
 def test_max_batch_search_is_exact_and_monotone_in_budget() -> None:
@@ -54,6 +151,17 @@ def test_forward_mode_engines_are_not_estimated() -> None:
         footprint("gpt", GPT, fwd, 4, estimate=True)
 
 
+def test_estimate_rows_are_labelled(records: list[dict[str, Any]]) -> None:
+    rows = [r for r in records if r["series"] == "gpt (estimate)"]
+    assert rows and all(r["estimate"] is True for r in rows)
+    assert all(r["estimate"] is False for r in records if r["series"] in ("gpt", "lstm_lm"))
+    for r in (r for r in rows if not r.get("skipped")):
+        assert r["peak_source"] == "estimate" and r["max_batch_method"] == "estimate"
+        assert r["seconds_median"] is None and r["grad_max_rel_err"] is None
+        assert r.get("rss_peak_bytes") is None
+    assert "fake tensors" in _row(records, "gpt (estimate)", "projforward")["skipped"]
+
+
 def test_methods_cover_every_engine_and_composition() -> None:
     wl = build("gpt", GPT)
     methods, skipped = leangrad_methods(wl.model, options={}, skip={}, forward_max_params=0)
@@ -67,6 +175,61 @@ def test_methods_cover_every_engine_and_composition() -> None:
         "torch selective",
         "checkpoint_sequential(2)",
     ]
+
+
+def _rec(
+    series: str, engine: str, side: str, peak: float, time: float, **kw: Any
+) -> dict[str, Any]:
+    return {
+        "series": series,
+        "engine": engine,
+        "side": side,
+        "peak_ratio": peak,
+        "time_ratio": time,
+        "exact": True,
+        "estimate": False,
+        "peak_bytes": 2**20,
+        **kw,
+    }
+
+
+def test_headline_table_picks_the_fastest_exact_row_within_each_bound() -> None:
+    rs = [
+        _rec("m", "backprop", "reference", 1.0, 1.0),
+        _rec("m", "checkpoint", "leangrad", 0.45, 1.3),
+        _rec("m", "checkpoint+fad", "leangrad", 0.2, 1.6),
+        _rec("m", "rad", "leangrad", 0.1, 0.9, exact=False),  # not exact: never a candidate
+        _rec("m", "plan(≤0.5×)", "plan", 0.48, 1.2, choice="checkpoint(segments=2)"),
+        _rec("m", "torch per-block", "pytorch", 0.45, 1.25),
+        _rec("m", "torch.compile", "compile", 0.3, 0.7),
+        _rec("m", "torch bf16 autocast", "pytorch", 0.2, 0.8, exact=False),
+        _rec("m", "gone", "leangrad", 0.01, 0.5, skipped="n/a"),
+        _rec("m", "est", "leangrad", 0.01, 0.5, estimate=True),
+    ]
+    assert best_within(rs, "m", ("leangrad", "plan"), 0.5)["engine"] == "plan(≤0.5×)"  # type: ignore[index]
+    assert best_within(rs, "m", ("leangrad", "plan"), 0.25)["engine"] == "checkpoint+fad"  # type: ignore[index]
+    assert best_within(rs, "m", ("pytorch", "compile"), 0.5)["engine"] == "torch.compile"  # type: ignore[index]
+    assert best_within(rs, "m", ("pytorch", "compile"), 0.25) is None
+    table = headline_table(rs).splitlines()
+    assert len(table) == 3 and table[2].startswith("| m | 1 MiB |")
+    cells = [c.strip() for c in table[2].split("|")[1:-1]]
+    assert cells[2:] == [
+        "plan(≤0.5×) → checkpoint(segments=2) (0.48×)",
+        "1.20×",
+        "torch.compile (0.30×)",
+        "0.70×",
+        "checkpoint+fad (0.20×)",
+        "1.60×",
+        "nothing fits",
+        "—",
+    ]
+
+
+def test_report_renders_every_model_and_the_headline(records: list[dict[str, Any]]) -> None:
+    text = "\n".join(render("zoo", records, None))
+    for heading in ("### gpt", "### lstm_lm", "### gpt (estimate)", "| model | backprop peak |"):
+        assert heading in text
+    assert "Skipped:" in text and "Fake-tensor estimates only" in text
 
 
 @pytest.mark.parametrize(("kind", "arg"), [("rnn", None), ("chunks", 1), ("chunks", 5)])
