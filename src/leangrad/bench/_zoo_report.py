@@ -20,6 +20,11 @@ def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def _bytes(n: float | None) -> str:
+    """MiB below 1 GiB, GiB above (three significant digits); ``—`` for missing."""
+    return fmt_bytes(n) if n is None or n < 2**30 else f"{n / 2**30:.3g} GiB"
+
+
 def _measured(r: dict[str, Any]) -> bool:
     return not r.get("skipped") and not r.get("failed") and r.get("peak_ratio") is not None
 
@@ -88,7 +93,7 @@ def headline_table(
             ),
             None,
         )
-        row = f"| {series} | {fmt_bytes(bp['peak_bytes']) if bp else '—'} |"
+        row = f"| {series} | {_bytes(bp['peak_bytes']) if bp else '—'} |"
         for f in fractions:
             row += (
                 f" {_cell(best_within(records, series, LEANGRAD_SIDES, f))} |"
@@ -161,8 +166,8 @@ def _model_table(series: str, rs: list[dict[str, Any]]) -> list[str]:
         check = r.get("estimate_vs_tracker_at_measured_size", r.get("estimate_vs_tracker"))
         lines.append(
             f"| {how} | {r['side']} | {'yes' if r.get('exact') else 'no'} "
-            f"| {fmt_bytes(r.get('peak_bytes'))} | {r['peak_ratio']:.3f} "
-            f"| {fmt_bytes(r.get('kept_bytes'))} | {fmt_bytes(r.get('rss_peak_bytes'))} "
+            f"| {_bytes(r.get('peak_bytes'))} | {r['peak_ratio']:.3f} "
+            f"| {_bytes(r.get('kept_bytes'))} | {_bytes(r.get('rss_peak_bytes'))} "
             f"| {_fmt(r.get('time_ratio'), '.2f')} | {_fmt(r.get('grad_max_rel_err'), '.1e')} "
             f"| {_fmt(r.get('grad_cosine'), '.6f')} | {_batch(r)} | {_fmt(check, '.3f')} |"
         )

@@ -9,17 +9,21 @@ resident set follows live memory), one thread.
   then the peak of the resident set during one more, above the resident set before it;
 - ``"compile"``: for each ``activation_memory_budget`` (``null``: torch.compile's
   default), ``torch.compile(model)`` afresh: the first step's seconds (dynamo, AOT
-  autograd's partition, where the budget acts, and inductor), the gradient against eager
-  backprop's in this process, the peak RSS of a compiled step and of an eager one, and
-  both steps' medians of interleaved repeats. Inductor's buffers are invisible to the
-  tracker, so RSS is the only measure of compile's memory.
+  autograd's partition, where the budget acts, and inductor; cold: each setting gets an
+  empty temporary directory as inductor's cache, so no earlier compile is reused), the
+  gradient against eager backprop's in this process, the peak RSS of a compiled step and
+  of an eager one, and both steps' medians of interleaved repeats. Inductor's buffers are
+  invisible to the tracker, so RSS is the only measure of compile's memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -94,10 +98,14 @@ def main() -> None:
     compiled: dict[str, Any] = {}
     for budget in payload.get("compile", []):
         key = "default" if budget is None else str(budget)
+        cache = tempfile.mkdtemp(prefix="leangrad-zoo-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold: no compile of an earlier run
         try:
             compiled[key] = _compile(model, x, loss_fn, budget, int(payload.get("repeats", 3)))
         except Exception as err:  # a compile failure is a finding; the others still run
             compiled[key] = {"failed": f"{type(err).__name__}: {str(err)[:500]}"}
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
     print(json.dumps({"rss": rss, "compile": compiled}))
 
 
