@@ -1,0 +1,281 @@
+"""The ways the ``zoo`` suite computes one step's gradients, rebuildable by name in a fresh
+process: leangrad engines and compositions, and what a PyTorch user writes by hand.
+
+A :class:`Method` is a label, a side and a JSON spec; :meth:`Method.make` gives an
+engine-like object (``backward(model, inputs, loss_fn)``) that finds what it needs on the
+model it is given, so the same method runs on a real model, on a fake-tensor copy
+(:func:`leangrad.measure.estimate_memory`) and in the suite's worker process.
+
+PyTorch's side (each marks the end of its forward phase, so its kept bytes are measured):
+
+- ``torch per-block``, ``torch selective``, ``checkpoint_sequential(s)``: the ``plan``
+  suite's peers (:func:`leangrad.bench._plan_peers.peers`) over the model's stem, blocks
+  and head, written out per zoo class;
+- ``torch bf16 autocast``: forward and loss under ``torch.autocast("cpu", bfloat16)``;
+- recurrent LMs (one fused ``nn.LSTM``/``nn.GRU``, no blocks to wrap):
+  ``torch checkpoint(rnn)`` around the whole recurrent module, and ``torch time
+  chunks(k)``: the sequence cut into ``k`` chunks run one after another with the state
+  carried, each but the last under ``torch.utils.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import _errors as E
+from .. import zoo
+from ..engines import available, engine
+from ..engines._transforms import TRANSFORMS
+from ..measure import FORWARD_END, mark
+from ._blocks import _gpt_parts, _resnet_parts
+from ._plan_peers import peers
+
+__all__ = ["Method", "Skipped", "Workload", "build", "leangrad_methods", "pytorch_methods"]
+
+LossFn = Callable[[torch.Tensor], torch.Tensor]
+UNKNOWN_MODEL = "zoo suite: unknown model {name!r} in the suite file; known: {known}"
+_CTOR = {
+    "resnet": ("depth", "width"),
+    "gpt": ("vocab", "dim", "layers", "heads", "context"),
+    "bert": ("vocab", "dim", "layers", "heads", "context"),
+    "lstm_lm": ("vocab", "embed", "hidden", "layers"),
+    "gru_lm": ("vocab", "embed", "hidden", "layers"),
+    "highway_gru_lm": ("vocab", "embed", "hidden", "layers"),
+    "vit": ("image", "patch", "dim", "layers", "heads"),
+}
+_TRANSFORM_ORDER = ("fad", "bits", "rad")
+_FORWARD_MODE = ("forward", "projforward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A zoo model, its offline batch and loss (seeded: the same for the same size)."""
+
+    model: nn.Module
+    inputs: torch.Tensor
+    loss_fn: LossFn
+
+
+def build(name: str, size: dict[str, Any], *, batch: int | None = None) -> Workload:
+    """Zoo model ``name`` at ``size`` (constructor keys plus ``batch`` and, for token
+    models, ``length`` or ``context``), with ``batch`` overriding the size's."""
+    if name not in _CTOR:
+        raise E.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=", ".join(_CTOR)))
+    kw = {k: size[k] for k in _CTOR[name] if k in size}
+    torch.manual_seed(0)
+    if name in ("lstm_lm", "gru_lm"):
+        model: nn.Module = zoo.rnn_lm(name.removesuffix("_lm"), **kw)
+    else:
+        model = getattr(zoo, name)(**kw)
+    n = int(size["batch"] if batch is None else batch)
+    length = int(size.get("length", size.get("context", 64)))
+    x, loss_fn = zoo.batch(name, model, n, length=length, image=int(size.get("image", 32)))
+    return Workload(model, x, loss_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to compute a step's gradients.
+
+    Attributes:
+        label: the row's name (``leangrad.engine`` spelling, or the PyTorch recipe).
+        side: ``"reference"`` (backprop), ``"leangrad"``, ``"plan"`` or ``"pytorch"``.
+        exact: the gradient equals autograd's (up to float rounding).
+        spec: ``{"engine": name, "options": {...}}`` or ``{"torch": kind, "arg": n}``.
+    """
+
+    label: str
+    side: str
+    exact: bool
+    spec: dict[str, Any]
+
+    def make(self) -> Any:
+        """A fresh engine-like object: ``.backward(model, inputs, loss_fn)``."""
+        if "engine" in self.spec:
+            return engine(self.spec["engine"], **self.spec.get("options", {}))
+        return TorchStep(self.label, self.spec["torch"], self.spec.get("arg"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A method that was not run on a model, and why."""
+
+    label: str
+    side: str
+    reason: str
+
+
+def engine_names(*, max_transforms: int = len(_TRANSFORM_ORDER)) -> list[str]:
+    """Every registered engine and every base + transforms composition with at most
+    ``max_transforms`` transforms (forward-mode bases take none: they keep nothing for a
+    backward pass, so compose refuses them)."""
+    bases = [n for n in available() if n not in TRANSFORMS]
+    out = list(bases)
+    for base in (b for b in bases if b not in _FORWARD_MODE):
+        for k in range(1, min(max_transforms, len(_TRANSFORM_ORDER)) + 1):
+            for combo in itertools.combinations(_TRANSFORM_ORDER, k):
+                out.append("+".join(combo if base == "backprop" else (base, *combo)))
+    return out
+
+
+def leangrad_methods(
+    model: nn.Module,
+    *,
+    options: dict[str, dict[str, Any]],
+    skip: dict[str, str],
+    forward_max_params: int,
+    max_transforms: int = len(_TRANSFORM_ORDER),
+) -> tuple[list[Method], list[Skipped]]:
+    """The leangrad rows for ``model``: every name of :func:`engine_names` whose engine
+    ``supports`` it, with ``options[name]`` (or, for a composition, the options of its
+    parts); the others as :class:`Skipped` with the reason."""
+    methods: list[Method] = []
+    skipped: list[Skipped] = []
+    n_params = sum(p.numel() for p in model.parameters())
+    for name in engine_names(max_transforms=max_transforms):
+        opts: dict[str, Any] = {}
+        for part in name.split("+"):
+            opts.update(options.get(part, {}))
+        opts.update(options.get(name, {}))
+        why = skip.get(name)
+        if name == "forward" and n_params > forward_max_params:
+            why = (
+                f"one jvp per parameter: {n_params:,} parameters, above the suite's "
+                f"forward_max_params={forward_max_params:,}"
+            )
+        eng = None
+        if why is None:
+            try:
+                eng = engine(name, **opts)
+                why = eng.supports(model)
+            except Exception as err:  # a bug in supports() is a finding, not a crash
+                why = f"supports() raised {type(err).__name__}: {err}"
+        label = eng.label if eng is not None else name
+        if why is not None:
+            skipped.append(Skipped(label, "leangrad", why))
+            continue
+        assert eng is not None
+        side = "reference" if name == "backprop" else "leangrad"
+        methods.append(Method(label, side, bool(eng.exact), {"engine": name, "options": opts}))
+    return methods, skipped
+
+
+def pytorch_methods(
+    model: nn.Module, *, segments: list[int], chunks: list[int]
+) -> tuple[list[Method], list[Skipped]]:
+    """The PyTorch-only rows for ``model`` (module docstring)."""
+    methods = [Method("torch bf16 autocast", "pytorch", False, {"torch": "bf16"})]
+    skipped: list[Skipped] = []
+    if isinstance(model, zoo.RNNLM):
+        methods.append(Method("torch checkpoint(rnn)", "pytorch", True, {"torch": "rnn"}))
+        methods += [
+            Method(f"torch time chunks({k})", "pytorch", True, {"torch": "chunks", "arg": k})
+            for k in chunks
+        ]
+        why = (
+            "one fused nn.LSTM/nn.GRU: no blocks to wrap (selective checkpointing would "
+            "save the fused op whole)"
+        )
+        skipped += [Skipped(lb, "pytorch", why) for lb in ("torch per-block", "torch selective")]
+        return methods, skipped
+    if type(model) not in _PARTS:
+        why = f"{type(model).__name__} is not a zoo model with stem, blocks and head written out"
+        return [], [Skipped("torch per-block", "pytorch", why)]
+    methods += [
+        Method("torch per-block", "pytorch", True, {"torch": "per-block"}),
+        Method("torch selective", "pytorch", True, {"torch": "selective"}),
+    ]
+    n_blocks = len(_PARTS[type(model)](model, torch.zeros(1, 1))[1])
+    for s in segments:
+        label = f"checkpoint_sequential({s})"
+        if s < n_blocks:
+            methods.append(Method(label, "pytorch", True, {"torch": "sequential", "arg": s}))
+        else:
+            skipped.append(Skipped(label, "pytorch", f"{s} segments >= {n_blocks} blocks"))
+    return methods, skipped
+
+
+def _bert_parts(model: zoo.BERT, idx: torch.Tensor) -> tuple[Any, list[nn.Module], Any]:
+    t = idx.shape[-1]
+    return (
+        lambda: model.ln_emb(model.tok(idx) + model.pos[:t]),
+        list(model.blocks),
+        lambda h: model.head(h[:, 0]),
+    )
+
+
+def _vit_parts(model: zoo.ViT, x: torch.Tensor) -> tuple[Any, list[nn.Module], Any]:
+    def stem() -> torch.Tensor:
+        h = model.patch(x).flatten(2).transpose(1, 2)
+        return torch.cat([model.cls.expand(h.shape[0], -1, -1), h], 1) + model.pos
+
+    return stem, list(model.blocks), lambda h: model.head(model.ln(h[:, 0]))
+
+
+_PARTS: dict[type, Callable[[Any, torch.Tensor], Any]] = {
+    zoo.GPT: _gpt_parts,
+    zoo.ResNet: _resnet_parts,
+    zoo.BERT: _bert_parts,
+    zoo.ViT: _vit_parts,
+}
+
+
+class TorchStep:
+    """A PyTorch recipe as an engine-like object; it finds its parts on the model given."""
+
+    exact = True
+
+    def __init__(self, label: str, kind: str, arg: int | None = None) -> None:
+        self.label, self.kind, self.arg = label, kind, arg
+        self.exact = kind != "bf16"
+
+    def backward(self, model: nn.Module, inputs: Any, loss_fn: LossFn) -> None:
+        x = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+
+        def marked(out: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(out)
+            mark(FORWARD_END)  # the forward phase ends here: what is live is kept
+            return loss
+
+        if self.kind == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = marked(model(x))
+            loss.backward()
+        elif self.kind in ("rnn", "chunks"):
+            assert isinstance(model, zoo.RNNLM)
+            marked(model.head(_rnn_forward(model, x, self.arg))).backward()
+        else:
+            segs = [int(self.arg)] if self.kind == "sequential" and self.arg else []
+            steps = peers(_PARTS[type(model)](model, x), marked, segs, optimizer=None)
+            steps[self.label]()
+
+
+def _rnn_forward(model: zoo.RNNLM, idx: torch.Tensor, chunks: int | None) -> torch.Tensor:
+    """The recurrent module's output, checkpointed whole (``chunks=None``) or in time chunks
+    (the state carried from one chunk to the next, the last chunk not checkpointed)."""
+    emb = model.embed(idx)
+    if chunks is None:
+        return checkpoint(lambda e: model.rnn(e)[0], emb, use_reentrant=False)
+
+    def run(e: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hx = None if not state else (state if len(state) == 2 else state[0])
+        out, new = model.rnn(e, hx)
+        return (out, *new) if isinstance(new, tuple) else (out, new)
+
+    pieces = emb.split(math.ceil(emb.shape[1] / chunks), dim=1)
+    outs: list[torch.Tensor] = []
+    state: tuple[torch.Tensor, ...] = ()
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        res = run(piece, *state) if last else checkpoint(run, piece, *state, use_reentrant=False)
+        outs.append(res[0])
+        state = tuple(res[1:])
+    return torch.cat(outs, 1)

@@ -1,0 +1,192 @@
+"""The ``zoo`` suite's section of ``leangrad report``, and the README's opening table
+(:func:`headline_table`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ._report import fmt_bytes
+
+__all__ = ["LEANGRAD_SIDES", "PYTORCH_SIDES", "best_within", "headline_table", "render"]
+
+LEANGRAD_SIDES = ("leangrad", "plan")
+PYTORCH_SIDES = ("pytorch", "compile")
+_ORDER = {"reference": 0, "leangrad": 1, "plan": 2, "pytorch": 3, "compile": 4}
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _bytes(n: float | None) -> str:
+    """MiB below 1 GiB, GiB above (three significant digits); ``—`` for missing."""
+    return fmt_bytes(n) if n is None or n < 2**30 else f"{n / 2**30:.3g} GiB"
+
+
+def _measured(r: dict[str, Any]) -> bool:
+    return not r.get("skipped") and not r.get("failed") and r.get("peak_ratio") is not None
+
+
+def best_within(
+    records: list[dict[str, Any]], series: str, sides: Sequence[str], fraction: float
+) -> dict[str, Any] | None:
+    """The fastest exact, measured (not estimated) record of ``series`` from ``sides`` whose
+    peak is at most ``fraction`` × backprop's (tracker peaks; RSS for torch.compile, whose
+    ratio is to eager backprop's RSS in the same process); ``None`` if none is."""
+    fit = [
+        r
+        for r in records
+        if r["series"] == series
+        and r.get("side") in sides
+        and not r.get("estimate")
+        and _measured(r)
+        and r.get("exact")
+        and r.get("time_ratio") is not None
+        and r["peak_ratio"] <= fraction
+    ]
+    return min(fit, key=lambda r: r["time_ratio"]) if fit else None
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "nothing fits | —"
+    how = f"{r['engine']} → {r['choice']}" if r.get("choice") else r["engine"]
+    return f"{how} ({r['peak_ratio']:.2f}×) | {r['time_ratio']:.2f}×"
+
+
+def headline_table(
+    records: list[dict[str, Any]], *, fractions: Sequence[float] = (0.5, 0.25)
+) -> str:
+    """Per model, the fastest exact leangrad option whose peak is at most 0.5× and 0.25×
+    backprop's, beside the fastest exact PyTorch-only option at the same bound (per-block,
+    selective or sequential checkpointing, time chunks, torch.compile), each with its peak
+    and time as ratios to backprop's. bf16 autocast and estimators (rad, projforward,
+    highway below k = L − 1) are not exact and not candidates; estimate rows are left out.
+
+    Regenerate the README's opening table from a run's JSON::
+
+        python -c "from pathlib import Path; from leangrad.bench._report import load_records;
+        from leangrad.bench._zoo_report import headline_table;
+        print(headline_table(load_records(Path('results'))['zoo']))"
+
+    Args:
+        records: the ``zoo`` suite's records (``results/zoo.json``).
+        fractions: the bounds, as fractions of backprop's peak.
+
+    Returns:
+        A Markdown table, one row per measured model.
+    """
+    head = "| model | backprop peak |"
+    rule = "|---|---|"
+    for f in fractions:
+        head += f" ≤ {f}×: leangrad (peak) | time | PyTorch (peak) | time |"
+        rule += "---|---|---|---|"
+    lines = [head, rule]
+    for series in dict.fromkeys(r["series"] for r in records if not r.get("estimate")):
+        bp = next(
+            (
+                r
+                for r in records
+                if r["series"] == series and r["engine"] == "backprop" and _measured(r)
+            ),
+            None,
+        )
+        row = f"| {series} | {_bytes(bp['peak_bytes']) if bp else '—'} |"
+        for f in fractions:
+            row += (
+                f" {_cell(best_within(records, series, LEANGRAD_SIDES, f))} |"
+                f" {_cell(best_within(records, series, PYTORCH_SIDES, f))} |"
+            )
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def render(
+    suite: str, records: list[dict[str, Any]], directory: Any, *, plots: bool = True
+) -> list[str]:
+    """Markdown section of ``leangrad report`` for the ``zoo`` suite: the headline table, a
+    table per model, what was skipped or failed and why, and the fake-tensor estimates."""
+    del suite, directory, plots
+    lines = [
+        "Every way to compute one step's gradients (no optimizer) on zoo models written the "
+        "ordinary way. Peak: tracker, above parameters and inputs, `.grad` allocated by the "
+        "step (torch.compile: fresh-process RSS, × eager backprop's RSS in its process). "
+        "Kept: live when the forward phase ended. RSS: fresh-process peak above the RSS "
+        "before the step. Time: medians of interleaved repeats, 1 thread, × backprop. Error "
+        "and cosine: float32 gradient vs backprop's. Max batch: the largest batch whose step "
+        "fits backprop's total (parameters, inputs and peak) at the base batch.",
+        "",
+        "Fastest exact option within a fraction of backprop's peak:",
+        "",
+        headline_table(records),
+        "",
+    ]
+    for series in dict.fromkeys(r["series"] for r in records):
+        rs = [r for r in records if r["series"] == series]
+        lines += _model_table(series, rs)
+    return lines
+
+
+def _short(why: str, most: int = 240) -> str:
+    """A reason on one line, cut at ``most`` characters (the JSON keeps it whole)."""
+    why = " ".join(why.split())
+    return why if len(why) <= most else why[: most - 1] + "…"
+
+
+def _batch(r: dict[str, Any]) -> str:
+    if r.get("max_batch") is None:
+        return "—"
+    how = {"estimate": "est.", "tracker": "tracker"}.get(r.get("max_batch_method") or "", "")
+    return f"{'≥' if r.get('max_batch_capped') else ''}{r['max_batch']} ({how})"
+
+
+def _model_table(series: str, rs: list[dict[str, Any]]) -> list[str]:
+    est = bool(rs[0].get("estimate"))
+    cfg = {k: v for k, v in rs[0]["config"].items() if k not in ("dtype", "threads", "step")}
+    changed = cfg.pop("changed", None)
+    lines = [f"### {series}", "", f"`{cfg}`" + (f" — {changed}" if changed else ""), ""]
+    if est:
+        lines += [
+            "Fake-tensor estimates only (nothing allocated, nothing timed). Last column: "
+            "estimate / tracker for the same method at the measured size.",
+            "",
+        ]
+    lines += [
+        "| method | side | exact | peak | × backprop | kept | RSS | time × | grad err "
+        "| cosine | max batch | est./tracker |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ok = sorted(
+        (r for r in rs if _measured(r)), key=lambda r: (_ORDER.get(r["side"], 9), r["peak_ratio"])
+    )
+    for r in ok:
+        how = f"{r['engine']} → {r['choice']}" if r.get("choice") else r["engine"]
+        check = r.get("estimate_vs_tracker_at_measured_size", r.get("estimate_vs_tracker"))
+        lines.append(
+            f"| {how} | {r['side']} | {'yes' if r.get('exact') else 'no'} "
+            f"| {_bytes(r.get('peak_bytes'))} | {r['peak_ratio']:.3f} "
+            f"| {_bytes(r.get('kept_bytes'))} | {_bytes(r.get('rss_peak_bytes'))} "
+            f"| {_fmt(r.get('time_ratio'), '.2f')} | {_fmt(r.get('grad_max_rel_err'), '.1e')} "
+            f"| {_fmt(r.get('grad_cosine'), '.6f')} | {_batch(r)} | {_fmt(check, '.3f')} |"
+        )
+    lines.append("")
+    for key, title in (("failed", "Failed"), ("skipped", "Skipped")):
+        bad = [r for r in rs if r.get(key)]
+        if bad:
+            lines += [f"{title}:", ""]
+            by_reason: dict[str, list[str]] = {}
+            for r in bad:
+                by_reason.setdefault(str(r[key]), []).append(r["engine"])
+            lines += [f"- {', '.join(names)}: {_short(why)}" for why, names in by_reason.items()]
+            lines.append("")
+    compiled = [r for r in rs if r.get("compile_seconds") is not None]
+    if compiled:
+        lines += [
+            "torch.compile's first step (compile) took "
+            + ", ".join(f"{r['compile_seconds']:.1f} s ({r['engine']})" for r in compiled)
+            + ".",
+            "",
+        ]
+    return lines

@@ -1,0 +1,250 @@
+"""The ``zoo`` suite's machinery on tiny sizes (seconds): its records, the exactness of the
+exact methods, the max-batch search, the estimate rows, the headline table and the report.
+Nothing here asserts a time."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from leangrad import zoo
+from leangrad.bench import RECORD_FIELDS, load_suite
+from leangrad.bench._zoo import run_zoo
+from leangrad.bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
+from leangrad.bench._zoo_methods import Method, build, leangrad_methods, pytorch_methods
+from leangrad.bench._zoo_report import best_within, headline_table, render
+
+GPT = {"vocab": 32, "dim": 24, "layers": 4, "heads": 2, "context": 32, "batch": 8}
+LSTM = {"vocab": 1024, "embed": 8, "hidden": 16, "layers": 2, "length": 12, "batch": 4}
+EST_GPT = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "context": 32, "batch": 8}
+SHARED = ("suite", "series", "sweep", "x", "side", "quick", "machine", "created", "config")
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict[str, Any]]:
+    """The suite's runner on a tiny GPT and LSTM LM and one tiny estimate configuration: one
+    repeat, no torch.compile (a cold compile takes tens of seconds), fresh-process RSS of the
+    key rows (one worker per model). Widths and vocabularies put both models above the
+    planner's 20k parameters, so where nothing fits it does not try ``forward`` (one jvp per
+    parameter: minutes)."""
+    suite = load_suite("zoo")
+    settings = {
+        **suite.settings,
+        "quick_models": {"gpt": GPT, "lstm_lm": LSTM},
+        "quick_estimate_models": {"gpt": EST_GPT},
+        "quick_compile_models": [],
+        "quick_rss_rows": "key",
+        "quick_repeats": 1,
+        "quick_chunks": [3],
+        "quick_estimate_max_batch": True,
+        "quick_forward_max_params": 0,
+    }
+    return run_zoo(dataclasses.replace(suite, settings=settings), quick=True, progress=False)
+
+
+def _row(records: list[dict[str, Any]], series: str, engine: str) -> dict[str, Any]:
+    return next(r for r in records if r["series"] == series and r["engine"] == engine)
+
+
+def test_suite_file_names_every_zoo_model_and_its_hooks() -> None:
+    suite = load_suite("zoo")
+    suite.check()
+    for quick in (False, True):
+        assert set(suite.setting("models", quick)) == set(zoo.MODELS)
+    assert suite.resolve_runner() is run_zoo
+
+
+def test_records_have_the_shared_fields(records: list[dict[str, Any]]) -> None:
+    for r in records:
+        assert set(RECORD_FIELDS) <= set(r) and set(SHARED) <= set(r), r["engine"]
+        assert r["suite"] == "zoo" and r["quick"] is True and r["x"] == r["engine"]
+    measured = [r for r in records if r.get("peak_ratio") is not None]
+    sides = {r["side"] for r in measured if not r["estimate"]}
+    assert {"reference", "leangrad", "plan", "pytorch"} <= sides
+    for r in (r for r in measured if r["peak_source"] == "tracker"):
+        assert r["peak_bytes"] > 0 and r["max_batch"] >= 0 and r["time_ratio"] > 0
+        assert r["max_batch_method"] in ("estimate", "tracker")
+    bp = _row(records, "gpt", "backprop")
+    assert bp["time_ratio"] == 1.0 and bp["peak_ratio"] == 1.0
+    assert bp["rss_peak_bytes"] > 0 and bp["kept_bytes"] > 0
+
+
+def test_skipped_and_failed_rows_say_why(records: list[dict[str, Any]]) -> None:
+    assert "leangrad.Chain" in _row(records, "gpt", "moonwalk")["skipped"]
+    assert "forward_max_params" in _row(records, "gpt", "forward")["skipped"]
+    assert "no blocks to wrap" in _row(records, "lstm_lm", "torch per-block")["skipped"]
+    for r in records:
+        if r.get("skipped") or r.get("failed"):
+            assert r["peak_bytes"] is None and r["seconds_median"] is None
+
+
+def test_exact_methods_match_backprop(records: list[dict[str, Any]]) -> None:
+    """Checkpointing, fad, bits, the plans and PyTorch's recipes (time chunks included)
+    recompute the same float32 values, up to kernel reassociation."""
+    exact = [r for r in records if r.get("exact") and r.get("grad_max_rel_err") is not None]
+    assert {"checkpoint", "fad", "torch per-block", "torch time chunks(3)"} <= {
+        r["engine"] for r in exact
+    }
+    for r in exact:
+        assert r["grad_max_rel_err"] < 1e-4 and r["grad_cosine"] > 1 - 1e-6, r["engine"]
+    bf16 = _row(records, "gpt", "torch bf16 autocast")
+    assert bf16["exact"] is False and 0.99 < bf16["grad_cosine"] < 1
+
+
+def test_plan_rows_fit_their_budget(records: list[dict[str, Any]]) -> None:
+    for r in (r for r in records if r["side"] == "plan" and r.get("peak_bytes")):
+        assert r["baseline_bytes"] + r["peak_bytes"] <= r["budget_bytes"]
+        assert r["choice"] and r["peak_ratio"] <= r["fraction"] + 0.01
+
+
+def test_max_batch_of_backprop_is_its_base_batch(records: list[dict[str, Any]]) -> None:
+    """The budget is backprop's total at the base batch, so backprop fits exactly that."""
+    for series in ("gpt", "lstm_lm", "gpt (estimate)"):
+        bp = _row(records, series, "backprop")
+        assert bp["max_batch"] == bp["base_batch"]
+    # fake tensors miss the fused LSTM kernel's workspace: the tracker searched instead
+    lstm = _row(records, "lstm_lm", "backprop")
+    assert lstm["max_batch_method"] == "tracker" and lstm["estimate_vs_tracker"] < 0.99
+
+
+def test_max_batch_search_is_exact_and_monotone_in_budget() -> None:
+    """Against a brute-force scan, over every budget, for totals with a jump and a plateau."""
+
+    def total(b: int) -> int:
+        return 1000 + 37 * b + (b // 5) * 11 + (500 if b > 40 else 0)
+
+    last = -1
+    for budget in range(900, 3400, 7):
+        got = max_batch(total, budget, start=6, limit=64)
+        want = max([b for b in range(1, 65) if total(b) <= budget], default=0)
+        assert got.batch == want and got.batch >= last
+        assert all(total(b) == t for b, t in got.probes.items())
+        last = got.batch
+    assert max_batch(total, 10**9, start=6, limit=64).capped
+
+
+def test_max_batch_on_real_estimates_is_monotone_in_budget() -> None:
+    ck = Method("checkpoint", "leangrad", True, {"engine": "checkpoint", "options": {}})
+    totals = {b: footprint("gpt", GPT, ck, b, estimate=True).total for b in range(1, 13)}
+    assert all(totals[b] < totals[b + 1] for b in range(1, 12))
+    budgets = [totals[1] - 1, *range(totals[1], totals[12], 1_000), totals[12], totals[12] + 1]
+    found = [max_batch(totals.__getitem__, b, start=4, limit=12).batch for b in budgets]
+    assert found == sorted(found) and found[0] == 0 and found[-2:] == [12, 12]
+    for budget, got in zip(budgets, found, strict=True):
+        assert got == max([b for b, t in totals.items() if t <= budget], default=0)
+
+
+def test_estimate_equals_tracker_for_checkpointing_a_gpt() -> None:
+    ck = Method("checkpoint", "leangrad", True, {"engine": "checkpoint", "options": {}})
+    est, real = (footprint("gpt", GPT, ck, 4, estimate=e) for e in (True, False))
+    assert est.estimate and not real.estimate
+    assert (est.baseline, est.peak, est.kept) == (real.baseline, real.peak, real.kept)
+
+
+def test_forward_mode_engines_are_not_estimated() -> None:
+    fwd = Method("projforward", "leangrad", False, {"engine": "projforward", "options": {}})
+    assert estimable(fwd) == NOT_ESTIMABLE.format(engine="projforward")
+    with pytest.raises(ValueError, match="not estimated on fake tensors"):
+        footprint("gpt", GPT, fwd, 4, estimate=True)
+
+
+def test_estimate_rows_are_labelled(records: list[dict[str, Any]]) -> None:
+    rows = [r for r in records if r["series"] == "gpt (estimate)"]
+    assert rows and all(r["estimate"] is True for r in rows)
+    assert all(r["estimate"] is False for r in records if r["series"] in ("gpt", "lstm_lm"))
+    for r in (r for r in rows if not r.get("skipped")):
+        assert r["peak_source"] == "estimate" and r["max_batch_method"] == "estimate"
+        assert r["seconds_median"] is None and r["grad_max_rel_err"] is None
+        assert r.get("rss_peak_bytes") is None
+    assert "fake tensors" in _row(records, "gpt (estimate)", "projforward")["skipped"]
+
+
+def test_methods_cover_every_engine_and_composition() -> None:
+    wl = build("gpt", GPT)
+    methods, skipped = leangrad_methods(wl.model, options={}, skip={}, forward_max_params=0)
+    labels = {m.label for m in methods} | {s.label for s in skipped}
+    assert {"backprop", "checkpoint+fad+bits", "moonwalk+rad", "highway+fad"} <= labels
+    assert len(labels) == len(methods) + len(skipped)
+    torch_methods, _ = pytorch_methods(wl.model, segments=[2, 9], chunks=[4])
+    assert [m.label for m in torch_methods] == [
+        "torch bf16 autocast",
+        "torch per-block",
+        "torch selective",
+        "checkpoint_sequential(2)",
+    ]
+
+
+def _rec(
+    series: str, engine: str, side: str, peak: float, time: float, **kw: Any
+) -> dict[str, Any]:
+    return {
+        "series": series,
+        "engine": engine,
+        "side": side,
+        "peak_ratio": peak,
+        "time_ratio": time,
+        "exact": True,
+        "estimate": False,
+        "peak_bytes": 2**20,
+        **kw,
+    }
+
+
+def test_headline_table_picks_the_fastest_exact_row_within_each_bound() -> None:
+    rs = [
+        _rec("m", "backprop", "reference", 1.0, 1.0),
+        _rec("m", "checkpoint", "leangrad", 0.45, 1.3),
+        _rec("m", "checkpoint+fad", "leangrad", 0.2, 1.6),
+        _rec("m", "rad", "leangrad", 0.1, 0.9, exact=False),  # not exact: never a candidate
+        _rec("m", "plan(≤0.5×)", "plan", 0.48, 1.2, choice="checkpoint(segments=2)"),
+        _rec("m", "torch per-block", "pytorch", 0.45, 1.25),
+        _rec("m", "torch.compile", "compile", 0.3, 0.7),
+        _rec("m", "torch bf16 autocast", "pytorch", 0.2, 0.8, exact=False),
+        _rec("m", "gone", "leangrad", 0.01, 0.5, skipped="n/a"),
+        _rec("m", "est", "leangrad", 0.01, 0.5, estimate=True),
+    ]
+    assert best_within(rs, "m", ("leangrad", "plan"), 0.5)["engine"] == "plan(≤0.5×)"  # type: ignore[index]
+    assert best_within(rs, "m", ("leangrad", "plan"), 0.25)["engine"] == "checkpoint+fad"  # type: ignore[index]
+    assert best_within(rs, "m", ("pytorch", "compile"), 0.5)["engine"] == "torch.compile"  # type: ignore[index]
+    assert best_within(rs, "m", ("pytorch", "compile"), 0.25) is None
+    table = headline_table(rs).splitlines()
+    assert len(table) == 3 and table[2].startswith("| m | 1 MiB |")
+    cells = [c.strip() for c in table[2].split("|")[1:-1]]
+    assert cells[2:] == [
+        "plan(≤0.5×) → checkpoint(segments=2) (0.48×)",
+        "1.20×",
+        "torch.compile (0.30×)",
+        "0.70×",
+        "checkpoint+fad (0.20×)",
+        "1.60×",
+        "nothing fits",
+        "—",
+    ]
+
+
+def test_report_renders_every_model_and_the_headline(records: list[dict[str, Any]]) -> None:
+    text = "\n".join(render("zoo", records, None))
+    for heading in ("### gpt", "### lstm_lm", "### gpt (estimate)", "| model | backprop peak |"):
+        assert heading in text
+    assert "Skipped:" in text and "Fake-tensor estimates only" in text
+
+
+@pytest.mark.parametrize(("kind", "arg"), [("rnn", None), ("chunks", 1), ("chunks", 5)])
+def test_time_chunks_give_autograds_gradient_in_float64(kind: str, arg: int | None) -> None:
+    """Checkpointing the recurrent module, whole or in time chunks with the state carried,
+    is the same computation: float64 gradients agree to 1e-12."""
+    for cell in ("lstm_lm", "gru_lm"):
+        wl = build(cell, LSTM)
+        model = wl.model.double()
+        model.zero_grad(set_to_none=True)
+        wl.loss_fn(model(wl.inputs)).backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        Method("m", "pytorch", True, {"torch": kind, "arg": arg}).make().backward(
+            model, wl.inputs, wl.loss_fn
+        )
+        for g, w in zip([p.grad for p in model.parameters()], want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
