@@ -162,6 +162,10 @@ def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
         except Exception as err:  # only running out of memory falls back to an estimate
             if not _out_of_memory(err):
                 raise
+    if name in ("forward", "projforward"):  # a failed vmap-of-jvp on fake tensors can leave
+        # autograd excluded in the dispatcher's thread state (torch 2.13): never estimated
+        raise E.EngineInputError("too big to allocate here, and forward-mode engines are not "
+                                 "estimated on fake tensors")
     fresh = _make_step(name, opts, ctx.optimizer, per_layer)  # no real state in a fake step
     try:
         return estimate_step(fresh, ctx.model, ctx.xs, ctx.loss_fn).total_bytes, True
