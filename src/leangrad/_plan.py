@@ -1,7 +1,8 @@
 """``leangrad.plan``: the fastest way to train *this* model in a memory budget.
 
 The planner tries the ways of computing a step that apply to the model — plain backprop,
-checkpointing its blocks (per block, ``"auto"`` and ``"sqrt"`` segments for a sequence),
+checkpointing its blocks (per block, ``"auto"`` and ``"sqrt"`` segments for a sequence;
+fused ``nn.LSTM``/``nn.GRU``/``nn.RNN`` modules in 2 to 16 time chunks),
 nested forward-AD of its custom activation chains and the exact 1-bit masks of
 :mod:`leangrad.bits`, alone and under checkpointing, Moonwalk
 and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=False``,
@@ -132,6 +133,7 @@ class Plan:
 def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """The ``(engine name, options)`` the planner tries on ``model``."""
     from .engines._blocks import blocks
+    from .engines._time_chunks import fused_recurrent
     from .highway import HighwayNet
     from .layers import Chain
 
@@ -152,6 +154,7 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
                     ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
         else:
             out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
+        if not found.sequential and found.runner is None:  # blocks= names the model's own
             # every block, the last too: its recomputation can lower the peak (measured);
             # blocks as fx code: intermediates freed at last use (measured: it may not pay)
             out += [("checkpoint", {"blocks": list(found.names)}),
@@ -161,6 +164,8 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
             n = len(found.names)
             for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):
                 out.append(("checkpoint", {"blocks": list(found.names[:m])}))
+    if fused_recurrent(model):  # one op each, no block inside: checkpointed along time
+        out += [("checkpoint", {"time_chunks": k}) for k in (2, 4, 8, 16)]
     if isinstance(model, Chain):
         out += [("moonwalk", {}), ("moonwalk", {"segments": "sqrt"}),
                 ("moonwalk", {"fragment": "full"}), ("revbackprop", {})]  # fmt: skip

@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from ..engines import engine
+from ..engines._time_chunks import fused_recurrent
 from ..measure import StepProfile
 from ..measure._rss import run_json_worker
 from ._runner import RECORD_FIELDS
@@ -91,13 +93,20 @@ def methods_for(name: str, model: nn.Module, ctx: Context) -> tuple[list[Method]
         forward_max_params=int(ctx.get("forward_max_params", 20_000)),
         max_transforms=int(ctx.get("max_transforms", 3)),
     )
+    chunks = [int(v) for v in ctx.get("chunks", [4])]
+    if fused_recurrent(model):  # leangrad's time chunks beside PyTorch's (same k)
+        for k in chunks:
+            eng = engine("checkpoint", time_chunks=k)
+            if eng.supports(model) is None:
+                spec = {"engine": "checkpoint", "options": {"time_chunks": k}}
+                lg.append(Method(eng.label, "leangrad", True, spec))
     no_pytorch = ctx.get("no_pytorch", {})
     if name in no_pytorch:
         return lg, [*lg_skip, Skipped("PyTorch rows", "pytorch", no_pytorch[name])]
     pt, pt_skip = pytorch_methods(
         model,
         segments=[int(v) for v in ctx.get("segments", [2, 4])],
-        chunks=[int(v) for v in ctx.get("chunks", [4])],
+        chunks=chunks,
     )
     return lg + pt, lg_skip + pt_skip
 

@@ -79,13 +79,15 @@ def _repeats(module: nn.Module) -> tuple[str, int] | None:
     return (name, count) if count >= 2 else None
 
 
-def blocks(model: nn.Module, *, names: Sequence[str] | None = None) -> Blocks:
+def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool = True) -> Blocks:
     """The blocks of ``model``: given, declared, or found in its module tree.
 
     Args:
         model: any module.
         names: submodule names to use as the blocks (a name of an ``nn.ModuleList`` or
             ``nn.Sequential`` stands for its children). Overrides the search.
+        graph: cut the ``torch.fx`` graph where the module tree repeats nothing; with
+            ``False`` that case raises instead.
 
     Returns:
         A :class:`Blocks` (printable).
@@ -151,10 +153,10 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None) -> Blocks:
 
     visit(model, "")
     if not found_list:
-        graph = _graph_blocks(model)
-        if graph is None:
+        split = _graph_blocks(model) if graph else None
+        if split is None:
             raise E.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
-        return graph
+        return split
     how = "repeated children of " + ", ".join(hows)
     return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
 

@@ -44,6 +44,7 @@ from ._blocks import Blocks, blocks
 from ._prepare import PreparedCache, share_copy
 from ._registry import register
 from ._segments import auto_segments, block_sizes
+from ._time_chunks import BAD_TIME_CHUNKS, chunk_recurrent, fused_recurrent, unchunkable
 
 __all__ = ["BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint", "model_blocks",
            "split_segments", "traced"]  # fmt: skip
@@ -55,6 +56,14 @@ SEGMENTS_NEED_SEQUENCE = (
     "segments={value!r} groups consecutive blocks, which needs a model that is its blocks "
     "run one after another (nn.Sequential, or checkpoint_blocks()); {model} runs its own "
     "forward, so each of its blocks is checkpointed alone ({found}); drop segments="
+)
+NO_RECURRENT = (
+    "time_chunks={value!r} checkpoints fused recurrent modules (nn.LSTM, nn.GRU, nn.RNN) "
+    "along time, and {model} has none; drop time_chunks="
+)
+CHUNKS_AND_SEGMENTS = (
+    "time_chunks= and segments= cannot be combined: with time_chunks each block is "
+    "checkpointed alone; drop one of them"
 )
 
 
@@ -195,6 +204,13 @@ class Checkpoint(Engine):
             (:func:`traced`): intermediates die at their last use — a lower peak where a
             block's Python keeps them longer, at a few percent of time. ``False`` (the
             default) runs the blocks' own ``forward``.
+        time_chunks: run each fused recurrent module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``)
+            that is not inside a checkpointed block over its sequence in this many time
+            chunks, the state carried, every chunk but the last checkpointed
+            (:mod:`leangrad.engines._time_chunks`; Chen et al. 2016). A fused
+            recurrent module is one op with no block boundary inside it, so this is the only
+            way to checkpoint it. Where the module tree repeats nothing, the chunks are the
+            only blocks (no fx split). ``None`` (the default) runs such modules whole.
 
     Trade-off: one extra forward pass of the checkpointed segments; exact
     gradients (RNG state is restored for dropout). BatchNorm running statistics
@@ -212,6 +228,7 @@ class Checkpoint(Engine):
         segments: int | Literal["sqrt", "auto"] | None = None,
         blocks: Sequence[str] | None = None,
         trace: bool = False,
+        time_chunks: int | None = None,
     ) -> None:
         ok = segments is None or segments in ("sqrt", "auto")
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
@@ -221,9 +238,16 @@ class Checkpoint(Engine):
             blocks = [b.strip() for b in blocks.split(",") if b.strip()]
         if not isinstance(trace, bool):
             raise ValueError(f"trace must be True or False, got {trace!r}")
-        super().__init__(segments=segments, blocks=blocks, trace=trace)
+        if time_chunks is not None and (
+            not isinstance(time_chunks, int) or isinstance(time_chunks, bool) or time_chunks < 2
+        ):
+            raise ValueError(BAD_TIME_CHUNKS.format(value=time_chunks))
+        if time_chunks is not None and segments is not None:
+            raise ValueError(CHUNKS_AND_SEGMENTS)
+        super().__init__(segments=segments, blocks=blocks, trace=trace, time_chunks=time_chunks)
         self.segments = segments
         self.trace = trace
+        self.time_chunks = time_chunks
         self.block_names = None if blocks is None else list(blocks)
         self._found: PreparedCache[Blocks] = PreparedCache()
         self._wrapped: PreparedCache[nn.Module] = PreparedCache()
@@ -233,17 +257,43 @@ class Checkpoint(Engine):
     def blocks(self, model: nn.Module) -> Blocks:
         """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`);
         found once per model (a step asks two or three times, and the fx fallback traces)."""
-        found = self._found.get(model, lambda m: blocks(m, names=self.block_names))
+        found = self._found.get(model, self._find)
         if not found.sequential and self.segments is not None:
             raise E.EngineInputError(SEGMENTS_NEED_SEQUENCE.format(
                 value=self.segments, model=type(model).__name__, found=found.how))  # fmt: skip
         return found
 
+    def _find(self, model: nn.Module) -> Blocks:
+        if self.time_chunks is None:
+            return blocks(model, names=self.block_names)
+        if not fused_recurrent(model):
+            raise E.EngineInputError(
+                NO_RECURRENT.format(value=self.time_chunks, model=type(model).__name__)
+            )
+        try:  # the module tree's blocks; where it repeats nothing, the chunks alone
+            return blocks(model, names=self.block_names, graph=False)
+        except E.EngineInputError:
+            if self.block_names is not None:
+                raise
+            return Blocks((), False, "none but the time chunks of fused recurrent modules", {})
+
+    def _chunked(self, model: nn.Module, found: Blocks) -> list[tuple[str, nn.RNNBase]]:
+        """The fused recurrent modules that run in time chunks: those outside the
+        checkpointed blocks (the ones inside are recomputed whole already)."""
+        if self.time_chunks is None:
+            return []
+        skip = self._checkpointed(found)
+        return [(n, m) for n, m in fused_recurrent(model)
+                if not any(n == s or n.startswith(f"{s}.") for s in skip)]  # fmt: skip
+
     def supports(self, model: nn.Module) -> str | None:
         try:
-            self.blocks(model)
+            found = self.blocks(model)
         except E.EngineInputError as err:
             return str(err)
+        for name, rnn in self._chunked(model, found):
+            if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
+                return why
         return None
 
     def _groups(self, n: int) -> list[range]:
@@ -275,6 +325,10 @@ class Checkpoint(Engine):
             (n, m)
             for name in self._checkpointed(found)
             for n, m in found.modules[name].named_modules(prefix=name or "block")
+        ] + [
+            (n, m)
+            for name, rnn in self._chunked(model, found)
+            for n, m in rnn.named_modules(prefix=name or "rnn")
         ]
 
     def _backward(
@@ -286,12 +340,18 @@ class Checkpoint(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         found = self.blocks(model)
-        if not found.sequential:  # the model as written, its blocks checkpointed
+        if not found.sequential or self.time_chunks is not None:  # the model as written
+            for name, rnn in self._chunked(model, found):
+                if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
+                    raise E.EngineInputError(why)
             wrapped = self._wrapped.get(model, lambda m: self._wrap(m, found))
             loss = forward_loss(self.label, wrapped, inputs, loss_fn)
             with grad_hooks(params, on_grad):
                 loss.backward()
-            return self._result(loss, blocks=len(found), checkpointed=len(found) - 1)
+            info = {"blocks": len(found), "checkpointed": len(self._checkpointed(found))}
+            if self.time_chunks is not None:
+                info["time_chunked"] = len(self._chunked(model, found))
+            return self._result(loss, **info)
         mods: list[Any] = [found.modules[n] for n in found.names]
         groups = self._groups(len(mods))
         if self.segments == "auto":  # boundaries from measured block sizes, once per shape
@@ -328,8 +388,11 @@ class Checkpoint(Engine):
         """A copy of ``model`` (or of the fx split that stands for it) sharing its tensors,
         each checkpointed block wrapped."""
         new = share_copy(found.runner if found.runner is not None else model)
-        for name in self._checkpointed(found):
+        checkpointed = self._checkpointed(found)
+        for name in checkpointed:
             new.set_submodule(name, _Checkpointed(new.get_submodule(name), trace=self.trace))
+        if self.time_chunks is not None:
+            chunk_recurrent(new, self.time_chunks, skip=tuple(checkpointed))
         return new
 
 

@@ -135,14 +135,20 @@ class Composed(Engine):
 
         base = self.base
         if isinstance(base, Checkpoint):  # each block stays one block
-            found = find_blocks(model, names=base.block_names)
-            if found.sequential:
+            chunks = base.time_chunks
+            found = find_blocks(model, names=base.block_names) if chunks is None else (
+                base.blocks(model))  # fmt: skip
+            if found.sequential and chunks is None:
                 mods = [transform(n, found.modules[n]) for n in found.names]
                 return nn.Sequential(*mods), report, base
-            new = share_copy(model)
+            if not found.names:  # only time chunks: the transforms apply to the whole model
+                return transform("model", model), report, base
+            # the fx split of a model whose module tree repeats nothing is run instead of it
+            new = share_copy(found.runner if found.runner is not None else model)
             for name in found.names:
                 new.set_submodule(name, transform(name, new.get_submodule(name)))
-            return new, report, Checkpoint(blocks=list(found.names))
+            runner = Checkpoint(blocks=list(found.names), trace=base.trace, time_chunks=chunks)
+            return new, report, runner
         if base.name in ("moonwalk", "revbackprop", "highway"):
             stem, head = getattr(model, "stem", None), getattr(model, "head", None)
             new = copy.copy(model)  # the same layers and rules; only stem and head change
