@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["device", "fraction", "out_dir", "positive_float", "positive_int", "size",
-           "whole"]  # fmt: skip
+__all__ = ["device", "fraction", "name_list", "out_dir", "positive_float", "positive_int",
+           "size", "whole"]  # fmt: skip
 
 
 def _int(raw: str) -> int:
@@ -91,6 +91,14 @@ def device(raw: str) -> str:
     elif dev.type != "cpu":
         raise argparse.ArgumentTypeError(f"{raw!r}: leangrad runs on cpu or cuda")
     return raw
+
+
+def name_list(raw: str) -> list[str]:
+    """Comma-separated names, e.g. ``gpt,lstm_lm``."""
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{raw!r} names nothing; write NAME[,NAME...]")
+    return names
 
 
 def out_dir(raw: str) -> str:

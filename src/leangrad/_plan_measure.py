@@ -26,8 +26,6 @@ __all__ = ["ESTIMATED", "PER_LAYER", "Context", "TrainingStep", "Tried", "measur
 
 ESTIMATED = "estimate"
 """Verdict suffix of a row measured on fake tensors (too big to allocate here)."""
-IDLE = ("{names} change(s) nothing on this model, so {label} is its base engine again "
-        "(leangrad.explain says why)")  # fmt: skip
 PER_LAYER = ", step per layer"
 """Label suffix of a candidate whose optimizer steps each parameter inside ``on_grad``."""
 
@@ -119,9 +117,8 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
         kinds: list[bool | None] = [None] if ctx.optimizer is None else [False, True]
         if not ctx.exact or eng.exact:
             why = eng.supports(ctx.model)
-            if why is None and isinstance(eng, Composed) and (idle := eng.idle_transforms(
-                    ctx.model)):  # fmt: skip
-                why = IDLE.format(names=" and ".join(idle), label=eng.label)
+            if why is None and isinstance(eng, Composed):
+                why = eng.idle_reason(ctx.model)
         else:
             why = "not exact (plan with exact=False to allow estimators)"
         for per_layer in kinds:

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="results", type=T.out_dir, help="directory for SUITE.json")
     b.add_argument("--no-rss", action="store_true", help="skip the fresh-process RSS cross-check")
     b.add_argument("--device", default="cpu", type=T.device, help="cpu or cuda")
+    b.add_argument("--only", type=T.name_list, default=None, metavar="SERIES[,SERIES]",
+                   help="run just these series (the zoo: models) and merge them into "
+                        "OUT/SUITE.json, replacing their records")  # fmt: skip
     r = sub.add_parser("report", help="render every SUITE.json in DIR into DIR/report.md")
     r.add_argument("dir", help="directory holding suite JSON files")
     for sp in (d, b):
@@ -196,6 +199,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             rss=not args.no_rss,
             device=args.device,
             progress=not args.no_progress,
+            only=args.only,
         )
         print(f"wrote {path}")
         return 0

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import inspect
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from .. import _errors as E
 from ._runner import machine_info, measure_config
 from ._suites import Suite, load_suite
 
-__all__ = ["run_suite", "write_records"]
+__all__ = ["MIXED", "NO_ONLY", "UNKNOWN_SERIES", "run_suite", "write_records"]
+
+NO_ONLY = "suite {suite!r} runs all of its series at once; drop --only"
+UNKNOWN_SERIES = "suite {suite!r} has no series {names}; its series: {known}"
+MIXED = (
+    "{path} holds a {theirs} run; --only merges into a file of the same mode: pass another "
+    "--out, or run the whole suite"
+)
 
 
 def write_records(records: list[dict[str, Any]], path: Path) -> Path:
@@ -32,19 +43,58 @@ def run_suite(
     rss: bool = True,
     device: str = "cpu",
     progress: bool = True,
+    only: Sequence[str] | None = None,
 ) -> Path:
     """Run suite ``name`` and write ``out/name.json``; returns the path.
 
     Every record carries the fields of :data:`~leangrad.bench.RECORD_FIELDS`
     plus ``suite``, ``series``, ``sweep``, ``x`` (the swept value), ``quick``,
     ``machine`` and ``created``.
+
+    ``only`` runs just these series (a sweep suite's series, the zoo's models) and merges
+    them into ``out/name.json``: the records of the series run are replaced, the others
+    kept. A file from the other mode (``--quick`` or not) is refused, not mixed.
     """
     suite = load_suite(name)
+    path = Path(out) / f"{suite.name}.json"
+    kept = _kept_records(path, quick=quick) if only is not None else []
     if suite.runner is not None:
-        records = suite.resolve_runner()(suite, quick=quick, device=device, progress=progress)
+        runner = suite.resolve_runner()
+        kwargs: dict[str, Any] = {}
+        if only is not None:
+            if "only" not in inspect.signature(runner).parameters:
+                raise E.OptionError(NO_ONLY.format(suite=suite.name))
+            kwargs["only"] = list(only)
+        records = runner(suite, quick=quick, device=device, progress=progress, **kwargs)
     else:
+        if only is not None:
+            suite = dataclasses.replace(suite, series=_pick(suite, only))
         records = _sweep(suite, quick=quick, rss=rss, device=device, progress=progress)
-    return write_records(records, Path(out) / f"{suite.name}.json")
+    rerun = {r.get("series") for r in records}
+    return write_records([r for r in kept if r.get("series") not in rerun] + records, path)
+
+
+def _pick(suite: Suite, only: Sequence[str]) -> list[Any]:
+    known = [s.name for s in suite.series]
+    unknown = [n for n in only if n not in known]
+    if unknown:
+        raise E.OptionError(UNKNOWN_SERIES.format(
+            suite=suite.name, names=", ".join(unknown), known=", ".join(known)))  # fmt: skip
+    return [s for s in suite.series if s.name in only]
+
+
+def _kept_records(path: Path, *, quick: bool) -> list[dict[str, Any]]:
+    """The records already in ``path`` that a run of some series is merged into."""
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise E.OptionError(f"cannot merge into {path}: {err}") from err
+    modes = {bool(r.get("quick")) for r in old if isinstance(r, dict)}
+    if modes - {quick}:
+        raise E.OptionError(MIXED.format(path=path, theirs="--quick" if not quick else "full"))
+    return [r for r in old if isinstance(r, dict)]
 
 
 def _sweep(suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool) -> list[dict]:

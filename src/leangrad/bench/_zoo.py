@@ -31,6 +31,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .. import _errors as E
 from .._plan import plan
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
@@ -56,7 +57,12 @@ within this fraction of the tracker's total."""
 
 
 def run_zoo(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+    suite: Suite,
+    *,
+    quick: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    only: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the suite: one record per (model, method), measured, skipped or failed, and per
     (GPU-sized model, method) estimated on fake tensors.
@@ -66,6 +72,7 @@ def run_zoo(
         quick: use the ``quick_*`` settings (small sizes, one model compiled).
         device: ``"cpu"`` only.
         progress: a progress bar naming the model and the step at work.
+        only: run just these models (measured and estimated sizes of each).
 
     Returns:
         The records: :data:`~leangrad.bench.RECORD_FIELDS` plus ``suite``, ``series`` (the
@@ -74,6 +81,7 @@ def run_zoo(
 
     Raises:
         ValueError: a device other than ``"cpu"``.
+        OptionError: ``only`` names a model the suite does not have.
     """
     if device != "cpu":
         raise ValueError(f"the zoo suite runs on cpu in this version, got device={device!r}")
@@ -89,6 +97,13 @@ def run_zoo(
     ctx = Context(quick, common, settings, suite.repeats(quick))
     models: dict[str, dict[str, Any]] = dict(ctx.get("models", {}))
     estimates: dict[str, dict[str, Any]] = dict(ctx.get("estimate_models", {}))
+    if only is not None:
+        unknown = [n for n in only if n not in models and n not in estimates]
+        if unknown:
+            known = ", ".join(dict.fromkeys([*models, *estimates]))
+            raise E.OptionError(f"zoo suite has no model {', '.join(unknown)}; its models: {known}")
+        models = {k: v for k, v in models.items() if k in only}
+        estimates = {k: v for k, v in estimates.items() if k in only}
     records: list[dict[str, Any]] = []
     bar = tqdm(
         total=len(models) + len(estimates),

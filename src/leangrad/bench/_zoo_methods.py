@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import _errors as E
 from .. import zoo
 from ..engines import available, engine
+from ..engines._compose import Composed
 from ..engines._transforms import TRANSFORMS
 from ..measure import FORWARD_END, mark
 from ._blocks import _gpt_parts, _resnet_parts
@@ -156,6 +157,8 @@ def leangrad_methods(
             try:
                 eng = engine(name, **opts)
                 why = eng.supports(model)
+                if why is None and isinstance(eng, Composed):  # not offered under its name
+                    why = eng.idle_reason(model)
             except Exception as err:  # a bug in supports() is a finding, not a crash
                 why = f"supports() raised {type(err).__name__}: {err}"
         label = eng.label if eng is not None else name

@@ -42,9 +42,11 @@ from ._transforms import (
     kw_options,
 )
 
-__all__ = ["INCOMPATIBLE", "Bits", "Composed", "Fad", "Rad", "compose"]
+__all__ = ["IDLE", "INCOMPATIBLE", "Bits", "Composed", "Fad", "Rad", "compose"]
 
 INCOMPATIBLE = "engine {pair!r} cannot work: {why}"
+IDLE = ("{names} change(s) nothing on this model, so {label} is its base engine again "
+        "(leangrad.explain says why)")  # fmt: skip
 BASE_FIRST = (
     "{name!r}: write the base engine first and the transforms after it, e.g. "
     "{suggestion!r}; base engines: {bases}; transforms: {transforms}"
@@ -105,6 +107,14 @@ class Composed(Engine):
                        for what in parts):  # fmt: skip
                 idle.append(t.name)
         return idle
+
+    def idle_reason(self, model: nn.Module) -> str | None:
+        """Why this composition is its base engine again on ``model`` (some transform changes
+        nothing: :meth:`idle_transforms`); ``None`` when every transform does something."""
+        idle = self.idle_transforms(model)
+        if not idle:
+            return None
+        return IDLE.format(names=" and ".join(idle), label=self.label)
 
     def supports(self, model: nn.Module) -> str | None:
         reason = self.base.supports(model)
