@@ -187,3 +187,32 @@ def test_cli_demo_prints_the_table(
             assert r["grad_max_rel_err"] < 1e-4, (r["series"], r["engine"])
     for png in ("demo.png", "demo-plan.png", "demo-engines.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_only_reruns_some_series_and_merges_them(tmp_path: Path) -> None:
+    """``run_suite(only=...)`` replaces the records of the series it ran and keeps the others;
+    a file of the other mode is refused rather than mixed; an unknown series is named."""
+    two = TINY_SUITE.replace("quick_values = [1, 3]", "quick_values = [1]") + (
+        '[[series]]\nname = "wide"\nvalues = [2]\nquick_values = [2]\n'
+        'config = { model = "mlp", in_features = 8, width = 16, batch = 16, classes = 3 }\n'
+    )
+    suite_file = tmp_path / "two.toml"
+    suite_file.write_text(two)
+    out = tmp_path / "results"
+    path = run_suite(str(suite_file), out=out, quick=True, rss=False, progress=False)
+    first = json.loads(path.read_text())
+    assert {r["series"] for r in first} == {"mlp", "wide"}
+    run_suite(str(suite_file), out=out, quick=True, rss=False, progress=False, only=["wide"])
+    merged = json.loads(path.read_text())
+    assert len(merged) == len(first)
+    old_mlp = [r["created"] for r in first if r["series"] == "mlp"]
+    assert [r["created"] for r in merged if r["series"] == "mlp"] == old_mlp
+    assert {r["x"] for r in merged if r["series"] == "wide"} == {2}
+    with pytest.raises(LeangradError, match=r"holds a --quick run"):
+        run_suite(str(suite_file), out=out, quick=False, rss=False, progress=False,
+                  only=["wide"])  # fmt: skip
+    with pytest.raises(LeangradError, match=r"has no series nope; its series: mlp, wide"):
+        run_suite(str(suite_file), out=out, quick=True, rss=False, progress=False,
+                  only=["nope"])  # fmt: skip
+    with pytest.raises(LeangradError, match=r"runs all of its series at once"):
+        run_suite("blocks", out=out, quick=True, progress=False, only=["x"])

@@ -5,6 +5,7 @@ Nothing here asserts a time."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from leangrad.bench._zoo_report import best_within, headline_table, render
 GPT = {"vocab": 32, "dim": 24, "layers": 4, "heads": 2, "context": 32, "batch": 8}
 LSTM = {"vocab": 1024, "embed": 8, "hidden": 16, "layers": 2, "length": 12, "batch": 4}
 EST_GPT = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "context": 32, "batch": 8}
+SAVED: list[list[str]] = []  # the series of each ``save`` call of the fixture's run
 SHARED = ("suite", "series", "sweep", "x", "side", "quick", "machine", "created", "config")
 
 
@@ -42,7 +44,16 @@ def records() -> list[dict[str, Any]]:
         "quick_estimate_max_batch": True,
         "quick_forward_max_params": 0,
     }
-    return run_zoo(dataclasses.replace(suite, settings=settings), quick=True, progress=False)
+    return run_zoo(
+        dataclasses.replace(suite, settings=settings),
+        quick=True,
+        progress=False,
+        save=lambda recs: SAVED.append([_series(r) for r in recs]),
+    )
+
+
+def _series(r: dict[str, Any]) -> str:
+    return r["series"] + (" ~" if r.get("estimate") else "")
 
 
 def _row(records: list[dict[str, Any]], series: str, engine: str) -> dict[str, Any]:
@@ -55,6 +66,17 @@ def test_suite_file_names_every_zoo_model_and_its_hooks() -> None:
     for quick in (False, True):
         assert set(suite.setting("models", quick)) == set(zoo.MODELS)
     assert suite.resolve_runner() is run_zoo
+
+
+def test_records_are_saved_after_each_model(records: list[dict[str, Any]]) -> None:
+    """A stopped run of hours keeps the models it finished: ``save`` gets the records so far
+    after each model, each call a prefix of the next, the last one all of them."""
+    assert len(SAVED) == 3  # gpt, lstm_lm, the gpt estimate
+    assert set(SAVED[0]) == {"gpt"}
+    assert set(SAVED[1]) == {"gpt", "lstm_lm"}
+    for before, after in itertools.pairwise(SAVED):
+        assert after[: len(before)] == before
+    assert len(SAVED[-1]) == len(records)
 
 
 def test_records_have_the_shared_fields(records: list[dict[str, Any]]) -> None:

@@ -54,13 +54,23 @@ def run_suite(
     ``only`` runs just these series (a sweep suite's series, the zoo's models) and merges
     them into ``out/name.json``: the records of the series run are replaced, the others
     kept. A file from the other mode (``--quick`` or not) is refused, not mixed.
+
+    A runner that takes ``save`` (the zoo) writes the file after each of its series, so a
+    long run that is stopped keeps every series it finished.
     """
     suite = load_suite(name)
     path = Path(out) / f"{suite.name}.json"
     kept = _kept_records(path, quick=quick) if only is not None else []
+
+    def merged(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        rerun = {r.get("series") for r in records}
+        return [r for r in kept if r.get("series") not in rerun] + records
+
     if suite.runner is not None:
         runner = suite.resolve_runner()
         kwargs: dict[str, Any] = {}
+        if "save" in inspect.signature(runner).parameters:
+            kwargs["save"] = lambda records: write_records(merged(records), path)
         if only is not None:
             if "only" not in inspect.signature(runner).parameters:
                 raise E.OptionError(NO_ONLY.format(suite=suite.name))
@@ -70,8 +80,7 @@ def run_suite(
         if only is not None:
             suite = dataclasses.replace(suite, series=_pick(suite, only))
         records = _sweep(suite, quick=quick, rss=rss, device=device, progress=progress)
-    rerun = {r.get("series") for r in records}
-    return write_records([r for r in kept if r.get("series") not in rerun] + records, path)
+    return write_records(merged(records), path)
 
 
 def _pick(suite: Suite, only: Sequence[str]) -> list[Any]:

@@ -27,6 +27,7 @@ GPU-sized configurations are measured only on fake tensors and labelled ``estima
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -63,6 +64,7 @@ def run_zoo(
     device: str = "cpu",
     progress: bool = True,
     only: list[str] | None = None,
+    save: Callable[[list[dict[str, Any]]], object] | None = None,
 ) -> list[dict[str, Any]]:
     """Run the suite: one record per (model, method), measured, skipped or failed, and per
     (GPU-sized model, method) estimated on fake tensors.
@@ -73,6 +75,8 @@ def run_zoo(
         device: ``"cpu"`` only.
         progress: a progress bar naming the model and the step at work.
         only: run just these models (measured and estimated sizes of each).
+        save: called with the records so far after each model, so a stopped run of hours
+            keeps the models it finished (``run_suite`` writes them to its file).
 
     Returns:
         The records: :data:`~leangrad.bench.RECORD_FIELDS` plus ``suite``, ``series`` (the
@@ -115,12 +119,16 @@ def run_zoo(
         for name, size in models.items():
             records += _run_model(name, size, ctx, bar)
             bar.update()
+            if save is not None:
+                save(records)
         for name, size in estimates.items():
             checked = {
                 r["engine"]: r.get("estimate_vs_tracker") for r in records if r["series"] == name
             }
             records += estimate_records(name, size, ctx, bar, checked)
             bar.update()
+            if save is not None:
+                save(records)
     bar.close()
     return records
 
