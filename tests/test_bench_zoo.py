@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from leangrad.bench._zoo import run_zoo
 from leangrad.bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
 from leangrad.bench._zoo_methods import Method, build, leangrad_methods, pytorch_methods
 from leangrad.bench._zoo_report import best_within, headline_table, render
+from leangrad.cli import main
 
 GPT = {"vocab": 32, "dim": 24, "layers": 4, "heads": 2, "context": 32, "batch": 8}
 LSTM = {"vocab": 1024, "embed": 8, "hidden": 16, "layers": 2, "length": 12, "batch": 4}
@@ -271,3 +275,28 @@ def test_time_chunks_give_autograds_gradient_in_float64(kind: str, arg: int | No
         )
         for g, w in zip([p.grad for p in model.parameters()], want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_readme_opens_with_the_committed_zoo_headline(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's opening table is ``leangrad report results --headline`` of the committed
+    ``results/zoo.json``, verbatim: regenerated, never edited by hand."""
+    root = Path(__file__).resolve().parents[1]
+    assert main(["report", str(root / "results"), "--headline"]) == 0
+    table = capsys.readouterr().out.strip()
+    assert table.count("\n| ") >= 7  # a row per measured model
+    assert table in (root / "README.md").read_text()
+
+
+def test_headline_without_zoo_results_is_one_line_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "other.json").write_text("[]")
+    proc = subprocess.run(
+        [sys.executable, "-m", "leangrad", "report", str(tmp_path), "--headline"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"leangrad: error: {tmp_path} has no zoo suite results (zoo.json); "
+        f"run `leangrad bench zoo --out {tmp_path}`"
+    ]

@@ -4,7 +4,7 @@ and :func:`leangrad.train.fit`.
 leangrad demo [--out DIR]
 leangrad bench --list
 leangrad bench SUITE [--quick] [--out DIR] [--no-rss]
-leangrad report DIR
+leangrad report DIR [--headline]
 leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE] ...
 leangrad plan --model NAME --batch-size B --budget 2GiB      (alias: advise)
 
@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                         "OUT/SUITE.json, replacing their records")  # fmt: skip
     r = sub.add_parser("report", help="render every SUITE.json in DIR into DIR/report.md")
     r.add_argument("dir", help="directory holding suite JSON files")
+    r.add_argument("--headline", action="store_true",
+                   help="print the README's opening table from DIR/zoo.json instead")  # fmt: skip
     for sp in (d, b):
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
     from .train._cli import add_plan_parser, add_train_parser
@@ -202,6 +204,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             only=args.only,
         )
         print(f"wrote {path}")
+        return 0
+    if args.headline:
+        print(bench.zoo_headline(args.dir))
         return 0
     path = bench.render_report(args.dir)
     print(f"wrote {path}")

@@ -6,6 +6,7 @@ from ._run import run_suite
 from ._runner import RECORD_FIELDS, EngineSpec, machine_info, measure_config
 from ._suites import Suite, list_suites, load_suite
 from ._workloads import Workload, build
+from ._zoo_report import zoo_headline
 
 __all__ = [
     "RECORD_FIELDS",
@@ -20,4 +21,5 @@ __all__ = [
     "render_report",
     "run_demo",
     "run_suite",
+    "zoo_headline",
 ]

@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from ._report import fmt_bytes
+from .. import _errors as E
+from ._report import fmt_bytes, load_records
 
-__all__ = ["LEANGRAD_SIDES", "PYTORCH_SIDES", "best_within", "headline_table", "render"]
+__all__ = [
+    "LEANGRAD_SIDES",
+    "NO_ZOO",
+    "PYTORCH_SIDES",
+    "best_within",
+    "headline_table",
+    "render",
+    "zoo_headline",
+]
+
+NO_ZOO = (
+    "{directory} has no zoo suite results (zoo.json); run `leangrad bench zoo --out {directory}`"
+)
 
 LEANGRAD_SIDES = ("leangrad", "plan")
 PYTORCH_SIDES = ("pytorch", "compile")
@@ -65,11 +79,8 @@ def headline_table(
     and time as ratios to backprop's. bf16 autocast and estimators (rad, projforward,
     highway below k = L − 1) are not exact and not candidates; estimate rows are left out.
 
-    Regenerate the README's opening table from a run's JSON::
-
-        python -c "from pathlib import Path; from leangrad.bench._report import load_records;
-        from leangrad.bench._zoo_report import headline_table;
-        print(headline_table(load_records(Path('results'))['zoo']))"
+    The README's opening table is ``leangrad report results --headline``
+    (:func:`zoo_headline`).
 
     Args:
         records: the ``zoo`` suite's records (``results/zoo.json``).
@@ -101,6 +112,27 @@ def headline_table(
             )
         lines.append(row)
     return "\n".join(lines)
+
+
+def zoo_headline(directory: str | Path) -> str:
+    """:func:`headline_table` of ``directory/zoo.json``, headed by what was run (quick or
+    full sizes, machine, date) — the README's opening table.
+
+    Raises:
+        LeangradError: the directory has no zoo records.
+    """
+    records = load_records(Path(directory)).get("zoo")
+    if not records:
+        raise E.LeangradError(NO_ZOO.format(directory=directory))
+    measured = [r for r in records if not r.get("estimate")]
+    sizes = "--quick sizes" if all(r.get("quick") for r in measured) else "full sizes"
+    machine = measured[0].get("machine") or {}
+    cpu = f"{machine.get('cpu_count', '?')}-core {machine.get('processor', 'CPU')}"
+    dates = sorted({str(r.get("created", ""))[:10] for r in measured})
+    return (
+        f"`leangrad bench zoo` ({sizes}; {cpu}, {machine.get('torch', 'torch')}, "
+        f"1 thread; {', '.join(dates)})\n\n{headline_table(records)}"
+    )
 
 
 def render(
