@@ -41,7 +41,7 @@ __all__ = [
 
 class _BitLeakyReLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, slope: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, slope: float) -> torch.Tensor:
         packed = pack_bits(x > 0)  # leaky_relu_backward's own test: input > 0
         ctx.save_for_backward(packed.data)
         ctx.shape, ctx.slope = packed.shape, slope
@@ -63,7 +63,7 @@ class BitLeakyReLU(nn.LeakyReLU):
 
 class _BitDropoutFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, p: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, p: float) -> torch.Tensor:
         out, mask = torch.ops.aten.native_dropout(x, p, True)  # nn.Dropout's kernel and RNG
         packed = pack_bits(mask)
         ctx.save_for_backward(packed.data)

@@ -363,8 +363,9 @@ def batch(name: str, model: nn.Module, size: int, *, length: int = 64, image: in
     emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
     idx = torch.randint(0, emb.num_embeddings, (size, length), generator=gen)
     if name == "bert":
-        head = model.head  # type: ignore[union-attr]
-        cls = torch.randint(0, head.out_features, (size,), generator=gen)  # type: ignore[union-attr]
+        head = model.get_submodule("head")
+        assert isinstance(head, nn.Linear), "the zoo's BERT ends in a linear head"
+        cls = torch.randint(0, head.out_features, (size,), generator=gen)
         return idx, lambda out: F.cross_entropy(out, cls)
     tgt = torch.randint(0, emb.num_embeddings, (size, length), generator=gen)
     return idx, lambda out: F.cross_entropy(out.flatten(0, 1), tgt.flatten())

@@ -108,7 +108,7 @@ def traced(block: nn.Module) -> nn.Module:
 def _attrs(block: nn.Module) -> tuple[Any, ...]:
     """Each module's training flag and non-tensor public attributes (by ``repr``): what a
     trace may read once."""
-    out = []
+    out: list[tuple[str, Any]] = []
     for m in block.modules():
         out.append(("training", m.training))
         out += [(k, repr(v)) for k, v in vars(m).items()

@@ -84,8 +84,9 @@ class Composed(Engine):
                 pair = f"{base.name}+{t.name}"
                 raise E.EngineInputError(INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why))
         # Generators the transforms own, as an attribute: training checkpoints save them.
+        owned = {t.name: getattr(t, "generator", None) for t in transforms}
         self.generators: dict[str, torch.Generator] = {
-            t.name: t.generator for t in transforms if getattr(t, "generator", None) is not None
+            n: g for n, g in owned.items() if g is not None
         }
         self._prepared: PreparedCache[tuple[nn.Module, dict[str, Any], Engine]] = (
             PreparedCache()

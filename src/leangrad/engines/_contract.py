@@ -262,6 +262,11 @@ def _fake_leaves(
             return _graph_leaves(loss, names)
 
 
+def _discard(_saved: Any) -> Any:
+    """A saved-tensor hook that keeps nothing (the graph is read, never differentiated)."""
+    return None
+
+
 def _real_leaves(
     model: nn.Module,
     xs: tuple[torch.Tensor, ...],
@@ -273,7 +278,7 @@ def _real_leaves(
     guard = BufferGuard(model)
     with torch.random.fork_rng(devices=[]), guard, torch.enable_grad():
         guard.settle()  # every change this forward makes is undone on exit
-        with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _t: None):
+        with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
             loss = loss_fn(run(model, tuple(x.detach() for x in xs)))
         return _graph_leaves(loss, names)
 

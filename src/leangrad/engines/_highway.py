@@ -21,14 +21,14 @@ products (Appendix D).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .. import _errors as E
 from ..highway._protocol import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
-from ..highway._scan import SCANS, cumsumprod
+from ..highway._scan import SCANS, Scan, cumsumprod
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
 from ._contract import forward_end
 from ._registry import register
@@ -78,7 +78,7 @@ class Highway(Engine):
         self,
         *,
         k: int = 2,
-        scan: str = "auto",
+        scan: Scan = "auto",
         baseline: str = "highway",
         tol: float | None = None,
     ) -> None:
@@ -114,7 +114,8 @@ class Highway(Engine):
         x0 = run_forward(self.label, net.stem, inputs) if net.stem is not None else inputs[0]
         x = x0.detach()
         traces: list[Trace] = []
-        for st in net.stacks:
+        stacks = cast("list[HighwayStack]", list(net.stacks))
+        for st in stacks:
             traces.append(st.trace(x))
             x = traces[-1].output
         xh = x.detach().requires_grad_()
@@ -128,7 +129,7 @@ class Highway(Engine):
         _add(grads, head_params, hg[1:])
         dy = hg[0] if hg[0] is not None else torch.zeros_like(xh)
         results: list[StackResult] = []
-        for st in reversed(net.stacks):
+        for st in reversed(stacks):
             pg, dy, res = self.stack_backward(st, traces.pop(), dy)  # frees each trace
             _add(grads, list(pg), pg.values())
             results.append(res)

@@ -92,4 +92,4 @@ def chunk_recurrent(model: nn.Module, chunks: int, *, skip: tuple[str, ...] = ()
     (recomputed whole already)."""
     for name, rnn in fused_recurrent(model):
         if not any(name == s or name.startswith(f"{s}.") for s in skip):
-            rnn.forward = TimeChunked(rnn, chunks)  # type: ignore[method-assign]
+            rnn.forward = TimeChunked(rnn, chunks)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import inspect
 import warnings
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -101,7 +101,7 @@ class RadTransform(Transform):
             report = rad.randomize(wrapped, **opts)
         for m in wrapped.modules():
             if hasattr(m, "generator"):
-                m.generator = self.generator
+                cast(Any, m).generator = self.generator
         return wrapped, {
             "swapped": {k.removeprefix("0."): v for k, v in report.swapped.items()},
             "left_exact": [k.removeprefix("0.") for k in report.left_exact],
@@ -169,7 +169,8 @@ class FadTransform(Transform):
                 left += [f"{name}: {f}" for f in what["left"]]
             else:
                 eager.append(name)
-        report = {"used": "fx+eager" if eager else "fx", "fused": fused, "left": left}
+        used = "fx+eager" if eager else "fx"
+        report: dict[str, Any] = {"used": used, "fused": fused, "left": left}
         if eager:
             report["why"] = f"fx cannot trace blocks {', '.join(eager)}: eager mode there"
             left.append(report["why"])

@@ -99,16 +99,22 @@ class _Box:
     def __init__(self, value: Tensor) -> None:
         self.value: Tensor | None = value
 
+    def take(self) -> Tensor:
+        """The tensor, once: the box lets go of it."""
+        value, self.value = self.value, None
+        assert value is not None, "a _Box is taken once"
+        return value
+
 
 class _Anchor(torch.autograd.Function):
     """The chain's head node (SCN): a free stand-in for the source, gradient passes through."""
 
     @staticmethod
-    def forward(ctx: Any, source: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, source: Tensor) -> Tensor:
         return source.new_zeros(()).expand(source.shape)  # one element, source's shape
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
         return grad
 
 
@@ -117,13 +123,12 @@ class _Pending(torch.autograd.Function):
     it means the tensor was used where the mode could not attach its derivative."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, box: _Box, ops: tuple[str, ...]) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchor: Tensor, box: _Box, ops: tuple[str, ...]) -> Tensor:
         ctx.ops = list(ops)
-        value, box.value = box.value, None
-        return value
+        return box.take()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> Any:
         if bool(grad.any()):  # zeros come from a full overwrite (copy_), which is fine
             raise E.FadError(E.ESCAPED.format(ops=ctx.ops))
         return None, None, None
@@ -139,17 +144,16 @@ class _Attach(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, box: _Box, deriv: Tensor | float) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, anchor: Tensor, box: _Box, deriv: Tensor | float) -> Tensor:
         if isinstance(deriv, Tensor):
             ctx.save_for_backward(deriv)
             ctx.const = None
         else:
             ctx.const = deriv
-        value, box.value = box.value, None
-        return value
+        return box.take()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> Any:
         d = ctx.saved_tensors[0] if ctx.const is None else ctx.const
         return grad * d, None, None
 
@@ -207,7 +211,9 @@ class _NestedMode(TorchFunctionMode):
         if self.stats.trace is not None:
             self.stats.trace.append((state, op))
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if _is_meta(func):
             return func(*args, **kwargs)
@@ -294,6 +300,7 @@ class _NestedMode(TorchFunctionMode):
             else:
                 duals.append(o)
         self._note("NY" if prev is None else "YY", name)
+        ops: tuple[str, ...]
         if prev is None:
             anchor, ops = _Anchor.apply(source), (name,)  # NY: source is a live tensor here
         else:

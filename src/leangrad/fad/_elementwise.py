@@ -49,7 +49,9 @@ class _Tracer(TorchFunctionMode):
             return None
         return Dual(t, self.derivs[t])
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         tracked = [t for t in tree_leaves((args, kwargs)) if self.dual_of(t) is not None]
         if not tracked:
@@ -106,7 +108,7 @@ def _dual_run(fn: Callable[[Tensor], Any], x: Tensor) -> tuple[list[Tensor], lis
 
 class _ElementwiseFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Any], n_out: list[int]) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Any], n_out: list[int]) -> Any:
         values, derivs = _dual_run(fn, x)
         n_out.append(len(values))
         ctx.consts = [None if isinstance(d, Tensor) else float(d) for d in derivs]
@@ -114,7 +116,7 @@ class _ElementwiseFn(torch.autograd.Function):
         return tuple(values)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> Any:
         saved = iter(ctx.saved_tensors)
         total: Tensor | None = None
         for g, const in zip(grads, ctx.consts, strict=True):

@@ -68,7 +68,7 @@ class _Info:
 def _classify(gm: fx.GraphModule, node: fx.Node) -> _Info | None:
     """The primitive call behind a node, when it is one with fx-node or number operands."""
     call: Call | None = None
-    args, kwargs = node.args, dict(node.kwargs)
+    args, kwargs = node.args, dict[str, Any](node.kwargs)
     if node.op == "call_function":
         call = lookup(node.target)
     elif node.op == "call_method":
@@ -80,7 +80,7 @@ def _classify(gm: fx.GraphModule, node: fx.Node) -> _Info | None:
             return None
         call = Call(PRIMITIVES[name])
         if name == "softplus":
-            kwargs = {"beta": mod.beta, "threshold": mod.threshold}  # type: ignore[union-attr]
+            kwargs = {"beta": mod.beta, "threshold": mod.threshold}
     if call is None:
         return None
     norm = normalize(call, tuple(args), kwargs)

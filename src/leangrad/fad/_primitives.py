@@ -23,7 +23,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ cannot know lifetimes), so rules write in place into them instead of allocating 
 paper's "reuse the tensor immediately", section III-B)."""
 
 
-def _own(t: Any, *like: Any) -> bool:
+def _own(t: Any, *like: Any) -> TypeGuard[Tensor]:
     """May the rule write into ``t``, with the shape and dtype of the tensors ``like``?"""
     return isinstance(t, Tensor) and id(t) in DONATE and _same(t, *like)
 
@@ -174,7 +174,7 @@ def _softplus(a: Dual, beta: float = 1.0, threshold: float = 20.0) -> Dual:
     # d * sigmoid(beta x), or d where beta x > threshold; before x may be overwritten
     d = _fused_backward(_aten.softplus_backward, a.deriv, x, beta, threshold)
     if _own(x):
-        return Dual(torch._C._nn.softplus(x, beta, threshold, out=_take(x)), d)
+        return Dual(torch._C._nn.softplus(x, beta, threshold, out=_take(x)), d)  # type: ignore[call-arg]
     return Dual(F.softplus(x, beta, threshold), d)
 
 
@@ -256,15 +256,15 @@ def _mul(a: Operand, b: Operand) -> Dual:
     elif isinstance(b.deriv, float) and _own(a.deriv, av, bv):
         d = _take(a.deriv).mul_(bv).add_(av, alpha=b.deriv)  # da * b + c * a, in place
     else:
-        da = _scale(bv, a.deriv)
-        if not all(isinstance(t, Tensor) for t in (da, av, b.deriv)):
-            d = _sum(da, _scale(av, b.deriv))
-        elif _own(b.deriv, av, da):
-            d = _take(b.deriv).mul_(av).add_(da)  # da + a * db, in place
-        elif da is not bv and da is not a.deriv and _same(da, av, b.deriv):
-            d = da.addcmul_(av, b.deriv)  # da is a product made just above: ours
+        da, db = _scale(bv, a.deriv), b.deriv
+        if not (isinstance(da, Tensor) and isinstance(av, Tensor) and isinstance(db, Tensor)):
+            d = _sum(da, _scale(av, db))
+        elif _own(db, av, da):
+            d = _take(db).mul_(av).add_(da)  # da + a * db, in place
+        elif da is not bv and da is not a.deriv and _same(da, av, db):
+            d = da.addcmul_(av, db)  # da is a product made just above: ours
         else:
-            d = torch.addcmul(da, av, b.deriv)  # da + a * db in one kernel
+            d = torch.addcmul(da, av, db)  # da + a * db in one kernel
     if _own(av, bv) and av is not d:
         return Dual(_take(av).mul_(bv), d)
     if _own(bv, av) and bv is not d:
@@ -283,7 +283,8 @@ def _div(a: Operand, b: Operand) -> Dual:
 def _pow(a: Operand, b: Operand) -> Dual:
     av, bv = _v(a), _v(b)
     v = av**bv
-    da = db = None
+    da: Deriv | None = None
+    db: Deriv | None = None
     if isinstance(a, Dual):
         if isinstance(bv, (int, float)) and bv == 0:
             da = 0.0

@@ -168,7 +168,7 @@ class _Fused(torch.autograd.Function):
     """Forward: values and derivatives together; saves one derivative per output."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, program: Program) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, program: Program) -> tuple[Tensor, ...]:
         values, derivs = program.run_dual(x)
         values = [v.clone() if v is x else v for v in values]  # the source returned as is
         ctx.derivs = [None if isinstance(d, Tensor) else d for d in derivs]
@@ -176,7 +176,7 @@ class _Fused(torch.autograd.Function):
         return tuple(values)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None]:
         saved = iter(ctx.saved_tensors)
         total: Tensor | None = None
         for g, const in zip(grads, ctx.derivs, strict=True):

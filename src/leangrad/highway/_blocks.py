@@ -19,7 +19,7 @@ L blocks is one ``torch.autograd.grad`` call over the L detached block graphs (e
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +210,11 @@ class ResidualStack(HighwayStack):
             check_block(b)
         self.blocks = nn.ModuleList(blocks)
 
+    @property
+    def _each(self) -> list[HighwayBlock]:
+        """The blocks, typed as the protocol ``check_block`` validated them against."""
+        return cast("list[HighwayBlock]", list(self.blocks))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
             x = b(x)
@@ -220,7 +225,7 @@ class ResidualStack(HighwayStack):
         zs: list[Any] = []
         ks: list[Any] = []
         h = x.detach()
-        for i, b in enumerate(self.blocks):
+        for i, b in enumerate(self._each):
             xi = h.requires_grad_()
             with torch.enable_grad():
                 z = b.g(xi)
@@ -266,7 +271,7 @@ class ResidualStack(HighwayStack):
     def _cotangents(self, trace: Trace, w: torch.Tensor) -> list[torch.Tensor]:
         xs, zs = trace.saved["xs"], trace.saved["zs"]
         out: list[torch.Tensor] = []
-        for b, x, z, wt in zip(self.blocks, xs, zs, w, strict=True):
+        for b, x, z, wt in zip(self._each, xs, zs, w, strict=True):
             out += _flat(b.r_z_vjp(x.detach(), _detach(z), wt))
         return out
 

@@ -55,7 +55,9 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
     ])  # fmt: skip
 
 
-def _grad_of(model: nn.Module, engine: Any, inputs: Any, loss_fn: Callable) -> torch.Tensor:
+def _grad_of(
+    model: nn.Module, engine: Any, inputs: Any, loss_fn: Callable[..., torch.Tensor]
+) -> torch.Tensor:
     saved = {p: p.grad for p in model.parameters()}
     for p in saved:
         p.grad = None

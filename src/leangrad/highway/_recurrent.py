@@ -67,7 +67,7 @@ class _RecurrentLayer(HighwayStack):
         with torch.no_grad():
             for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
                 getattr(layer, n).copy_(getattr(module, f"{n}_l0"))
-        return layer.to(module.weight_ih_l0.device)
+        return layer.to(module.get_parameter("weight_ih_l0").device)
 
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}, residual={self.residual}"
@@ -188,7 +188,9 @@ class GRULayer(_RecurrentLayer):
             torch.mm(g.view(-1, g.shape[-1] * 3), w_hh, out=s["jw"][sl].view(-1, w.shape[-1]))
         return s["jw"]
 
-    def param_vjp(self, trace: Trace, w: torch.Tensor, dy: torch.Tensor):
+    def param_vjp(
+        self, trace: Trace, w: torch.Tensor, dy: torch.Tensor
+    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
         s, hsz = trace.saved, self.hidden_size
         x, h_prev = s["x"], s["h_prev"]
         w_ih = self.weight_ih.detach()
@@ -323,7 +325,9 @@ class LSTMLayer(_RecurrentLayer):
             jw[sl, :, hsz:] = (g @ w_hh).view(sl.stop - sl.start, -1, hsz)
         return jw
 
-    def param_vjp(self, trace: Trace, w: torch.Tensor, dy: torch.Tensor):
+    def param_vjp(
+        self, trace: Trace, w: torch.Tensor, dy: torch.Tensor
+    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
         s, hsz = trace.saved, self.hidden_size
         x, h_prev = s["x"], s["h_prev"]
         w_ih = self.weight_ih.detach()

@@ -78,6 +78,7 @@ input, median of ``torch.utils.benchmark``):
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +134,7 @@ def _pair(v: int | tuple[int, int], name: str) -> tuple[int, int]:
     t = (v, v) if isinstance(v, int) else tuple(v)
     if len(t) != 2 or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in t):
         raise LayerConditionError(f"SubmersiveConv2d: {name} must be an int ≥ 0 or a pair")
-    return t  # type: ignore[return-value]
+    return t
 
 
 def _size_ok(n: int, k: int, s: int, p: int) -> bool:
@@ -181,6 +182,8 @@ class SubmersiveConv2d(ChainLayer):
     submersive = True
     vijp_needs_input = False  # the Jacobian is constant
 
+    _mask: torch.Tensor
+
     def __init__(
         self,
         in_channels: int,
@@ -203,19 +206,19 @@ class SubmersiveConv2d(ChainLayer):
         self.vijp_mode = _check_mode(vijp_mode)
         self.has_bias = bias
         self.check()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         c_out, c_in, (k1, k2), (p1, p2) = out_channels, in_channels, self.kernel_size, self.padding
-        mask = torch.ones(c_out, c_in, k1, k2, **kw)  # type: ignore[arg-type]
+        mask = torch.ones(c_out, c_in, k1, k2, **kw)
         mask[:, :c_out, p1, p2] = torch.triu(mask[:, :c_out, p1, p2], diagonal=1)
         self.register_buffer("_mask", mask, persistent=False)
-        self.weight_raw = nn.Parameter(torch.empty(c_out, c_in, k1, k2, **kw))  # type: ignore[arg-type]
+        self.weight_raw = nn.Parameter(torch.empty(c_out, c_in, k1, k2, **kw))
         nn.init.kaiming_uniform_(self.weight_raw, a=math.sqrt(5))  # nn.Conv2d's default
         with torch.no_grad():
             self.weight_raw.mul_(self._mask)
-        self.diag_raw = nn.Parameter(torch.zeros(c_out, **kw))  # type: ignore[arg-type]
+        self.diag_raw = nn.Parameter(torch.zeros(c_out, **kw))
         bound = 1.0 / math.sqrt(c_in * k1 * k2)
         self.bias = (
-            nn.Parameter(torch.empty(c_out, **kw).uniform_(-bound, bound)) if bias else None  # type: ignore[arg-type]
+            nn.Parameter(torch.empty(c_out, **kw).uniform_(-bound, bound)) if bias else None
         )
 
     def extra_repr(self) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,6 +127,8 @@ class SubmersiveLinear(ChainLayer):
     submersive = True
     vijp_needs_input = False  # the Jacobian is constant
 
+    _mask: torch.Tensor
+
     def __init__(
         self,
         in_features: int,
@@ -140,16 +143,16 @@ class SubmersiveLinear(ChainLayer):
         self.out_features = positive_int("SubmersiveLinear", "out_features", out_features)
         self.has_bias = bias
         self.check()
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         n_out, n_in = self.out_features, self.in_features
-        mask = torch.ones(n_out, n_in, **kw)  # type: ignore[arg-type]
+        mask = torch.ones(n_out, n_in, **kw)
         mask[:, :n_out] = torch.triu(mask[:, :n_out], diagonal=1)
         self.register_buffer("_mask", mask, persistent=False)
         bound = 1.0 / math.sqrt(n_in)  # nn.Linear's default init
         self.weight_raw = nn.Parameter(torch.empty(n_out, n_in, **kw).uniform_(-bound, bound))
         with torch.no_grad():
             self.weight_raw.mul_(self._mask)
-        self.diag_raw = nn.Parameter(torch.zeros(n_out, **kw))  # type: ignore[arg-type]
+        self.diag_raw = nn.Parameter(torch.zeros(n_out, **kw))
         self.bias = nn.Parameter(torch.empty(n_out, **kw).uniform_(-bound, bound)) if bias else None
 
     def extra_repr(self) -> str:

@@ -20,7 +20,7 @@ import dataclasses
 import operator
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -138,7 +138,9 @@ class _StorageMode(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if func in _FRESH:  # torch.tensor(data): allocated outside dispatch, handed in here
@@ -250,7 +252,7 @@ class MemoryTracker:
                 )
             )
 
-    def _freed_callback(self, key: int):  # type: ignore[no-untyped-def]
+    def _freed_callback(self, key: int) -> Callable[[weakref.ref[torch.UntypedStorage]], None]:
         def freed(_ref: weakref.ref[torch.UntypedStorage]) -> None:
             entry = self._entries.pop(key, None)
             if entry is not None:

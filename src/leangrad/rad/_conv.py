@@ -25,12 +25,12 @@ __all__ = ["RandConv2d"]
 
 class _RandConvFn(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        opts: tuple,
+        opts: tuple[Any, ...],
         spec: SampleSpec,
         seed: int,
     ) -> torch.Tensor:

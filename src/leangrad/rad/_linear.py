@@ -24,7 +24,7 @@ __all__ = ["RandLinear", "rand_linear"]
 
 class _RandLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,

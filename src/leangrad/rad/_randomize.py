@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -53,25 +54,25 @@ def _swap(module: nn.Module, spec: SampleSpec, gen: torch.Generator | None) -> n
     """The randomized replacement of ``module``, or ``None`` when it has none."""
     if isinstance(module, _RANDOMIZED):
         return None
-    t = type(module)
+    # the exact type is matched (a subclass may change the forward), which mypy cannot narrow
+    t, m = type(module), cast(Any, module)
     if t is nn.Linear:
-        return RandLinear.from_linear(module, spec=spec, generator=gen)
-    if t is nn.Conv2d and RandConv2d.supports(module) is None:
-        return RandConv2d.from_conv(module, spec=spec, generator=gen)
+        return RandLinear.from_linear(m, spec=spec, generator=gen)
+    if t is nn.Conv2d and RandConv2d.supports(m) is None:
+        return RandConv2d.from_conv(m, spec=spec, generator=gen)
     if t is nn.RNNCell:
-        return RandRNNCell.from_cell(module, spec=spec, generator=gen)
+        return RandRNNCell.from_cell(m, spec=spec, generator=gen)
     if t is nn.GRUCell:
-        return RandGRUCell.from_cell(module, spec=spec, generator=gen)
+        return RandGRUCell.from_cell(m, spec=spec, generator=gen)
     if t is nn.ReLU:
         return BitReLU()
     if t is nn.AvgPool2d:
-        m = module
         return LeanAvgPool2d(
             m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad,
             m.divisor_override,
         )  # fmt: skip
     if t is nn.AdaptiveAvgPool2d:
-        return LeanAdaptiveAvgPool2d(module.output_size)
+        return LeanAdaptiveAvgPool2d(m.output_size)
     return None
 
 

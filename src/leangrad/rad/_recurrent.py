@@ -35,8 +35,8 @@ def _spec_and_gen(
 def _adopt(new: nn.Module, cell: nn.RNNCellBase) -> None:
     """Share ``cell``'s parameters and sizes with ``new`` (no copies)."""
     nn.Module.__init__(new)
-    new.input_size, new.hidden_size, new.bias = cell.input_size, cell.hidden_size, cell.bias
-    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+    sizes = ("input_size", "hidden_size", "bias")
+    for name in (*sizes, "weight_ih", "weight_hh", "bias_ih", "bias_hh"):
         setattr(new, name, getattr(cell, name))
 
 
@@ -133,7 +133,7 @@ class _GRUGatesFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         i_r, i_z, i_n = gi.chunk(3, -1)
         h_r, h_z, h_n = gh.chunk(3, -1)
         r = torch.sigmoid(i_r + h_r)

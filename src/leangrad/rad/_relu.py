@@ -24,7 +24,7 @@ __all__ = ["BitReLU", "LeanAdaptiveAvgPool2d", "LeanAvgPool2d"]
 
 class _BitReLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(x)
         packed = pack_bits(y > 0)
         ctx.save_for_backward(packed.data)
@@ -58,7 +58,7 @@ def _like(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 class _AvgPoolFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, opts: tuple) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, opts: tuple[Any, ...]) -> torch.Tensor:
         ctx.shape, ctx.opts = x.shape, opts
         return F.avg_pool2d(x, *opts)
 
@@ -73,7 +73,7 @@ class _AvgPoolFn(torch.autograd.Function):
 
 class _AdaptiveAvgPoolFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, size: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, size: Any) -> torch.Tensor:
         ctx.shape = x.shape
         return F.adaptive_avg_pool2d(x, size)
 

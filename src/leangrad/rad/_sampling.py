@@ -50,8 +50,11 @@ _KEY_BLOCK = 1 << 16
 
 def check_fraction(fraction: object) -> float:
     """``fraction`` as a float, or :class:`RadInputError` unless it lies in (0, 1]."""
-    ok = isinstance(fraction, numbers.Real) and not isinstance(fraction, bool)
-    if not ok or not 0.0 < float(fraction) <= 1.0:  # also rejects nan
+    if (
+        not isinstance(fraction, numbers.Real)
+        or isinstance(fraction, bool)
+        or not 0.0 < float(fraction) <= 1.0  # also rejects nan
+    ):
         raise E.RadInputError(E.BAD_FRACTION.format(value=fraction))
     return float(fraction)
 

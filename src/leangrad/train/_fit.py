@@ -25,7 +25,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ NON_FINITE_STATE = (
 )
 
 
-def _loss_fn(y: torch.Tensor):  # type: ignore[no-untyped-def]
+def _loss_fn(y: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """Cross-entropy over classes (N, C) or over every position of sequences (N, T, V)."""
 
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,9 @@ def evaluate(model: nn.Module, ds: Dataset, batch: int = 512) -> tuple[float, fl
     return loss_sum / count, correct / count
 
 
-def _make_optimizer(name: str, lr: float):  # type: ignore[no-untyped-def]
+def _make_optimizer(
+    name: str, lr: float
+) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     if name not in ("adam", "sgd"):
         raise ValueError(BAD_OPTIMIZER.format(value=name))
 
@@ -351,6 +353,7 @@ class _Run:
         self.net = net.to(device=dev, dtype=dtype)
         ds = ds.to(dev, dtype if ds.x.is_floating_point() else None)
         frac = cfg.test_fraction
+        self.test: Dataset | None
         self.train, self.test = ds.split(1 - frac, seed=cfg.seed) if frac > 0 else (ds, None)
         try:
             self.engine: Engine = make_engine(cfg.engine, **cfg.engine_options)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,10 +50,10 @@ class PerLayerOptimizer:
         for n, p in self.params.items():
             self.on_grad(n, p)
 
-    def state_dict(self) -> dict[str, dict]:
+    def state_dict(self) -> dict[str, dict[str, Any]]:
         return {n: o.state_dict() for n, o in self.optimizers.items()}
 
-    def load_state_dict(self, state: Mapping[str, dict]) -> None:
+    def load_state_dict(self, state: Mapping[str, dict[str, Any]]) -> None:
         for n, o in self.optimizers.items():
             o.load_state_dict(state[n])
 
@@ -122,7 +123,13 @@ def measure_grad_memory(
     return GradMemory(peaks[False], peaks[True], grad_bytes, engine.label)
 
 
-def _full_step(model, engine, inputs, loss_fn, opt):  # type: ignore[no-untyped-def]
+def _full_step(
+    model: nn.Module,
+    engine: Engine,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...],
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer,
+) -> Callable[[], None]:
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         engine.backward(model, inputs, loss_fn)
@@ -132,7 +139,13 @@ def _full_step(model, engine, inputs, loss_fn, opt):  # type: ignore[no-untyped-
     return step
 
 
-def _per_layer_step(model, engine, inputs, loss_fn, plo):  # type: ignore[no-untyped-def]
+def _per_layer_step(
+    model: nn.Module,
+    engine: Engine,
+    inputs: torch.Tensor | tuple[torch.Tensor, ...],
+    loss_fn: LossFn,
+    plo: PerLayerOptimizer,
+) -> Callable[[], None]:
     def step() -> None:
         engine.backward(model, inputs, loss_fn, on_grad=plo.on_grad)
         plo.finish()
