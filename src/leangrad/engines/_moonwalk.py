@@ -40,14 +40,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
 from .. import _errors as E
-from ..layers._base import NOT_SUBMERSIVE, ChainLayer, NotSubmersiveError
+from ..layers._base import NOT_SUBMERSIVE, ChainLayer, FragmentalLayer, NotSubmersiveError
 from ..layers._chain import Chain
 from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
 from ._chain_run import (
@@ -223,15 +223,16 @@ class Moonwalk(Engine):
         for i, layer in enumerate(layers):
             if layer.submersive or self.fragment == "full":
                 continue
-            if self.fragment is None or not layer.fragmental:
+            block = self.fragment  # None or a block size here
+            if not isinstance(block, int) or not isinstance(layer, FragmentalLayer):
                 template = (
-                    NO_FRAGMENT_RULE if self.fragment is not None
+                    NO_FRAGMENT_RULE if block is not None
                     else NEEDS_FRAGMENT if layer.fragmental
                     else NOT_SUBMERSIVE
                 )  # fmt: skip
-                msg = template.format(layer=layer._describe(), block=self.fragment)
+                msg = template.format(layer=layer._describe(), block=block)
                 raise NotSubmersiveError(LAYER_ERROR.format(index=i, error=msg))
-            layer.check_fragment(self.fragment)  # type: ignore[attr-defined]
+            layer.check_fragment(block)
         return chain, layers
 
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -262,9 +263,9 @@ class Moonwalk(Engine):
         error otherwise, e.g. ``stem_chunks`` with a training-mode BatchNorm stem)."""
         refuse_random_layers(self.label, layers)
         if seed_h1 and self.stem_chunks != "auto" and self.stem_chunks > 1:
-            found = self._chunk_blocker(chain, layers)
-            if found is not None:
-                where, module = found
+            blocker = self._chunk_blocker(chain, layers)
+            if blocker is not None:
+                where, module = blocker
                 raise E.EngineInputError(
                     STEM_CHUNKS_COUPLED.format(chunks=self.stem_chunks, where=where, module=module)
                 )
@@ -285,9 +286,9 @@ class Moonwalk(Engine):
         """What Phase II keeps of a layer's output cotangent (None for submersive layers)."""
         if layer.submersive:
             return None
-        if self.fragment == "full":
-            return h_out
-        return layer.fragments(h_out, self.fragment)  # type: ignore[attr-defined]
+        if isinstance(layer, FragmentalLayer) and isinstance(self.fragment, int):
+            return layer.fragments(h_out, self.fragment)
+        return h_out  # fragment="full" (``_layers`` refused any other non-submersive layer)
 
     def _kept_info(self, kept: list[Any]) -> dict[str, Any]:
         """``StepResult.info`` entry: bytes Phase II keeps for Phase III (``fragment=``)."""
@@ -297,11 +298,11 @@ class Moonwalk(Engine):
         self, layer: ChainLayer, x: torch.Tensor | None, h: torch.Tensor, kept: Any
     ) -> torch.Tensor:
         """h_i from h_{i−1}: the vijp (eq. 9), the kept cotangent, or the rebuilt one."""
-        if layer.submersive:
-            return layer.vijp(x, h)
-        if self.fragment == "full":
-            return kept
-        return layer.vijp_fragments(x, h, kept, self.fragment)  # type: ignore[attr-defined]
+        if layer.submersive:  # x is None only where the vijp ignores it (vijp_needs_input)
+            return layer.vijp(cast(torch.Tensor, x), h)
+        if isinstance(layer, FragmentalLayer) and isinstance(self.fragment, int):
+            return layer.vijp_fragments(x, h, kept, self.fragment)
+        return cast(torch.Tensor, kept)  # fragment="full": the whole cotangent was kept
 
     def _backward(
         self,
@@ -408,10 +409,10 @@ class Moonwalk(Engine):
         what each layer keeps of its output cotangent for Phase III (``fragment=``)."""
         n = len(layers)
         keep_all = self.segments is None  # else: keep segment inputs, recompute residuals
-        if keep_all:
+        if self.segments is None:
             groups = [range(i, i + 1) for i in range(n)]
         else:
-            s = math.ceil(math.sqrt(n)) if self.segments == "sqrt" else int(self.segments)
+            s = math.ceil(math.sqrt(n)) if self.segments == "sqrt" else self.segments
             groups = split_segments(n, s) if n else []
         residuals: list[Any] = [None] * n
         kept: list[Any] = [None] * n
@@ -434,6 +435,7 @@ class Moonwalk(Engine):
                 group = groups[gi]
                 if not keep_all:  # recompute this segment's residuals from its input
                     xb = boundary[gi]
+                    assert xb is not None
                     boundary[gi] = None
                     for i in group:
                         y = layers[i](xb)
@@ -476,7 +478,7 @@ class Moonwalk(Engine):
 
             def along(v: torch.Tensor) -> torch.Tensor:
                 t = v.reshape(1, *x0.shape[1:]).expand_as(x0)
-                _, tout = jvp(run_body, (x0,), (t,))
+                tout = jvp(run_body, (x0,), (t,))[1]
                 return (tout * h_last).flatten(1).sum(1)  # one value per example
 
             cols = torch.cat(self._chunked(along, per, x0))
@@ -491,7 +493,8 @@ class Moonwalk(Engine):
             return check_loss(loss_fn(out), needs_graph=False)
 
         def along_full(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return jvp(full, (x0,), (v.reshape(x0.shape),))  # (J, ∂J/∂x₀ · v)
+            value, slope = jvp(full, (x0,), (v.reshape(x0.shape),))[:2]
+            return value, slope  # (J, ∂J/∂x₀ · v)
 
         outs = self._chunked(along_full, x0.numel(), x0)
         loss = outs[0][0][0].clone()  # the primal J, the same along every direction
@@ -526,7 +529,8 @@ class Moonwalk(Engine):
         """x₁ and g₁ from h₁, replaying x₀ in ``chunks`` batch chunks."""
         if chunks == 1:
             return self._apply(layer, stem.replay(), h1, sink)
-        ys, total = [], {}
+        ys: list[torch.Tensor] = []
+        total: dict[str, torch.Tensor] = {}
         for a, b in stem.chunks(chunks):
             with torch.no_grad():
                 x0 = stem.on_chunk(a, b)
