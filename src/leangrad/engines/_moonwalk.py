@@ -336,10 +336,10 @@ class Moonwalk(Engine):
         self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink, *,
         seed_h1: bool,
     ) -> Seed:  # fmt: skip
-        """The loss and Phase III's start (``seed_h1``: see :meth:`_seed_h1`); otherwise
-        h₀ = ∂J/∂x₀ by Phases I and II (mixed) or forward mode (pure), the stem's
-        gradients from it, and Phase III's start: x₀ and h₀, or x₁ and h₁ when the first
-        layer's vijp ignores x₀ (then h₀ is freed before x₀ is replayed)."""
+        """The loss J and where Phase III starts. ``seed_h1``: :meth:`_seed_h1`. Otherwise
+        h₀ = ∂J/∂x₀ by Phases I and II (mixed) or forward mode (pure) gives the stem its
+        gradients, and Phase III starts at x₀, h₀ — or at x₁, h₁ when the first layer's
+        vijp ignores x₀ (a conv): h₀ is then freed before x₀ is replayed."""
         if seed_h1:
             return self._seed_h1(layers, stem, loss_fn, sink)
         chain = stem.chain
