@@ -35,6 +35,7 @@ from leangrad.layers import (
     NotSubmersiveError,
     SubmersiveLinear,
 )
+from leangrad.layers._base import FRAGMENT_RULE, FragmentalLayer
 from leangrad.layers._fragmental import (
     BLOCK_TOO_SMALL,
     EVEN_KERNEL,
@@ -300,6 +301,30 @@ class _NotSubmersive(leangrad.ChainLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x)
+
+
+class _NoRules(FragmentalLayer):
+    """A fragmental layer that forgot its rules."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_a_fragmental_layer_without_its_rules_names_them() -> None:
+    layer, h = _NoRules(), torch.zeros(2, 3)
+    calls = {
+        "check_fragment": lambda: layer.check_fragment(4),
+        "fragments": lambda: layer.fragments(h, 4),
+        "vijp_fragments": lambda: layer.vijp_fragments(None, h, None, 4),
+    }
+    for rule, call in calls.items():
+        with pytest.raises(NotImplementedError) as err:
+            call()
+        assert str(err.value) == FRAGMENT_RULE.format(layer="_NoRules", rule=rule)
+    model = Chain(layer, SubmersiveLinear(3, 3))
+    with pytest.raises(NotImplementedError) as err:
+        leangrad.engine("moonwalk", fragment=4).backward(model, h, lambda out: out.sum())
+    assert str(err.value) == FRAGMENT_RULE.format(layer="_NoRules", rule="check_fragment")
 
 
 def test_wrong_input_shape_names_the_layer() -> None:

@@ -13,7 +13,8 @@ from torch import nn
 
 import leangrad
 from leangrad import Chain, EngineInputError, models
-from leangrad.engines._moonwalk import BAD_MODE, NOT_A_CHAIN
+from leangrad.engines._chain_run import NOT_A_CHAIN
+from leangrad.engines._moonwalk import BAD_MODE
 from leangrad.layers import LeakyReLU, NotInvertibleError, NotSubmersiveError, SubmersiveConv2d
 from leangrad.layers._chain import NO_RULES
 from leangrad.measure import MemoryTracker, compare_grads, grads_of

@@ -37,49 +37,34 @@ functions of their input (no dropout): Phase III recomputes them.
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
 from .. import _errors as E
-from ..layers._base import (
-    NOT_INVERTIBLE,
-    NOT_SUBMERSIVE,
-    ChainLayer,
-    NotInvertibleError,
-    NotSubmersiveError,
-)
+from ..layers._base import NOT_SUBMERSIVE, ChainLayer, FragmentalLayer, NotSubmersiveError
 from ..layers._chain import Chain
-from ._backprop import grad_hooks
-from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
+from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
+from ._chain_run import (
+    LAYER_ERROR,
+    GradSink,
+    StemRun,
+    chain_of,
+    chain_reruns,
+    head_backward,
+    refuse_random_layers,
+)
 from ._checkpoint import split_segments
 from ._contract import batch_coupling, forward_end, random_module, used_parameters
 from ._registry import register
 
-__all__ = [
-    "NEEDS_FRAGMENT",
-    "NOT_A_CHAIN",
-    "NO_FRAGMENT_RULE",
-    "Moonwalk",
-    "StemRun",
-    "chain_of",
-    "chain_reruns",
-    "hand_over",
-    "head_backward",
-    "refuse_random_layers",
-    "rule_layers",
-]
+__all__ = ["NEEDS_FRAGMENT", "NO_FRAGMENT_RULE", "Moonwalk", "Seed"]
 
-NOT_A_CHAIN = (
-    "engine {engine!r} needs a leangrad.Chain(stem=..., *layers, head=...) whose layers carry "
-    "chain rules; got {model}. Build the model as leangrad.Chain, or use an engine that "
-    "takes the model as written: 'backprop', 'checkpoint' (its repeated blocks, or "
-    "blocks=[...]), 'fad', 'rad'"
-)
 BAD_MODE = "mode must be 'mixed' or 'pure', got {value!r}"
 BAD_FRAGMENT = (
     "fragment must be None, 'full' or a block size (an int ≥ 1), got {value!r}"
@@ -97,13 +82,6 @@ NO_FRAGMENT_RULE = (
     "{layer} is not submersive and has no fragment rule, so fragment={block} cannot "
     "rebuild its output cotangent; use fragment='full' to keep its whole output cotangent "
     "in Phase II, or a fragmental layer such as leangrad.layers.FragmentalConv1d"
-)
-LAYER_ERROR = "chain layer {index}: {error}"
-RANDOM_LAYER = (
-    "engine {engine!r} reruns the chain layers after the forward pass, so they must be "
-    "deterministic, but chain layer {index} has {module} in training mode (its masks "
-    "would differ between the runs); move dropout into the stem or the head, or call "
-    "model.eval() on that layer"
 )
 STEM_CHUNKS_COUPLED = (
     "stem_chunks={chunks} runs the {where} on chunks of the batch, which is exact only "
@@ -128,134 +106,25 @@ PURE_BUFFERS = (
 )
 
 
-def refuse_random_layers(engine: str, layers: list[ChainLayer]) -> None:
-    """Chain layers are rerun (Phase III, inverses): dropout in them would draw new masks."""
-    for i, layer in enumerate(layers):
-        found = random_module(layer)
-        if found is not None:
-            raise E.EngineInputError(RANDOM_LAYER.format(engine=engine, index=i, module=found))
+@dataclass
+class Seed:
+    """What seeding hands Phase III (Moonwalk v1 Algorithm 1's input cotangent, or v2
+    section 4.3's alternative seed h₁).
 
+    ``state = [x_s, h_s]`` (the input and output cotangent of layer ``start`` − 1, x₀ and
+    h₀ when ``start`` is 0) and ``kept`` (what Phase II kept of the output cotangents of
+    layers ``start``, ``start`` + 1, …) belong to Phase III, which empties them as it
+    goes, so each is freed once used: nothing else may hold them.
+    """
 
-def chain_reruns(chain: Chain, *, head: bool = False) -> list[tuple[str, nn.Module]]:
-    """The modules a chain engine runs more than once: the stem (replayed), the chain
-    layers (Phase III, inverses) and, in pure mode, the head."""
-    parts = [("stem", chain.stem), ("layers", chain.layers)]
-    parts += [("head", chain.head)] if head else []
-    return [(f"{p}.{n}" if n else p, m) for p, mod in parts for n, m in mod.named_modules()]
-
-
-def chain_of(model: nn.Module, engine: str) -> Chain:
-    """``model`` as a Chain, or an error naming the fix."""
-    if not isinstance(model, Chain):
-        raise E.EngineInputError(NOT_A_CHAIN.format(engine=engine, model=type(model).__name__))
-    return model
-
-
-def rule_layers(model: nn.Module, engine: str, *, need: str) -> tuple[Chain, list[ChainLayer]]:
-    """The chain and its layers, each checked to be ``need`` ("submersive"/"invertible");
-    the first that is not raises, naming its index, the layer and the fix."""
-    chain = chain_of(model, engine)
-    layers = chain.rule_layers(engine)
-    for i, layer in enumerate(layers):
-        if not getattr(layer, need):
-            template, error = (
-                (NOT_SUBMERSIVE, NotSubmersiveError)
-                if need == "submersive"
-                else (NOT_INVERTIBLE, NotInvertibleError)
-            )
-            msg = template.format(layer=layer._describe())
-            raise error(LAYER_ERROR.format(index=i, error=msg))
-    return chain, layers
-
-
-def hand_over(
-    layer: nn.Module,
-    grads: dict[str, torch.Tensor],
-    params: dict[str, nn.Parameter],
-    full_name: dict[int, str],
-    on_grad: OnGrad | None,
-) -> None:
-    """Write a layer's parameter gradients (keyed by local names) into ``.grad`` and call
-    ``on_grad`` for each at once; frozen parameters (not in ``full_name``) get nothing."""
-    local = dict(layer.named_parameters())
-    for name, g in grads.items():
-        full = full_name.get(id(local[name]))
-        if full is not None:
-            accumulate_grad(params[full], g)
-            if on_grad is not None:
-                on_grad(full, params[full])
-
-
-class StemRun:
-    """Runs the stem once without a graph and can replay it exactly (same RNG state),
-    so the chain input x₀ need not be kept between the phases."""
-
-    def __init__(self, chain: Chain, inputs: tuple[torch.Tensor, ...], engine: str) -> None:
-        self.chain, self.inputs = chain, inputs
-        self.devices = [x.device for x in inputs if x.device.type == "cuda"]
-        self.cpu_state = torch.get_rng_state()
-        self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.devices]
-        self.engine = engine
-        self.input_grads = any(x.requires_grad for x in inputs)
-        """Inputs want ``.grad``: the stem's backward must run even without parameters."""
-
-    def take(self) -> torch.Tensor:
-        """x₀ from the first run of the stem (the caller should drop it when done)."""
-        with torch.no_grad():
-            return run_forward(self.engine, self.chain.stem, self.inputs)
-
-    def chunks(self, n_chunks: int) -> list[tuple[int, int]]:
-        """Batch ranges for chunked replays of the stem."""
-        n = self.inputs[0].shape[0]
-        bounds = [round(i * n / n_chunks) for i in range(n_chunks + 1)]
-        return [(a, b) for a, b in itertools.pairwise(bounds) if a < b]
-
-    def replay(self, *, grad: bool = False) -> torch.Tensor:
-        """x₀ again, bit for bit: the stem rerun under the RNG state of its first run."""
-        with torch.random.fork_rng(devices=self.devices):
-            torch.set_rng_state(self.cpu_state)
-            for d, s in zip(self.devices, self.cuda_states, strict=True):
-                torch.cuda.set_rng_state(s, d)
-            with torch.set_grad_enabled(grad):
-                return self.chain.stem(*self.inputs)
-
-    def backward(
-        self,
-        h0: torch.Tensor,
-        params: dict[str, nn.Parameter],
-        on_grad: OnGrad | None,
-        *,
-        keep: bool = True,
-    ) -> torch.Tensor | None:
-        """Give the stem's parameters their gradients from h₀ (replaying it with a graph);
-        return x₀ (detached) for Phase III when ``keep``."""
-        stem_params = {n: p for n, p in self.chain.iter_params(self.chain.stem) if n in params}
-        if not stem_params and not self.input_grads:
-            return self.replay() if keep else None
-        x0 = self.replay(grad=True)
-        with grad_hooks(stem_params, on_grad):
-            x0.backward(h0)
-        return x0.detach() if keep else None
-
-
-def head_backward(
-    engine: str,
-    chain: Chain,
-    x_last: torch.Tensor,
-    loss_fn: LossFn,
-    params: dict[str, nn.Parameter],
-    on_grad: OnGrad | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and the chain output's cotangent h_L (head parameters get their grads)."""
-    xl = x_last.detach().requires_grad_(True)
-    with torch.enable_grad():
-        loss = check_loss(loss_fn(run_forward(engine, chain.head, (xl,))))
-    forward_end()
-    head_params = {n: p for n, p in chain.iter_params(chain.head) if n in params}
-    with grad_hooks(head_params, on_grad):
-        loss.backward()
-    assert xl.grad is not None
-    return loss.detach(), xl.grad
+    loss: torch.Tensor
+    """The step's loss J (detached)."""
+    start: int
+    """The first chain layer Phase III runs: 0 or 1 (layer 0 done while seeding)."""
+    state: list[torch.Tensor]
+    kept: list[Any]
+    info: dict[str, Any]
+    """``StepResult.info`` entries of the seeding (kept bytes, stem chunks)."""
 
 
 @register("moonwalk")
@@ -354,15 +223,16 @@ class Moonwalk(Engine):
         for i, layer in enumerate(layers):
             if layer.submersive or self.fragment == "full":
                 continue
-            if self.fragment is None or not layer.fragmental:
+            block = self.fragment  # None or a block size here
+            if not isinstance(block, int) or not isinstance(layer, FragmentalLayer):
                 template = (
-                    NO_FRAGMENT_RULE if self.fragment is not None
+                    NO_FRAGMENT_RULE if block is not None
                     else NEEDS_FRAGMENT if layer.fragmental
                     else NOT_SUBMERSIVE
                 )  # fmt: skip
-                msg = template.format(layer=layer._describe(), block=self.fragment)
+                msg = template.format(layer=layer._describe(), block=block)
                 raise NotSubmersiveError(LAYER_ERROR.format(index=i, error=msg))
-            layer.check_fragment(self.fragment)  # type: ignore[attr-defined]
+            layer.check_fragment(block)
         return chain, layers
 
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -378,11 +248,8 @@ class Moonwalk(Engine):
                 return where, found
         return None
 
-    def _chunks(self, chain: Chain, layers: list[ChainLayer], seed_h1: bool
-                ) -> tuple[int, dict[str, Any]]:  # fmt: skip
-        """The stem chunks this step uses, and what ``info`` says about the choice."""
-        if not seed_h1:
-            return 1, {}
+    def _chunks(self, chain: Chain, layers: list[ChainLayer]) -> tuple[int, dict[str, Any]]:
+        """The stem chunks the h₁ seed uses, and what ``info`` says about the choice."""
         if self.stem_chunks != "auto":
             return self.stem_chunks, {"stem_chunks": self.stem_chunks}
         found = self._chunk_blocker(chain, layers)
@@ -396,9 +263,9 @@ class Moonwalk(Engine):
         error otherwise, e.g. ``stem_chunks`` with a training-mode BatchNorm stem)."""
         refuse_random_layers(self.label, layers)
         if seed_h1 and self.stem_chunks != "auto" and self.stem_chunks > 1:
-            found = self._chunk_blocker(chain, layers)
-            if found is not None:
-                where, module = found
+            blocker = self._chunk_blocker(chain, layers)
+            if blocker is not None:
+                where, module = blocker
                 raise E.EngineInputError(
                     STEM_CHUNKS_COUPLED.format(chunks=self.stem_chunks, where=where, module=module)
                 )
@@ -419,9 +286,9 @@ class Moonwalk(Engine):
         """What Phase II keeps of a layer's output cotangent (None for submersive layers)."""
         if layer.submersive:
             return None
-        if self.fragment == "full":
-            return h_out
-        return layer.fragments(h_out, self.fragment)  # type: ignore[attr-defined]
+        if isinstance(layer, FragmentalLayer) and isinstance(self.fragment, int):
+            return layer.fragments(h_out, self.fragment)
+        return h_out  # fragment="full" (``_layers`` refused any other non-submersive layer)
 
     def _kept_info(self, kept: list[Any]) -> dict[str, Any]:
         """``StepResult.info`` entry: bytes Phase II keeps for Phase III (``fragment=``)."""
@@ -431,11 +298,11 @@ class Moonwalk(Engine):
         self, layer: ChainLayer, x: torch.Tensor | None, h: torch.Tensor, kept: Any
     ) -> torch.Tensor:
         """h_i from h_{i−1}: the vijp (eq. 9), the kept cotangent, or the rebuilt one."""
-        if layer.submersive:
-            return layer.vijp(x, h)
-        if self.fragment == "full":
-            return kept
-        return layer.vijp_fragments(x, h, kept, self.fragment)  # type: ignore[attr-defined]
+        if layer.submersive:  # x is None only where the vijp ignores it (vijp_needs_input)
+            return layer.vijp(cast(torch.Tensor, x), h)
+        if isinstance(layer, FragmentalLayer) and isinstance(self.fragment, int):
+            return layer.vijp_fragments(x, h, kept, self.fragment)
+        return cast(torch.Tensor, kept)  # fragment="full": the whole cotangent was kept
 
     def _backward(
         self,
@@ -446,80 +313,86 @@ class Moonwalk(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         chain, layers = self._layers(model)
+        sink = GradSink(params, on_grad)
         stem = StemRun(chain, inputs, self.label)
-        stem_params = [n for n, _ in chain.iter_params(chain.stem) if n in params]
         seed_h1 = (
             self.mode == "mixed" and bool(layers) and not layers[0].vijp_needs_input
-            and not stem_params and not stem.input_grads
+            and not sink.of(chain, chain.stem) and not stem.input_grads
         )  # fmt: skip
         self._preconditions(chain, layers, seed_h1)
         if self.mode == "pure":  # forward mode sees no graph: refuse a model-free loss first
             used_parameters(
                 model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs)
             )
-        chunks, chunk_info = self._chunks(chain, layers, seed_h1)
+        seed = self._seed(layers, stem, loss_fn, sink, seed_h1=seed_h1)
+        x_last = self._phase_three(layers[seed.start :], seed, sink)
+        if self.mode == "pure" and not self.per_example:
+            # Forward mode gave h₀ but no head gradients: the head's backward from x_L.
+            head_backward(self.label, chain, x_last, loss_fn, sink)
+        return self._result(seed.loss, **seed.info)
+
+    # -- seeding: the loss and the cotangent Phase III starts from ------------------
+    def _seed(
+        self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink, *,
+        seed_h1: bool,
+    ) -> Seed:  # fmt: skip
+        """The loss J and where Phase III starts. ``seed_h1``: :meth:`_seed_h1`. Otherwise
+        h₀ = ∂J/∂x₀ by Phases I and II (mixed) or forward mode (pure) gives the stem its
+        gradients, and Phase III starts at x₀, h₀ — or at x₁, h₁ when the first layer's
+        vijp ignores x₀ (a conv): h₀ is then freed before x₀ is replayed."""
         if seed_h1:
-            # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
-            # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
-            with torch.no_grad():
-                loss, h1, kept = self._phase_one_two(
-                    chain,
-                    layers[1:],
-                    torch.cat([
-                        run_forward(
-                            self.label, layers[0], (chain.stem(*(x[a:b] for x in inputs)),)
-                        )
-                        for a, b in stem.chunks(chunks)
-                    ]),
-                    loss_fn,
-                    params,
-                    on_grad,
-                )  # fmt: skip
-            info = {**self._kept_info(kept), **chunk_info}
-            full_name = {id(p): n for n, p in params.items()}
-            x = self._first_layer(
-                stem, inputs, layers[0], h1, params, full_name, on_grad, chunks=chunks
-            )
-            state = [x, h1]
-            del x, h1  # Phase III owns them now and frees each as soon as it is used
-            self._phase_three(layers[1:], state, kept, params, full_name, on_grad)
-            return self._result(loss, **info)
+            return self._seed_h1(layers, stem, loss_fn, sink)
+        chain = stem.chain
         if self.mode == "mixed":
-            loss, h0, kept = self._phase_one_two(
-                chain, layers, stem.take(), loss_fn, params, on_grad
-            )
+            loss, h0, kept = self._phase_one_two(chain, layers, stem.take(), loss_fn, sink)
             info = self._kept_info(kept)
         else:
             info = {}
             kept = [None] * len(layers)
-            x0 = stem.take()
-            loss, h0 = self._pure_h0(chain, layers, x0, loss_fn, params, on_grad)
-            del x0
-        full_name = {id(p): n for n, p in params.items()}
-        if layers and not layers[0].vijp_needs_input:
-            # The first layer's vijp ignores x0 (a conv): take h1 from h0 and free h0
-            # before x0 is replayed, so the two full-size tensors never coexist.
-            stem.backward(h0, params, None, keep=False)
-            h = self._out_cotangent(layers[0], None, h0, kept[0])
-            del h0
-            kept = kept[1:]  # Phase III must hold the only reference to the rest
-            x = self._apply(layers[0], stem.replay(), h, params, full_name, on_grad)
-            if on_grad is not None:  # only now: a step on the stem would change the replay
-                for n, p in chain.iter_params(chain.stem):
-                    if n in params and p.grad is not None:
-                        on_grad(n, params[n])
-            state = [x, h]
-            del x, h
-            x_last = self._phase_three(layers[1:], state, kept, params, full_name, on_grad)
-        else:
-            x0 = stem.backward(h0, params, on_grad)  # replayed: x0 was not kept meanwhile
+            loss, h0 = self._pure_h0(chain, layers, stem.take(), loss_fn, sink)
+        if not layers or layers[0].vijp_needs_input:
+            x0 = stem.backward(h0, sink)  # replayed: x0 was not kept meanwhile
             assert x0 is not None
             state = [x0, h0]
-            del x0, h0
-            x_last = self._phase_three(layers, state, kept, params, full_name, on_grad)
-        if self.mode == "pure" and not self.per_example:
-            loss, _ = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
-        return self._result(loss, **info)
+            del x0, h0  # Phase III owns them now and frees each as soon as it is used
+            return Seed(loss=loss, start=0, state=state, kept=kept, info=info)
+        # The first layer's vijp ignores x0 (a conv): take h1 from h0 and free h0
+        # before x0 is replayed, so the two full-size tensors never coexist.
+        stem.backward(h0, sink, keep=False, announce=False)
+        h = self._out_cotangent(layers[0], None, h0, kept[0])
+        del h0
+        kept = kept[1:]  # Phase III must hold the only reference to the rest
+        x = self._apply(layers[0], stem.replay(), h, sink)
+        sink.announce(chain, chain.stem)  # only now: a step on the stem would change the replay
+        state = [x, h]
+        del x, h
+        return Seed(loss=loss, start=1, state=state, kept=kept, info=info)
+
+    def _seed_h1(self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink
+                 ) -> Seed:  # fmt: skip
+        """v2 section 4.3's alternative seed, when the first layer's vijp ignores x₀ and
+        the stem takes no gradient: Phase II stops at h₁, and x₀ is rebuilt only to form
+        g₁, in ``stem_chunks`` batch chunks, so the full-size x₀ never lives whole."""
+        chain = stem.chain
+        chunks, chunk_info = self._chunks(chain, layers)
+        # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
+        # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
+        with torch.no_grad():
+            loss, h1, kept = self._phase_one_two(
+                chain,
+                layers[1:],
+                torch.cat([
+                    run_forward(self.label, layers[0], (stem.on_chunk(a, b),))
+                    for a, b in stem.chunks(chunks)
+                ]),
+                loss_fn,
+                sink,
+            )  # fmt: skip
+        info = {**self._kept_info(kept), **chunk_info}
+        x = self._first_layer(stem, layers[0], h1, sink, chunks=chunks)
+        state = [x, h1]
+        del x, h1  # Phase III owns them now and frees each as soon as it is used
+        return Seed(loss=loss, start=1, state=state, kept=kept, info=info)
 
     # -- Phase I + II: h0 through minimal residuals ------------------------------
     def _phase_one_two(
@@ -528,8 +401,7 @@ class Moonwalk(Engine):
         layers: list[ChainLayer],
         x0: torch.Tensor,
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
-        on_grad: OnGrad | None,
+        sink: GradSink,
         *,
         stop: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
@@ -537,10 +409,10 @@ class Moonwalk(Engine):
         what each layer keeps of its output cotangent for Phase III (``fragment=``)."""
         n = len(layers)
         keep_all = self.segments is None  # else: keep segment inputs, recompute residuals
-        if keep_all:
+        if self.segments is None:
             groups = [range(i, i + 1) for i in range(n)]
         else:
-            s = math.ceil(math.sqrt(n)) if self.segments == "sqrt" else int(self.segments)
+            s = math.ceil(math.sqrt(n)) if self.segments == "sqrt" else self.segments
             groups = split_segments(n, s) if n else []
         residuals: list[Any] = [None] * n
         kept: list[Any] = [None] * n
@@ -556,13 +428,14 @@ class Moonwalk(Engine):
                     if keep_all:
                         residuals[i] = layers[i].residual(x, y)
                     x = y
-        loss, h = head_backward(self.label, chain, x, loss_fn, params, on_grad)
+        loss, h = head_backward(self.label, chain, x, loss_fn, sink)
         del x
         with torch.no_grad():
             for gi in reversed(range(len(groups))):
                 group = groups[gi]
                 if not keep_all:  # recompute this segment's residuals from its input
                     xb = boundary[gi]
+                    assert xb is not None
                     boundary[gi] = None
                     for i in group:
                         y = layers[i](xb)
@@ -583,9 +456,10 @@ class Moonwalk(Engine):
         layers: list[ChainLayer],
         x0: torch.Tensor,
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
-        on_grad: OnGrad | None,
+        sink: GradSink,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and h₀ by forward mode: one jvp per input coordinate (``per_example``: per
+        coordinate of one example, for all examples at once, against h_L from the head)."""
         body = nn.Sequential(*layers)
         state = {n: t.detach() for n, t in body.named_parameters()}
         buffers = dict(body.named_buffers())
@@ -598,16 +472,16 @@ class Moonwalk(Engine):
         if self.per_example:
             with torch.no_grad():
                 x_last = run_body(x0)
-            loss, h_last = head_backward(self.label, chain, x_last, loss_fn, params, on_grad)
+            loss, h_last = head_backward(self.label, chain, x_last, loss_fn, sink)
             del x_last
             per = x0[0].numel()
 
             def along(v: torch.Tensor) -> torch.Tensor:
                 t = v.reshape(1, *x0.shape[1:]).expand_as(x0)
-                _, tout = jvp(run_body, (x0,), (t,))
+                tout = jvp(run_body, (x0,), (t,))[1]
                 return (tout * h_last).flatten(1).sum(1)  # one value per example
 
-            cols = self._chunked(along, per, x0)
+            cols = torch.cat(self._chunked(along, per, x0))
             return loss, cols.t().reshape(x0.shape)
 
         head_params = {n: p.detach() for n, p in chain.head.named_parameters()}
@@ -618,14 +492,19 @@ class Moonwalk(Engine):
             out = functional_call(chain.head, {**head_params, **hb}, (run_body(x),))
             return check_loss(loss_fn(out), needs_graph=False)
 
-        def along_full(v: torch.Tensor) -> torch.Tensor:
-            return jvp(full, (x0,), (v.reshape(x0.shape),))[1]
+        def along_full(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            value, slope = jvp(full, (x0,), (v.reshape(x0.shape),))[:2]
+            return value, slope  # (J, ∂J/∂x₀ · v)
 
-        h0 = self._chunked(along_full, x0.numel(), x0).reshape(x0.shape)
-        return torch.zeros((), dtype=x0.dtype, device=x0.device), h0
+        outs = self._chunked(along_full, x0.numel(), x0)
+        loss = outs[0][0][0].clone()  # the primal J, the same along every direction
+        h0 = torch.cat([dj for _, dj in outs]).reshape(x0.shape)
+        return loss, h0
 
-    def _chunked(self, fn: Any, n: int, like: torch.Tensor) -> torch.Tensor:
-        """Stack ``fn(e_j)`` over the n one-hot directions, ``chunk_size`` at a time."""
+    def _chunked(self, fn: Callable[[torch.Tensor], Any], n: int, like: torch.Tensor
+                 ) -> list[Any]:  # fmt: skip
+        """``fn(e_j)`` over the n one-hot directions, vmapped ``chunk_size`` at a time: one
+        output per chunk, stacked along its first dimension."""
         batched = vmap(fn, randomness="same")
         outs = []
         for start in range(0, n, self.chunk_size):
@@ -633,72 +512,51 @@ class Moonwalk(Engine):
             eye = torch.zeros(k, n, dtype=like.dtype, device=like.device)
             eye[torch.arange(k), torch.arange(start, start + k)] = 1
             outs.append(batched(eye))
-        return torch.cat(outs)
+        return outs
 
     # -- Phase III: the forward sweep ---------------------------------------------
     @staticmethod
-    def _apply(
-        layer: ChainLayer,
-        x: torch.Tensor,
-        h: torch.Tensor,
-        params: dict[str, nn.Parameter],
-        full_name: dict[int, str],
-        on_grad: OnGrad | None,
-    ) -> torch.Tensor:
+    def _apply(layer: ChainLayer, x: torch.Tensor, h: torch.Tensor, sink: GradSink) -> torch.Tensor:
         """y = f(x) and g = h ∂y/∂θ (eq. 10), handed to ``.grad`` and ``on_grad`` at once."""
         with torch.no_grad():
             y, grads = layer.forward_vjp_params(x, h)
-        hand_over(layer, grads, params, full_name, on_grad)
+        sink.deliver(layer, grads)
         return y
 
     def _first_layer(
-        self,
-        stem: StemRun,
-        inputs: tuple[torch.Tensor, ...],
-        layer: ChainLayer,
-        h1: torch.Tensor,
-        params: dict[str, nn.Parameter],
-        full_name: dict[int, str],
-        on_grad: OnGrad | None,
-        *,
-        chunks: int,
+        self, stem: StemRun, layer: ChainLayer, h1: torch.Tensor, sink: GradSink, *, chunks: int
     ) -> torch.Tensor:
         """x₁ and g₁ from h₁, replaying x₀ in ``chunks`` batch chunks."""
         if chunks == 1:
-            return self._apply(layer, stem.replay(), h1, params, full_name, on_grad)
-        ys, total = [], {}
+            return self._apply(layer, stem.replay(), h1, sink)
+        ys: list[torch.Tensor] = []
+        total: dict[str, torch.Tensor] = {}
         for a, b in stem.chunks(chunks):
             with torch.no_grad():
-                x0 = stem.chain.stem(*(x[a:b] for x in inputs))
+                x0 = stem.on_chunk(a, b)
                 y, grads = layer.forward_vjp_params(x0, h1[a:b])
             del x0
             ys.append(y)
             for name, g in grads.items():
                 total[name] = total[name] + g if name in total else g
-        hand_over(layer, total, params, full_name, on_grad)
+        sink.deliver(layer, total)
         return torch.cat(ys)
 
-    def _phase_three(
-        self,
-        layers: list[ChainLayer],
-        state: list[torch.Tensor],
-        kept: list[Any],
-        params: dict[str, nn.Parameter],
-        full_name: dict[int, str],
-        on_grad: OnGrad | None,
-    ) -> torch.Tensor:
-        """Algorithm 1's loop: h_i = vijp(x_{i−1}, h_{i−1}) (eq. 9), then g_i (eq. 10).
+    def _phase_three(self, layers: list[ChainLayer], seed: Seed, sink: GradSink) -> torch.Tensor:
+        """Algorithm 1's loop: h_i = vijp(x_{i−1}, h_{i−1}) (eq. 9), then g_i (eq. 10), over
+        the layers from ``seed.start`` on; returns x_L.
 
-        ``state = [x, h]`` and ``kept`` are emptied: the caller must hold no other
+        ``seed.state = [x, h]`` and ``seed.kept`` are emptied: the caller must hold no other
         reference, so each x_{i−1}, h_{i−1} and kept fragment is freed once used.
         """
-        x, h = state
-        state.clear()
+        x, h = seed.state
+        seed.state.clear()
+        kept = seed.kept
         for i, layer in enumerate(layers):
             with torch.no_grad():
                 h = self._out_cotangent(layer, x, h, kept[i])
             kept[i] = None
-            x = self._apply(layer, x, h, params, full_name, on_grad)
+            x = self._apply(layer, x, h, sink)
         return x
 
 

@@ -21,14 +21,14 @@ from .._errors import LeangradError
 from ..layers._base import ChainLayer
 from ..layers._chain import Chain
 from ._base import Engine, LossFn, OnGrad, StepResult, run_forward
-from ._moonwalk import (
+from ._chain_run import (
+    GradSink,
     StemRun,
+    chain_and_layers,
     chain_of,
     chain_reruns,
-    hand_over,
     head_backward,
     refuse_random_layers,
-    rule_layers,
 )
 from ._registry import register
 
@@ -56,7 +56,7 @@ class RevBackprop(Engine):
         return None
 
     def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
-        return rule_layers(model, self.label, need="invertible")
+        return chain_and_layers(model, self.label, need="invertible")
 
     def _backward(
         self,
@@ -68,25 +68,25 @@ class RevBackprop(Engine):
     ) -> StepResult:
         chain, layers = self._layers(model)
         refuse_random_layers(self.label, layers)
-        full_name = {id(p): n for n, p in params.items()}
+        sink = GradSink(params, on_grad)
         stem = StemRun(chain, inputs, self.label)
         x = stem.take()
         with torch.no_grad():
             for layer in layers:
                 x = run_forward(self.label, layer, (x,))
-        loss, h = head_backward(self.label, chain, x, loss_fn, params, on_grad)
+        loss, h = head_backward(self.label, chain, x, loss_fn, sink)
         y = x
         for layer in reversed(layers):
             with torch.no_grad():
                 x = layer.inverse(y)
-            local = [(n, p) for n, p in layer.named_parameters() if id(p) in full_name]
+            local = sink.trainable(layer)
             with torch.enable_grad():
                 xg = x.detach().requires_grad_(True)
                 out = layer(xg)
                 grads = torch.autograd.grad(out, [xg] + [p for _, p in local], h, allow_unused=True)
             h = grads[0]
             got = {n: g for (n, _), g in zip(local, grads[1:], strict=True) if g is not None}
-            hand_over(layer, got, params, full_name, on_grad)
+            sink.deliver(layer, got)
             y = x
-        stem.backward(h, params, on_grad)
+        stem.backward(h, sink)
         return self._result(loss)

@@ -30,9 +30,11 @@ from torch import nn
 from .._errors import LeangradError
 
 __all__ = [
+    "FRAGMENT_RULE",
     "INPUT_DTYPE",
     "NOT_POSITIVE_INT",
     "ChainLayer",
+    "FragmentalLayer",
     "LayerConditionError",
     "NotInvertibleError",
     "NotSubmersiveError",
@@ -69,6 +71,10 @@ INPUT_DTYPE = (
 NOT_INVERTIBLE = (
     "{layer} is not invertible, so 'revbackprop' cannot recompute its input; "
     "use the 'moonwalk' or 'checkpoint' engine"
+)
+FRAGMENT_RULE = (
+    "{layer} is a FragmentalLayer but does not implement {rule}; implement check_fragment, "
+    "fragments and vijp_fragments (see leangrad.layers.FragmentalConv1d)"
 )
 
 
@@ -129,10 +135,9 @@ class ChainLayer(nn.Module):
         submersive: ``vijp`` is implemented (the Jacobian is right-invertible).
         invertible: ``inverse`` is implemented.
         vijp_needs_input: ``vijp`` reads ``x`` (``False`` for linear layers).
-        fragmental: not submersive, but ``vijp_fragments(x, h_in, frags, block)`` rebuilds
-            the output cotangent from ``h_in`` and ``fragments(h_out, block)`` kept in
-            Phase II (Moonwalk v2 section 5.1, fragmental checkpointing); such layers
-            also implement ``check_fragment(block)``.
+        fragmental: not submersive, but a :class:`FragmentalLayer`, whose
+            ``vijp_fragments`` rebuilds the output cotangent from fragments of it kept in
+            Phase II (Moonwalk v2 section 5.1, fragmental checkpointing).
     """
 
     submersive: ClassVar[bool] = False
@@ -173,3 +178,36 @@ class ChainLayer(nn.Module):
 
     def _describe(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
+
+
+class FragmentalLayer(ChainLayer):
+    """Base class of chain layers that are not submersive but whose output cotangent can be
+    rebuilt from their input cotangent and *fragments* of the output cotangent kept in
+    Phase II: fragmental checkpointing (Moonwalk v2 section 5.1, Appendix 10, Algorithm 3),
+    which ``moonwalk(fragment=B)`` runs through the three rules below.
+    """
+
+    submersive: ClassVar[bool] = False
+    fragmental: ClassVar[bool] = True
+
+    def check_fragment(self, block: int) -> None:
+        """Raise :class:`LayerConditionError` unless fragments of blocks of ``block`` (B)
+        positions can rebuild this layer's output cotangent."""
+        raise NotImplementedError(
+            FRAGMENT_RULE.format(layer=type(self).__name__, rule="check_fragment")
+        )
+
+    def fragments(self, h_out: torch.Tensor, block: int) -> Any:
+        """What Phase II keeps of the output cotangent ``h_out`` (blocks of ``block``)."""
+        raise NotImplementedError(
+            FRAGMENT_RULE.format(layer=type(self).__name__, rule="fragments")
+        )
+
+    def vijp_fragments(
+        self, x: torch.Tensor | None, h_in: torch.Tensor, frags: Any, block: int
+    ) -> torch.Tensor:
+        """The output cotangent, rebuilt from the input cotangent ``h_in`` and
+        :meth:`fragments` of it (``x`` is ``None`` when ``vijp_needs_input`` is false)."""
+        raise NotImplementedError(
+            FRAGMENT_RULE.format(layer=type(self).__name__, rule="vijp_fragments")
+        )

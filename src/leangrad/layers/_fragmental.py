@@ -43,7 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._base import ChainLayer, LayerConditionError, NotSubmersiveError, check_input_dtype
+from ._base import (
+    FragmentalLayer,
+    LayerConditionError,
+    NotSubmersiveError,
+    check_input_dtype,
+)
 from ._linear import triangular_inverse
 
 __all__ = [
@@ -87,11 +92,9 @@ NEEDS_FRAGMENTS = (
 DIAG_TOL = 1e-12
 
 
-class _FragmentalConv(ChainLayer):
+class _FragmentalConv(FragmentalLayer):
     """Shared rules; subclasses fix the spatial rank (1 or 2). Internally 4D ``(N, C, H, W)``."""
 
-    submersive = False
-    fragmental = True
     vijp_needs_input = False
     _rank: int
 
