@@ -97,23 +97,7 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
     """
     subs = dict(model.named_modules())
     if names is not None:
-        out: list[str] = []
-        for name in names:
-            if name not in subs or name == "":
-                known = ", ".join(n for n, _ in model.named_children())
-                raise E.EngineInputError(
-                    UNKNOWN_BLOCK.format(name=name, model=type(model).__name__, known=known)
-                )
-            m = subs[name]
-            if isinstance(m, nn.ModuleList):
-                out += [f"{name}.{c}" for c, _ in m.named_children()]
-            else:
-                out.append(name)
-        for a in out:
-            for b in out:
-                if a != b and b.startswith(f"{a}."):
-                    raise E.EngineInputError(NESTED_BLOCKS.format(inner=b, outer=a))
-        return Blocks(tuple(out), False, "given by blocks=", {n: subs[n] for n in out})
+        return _given(model, subs, names)
     blocks_fn = getattr(model, "checkpoint_blocks", None)
     if callable(blocks_fn):
         ids = {id(m): n for n, m in model.named_modules()}
@@ -123,7 +107,42 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
     if isinstance(model, nn.Sequential):
         found = tuple(n for n, _ in model.named_children())
         return Blocks(found, True, "nn.Sequential children", {n: subs[n] for n in found})
-    found_list: list[str] = []
+    found_list, hows = _repeated_units(model)
+    if not found_list:
+        split = _graph_blocks(model) if graph else None
+        if split is None:
+            raise E.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
+        return split
+    how = "repeated children of " + ", ".join(hows)
+    return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
+
+
+def _given(model: nn.Module, subs: dict[str, nn.Module], names: Sequence[str]) -> Blocks:
+    """The blocks named by ``blocks=``: submodules, a container standing for its children;
+    unknown and nested names refused."""
+    out: list[str] = []
+    for name in names:
+        if name not in subs or name == "":
+            known = ", ".join(n for n, _ in model.named_children())
+            raise E.EngineInputError(
+                UNKNOWN_BLOCK.format(name=name, model=type(model).__name__, known=known)
+            )
+        m = subs[name]
+        if isinstance(m, nn.ModuleList):
+            out += [f"{name}.{c}" for c, _ in m.named_children()]
+        else:
+            out.append(name)
+    for a in out:
+        for b in out:
+            if a != b and b.startswith(f"{a}."):
+                raise E.EngineInputError(NESTED_BLOCKS.format(inner=b, outer=a))
+    return Blocks(tuple(out), False, "given by blocks=", {n: subs[n] for n in out})
+
+
+def _repeated_units(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The children of every repeating container in the module tree (the finest repeated
+    units), and how each container was read ("'layers': 4 x Block")."""
+    found: list[str] = []
     hows: list[str] = []
 
     def units(container: nn.Module, prefix: str) -> list[str]:
@@ -145,20 +164,14 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
             rep = _repeats(child)
             if rep is not None:
                 start = len(hows)
-                found_list.extend(units(child, f"{full}."))
+                found.extend(units(child, f"{full}."))
                 if len(hows) == start:
                     hows.append(f"{full!r}: {rep[1]} x {rep[0]}")
             else:
                 visit(child, f"{full}.")
 
     visit(model, "")
-    if not found_list:
-        split = _graph_blocks(model) if graph else None
-        if split is None:
-            raise E.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
-        return split
-    how = "repeated children of " + ", ".join(hows)
-    return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
+    return found, hows
 
 
 def _graph_blocks(model: nn.Module) -> Blocks | None:

@@ -253,20 +253,7 @@ class _NestedMode(TorchFunctionMode):
 
     def _fad_op(self, call: Call, operands: tuple[Any, ...], params: dict[str, Any]) -> Any:
         """NY / YY: compute value and derivative, or ``None`` when the pair is not fad."""
-        heads: list[tuple[Any, int]] = []  # distinct sources (tensor or dead ref, version)
-        for o in operands:
-            if not isinstance(o, Tensor):
-                continue
-            if o in self.fad:
-                data0: _FadData = self.fad[o]
-                alive = data0.source()
-                head = (alive if alive is not None else data0.source, data0.version)
-            elif o.requires_grad:
-                head = (o, o._version)
-            else:
-                continue  # a constant
-            if not any(head[0] is h[0] and head[1] == h[1] for h in heads):
-                heads.append(head)
+        heads = self._heads(operands)
         if len(heads) != 1:
             return None  # no recorded input (NN), or two sources (nfad, paper Fig. 3 node 3)
         source, version = heads[0]
@@ -275,30 +262,12 @@ class _NestedMode(TorchFunctionMode):
         target = (operands[-1] if call.reverse else operands[0]) if call.inplace else None
         if call.inplace and not (isinstance(target, Tensor) and target in self.fad):
             return None  # writing into a tensor outside a chain: plain autograd
-        dtype = next(o.dtype for o in operands if isinstance(o, Tensor) and o.requires_grad)
-        if dtype not in FLOAT_DTYPES:
-            why = f"no forward-mode rule for dtype {dtype}"
-            if why not in self.warned:
-                self.warned.add(why)
-                warnings.warn(E.FALLBACK.format(ops=[name], why=why), stacklevel=3)
-            self.stats.fallbacks.append(f"{name}: {why}")
+        if not self._has_rules(name, operands):
             return None
-        shape = next(o.shape for o in operands if isinstance(o, Tensor) and o.requires_grad)
-        duals: list[Any] = []
-        prev: _FadData | None = None
-        for o in operands:
-            if isinstance(o, Tensor) and o in self.fad:
-                data: _FadData = self.fad[o]
-                duals.append(Dual(o, data.deriv))
-                prev = data if prev is None or len(data.ops) > len(prev.ops) else prev
-            elif o is source:
-                duals.append(Dual(o, 1.0))
-            elif isinstance(o, Tensor) and (
-                torch.broadcast_shapes(o.shape, shape) != shape
-            ):
-                return None  # a constant that widens the chain: not element-wise in x
-            else:
-                duals.append(o)
+        chained = self._duals(operands, source)
+        if chained is None:
+            return None
+        duals, prev = chained
         self._note("NY" if prev is None else "YY", name)
         ops: tuple[str, ...]
         if prev is None:
@@ -314,6 +283,59 @@ class _NestedMode(TorchFunctionMode):
         value = _Pending.apply(anchor, _Box(result.value), ops)
         self.fad[value] = _FadData(src_ref, version, anchor, result.deriv, ops)
         return value
+
+    def _heads(self, operands: tuple[Any, ...]) -> list[tuple[Any, int]]:
+        """The distinct sources the operands come from: (tensor, or a dead weak reference to
+        it, version); constants have none."""
+        heads: list[tuple[Any, int]] = []
+        for o in operands:
+            if not isinstance(o, Tensor):
+                continue
+            if o in self.fad:
+                data: _FadData = self.fad[o]
+                alive = data.source()
+                head = (alive if alive is not None else data.source, data.version)
+            elif o.requires_grad:
+                head = (o, o._version)
+            else:
+                continue  # a constant
+            if not any(head[0] is h[0] and head[1] == h[1] for h in heads):
+                heads.append(head)
+        return heads
+
+    def _has_rules(self, name: str, operands: tuple[Any, ...]) -> bool:
+        """Is the chain's dtype one with forward-mode rules? Otherwise warn once, count it."""
+        dtype = next(o.dtype for o in operands if isinstance(o, Tensor) and o.requires_grad)
+        if dtype in FLOAT_DTYPES:
+            return True
+        why = f"no forward-mode rule for dtype {dtype}"
+        if why not in self.warned:
+            self.warned.add(why)
+            warnings.warn(E.FALLBACK.format(ops=[name], why=why), stacklevel=4)
+        self.stats.fallbacks.append(f"{name}: {why}")
+        return False
+
+    def _duals(
+        self, operands: tuple[Any, ...], source: Any
+    ) -> tuple[list[Any], _FadData | None] | None:
+        """The rule's operands (chain values as :class:`Dual`, the source with derivative 1,
+        constants as they are) and the longest chain feeding it, or ``None`` when a constant
+        widens the chain (not element-wise in the source)."""
+        shape = next(o.shape for o in operands if isinstance(o, Tensor) and o.requires_grad)
+        duals: list[Any] = []
+        prev: _FadData | None = None
+        for o in operands:
+            if isinstance(o, Tensor) and o in self.fad:
+                data: _FadData = self.fad[o]
+                duals.append(Dual(o, data.deriv))
+                prev = data if prev is None or len(data.ops) > len(prev.ops) else prev
+            elif o is source:
+                duals.append(Dual(o, 1.0))
+            elif isinstance(o, Tensor) and torch.broadcast_shapes(o.shape, shape) != shape:
+                return None
+            else:
+                duals.append(o)
+        return duals, prev
 
 
 @contextlib.contextmanager

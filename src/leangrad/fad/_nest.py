@@ -138,6 +138,32 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
     graph = gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
+    infos, ok = _single_source_nodes(gm, nodes, order)
+    regions: list[Region] = []
+    for members in _chains(ok, infos, order):
+        inside = set(members)
+        source = ok[members[0]]
+        outputs = [m for m in members if any(u not in inside for u in m.users)]
+        ops = tuple(infos[m].call.prim.name for m in members)
+        skipped = _why_left(gm, nodes, order, members, ok, outputs, min_ops)
+        if skipped is not None:
+            regions.append(Region(None, source.name, ops, len(outputs), skipped))
+            continue
+        name = f"fad_chain_{sum(r.name is not None for r in regions)}"
+        _fuse(gm, name, source, members, outputs, infos)
+        regions.append(Region(name, source.name, ops, len(outputs)))
+    graph.lint()
+    gm.recompile()
+    gm.fad_regions = regions  # type: ignore[assignment]
+    return gm
+
+
+def _single_source_nodes(
+    gm: fx.GraphModule, nodes: list[fx.Node], order: dict[fx.Node, int]
+) -> tuple[dict[fx.Node, _Info], dict[fx.Node, fx.Node]]:
+    """The primitive nodes (with their call) and, of those, the fad ones: a single source
+    (the paper's in-degree 1) -> that source. In-place primitives are fad only when every
+    earlier reader of the tensor they write is fad too; later readers are rewired to them."""
     infos: dict[fx.Node, _Info] = {}
     ok: dict[fx.Node, fx.Node] = {}  # fad node -> its single source
     for n in nodes:  # classified in order: in-place rewrites below change later nodes' args
@@ -157,8 +183,13 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
                 if order[u] > order[n]:
                     u.replace_input_with(target, n)
         ok[n] = next(iter(srcs))
+    return infos, ok
 
-    # connected components over fad -> fad edges
+
+def _chains(
+    ok: dict[fx.Node, fx.Node], infos: dict[fx.Node, _Info], order: dict[fx.Node, int]
+) -> list[list[fx.Node]]:
+    """The connected components over fad -> fad edges, each in graph order, in graph order."""
     parent = {n: n for n in ok}
 
     def find(n: fx.Node) -> fx.Node:
@@ -174,56 +205,66 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in ok:
         groups.setdefault(find(n), []).append(n)
+    chains = [sorted(m, key=order.__getitem__) for m in groups.values()]
+    return sorted(chains, key=lambda m: order[m[0]])
 
-    regions: list[Region] = []
-    for members in sorted(groups.values(), key=lambda m: order[m[0]]):
-        members.sort(key=order.__getitem__)
-        inside = set(members)
-        source = ok[members[0]]
-        outputs = [m for m in members if any(u not in inside for u in m.users)]
-        ops = tuple(infos[m].call.prim.name for m in members)
-        skipped = None
-        if not outputs:
-            skipped = "no value leaves it (dead code)"
-        elif len(members) < min_ops:
-            skipped = f"{len(members)} primitive(s) < min_ops={min_ops}"
-        else:
-            lo, hi = order[members[0]], order[members[-1]]
-            between = [n for n in nodes[lo:hi] if n not in inside]
-            if any(_mutates(gm, n) and not _private(n, ok, inside) for n in between):
-                skipped = "another node may write in place while the chain runs"
-        if skipped is not None:
-            regions.append(Region(None, source.name, ops, len(outputs), skipped))
-            continue
-        name = f"fad_chain_{sum(r.name is not None for r in regions)}"
-        slot = {source: 0} | {m: i + 1 for i, m in enumerate(members)}
-        steps = tuple(
-            Step(
-                infos[m].call.prim,
-                tuple(Ref(slot[o]) if isinstance(o, fx.Node) else o for o in infos[m].operands),
-                tuple(infos[m].params.items()),
-            )
-            for m in members
+
+def _why_left(
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    order: dict[fx.Node, int],
+    members: list[fx.Node],
+    ok: dict[fx.Node, fx.Node],
+    outputs: list[fx.Node],
+    min_ops: int,
+) -> str | None:
+    """Why a chain stays with autograd, or ``None`` when it is fused."""
+    if not outputs:
+        return "no value leaves it (dead code)"
+    if len(members) < min_ops:
+        return f"{len(members)} primitive(s) < min_ops={min_ops}"
+    inside = set(members)
+    lo, hi = order[members[0]], order[members[-1]]
+    between = [n for n in nodes[lo:hi] if n not in inside]
+    if any(_mutates(gm, n) and not _private(n, ok, inside) for n in between):
+        return "another node may write in place while the chain runs"
+    return None
+
+
+def _fuse(
+    gm: fx.GraphModule,
+    name: str,
+    source: fx.Node,
+    members: list[fx.Node],
+    outputs: list[fx.Node],
+    infos: dict[fx.Node, _Info],
+) -> None:
+    """Replace ``members`` by one :class:`FusedChain` submodule ``name`` reading ``source``;
+    the chain's readers outside it read the fused module's outputs."""
+    graph, inside = gm.graph, set(members)
+    slot = {source: 0} | {m: i + 1 for i, m in enumerate(members)}
+    steps = tuple(
+        Step(
+            infos[m].call.prim,
+            tuple(Ref(slot[o]) if isinstance(o, fx.Node) else o for o in infos[m].operands),
+            tuple(infos[m].params.items()),
         )
-        program = Program(name, steps, tuple(slot[o] for o in outputs))
-        gm.add_submodule(name, FusedChain(program, fallback=True))
-        with graph.inserting_before(members[0]):
-            fused = graph.call_module(name, (source,))
-            gets = [fused]
-            if len(outputs) > 1:
-                getitem = operator.getitem
-                gets = [graph.call_function(getitem, (fused, i)) for i in range(len(outputs))]
-        for o, g in zip(outputs, gets, strict=True):
-            for u in list(o.users):
-                if u not in inside:
-                    u.replace_input_with(o, g)
-        for m in reversed(members):
-            graph.erase_node(m)
-        regions.append(Region(name, source.name, ops, len(outputs)))
-    graph.lint()
-    gm.recompile()
-    gm.fad_regions = regions  # type: ignore[assignment]
-    return gm
+        for m in members
+    )
+    program = Program(name, steps, tuple(slot[o] for o in outputs))
+    gm.add_submodule(name, FusedChain(program, fallback=True))
+    with graph.inserting_before(members[0]):
+        fused = graph.call_module(name, (source,))
+        gets = [fused]
+        if len(outputs) > 1:
+            getitem = operator.getitem
+            gets = [graph.call_function(getitem, (fused, i)) for i in range(len(outputs))]
+    for o, g in zip(outputs, gets, strict=True):
+        for u in list(o.users):
+            if u not in inside:
+                u.replace_input_with(o, g)
+    for m in reversed(members):
+        graph.erase_node(m)
 
 
 def fused_chains(model: nn.Module) -> list[FusedChain]:
