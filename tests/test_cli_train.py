@@ -14,7 +14,7 @@ import torch
 
 from leangrad import models, train
 from leangrad.cli import main
-from leangrad.train import _checkpoint as C
+from leangrad.train import _snapshot as snapshot
 
 
 def test_train_mlp_digits_backprop(tmp_path, capsys) -> None:
@@ -28,7 +28,7 @@ def test_train_mlp_digits_backprop(tmp_path, capsys) -> None:
                   "lr=0.01", "optimizer=adam", "seed=0", "step_per_layer=False"):  # fmt: skip
         assert shown in text
     assert "completed: 22 steps" in text  # 1437 training digits // 64
-    assert C.list_checkpoints(out / "checkpoints")[-1].name == "step-000022.pt"
+    assert snapshot.list_checkpoints(out / "checkpoints")[-1].name == "step-000022.pt"
 
 
 def test_train_moonwalk_on_a_moonwalk_model_with_step_per_layer(tmp_path, capsys) -> None:
@@ -89,7 +89,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path) -> None:
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
-        found = C.list_checkpoints(out / "checkpoints")
+        found = snapshot.list_checkpoints(out / "checkpoints")
         if found and int(found[-1].stem.split("-")[1]) >= 10:
             break
         time.sleep(0.02)
@@ -97,7 +97,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    ckpts = C.list_checkpoints(out / "checkpoints")
+    ckpts = snapshot.list_checkpoints(out / "checkpoints")
     for p in ckpts:  # nothing corrupt, temp files are never listed
         train.load_checkpoint(p)
     last = train.load_checkpoint(ckpts[-1])["step"]
@@ -111,7 +111,7 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path) -> None:
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert f"resume={out}" in resumed.stdout and "model=mlp" in resumed.stdout
-    final = train.load_checkpoint(C.list_checkpoints(out / "checkpoints")[-1])
+    final = train.load_checkpoint(snapshot.list_checkpoints(out / "checkpoints")[-1])
     assert final["step"] == target
     ref = train.fit("mlp", "synthetic", batch_size=16, epochs=1000, max_steps=target,
                     progress=False, track_memory_every=0)  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 import leangrad
 from leangrad import _errors as E
 from leangrad.engines._compose import AMBIGUOUS, BASE_FIRST, INCOMPATIBLE, TWICE, Composed
-from leangrad.train._checkpoint import engine_rng_state, set_engine_rng_state
+from leangrad.train._snapshot import load_engine_state
 
 
 class Swish(nn.Module):
@@ -172,18 +173,57 @@ def test_seeded_rad_stream_continues_across_preparations_and_checkpoints() -> No
 
     eng, model = leangrad.engine("rad", fraction=0.3, seed=3), _model()
     g1 = grads(eng, model)
-    state = engine_rng_state(eng)
-    assert state, "the seeded generator is visible to training checkpoints"
+    state = eng.state_dict()
+    assert state["generators"], "the seeded generator is in the engine's state"
     model.eval()
     model.train()
     g2 = grads(eng, model)
     assert not all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))  # new samples
 
     resumed = leangrad.engine("rad", fraction=0.3, seed=3)
-    set_engine_rng_state(resumed, state)
+    resumed.load_state_dict(state)
     g2b = grads(resumed, _model())
     for a, b in zip(g2, g2b, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: leangrad.engine("projforward", samples=2, seed=5),
+        lambda: leangrad.engine("checkpoint+rad", fraction=0.3, seed=3),
+    ],
+    ids=["projforward", "checkpoint+rad"],
+)
+def test_engine_state_dict_continues_the_random_stream(make: Any) -> None:
+    """A fresh engine given ``state_dict()`` draws what the original draws next, as a
+    resumed training run needs; a legacy checkpoint's ``engine_rng`` list still loads."""
+    x, y = _data()
+    loss_fn = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    eng, model = make(), _model()
+    eng.backward(model, x, loss_fn)
+    state = eng.state_dict()
+    model.zero_grad(set_to_none=True)
+    eng.backward(model, x, loss_fn)
+    want = [p.grad.clone() for p in model.parameters()]
+    for restore in ("state_dict", "legacy"):
+        resumed, copy_ = make(), _model()
+        if restore == "state_dict":
+            resumed.load_state_dict(state)
+        else:  # what checkpoints held before engines had state_dict
+            attr = "generators" if "base" in state else "_generators"  # compose, projforward
+            legacy = [[attr, k, st] for k, st in state["generators"].items()]
+            load_engine_state(resumed, {"engine_rng": legacy})
+        resumed.backward(copy_, x, loss_fn)
+        for a, b in zip(want, [p.grad for p in copy_.parameters()], strict=True):
+            assert torch.equal(a, b), restore
+
+
+def test_a_stateless_engine_refuses_a_state_naming_the_fix() -> None:
+    with pytest.raises(E.EngineInputError, match=r"keeps no state.*Resume with the engine"):
+        leangrad.engine("backprop").load_state_dict({"generators": {}})
+    with pytest.raises(E.EngineInputError, match="does not seed; make it with the run's"):
+        leangrad.engine("rad", fraction=0.5).load_state_dict({"generators": {"rad": None}})
 
 
 def test_explain_says_what_each_transform_changed_and_left_alone_and_why() -> None:

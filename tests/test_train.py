@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from leangrad import UnknownNameError, available, models, train
-from leangrad.train import _checkpoint as C
+from leangrad.train import _snapshot as snapshot
 from leangrad.train._metrics import NO_MATPLOTLIB
 
 SMALL = {"data": "synthetic", "data_options": {"n": 160}, "batch_size": 32, "progress": False,
@@ -76,7 +76,7 @@ def _digest(path) -> str:
 def test_corrupt_truncated_and_foreign_checkpoints(tmp_path) -> None:
     """Each fault is named; the earlier checkpoints stay byte-for-byte untouched."""
     train.fit("mlp", **SMALL, max_steps=4, checkpoint_every=2, out=tmp_path)
-    ckpts = C.list_checkpoints(tmp_path / "checkpoints")
+    ckpts = snapshot.list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in ckpts] == ["step-000002.pt", "step-000004.pt"]
     earlier = _digest(ckpts[0])
     newest = ckpts[1]
@@ -111,17 +111,17 @@ class _Payload:
 def test_loading_never_executes_pickled_code(tmp_path) -> None:
     marker = tmp_path / "executed"
     path = tmp_path / "evil.pt"
-    C.save_checkpoint(path, {"model": _Payload(str(marker))})  # valid trailer and checksum
+    snapshot.save_checkpoint(path, {"model": _Payload(str(marker))})  # valid trailer and checksum
     with pytest.raises(train.CheckpointError, match="weights_only=True"):
         train.load_checkpoint(path)
     assert not marker.exists()
 
 
 def test_save_is_atomic_and_leaves_no_temp_files(tmp_path) -> None:
-    path = C.save_checkpoint(tmp_path / "step-000001.pt", {"step": 1, "x": torch.arange(4)})
+    path = snapshot.save_checkpoint(tmp_path / "step-000001.pt", {"step": 1, "x": torch.arange(4)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001.pt"]
     (tmp_path / ".step-000002.pt.tmp-123").write_bytes(b"half a file")  # a crash mid-write
-    assert C.list_checkpoints(tmp_path) == [path]
+    assert snapshot.list_checkpoints(tmp_path) == [path]
     assert torch.equal(train.load_checkpoint(path)["x"], torch.arange(4))
 
 
@@ -148,7 +148,7 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path)
     with pytest.raises(train.NonFiniteLossError, match=r"loss is nan at step 7 \(epoch 1, "
                        r"batch 2\).*step-000006.pt"):  # fmt: skip
         train.fit(_Trap(8, "nan"), **SMALL, epochs=3, checkpoint_every=2, out=tmp_path)
-    ckpts = C.list_checkpoints(tmp_path / "checkpoints")
+    ckpts = snapshot.list_checkpoints(tmp_path / "checkpoints")
     assert ckpts[-1].name == "step-000006.pt"
     state = train.load_checkpoint(ckpts[-1])["model"]
     assert all(torch.isfinite(v).all() for v in state.values())

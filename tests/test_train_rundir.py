@@ -19,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from leangrad import LeangradError, train
 from leangrad.cli import main
-from leangrad.train import _checkpoint as C
+from leangrad.train import _snapshot as snapshot
 from test_train import SMALL, _assert_equal, _Trap, _weights
 
 RUN = ["--data", "synthetic", "--data-opt", "n=160", "--batch-size", "32", "--epochs", "5",
@@ -39,8 +39,10 @@ def _steps(metrics: Path) -> list[int]:
 
 def _all_finite(path: Path) -> bool:
     payload = train.load_checkpoint(path)
-    named = C._tensors(payload["model"], "model") + C._tensors(payload["optimizer"], "opt")
-    return not C.non_finite(named)
+    named = snapshot._tensors(payload["model"], "model") + snapshot._tensors(
+        payload["optimizer"], "opt"
+    )
+    return not snapshot.non_finite(named)
 
 
 # -- one run per directory ---------------------------------------------------------------
@@ -49,7 +51,7 @@ def _all_finite(path: Path) -> bool:
 def test_fresh_run_into_an_old_runs_directory_is_refused_and_touches_nothing(tmp_path) -> None:
     train.fit("mlp", **SMALL, max_steps=4, checkpoint_every=2, out=tmp_path)
     before = _snapshot(tmp_path)
-    with pytest.raises(C.RunDirectoryError) as info:
+    with pytest.raises(snapshot.RunDirectoryError) as info:
         train.fit("mlp", **SMALL, seed=1, max_steps=2, out=tmp_path)
     msg = str(info.value)
     assert isinstance(info.value, LeangradError)
@@ -63,9 +65,9 @@ def test_fresh_run_into_an_old_runs_directory_is_refused_and_touches_nothing(tmp
 def test_metrics_alone_mark_a_run_and_unrelated_files_do_not(tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     train.fit("mlp", **SMALL, max_steps=1, out=tmp_path)  # a directory with other files: fine
-    for p in C.list_checkpoints(tmp_path / "checkpoints"):
+    for p in snapshot.list_checkpoints(tmp_path / "checkpoints"):
         p.unlink()  # a run killed before its first checkpoint leaves only metrics
-    with pytest.raises(C.RunDirectoryError, match=r"holds a training run \(metrics.jsonl\)"):
+    with pytest.raises(snapshot.RunDirectoryError, match=r"holds a training run \(metrics.jsonl\)"):
         train.fit("mlp", **SMALL, max_steps=1, out=tmp_path)
 
 
@@ -73,12 +75,12 @@ def test_overwrite_deletes_only_the_old_runs_files(tmp_path) -> None:
     train.fit("mlp", **{**SMALL, "plots": True}, epochs=2, max_steps=6, checkpoint_every=2,
               out=tmp_path)
     ckpt_dir = tmp_path / "checkpoints"
-    assert (tmp_path / "training.png").exists() and len(C.list_checkpoints(ckpt_dir)) == 3
+    assert (tmp_path / "training.png").exists() and len(snapshot.list_checkpoints(ckpt_dir)) == 3
     (ckpt_dir / ".step-000008.pt.tmp-4242").write_bytes(b"half a file")  # a killed write
     (tmp_path / "notes.txt").write_text("mine")
     (ckpt_dir / "README").write_text("mine too")
     res = train.fit("mlp", **SMALL, seed=1, max_steps=2, out=tmp_path, overwrite=True)
-    assert [p.name for p in C.list_checkpoints(ckpt_dir)] == ["step-000002.pt"]
+    assert [p.name for p in snapshot.list_checkpoints(ckpt_dir)] == ["step-000002.pt"]
     assert train.load_checkpoint(res.checkpoint)["config"]["seed"] == 1  # the new run's
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["README", "step-000002.pt"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
@@ -94,7 +96,7 @@ def test_resume_continues_the_old_run_bit_exactly(tmp_path) -> None:
     ref = train.fit("mlp", **kw, max_steps=10, out=tmp_path / "ref")
     run = tmp_path / "run"
     train.fit("mlp", **kw, max_steps=6, checkpoint_every=4, out=run)
-    with pytest.raises(C.RunDirectoryError):
+    with pytest.raises(snapshot.RunDirectoryError):
         train.fit("mlp", **kw, max_steps=10, out=run)  # the mistake of issue 12
     again = train.fit("mlp", **kw, max_steps=10, checkpoint_every=4, out=run, resume=run)
     assert again.steps == 10
@@ -105,7 +107,7 @@ def test_resume_continues_the_old_run_bit_exactly(tmp_path) -> None:
 def test_resume_and_overwrite_together_are_refused(tmp_path) -> None:
     train.fit("mlp", **SMALL, max_steps=2, out=tmp_path)
     before = _snapshot(tmp_path)
-    with pytest.raises(C.RunDirectoryError, match="--resume and --overwrite contradict"):
+    with pytest.raises(snapshot.RunDirectoryError, match="--resume and --overwrite contradict"):
         train.fit("mlp", **SMALL, max_steps=4, out=tmp_path, resume=tmp_path, overwrite=True)
     assert _snapshot(tmp_path) == before
 
@@ -115,7 +117,7 @@ def test_resume_into_another_runs_directory_is_refused(tmp_path) -> None:
     train.fit("mlp", **SMALL, max_steps=2, out=a)
     train.fit("mlp", **SMALL, max_steps=3, out=b)
     before = _snapshot(b)
-    with pytest.raises(C.RunDirectoryError, match=rf"{b} already holds another training run"
+    with pytest.raises(snapshot.RunDirectoryError, match=rf"{b} already holds another training run"
                        r" .*step-000002.pt, is not from it"):  # fmt: skip
         train.fit("mlp", **SMALL, max_steps=4, out=b, resume=a)
     assert _snapshot(b) == before
@@ -141,13 +143,13 @@ def test_cli_refuses_in_one_line_exit_2_then_overwrite_and_resume(tmp_path, caps
     assert main(["train", "--resume", str(out), "--max-steps", "9", "--no-progress",
                  "--no-plots"]) == 0  # fmt: skip
     ref = train.fit("mlp", **SMALL, epochs=5, max_steps=9)
-    final = train.load_checkpoint(C.list_checkpoints(out / "checkpoints")[-1])
+    final = train.load_checkpoint(snapshot.list_checkpoints(out / "checkpoints")[-1])
     assert final["step"] == 9
     _assert_equal(final["model"], _weights(ref.model))
     # --overwrite starts over
     assert main(["train", *RUN, "--max-steps", "2", "--seed", "1", "--out", str(out),
                  "--overwrite"]) == 0  # fmt: skip
-    assert [p.name for p in C.list_checkpoints(out / "checkpoints")] == ["step-000002.pt"]
+    assert [p.name for p in snapshot.list_checkpoints(out / "checkpoints")] == ["step-000002.pt"]
     assert _steps(out / "metrics.jsonl") == [1, 2]
 
 
@@ -189,9 +191,9 @@ def test_nan_update_on_a_checkpoint_step_stops_there_and_is_not_saved(tmp_path) 
         r"Lower the learning rate \(--lr / lr=, now 0\.01\)",
     ):
         train.fit("mlp", **kw, out=tmp_path)
-    ckpts = C.list_checkpoints(tmp_path / "checkpoints")
+    ckpts = snapshot.list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in ckpts] == ["step-000002.pt"]
-    assert C.resolve_resume(tmp_path) == ckpts[0] and _all_finite(ckpts[0])
+    assert snapshot.resolve_resume(tmp_path) == ckpts[0] and _all_finite(ckpts[0])
     recs = train.read_metrics(tmp_path / "metrics.jsonl")
     assert _steps(tmp_path / "metrics.jsonl") == [1, 2, 3]  # step 4 never logged as done
     assert recs[-1]["event"] == "non-finite weights" and recs[-1]["step"] == 4
@@ -204,7 +206,7 @@ def test_nan_update_between_checkpoints_stops_at_the_next_loss(tmp_path) -> None
     nan_loss = r"loss is nan at step 4 .*step-000002\.pt"
     with _poison(at=3), pytest.raises(train.NonFiniteLossError, match=nan_loss):
         train.fit("mlp", **SMALL, epochs=3, checkpoint_every=2, out=tmp_path)
-    ckpts = C.list_checkpoints(tmp_path / "checkpoints")
+    ckpts = snapshot.list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in ckpts] == ["step-000002.pt"] and _all_finite(ckpts[0])
 
 
@@ -217,7 +219,9 @@ def test_non_finite_optimizer_state_is_not_saved(tmp_path, per_layer, at) -> Non
         r"\d[\w.]*(weight|bias) \("):  # fmt: skip
         train.fit("mlp", **SMALL, epochs=3, checkpoint_every=2, out=tmp_path,
                   step_per_layer=per_layer, measure_saving=False)  # fmt: skip
-    assert [p.name for p in C.list_checkpoints(tmp_path / "checkpoints")] == ["step-000002.pt"]
+    assert [p.name for p in snapshot.list_checkpoints(tmp_path / "checkpoints")] == [
+        "step-000002.pt"
+    ]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
@@ -225,7 +229,7 @@ def test_ctrl_c_after_a_nan_update_saves_nothing(tmp_path) -> None:
     with _poison(at=3), pytest.raises(train.NonFiniteLossError,
                                       match=r"update of step 3: .*none written"):  # fmt: skip
         train.fit(_Trap(3, "sigint"), **SMALL, epochs=3, checkpoint_every=100, out=tmp_path)
-    assert C.list_checkpoints(tmp_path / "checkpoints") == []
+    assert snapshot.list_checkpoints(tmp_path / "checkpoints") == []
 
 
 @pytest.mark.parametrize(
@@ -243,8 +247,8 @@ def test_huge_learning_rate_exits_3_naming_the_step(tmp_path, capsys, lr, says, 
     err = capsys.readouterr().err
     assert code == 3 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"leangrad: error: {says}")
-    assert [p.name for p in C.list_checkpoints(out / "checkpoints")] == saved
-    assert all(_all_finite(p) for p in C.list_checkpoints(out / "checkpoints"))
+    assert [p.name for p in snapshot.list_checkpoints(out / "checkpoints")] == saved
+    assert all(_all_finite(p) for p in snapshot.list_checkpoints(out / "checkpoints"))
 
 
 def test_cli_nan_update_exits_3_and_resume_picks_a_finite_checkpoint(tmp_path, capsys) -> None:
@@ -254,20 +258,20 @@ def test_cli_nan_update_exits_3_and_resume_picks_a_finite_checkpoint(tmp_path, c
         assert main(cmd) == 3
     err = capsys.readouterr().err
     assert "update of step 6" in err and "step-000004.pt" in err and err.count("\n") == 1
-    picked = C.resolve_resume(out)
+    picked = snapshot.resolve_resume(out)
     assert picked.name == "step-000004.pt" and _all_finite(picked)
     assert main(["train", "--resume", str(out), "--no-progress", "--no-plots"]) == 0
-    final = C.list_checkpoints(out / "checkpoints")[-1]
+    final = snapshot.list_checkpoints(out / "checkpoints")[-1]
     assert final.name == "step-000008.pt" and _all_finite(final)
 
 
 def test_resume_refuses_a_checkpoint_with_non_finite_weights(tmp_path) -> None:
     """One written by a leangrad that saved NaN weights: refused, earlier ones named."""
     train.fit("mlp", **SMALL, max_steps=4, checkpoint_every=2, out=tmp_path)
-    newest = C.list_checkpoints(tmp_path / "checkpoints")[-1]
+    newest = snapshot.list_checkpoints(tmp_path / "checkpoints")[-1]
     payload = train.load_checkpoint(newest)
     payload["model"]["2.bias"][0] = float("nan")
-    C.save_checkpoint(newest, payload)
+    snapshot.save_checkpoint(newest, payload)
     with pytest.raises(train.CheckpointError, match=r"step-000004.pt holds non-finite values "
                        r"\(NaN/Inf\) in model.2.bias: .*step-000002.pt"):  # fmt: skip
         train.fit("mlp", **SMALL, max_steps=6, resume=tmp_path, out=tmp_path)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _errors as E
+from . import _errors as errors
 from ._plan_measure import ESTIMATED, Context, TrainingStep, Tried, measure, too_big
 from ._sizes import free_bytes
 from .engines import Engine
@@ -140,7 +140,7 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
     out: list[tuple[str, dict[str, Any]]] = [("backprop", {}), ("fad", {}), ("bits", {})]
     try:
         found = blocks(model)
-    except E.LeangradError:
+    except errors.LeangradError:
         found = None
     if found is not None:
         if found.sequential:
@@ -241,7 +241,7 @@ def plan(
         try:
             model = copy.deepcopy(model)  # stepped by the optimizer: never the user's
         except Exception as err:  # any reason a module cannot be copied
-            raise E.EngineInputError(NOT_COPYABLE.format(why=err)) from err
+            raise errors.EngineInputError(NOT_COPYABLE.format(why=err)) from err
     tried: list[Tried] = []
     first = list(engines) if engines is not None else candidates(model, exact=exact)
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, progress,

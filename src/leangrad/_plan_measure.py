@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _errors as E
+from . import _errors as errors
 from .engines import Engine, engine
 from .engines._compose import Composed
 from .measure import estimate_step, profile_step
@@ -132,7 +132,7 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
                 ctx.progress(f"peak of {step.label}")
             try:
                 peak, est = _peak(step, name, opts, per_layer, ctx)
-            except E.LeangradError as err:
+            except errors.LeangradError as err:
                 tried.append(row(engine=None, peak=None, verdict=f"n/a: {err}"))
                 continue
             verdict = "fits" if peak <= ctx.budget else "over budget"
@@ -161,13 +161,13 @@ def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
                 raise
     if name in ("forward", "projforward"):  # a failed vmap-of-jvp on fake tensors can leave
         # autograd excluded in the dispatcher's thread state (torch 2.13): never estimated
-        raise E.EngineInputError("too big to allocate here, and forward-mode engines are not "
+        raise errors.EngineInputError("too big to allocate here, and forward-mode engines are not "
                                  "estimated on fake tensors")
     fresh = _make_step(name, opts, ctx.optimizer, per_layer)  # no real state in a fake step
     try:
         return estimate_step(fresh, ctx.model, ctx.xs, ctx.loss_fn).total_bytes, True
-    except E.LeangradError:
+    except errors.LeangradError:
         raise
     except Exception as err:  # an op fake tensors cannot run
-        raise E.EngineInputError(f"too big to allocate here and cannot be estimated "
+        raise errors.EngineInputError(f"too big to allocate here and cannot be estimated "
                                  f"on fake tensors ({type(err).__name__}: {err})") from err

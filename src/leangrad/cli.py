@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from . import _cli_types as T
+from . import _cli_types as cli_types
 
 __all__ = ["check_out_dir", "main"]
 
@@ -60,9 +60,11 @@ def _parser() -> argparse.ArgumentParser:
         help="every engine on a small MLP and CNN on real digits",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    d.add_argument("--out", default="leangrad-demo", type=T.out_dir,
+    d.add_argument("--out", default="leangrad-demo", type=cli_types.out_dir,
                    help="directory for demo.json and demo.png")  # fmt: skip
-    d.add_argument("--repeats", type=T.positive_int, default=3, help="timed repeats per engine")
+    d.add_argument(
+        "--repeats", type=cli_types.positive_int, default=3, help="timed repeats per engine"
+    )
     d.add_argument("--rss", action="store_true", help="also run the fresh-process RSS check")
     b = sub.add_parser(
         "bench",
@@ -72,10 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("suite", nargs="?", help="suite name (see --list)")
     b.add_argument("--list", action="store_true", help="list the suites and exit")
     b.add_argument("--quick", action="store_true", help="smaller sweep and fewer repeats")
-    b.add_argument("--out", default="results", type=T.out_dir, help="directory for SUITE.json")
+    b.add_argument(
+        "--out", default="results", type=cli_types.out_dir, help="directory for SUITE.json"
+    )
     b.add_argument("--no-rss", action="store_true", help="skip the fresh-process RSS cross-check")
-    b.add_argument("--device", default="cpu", type=T.device, help="cpu or cuda")
-    b.add_argument("--only", type=T.name_list, default=None, metavar="SERIES[,SERIES]",
+    b.add_argument("--device", default="cpu", type=cli_types.device, help="cpu or cuda")
+    b.add_argument("--only", type=cli_types.name_list, default=None, metavar="SERIES[,SERIES]",
                    help="run just these series (the zoo: models) and merge them into "
                         "OUT/SUITE.json, replacing their records")  # fmt: skip
     r = sub.add_parser("report", help="render every SUITE.json in DIR into DIR/report.md")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "GRULayer",
+    "GRUSequence",
     "LastStep",
     "PadChannels",
     "RNNLayer",
@@ -253,8 +253,9 @@ def small_resnet(
     )
 
 
-class GRULayer(nn.Module):
-    """``nn.GRU`` (batch-first) returning only its output sequence."""
+class GRUSequence(nn.Module):
+    """``nn.GRU`` (batch-first) returning only its output sequence (not a highway
+    :class:`leangrad.highway.GRULayer`: this one runs PyTorch's fused kernel)."""
 
     def __init__(self, features: int, hidden: int) -> None:
         super().__init__()
@@ -273,7 +274,7 @@ def char_gru_lm(vocab: int, embed: int = 32, hidden: int = 64) -> nn.Sequential:
     if vocab < 2:
         raise ValueError(f"vocab must be at least 2, got {vocab}")
     return nn.Sequential(
-        nn.Embedding(vocab, embed), GRULayer(embed, hidden), nn.Linear(hidden, vocab)
+        nn.Embedding(vocab, embed), GRUSequence(embed, hidden), nn.Linear(hidden, vocab)
     )
 
 

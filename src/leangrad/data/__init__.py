@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._real import Dataset, digits, mnist5k
 from ._synthetic import synthetic_classification, synthetic_sequences
 from ._text import TextDataset, default_text_paths, text_chars
@@ -72,7 +72,7 @@ def load(name: str, **kwargs: Any) -> Dataset:
     try:
         loader = _REGISTRY[name]
     except KeyError:
-        raise E.UnknownNameError(
-            E.UNKNOWN_NAME.format(kind="dataset", name=name, known=", ".join(available()))
+        raise errors.UnknownNameError(
+            errors.UNKNOWN_NAME.format(kind="dataset", name=name, known=", ".join(available()))
         ) from None
     return loader(**kwargs)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _errors as E
+from .. import _errors as errors
 
 __all__ = ["Dataset", "digits", "mnist5k"]
 
@@ -178,8 +178,8 @@ def _require(module: str, attr: str, *, feature: str, package: str) -> Any:
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as err:
-        raise E.OptionalDependencyError(
-            E.MISSING_EXTRA.format(feature=feature, package=package, extra="data")
+        raise errors.OptionalDependencyError(
+            errors.MISSING_EXTRA.format(feature=feature, package=package, extra="data")
         ) from err
 
 

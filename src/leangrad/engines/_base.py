@@ -11,13 +11,13 @@ import abc
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeAlias
 
 import torch
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
 
 __all__ = [
@@ -98,6 +98,20 @@ class Engine(abc.ABC):
     def __repr__(self) -> str:
         return f"<leangrad engine {self.label}>"
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed training run needs to continue this engine bit-exactly (its
+        random generators' states); empty for engines that draw nothing of their own.
+        Training checkpoints store it (:func:`leangrad.train.fit`)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a freshly made engine with the same options."""
+        if state:
+            raise errors.EngineInputError(
+                f"{self.label} keeps no state, but was given {sorted(state)}: a checkpoint of "
+                "another engine? Resume with the engine the run was started with"
+            )
+
     def supports(self, model: nn.Module) -> str | None:
         """``None`` if this engine can differentiate ``model``, else the reason it cannot.
 
@@ -161,7 +175,7 @@ class Engine(abc.ABC):
     def _positive_int(name: str, value: object) -> int:
         """Validate an integer option ≥ 1 (bools are rejected)."""
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(E.POSITIVE_INT.format(name=name, value=value))
+            raise ValueError(errors.POSITIVE_INT.format(name=name, value=value))
         return value
 
     def _result(self, loss: torch.Tensor, **info: Any) -> StepResult:
@@ -173,17 +187,21 @@ def as_input_tuple(inputs: Inputs) -> tuple[torch.Tensor, ...]:
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     for i, x in enumerate(xs):
         if not isinstance(x, torch.Tensor):
-            raise E.EngineInputError(E.INPUT_NOT_TENSOR.format(type=type(x).__name__, index=i))
+            raise errors.EngineInputError(
+                errors.INPUT_NOT_TENSOR.format(type=type(x).__name__, index=i)
+            )
     return xs
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """Named parameters with ``requires_grad``; raises when there are none."""
     if not isinstance(model, nn.Module):
-        raise E.EngineInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise errors.EngineInputError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}"
+        )
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
-        raise E.EngineInputError(E.NO_PARAMETERS.format(model=type(model).__name__))
+        raise errors.EngineInputError(errors.NO_PARAMETERS.format(model=type(model).__name__))
     return params
 
 
@@ -191,12 +209,14 @@ def _check_inputs(xs: tuple[torch.Tensor, ...], params: dict[str, nn.Parameter])
     ref = next(iter(params.values()))
     for i, x in enumerate(xs):
         if x.is_floating_point() and x.dtype != ref.dtype:
-            raise E.EngineInputError(
-                E.INPUT_DTYPE.format(index=i, input_dtype=x.dtype, param_dtype=ref.dtype)
+            raise errors.EngineInputError(
+                errors.INPUT_DTYPE.format(index=i, input_dtype=x.dtype, param_dtype=ref.dtype)
             )
         if x.device != ref.device:
-            raise E.EngineInputError(
-                E.INPUT_DEVICE.format(index=i, input_device=x.device, param_device=str(ref.device))
+            raise errors.EngineInputError(
+                errors.INPUT_DEVICE.format(
+                    index=i, input_device=x.device, param_device=str(ref.device)
+                )
             )
 
 
@@ -206,21 +226,21 @@ def run_forward(engine: str, fn: Callable[..., Any], xs: tuple[torch.Tensor, ...
         return fn(*xs)
     except RuntimeError as err:
         shapes = [tuple(x.shape) for x in xs]
-        raise E.EngineInputError(
-            E.FORWARD_FAILED.format(engine=engine, shapes=shapes, error=err)
+        raise errors.EngineInputError(
+            errors.FORWARD_FAILED.format(engine=engine, shapes=shapes, error=err)
         ) from err
 
 
 def check_loss(loss: Any, *, needs_graph: bool = True) -> torch.Tensor:
     """Validate what ``loss_fn`` returned: a floating scalar tensor (with a graph)."""
     if not isinstance(loss, torch.Tensor):
-        raise E.EngineInputError(E.LOSS_NOT_TENSOR.format(type=type(loss).__name__))
+        raise errors.EngineInputError(errors.LOSS_NOT_TENSOR.format(type=type(loss).__name__))
     if loss.numel() != 1:
-        raise E.EngineInputError(E.LOSS_NOT_SCALAR.format(shape=tuple(loss.shape)))
+        raise errors.EngineInputError(errors.LOSS_NOT_SCALAR.format(shape=tuple(loss.shape)))
     if not loss.is_floating_point():
-        raise E.EngineInputError(E.LOSS_NOT_FLOAT.format(dtype=loss.dtype))
+        raise errors.EngineInputError(errors.LOSS_NOT_FLOAT.format(dtype=loss.dtype))
     if needs_graph and loss.grad_fn is None:
-        raise E.EngineInputError(E.LOSS_NO_GRAD)
+        raise errors.EngineInputError(errors.LOSS_NO_GRAD)
     return loss.reshape(())
 
 

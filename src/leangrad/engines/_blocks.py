@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 
 __all__ = ["NO_BLOCKS", "Blocks", "blocks"]
 
@@ -111,7 +111,7 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
     if not found_list:
         split = _graph_blocks(model) if graph else None
         if split is None:
-            raise E.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
+            raise errors.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
         return split
     how = "repeated children of " + ", ".join(hows)
     return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
@@ -124,7 +124,7 @@ def _given(model: nn.Module, subs: dict[str, nn.Module], names: Sequence[str]) -
     for name in names:
         if name not in subs or name == "":
             known = ", ".join(n for n, _ in model.named_children())
-            raise E.EngineInputError(
+            raise errors.EngineInputError(
                 UNKNOWN_BLOCK.format(name=name, model=type(model).__name__, known=known)
             )
         m = subs[name]
@@ -135,7 +135,7 @@ def _given(model: nn.Module, subs: dict[str, nn.Module], names: Sequence[str]) -
     for a in out:
         for b in out:
             if a != b and b.startswith(f"{a}."):
-                raise E.EngineInputError(NESTED_BLOCKS.format(inner=b, outer=a))
+                raise errors.EngineInputError(NESTED_BLOCKS.format(inner=b, outer=a))
     return Blocks(tuple(out), False, "given by blocks=", {n: subs[n] for n in out})
 
 

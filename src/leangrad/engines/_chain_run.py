@@ -16,7 +16,7 @@ import itertools
 import torch
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from ..layers._base import (
     NOT_INVERTIBLE,
     NOT_SUBMERSIVE,
@@ -62,7 +62,7 @@ def refuse_random_layers(engine: str, layers: list[ChainLayer]) -> None:
     for i, layer in enumerate(layers):
         found = random_module(layer)
         if found is not None:
-            raise E.EngineInputError(RANDOM_LAYER.format(engine=engine, index=i, module=found))
+            raise errors.EngineInputError(RANDOM_LAYER.format(engine=engine, index=i, module=found))
 
 
 def chain_reruns(chain: Chain, *, head: bool = False) -> list[tuple[str, nn.Module]]:
@@ -76,7 +76,7 @@ def chain_reruns(chain: Chain, *, head: bool = False) -> list[tuple[str, nn.Modu
 def chain_of(model: nn.Module, engine: str) -> Chain:
     """``model`` as a Chain, or an error naming the fix."""
     if not isinstance(model, Chain):
-        raise E.EngineInputError(NOT_A_CHAIN.format(engine=engine, model=type(model).__name__))
+        raise errors.EngineInputError(NOT_A_CHAIN.format(engine=engine, model=type(model).__name__))
     return model
 
 

@@ -37,7 +37,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.checkpoint import checkpoint
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
 from ._blocks import Blocks, blocks
@@ -259,7 +259,7 @@ class Checkpoint(Engine):
         found once per model (a step asks two or three times, and the fx fallback traces)."""
         found = self._found.get(model, self._find)
         if not found.sequential and self.segments is not None:
-            raise E.EngineInputError(SEGMENTS_NEED_SEQUENCE.format(
+            raise errors.EngineInputError(SEGMENTS_NEED_SEQUENCE.format(
                 value=self.segments, model=type(model).__name__, found=found.how))  # fmt: skip
         return found
 
@@ -267,12 +267,12 @@ class Checkpoint(Engine):
         if self.time_chunks is None:
             return blocks(model, names=self.block_names)
         if not fused_recurrent(model):
-            raise E.EngineInputError(
+            raise errors.EngineInputError(
                 NO_RECURRENT.format(value=self.time_chunks, model=type(model).__name__)
             )
         try:  # the module tree's blocks; where it repeats nothing, the chunks alone
             return blocks(model, names=self.block_names, graph=False)
-        except E.EngineInputError:
+        except errors.EngineInputError:
             if self.block_names is not None:
                 raise
             return Blocks((), False, "none but the time chunks of fused recurrent modules", {})
@@ -289,7 +289,7 @@ class Checkpoint(Engine):
     def supports(self, model: nn.Module) -> str | None:
         try:
             found = self.blocks(model)
-        except E.EngineInputError as err:
+        except errors.EngineInputError as err:
             return str(err)
         for name, rnn in self._chunked(model, found):
             if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
@@ -343,7 +343,7 @@ class Checkpoint(Engine):
         if not found.sequential or self.time_chunks is not None:  # the model as written
             for name, rnn in self._chunked(model, found):
                 if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
-                    raise E.EngineInputError(why)
+                    raise errors.EngineInputError(why)
             wrapped = self._wrapped.get(model, lambda m: self._wrap(m, found))
             loss = forward_loss(self.label, wrapped, inputs, loss_fn)
             with grad_hooks(params, on_grad):

@@ -22,12 +22,13 @@ never modified. Where the transforms apply depends on the base engine: the whole
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._base import Engine, LossFn, OnGrad, StepResult
 from ._blocks import blocks as find_blocks
 from ._checkpoint import Checkpoint
@@ -82,7 +83,9 @@ class Composed(Engine):
         for t in transforms:
             if base.name in ("forward", "projforward"):
                 pair = f"{base.name}+{t.name}"
-                raise E.EngineInputError(INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why))
+                raise errors.EngineInputError(
+                    INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why)
+                )
         # Generators the transforms own, as an attribute: training checkpoints save them.
         owned = {t.name: getattr(t, "generator", None) for t in transforms}
         self.generators: dict[str, torch.Generator] = {
@@ -95,6 +98,21 @@ class Composed(Engine):
     @property
     def label(self) -> str:
         return "+".join([self.base.label, *(t.label for t in self.transforms)])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base engine's state and the states of the transforms' own generators."""
+        gens = {n: g.get_state() for n, g in self.generators.items()}
+        return {"base": self.base.state_dict(), "generators": gens}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.base.load_state_dict(state.get("base", {}))
+        for name, st in state.get("generators", {}).items():
+            if name not in self.generators:
+                raise errors.EngineInputError(
+                    f"{self.label}: the state holds a generator of transform {name!r}, which "
+                    "this engine does not seed; make it with the run's options (seed=...)"
+                )
+            self.generators[name].set_state(st)
 
     def idle_transforms(self, model: nn.Module) -> list[str]:
         """The transforms that change nothing on ``model``: fad fused no chain (and did not
@@ -122,7 +140,7 @@ class Composed(Engine):
         if reason is None:
             try:
                 self.prepare(model)
-            except E.LeangradError as err:
+            except errors.LeangradError as err:
                 return str(err)
         return reason
 
@@ -141,7 +159,7 @@ class Composed(Engine):
                 report[t.name][part] = what
                 if "eager" in what.get("used", "") and "rad" in report:
                     why = EAGER_WITH_RAD.format(part=part, reason=what["why"])
-                    raise E.EngineInputError(INCOMPATIBLE.format(pair=self.label, why=why))
+                    raise errors.EngineInputError(INCOMPATIBLE.format(pair=self.label, why=why))
             return module
 
         base = self.base
@@ -179,7 +197,7 @@ class Composed(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         if (reason := self.base.supports(model)) is not None:
-            raise E.EngineInputError(reason)
+            raise errors.EngineInputError(reason)
         # raises when the transforms cannot apply
         prepared, report, runner = self._prepared.get(model, self._build)
         names = {id(p): n for n, p in params.items()}
@@ -260,15 +278,15 @@ def compose(name: str, options: dict[str, Any]) -> Engine:
         if t not in TRANSFORMS:
             if t in bases:
                 order = "+".join([t, *(p for p in parts if p != t)])
-                raise E.UnknownNameError(BASE_FIRST.format(
+                raise errors.UnknownNameError(BASE_FIRST.format(
                     name=name, suggestion=order, bases=", ".join(bases),
                     transforms=", ".join(TRANSFORMS)))  # fmt: skip
-            raise E.UnknownNameError(
-                E.UNKNOWN_NAME.format(kind="transform", name=t, known=", ".join(TRANSFORMS))
+            raise errors.UnknownNameError(
+                errors.UNKNOWN_NAME.format(kind="transform", name=t, known=", ".join(TRANSFORMS))
             )
     if len(set(tnames)) != len(tnames):
         dup = next(t for t in tnames if tnames.count(t) > 1)
-        raise E.UnknownNameError(TWICE.format(name=name, transform=dup))
+        raise errors.UnknownNameError(TWICE.format(name=name, transform=dup))
     base_cls = engine_class(base_name)
     owners: list[tuple[str, type]] = [(base_name, base_cls)] + [(t, TRANSFORMS[t]) for t in tnames]
     routed: dict[str, dict[str, Any]] = {part: {} for part, _ in owners}
@@ -281,15 +299,15 @@ def compose(name: str, options: dict[str, Any]) -> Engine:
         if len(matches) == 1:
             routed[matches[0]][key] = value
         elif len(matches) > 1:
-            raise E.UnknownNameError(AMBIGUOUS.format(
+            raise errors.UnknownNameError(AMBIGUOUS.format(
                 name=name, option=key, owners=" and ".join(matches),
                 spelled=", ".join(f"{m}_{key}" for m in matches)))  # fmt: skip
         elif len(prefixed) == 1:
             routed[prefixed[0]][key[len(prefixed[0]) + 1 :]] = value
         else:
             known = sorted({o for _, cls in owners for o in kw_options(cls)})
-            raise E.UnknownNameError(
-                E.UNKNOWN_OPTION.format(engine=name, option=key, known=", ".join(known))
+            raise errors.UnknownNameError(
+                errors.UNKNOWN_OPTION.format(engine=name, option=key, known=", ".join(known))
             )
     base = base_cls(**routed[base_name])
     return Composed(base, [TRANSFORMS[t](**routed[t]) for t in tnames])

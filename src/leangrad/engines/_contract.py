@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .. import _errors as E
+from .. import _errors as errors
 from ..measure._memory import FORWARD_END, mark
 
 __all__ = [
@@ -137,14 +137,14 @@ def refuse_hooks(engine: str, modules: Iterable[tuple[str, nn.Module]]) -> None:
     from torch.nn.modules import module as module_mod
 
     if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
-        raise E.EngineInputError(
+        raise errors.EngineInputError(
             HOOK_RERUN.format(engine=engine, module="every module", kind="global hook")
         )
     for name, m in modules:
         kinds = _hook_kinds(m)
         if kinds:
             where = f"{type(m).__name__} {name!r}" if name else type(m).__name__
-            raise E.EngineInputError(
+            raise errors.EngineInputError(
                 HOOK_RERUN.format(engine=engine, module=where, kind=" and ".join(kinds))
             )
 
@@ -170,7 +170,7 @@ def check_batch(xs: tuple[torch.Tensor, ...]) -> None:
     """An empty input has no loss to differentiate: refuse it with the fix."""
     for i, x in enumerate(xs):
         if x.numel() == 0:
-            raise E.EngineInputError(EMPTY_BATCH.format(index=i, shape=tuple(x.shape)))
+            raise errors.EngineInputError(EMPTY_BATCH.format(index=i, shape=tuple(x.shape)))
 
 
 def refuse_non_finite(engine: str, xs: tuple[torch.Tensor, ...]) -> None:
@@ -178,13 +178,13 @@ def refuse_non_finite(engine: str, xs: tuple[torch.Tensor, ...]) -> None:
     input turns gradients NaN where autograd has exact zeros (masked entries): refuse."""
     for i, x in enumerate(xs):
         if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-            raise E.EngineInputError(NON_FINITE_INPUT.format(engine=engine, index=i))
+            raise errors.EngineInputError(NON_FINITE_INPUT.format(engine=engine, index=i))
 
 
 def refuse_input_grads(engine: str, xs: tuple[torch.Tensor, ...]) -> None:
     for i, x in enumerate(xs):
         if x.requires_grad:
-            raise E.EngineInputError(NO_INPUT_GRADIENTS.format(engine=engine, index=i))
+            raise errors.EngineInputError(NO_INPUT_GRADIENTS.format(engine=engine, index=i))
 
 
 def used_parameters(
@@ -207,13 +207,13 @@ def used_parameters(
     """
     try:
         leaves = _fake_leaves(model, xs, loss_fn, params, run)
-    except E.LeangradError:
+    except errors.LeangradError:
         raise
     except Exception:
         leaves = _real_leaves(model, xs, loss_fn, params, run)
     used = {n: p for n, p in params.items() if n in leaves}
     if not used:
-        raise E.EngineInputError(E.LOSS_NO_GRAD)
+        raise errors.EngineInputError(errors.LOSS_NO_GRAD)
     return used
 
 

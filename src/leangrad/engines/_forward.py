@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
 from ._contract import RngReplay, forward_end, refuse_non_finite, used_parameters
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
@@ -21,7 +21,7 @@ from ._registry import register
 
 __all__ = ["Forward"]
 
-BAD_CHUNK = E.POSITIVE_INT
+BAD_CHUNK = errors.POSITIVE_INT
 
 
 @register("forward")

@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from ..highway._protocol import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
 from ..highway._scan import SCANS, Scan, cumsumprod
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
@@ -110,7 +110,7 @@ class Highway(Engine):
     ) -> StepResult:
         net = _as_net(model)
         if net is None:
-            raise E.EngineInputError(NOT_HIGHWAY.format(model=type(model).__name__))
+            raise errors.EngineInputError(NOT_HIGHWAY.format(model=type(model).__name__))
         x0 = run_forward(self.label, net.stem, inputs) if net.stem is not None else inputs[0]
         x = x0.detach()
         traces: list[Trace] = []

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
-from .. import _errors as E
+from .. import _errors as errors
 from ..layers._base import NOT_SUBMERSIVE, ChainLayer, FragmentalLayer, NotSubmersiveError
 from ..layers._chain import Chain
 from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
@@ -213,7 +213,7 @@ class Moonwalk(Engine):
     def supports(self, model: nn.Module) -> str | None:
         try:
             self._layers(model)
-        except (E.LeangradError, NotSubmersiveError) as err:
+        except (errors.LeangradError, NotSubmersiveError) as err:
             return str(err)
         return None
 
@@ -266,7 +266,7 @@ class Moonwalk(Engine):
             blocker = self._chunk_blocker(chain, layers)
             if blocker is not None:
                 where, module = blocker
-                raise E.EngineInputError(
+                raise errors.EngineInputError(
                     STEM_CHUNKS_COUPLED.format(chunks=self.stem_chunks, where=where, module=module)
                 )
         if self.mode == "pure":
@@ -274,13 +274,13 @@ class Moonwalk(Engine):
                 for i, layer in enumerate(layers):
                     found = batch_coupling(layer)
                     if found is not None:
-                        raise E.EngineInputError(
+                        raise errors.EngineInputError(
                             PER_EXAMPLE_COUPLED.format(index=i, module=found)
                         )
             for where, mod in (("the chain", chain.layers), ("the head", chain.head)):
                 found = batch_coupling(mod)
                 if found is not None:
-                    raise E.EngineInputError(PURE_BUFFERS.format(where=where, module=found))
+                    raise errors.EngineInputError(PURE_BUFFERS.format(where=where, module=found))
 
     def _kept(self, layer: ChainLayer, h_out: torch.Tensor) -> Any:
         """What Phase II keeps of a layer's output cotangent (None for submersive layers)."""

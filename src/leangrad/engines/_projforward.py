@@ -11,7 +11,8 @@ factor 1/d; leangrad keeps the unbiased scaling.)
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -79,6 +80,16 @@ class ProjForward(Engine):
                 seed = int(torch.randint(0, 2**62, (), device=device).item())
             self._generators[device] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[device]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The states of the tangent generators, one per device used so far."""
+        return {"generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for device, st in state.get("generators", {}).items():
+            gen = torch.Generator(device=device)
+            gen.set_state(st)
+            self._generators[torch.device(device)] = gen
 
     def _draw(self, k: int, like: torch.Tensor) -> torch.Tensor:
         gen = self._generator(like.device)

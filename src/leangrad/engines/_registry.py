@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._base import Engine
 
 __all__ = ["available", "engine", "engine_class", "register"]
@@ -38,8 +38,8 @@ def engine_class(name: str) -> type[Engine]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise E.UnknownNameError(
-            E.UNKNOWN_NAME.format(kind="engine", name=name, known=", ".join(available()))
+        raise errors.UnknownNameError(
+            errors.UNKNOWN_NAME.format(kind="engine", name=name, known=", ".join(available()))
         ) from None
 
 
@@ -62,7 +62,9 @@ def engine(name: str, **options: Any) -> Engine:
     known = [p for p in params if p != "self" and params[p].kind is inspect.Parameter.KEYWORD_ONLY]
     for key in options:
         if key not in known:
-            raise E.UnknownNameError(
-                E.UNKNOWN_OPTION.format(engine=name, option=key, known=", ".join(known) or "(none)")
+            raise errors.UnknownNameError(
+                errors.UNKNOWN_OPTION.format(
+                    engine=name, option=key, known=", ".join(known) or "(none)"
+                )
             )
     return cls(**options)

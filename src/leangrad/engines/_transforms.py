@@ -22,7 +22,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._base import Engine
 from ._blocks import blocks as find_blocks
 from ._prepare import share_copy
@@ -156,7 +156,7 @@ class FadTransform(Transform):
         fx pass where it traces and by the eager mode where it does not."""
         try:
             found = find_blocks(module)
-        except E.LeangradError:
+        except errors.LeangradError:
             return None
         if not found.sequential:
             return None

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _errors as E
+from . import _errors as errors
 from ._primitives import FLOAT_DTYPES, Call, Dual, lookup, normalize
 
 __all__ = ["NestedStats", "nested"]
@@ -130,7 +130,7 @@ class _Pending(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         if bool(grad.any()):  # zeros come from a full overwrite (copy_), which is fine
-            raise E.FadError(E.ESCAPED.format(ops=ctx.ops))
+            raise errors.FadError(errors.ESCAPED.format(ops=ctx.ops))
         return None, None, None
 
 
@@ -311,7 +311,7 @@ class _NestedMode(TorchFunctionMode):
         why = f"no forward-mode rule for dtype {dtype}"
         if why not in self.warned:
             self.warned.add(why)
-            warnings.warn(E.FALLBACK.format(ops=[name], why=why), stacklevel=4)
+            warnings.warn(errors.FALLBACK.format(ops=[name], why=why), stacklevel=4)
         self.stats.fallbacks.append(f"{name}: {why}")
         return False
 

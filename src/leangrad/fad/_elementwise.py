@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _errors as E
+from . import _errors as errors
 from ._primitives import FLOAT_DTYPES, Dual, lookup, normalize, primitive_names
 
 __all__ = ["Elementwise", "elementwise", "op_name"]
@@ -62,7 +62,9 @@ class _Tracer(TorchFunctionMode):
             out = func(*args, **kwargs)
             if not any(isinstance(t, Tensor) for t in tree_leaves(out)):
                 return out  # metadata (shape, dtype, size()): not a computation
-            raise E.FadOpError(E.NOT_ELEMENTWISE.format(op=op_name(func), known=primitive_names()))
+            raise errors.FadOpError(
+                errors.NOT_ELEMENTWISE.format(op=op_name(func), known=primitive_names())
+            )
         operands, params = norm
         name = call.prim.name
         shape = self.source.shape
@@ -75,16 +77,16 @@ class _Tracer(TorchFunctionMode):
             if isinstance(o, Tensor):
                 if o.requires_grad:
                     why = "the other operand is a tensor that requires grad"
-                    raise E.FadOpError(E.TWO_SOURCES.format(op=name, why=why))
+                    raise errors.FadOpError(errors.TWO_SOURCES.format(op=name, why=why))
                 if torch.broadcast_shapes(o.shape, shape) != shape:
                     why = f"the other operand's shape {tuple(o.shape)} widens {tuple(shape)}"
-                    raise E.FadOpError(E.TWO_SOURCES.format(op=name, why=why))
+                    raise errors.FadOpError(errors.TWO_SOURCES.format(op=name, why=why))
             duals.append(o)
         result = call.prim.rule(*duals, **params)
         if call.inplace:
             target = operands[-1] if call.reverse else operands[0]
             if self.dual_of(target) is None or target is self.source:
-                raise E.FadOpError(E.INPLACE_INPUT.format(op=op_name(func)))
+                raise errors.FadOpError(errors.INPLACE_INPUT.format(op=op_name(func)))
             target.copy_(result.value)
             result = Dual(target, result.deriv)
         self.derivs[result.value] = result.deriv
@@ -93,16 +95,20 @@ class _Tracer(TorchFunctionMode):
 
 def _dual_run(fn: Callable[[Tensor], Any], x: Tensor) -> tuple[list[Tensor], list[Any]]:
     if x.dtype not in FLOAT_DTYPES:
-        raise E.FadDtypeError(E.DTYPE_NO_RULE.format(op=getattr(fn, "__name__", fn), dtype=x.dtype))
+        raise errors.FadDtypeError(
+            errors.DTYPE_NO_RULE.format(op=getattr(fn, "__name__", fn), dtype=x.dtype)
+        )
     tracer = _Tracer(x)
     with tracer:
         out = fn(x)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if not outs or not all(isinstance(o, Tensor) for o in outs):
-        raise E.FadOpError(E.NOT_ONE_TENSOR.format(what=type(out).__name__))
+        raise errors.FadOpError(errors.NOT_ONE_TENSOR.format(what=type(out).__name__))
     duals = [tracer.dual_of(o) for o in outs]
     if any(d is None for d in duals):
-        raise E.FadOpError(E.NOT_ONE_TENSOR.format(what="a tensor that does not depend on it"))
+        raise errors.FadOpError(
+            errors.NOT_ONE_TENSOR.format(what="a tensor that does not depend on it")
+        )
     return [d.value for d in duals], [d.deriv for d in duals]  # type: ignore[union-attr]
 
 
@@ -146,7 +152,7 @@ class Elementwise(nn.Module):
     def __init__(self, fn: Callable[[Tensor], Any]) -> None:
         super().__init__()
         if not callable(fn):
-            raise E.FadOpError(E.NOT_A_FUNCTION.format(type=type(fn).__name__))
+            raise errors.FadOpError(errors.NOT_A_FUNCTION.format(type=type(fn).__name__))
         self.fn = fn
 
     def extra_repr(self) -> str:
@@ -154,7 +160,9 @@ class Elementwise(nn.Module):
 
     def forward(self, x: Tensor) -> Any:
         if not isinstance(x, Tensor):
-            raise E.FadOpError(E.NOT_A_TENSOR.format(fn=self.extra_repr(), type=type(x).__name__))
+            raise errors.FadOpError(
+                errors.NOT_A_TENSOR.format(fn=self.extra_repr(), type=type(x).__name__)
+            )
         if not (torch.is_grad_enabled() and x.requires_grad):
             values, _ = _dual_run(self.fn, x)  # same checks and errors as with grad
             return values[0] if len(values) == 1 else tuple(values)

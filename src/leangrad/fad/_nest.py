@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from . import _errors as E
+from . import _errors as errors
 from ._primitives import PRIMITIVES, Call, is_const, lookup, lookup_method, normalize
 from ._program import FusedChain, Program, Ref, Step
 
@@ -133,8 +133,10 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
     try:
         gm = fx.symbolic_trace(model)
     except Exception as err:  # fx raises many types for untraceable code
-        msg = E.UNTRACEABLE.format(model=type(model).__name__, error=f"{type(err).__name__}: {err}")
-        raise E.FadTraceError(msg) from err
+        msg = errors.UNTRACEABLE.format(
+            model=type(model).__name__, error=f"{type(err).__name__}: {err}"
+        )
+        raise errors.FadTraceError(msg) from err
     graph = gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}

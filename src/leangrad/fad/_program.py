@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _errors as E
+from . import _errors as errors
 from ._primitives import DONATE, FLOAT_DTYPES, PRIMITIVES, Dual, Primitive
 
 __all__ = ["Builder", "FusedChain", "Program", "Ref", "Step", "run_fused"]
@@ -82,7 +82,7 @@ class Program:
         """
         if x.dtype not in FLOAT_DTYPES:
             op = self.steps[0].prim.name if self.steps else self.name
-            raise E.FadDtypeError(E.DTYPE_NO_RULE.format(op=op, dtype=x.dtype))
+            raise errors.FadDtypeError(errors.DTYPE_NO_RULE.format(op=op, dtype=x.dtype))
         last = self._last_use()
         slots: list[Dual | None] = [Dual(x, 1.0)]
         refs: collections.Counter[int] = collections.Counter()  # id -> live slot references
@@ -222,9 +222,9 @@ class FusedChain(nn.Module):
         if x.dtype not in FLOAT_DTYPES:
             if not self.fallback:
                 op = self.program.ops[0] if self.program.ops else self.program.name
-                raise E.FadDtypeError(E.DTYPE_NO_RULE.format(op=op, dtype=x.dtype))
+                raise errors.FadDtypeError(errors.DTYPE_NO_RULE.format(op=op, dtype=x.dtype))
             why = f"no forward-mode rule for dtype {x.dtype}"
-            warnings.warn(E.FALLBACK.format(ops=self.program.ops, why=why), stacklevel=2)
+            warnings.warn(errors.FALLBACK.format(ops=self.program.ops, why=why), stacklevel=2)
             outs = self.program.run_plain(x)
         else:
             outs = run_fused(x, self.program)

@@ -2,6 +2,7 @@
 
 from ._base import (
     ChainLayer,
+    FragmentalLayer,
     LayerConditionError,
     NotInvertibleError,
     NotSubmersiveError,
@@ -20,6 +21,7 @@ __all__ = [
     "ChainLayer",
     "FragmentalConv1d",
     "FragmentalConv2d",
+    "FragmentalLayer",
     "LayerConditionError",
     "LeakyReLU",
     "NotInvertibleError",

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _errors as E
+from . import _errors as errors
 from ._sampling import SampleSpec, draw_seed, make_generator
 
 __all__ = ["RandConv2d"]
@@ -105,7 +105,9 @@ class RandConv2d(nn.Conv2d):
         self.spec = SampleSpec(fraction, mode, replace)
         self.generator = make_generator(seed)
         if (why := self.supports(self)) is not None:
-            raise E.RadInputError(E.BAD_PADDING.format(layer=type(self).__name__, why=why))
+            raise errors.RadInputError(
+                errors.BAD_PADDING.format(layer=type(self).__name__, why=why)
+            )
 
     @staticmethod
     def supports(conv: nn.Conv2d) -> str | None:
@@ -139,14 +141,14 @@ class RandConv2d(nn.Conv2d):
         spec = self.spec
         c = self.in_channels
         if x.dim() not in (3, 4) or x.shape[-3] != c:
-            raise E.RadInputError(E.BAD_INPUT.format(
+            raise errors.RadInputError(errors.BAD_INPUT.format(
                 layer=type(self).__name__, want=f"an input of shape (N, {c}, H, W) or ({c}, H, W)",
                 shape=tuple(x.shape), fix=""))  # fmt: skip
         unbatched = x.dim() == 3
         if unbatched:
             if spec.mode == "different" and not spec.exact:
-                raise E.RadInputError(
-                    E.NEEDS_BATCH.format(layer=type(self).__name__, mode=spec.mode,
+                raise errors.RadInputError(
+                    errors.NEEDS_BATCH.format(layer=type(self).__name__, mode=spec.mode,
                                          shape=tuple(x.shape))
                 )  # fmt: skip
             x = x.unsqueeze(0)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _errors as E
+from . import _errors as errors
 from ._sampling import SampleSpec, draw_seed, make_generator
 
 __all__ = ["RandLinear", "rand_linear"]
@@ -80,15 +80,15 @@ def rand_linear(
             the weight's ``in_features``, or mode ``"different"`` gets no batch dimension.
     """
     if not isinstance(spec, SampleSpec):
-        raise E.RadInputError(E.NOT_A_SPEC.format(type=type(spec).__name__))
+        raise errors.RadInputError(errors.NOT_A_SPEC.format(type=type(spec).__name__))
     features = weight.shape[-1]
     if x.dim() == 0 or x.shape[-1] != features:
-        raise E.RadInputError(E.BAD_INPUT.format(
+        raise errors.RadInputError(errors.BAD_INPUT.format(
             layer=layer, want=f"an input of shape (..., {features})", shape=tuple(x.shape),
             fix=f"; its last dimension must be the layer's {features} input features"))  # fmt: skip
     if x.dim() < 2 and spec.mode == "different" and not spec.exact:
-        raise E.RadInputError(
-            E.NEEDS_BATCH.format(layer=layer, mode=spec.mode, shape=tuple(x.shape))
+        raise errors.RadInputError(
+            errors.NEEDS_BATCH.format(layer=layer, mode=spec.mode, shape=tuple(x.shape))
         )
     return _RandLinearFn.apply(x, weight, bias, spec, seed)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _errors as E
+from . import _errors as errors
 
 __all__ = ["PathGraph", "PathSample"]
 
@@ -109,12 +109,12 @@ class PathGraph:
                 return self._add(x * z, [(a, z), (b, x)])
             return self._add(x / z, [(a, 1.0 / z), (b, -x / (z * z))])
         known = ", ".join([*_UNARY, *_BINARY])
-        raise E.RadInputError(UNKNOWN_OP.format(op=f"{op}/{len(args)} args", known=known))
+        raise errors.RadInputError(UNKNOWN_OP.format(op=f"{op}/{len(args)} args", known=known))
 
     @property
     def output(self) -> int:
         if not self.values:
-            raise E.RadInputError(NO_OUTPUT)
+            raise errors.RadInputError(NO_OUTPUT)
         return len(self.values) - 1
 
     @property
@@ -156,7 +156,9 @@ class PathGraph:
             :class:`PathSample`.
         """
         if not isinstance(k, int) or k < 1:
-            raise E.RadInputError(f"k must be a positive int (edges drawn per vertex), got {k!r}")
+            raise errors.RadInputError(
+                f"k must be a positive int (edges drawn per vertex), got {k!r}"
+            )
         edge_partial: dict[tuple[int, int], float] = {}
         for v, preds in enumerate(self.preds):
             for u, d in preds:

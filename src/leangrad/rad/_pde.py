@@ -25,7 +25,7 @@ import math
 import torch
 
 from ..measure import FORWARD_END, mark
-from . import _errors as E
+from . import _errors as errors
 from ._sampling import check_fraction
 
 __all__ = ["PdeGradient", "PdeRun", "ReactionDiffusion", "optimize", "pde_gradient", "pde_loss"]
@@ -55,8 +55,8 @@ class ReactionDiffusion:
     def __post_init__(self) -> None:
         ratio = self.D * self.dt / self.dx**2
         if ratio > 0.25 + 1e-12:
-            raise E.StabilityError(
-                E.UNSTABLE_STEP.format(
+            raise errors.StabilityError(
+                errors.UNSTABLE_STEP.format(
                     ratio=ratio, D=self.D, dt=self.dt, dx=self.dx, dt_max=self.dx**2 / (4 * self.D)
                 )
             )

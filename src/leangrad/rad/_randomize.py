@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from . import _errors as E
+from . import _errors as errors
 from ._conv import RandConv2d
 from ._linear import RandLinear
 from ._recurrent import RandGRUCell, RandRNNCell
@@ -114,7 +114,7 @@ def randomize(
     spec = SampleSpec(fraction, mode, replace)
     gen = make_generator(seed)
     if _swap(model, spec, gen) is not None:
-        raise E.RadInputError(E.ROOT_SUPPORTED.format(kind=type(model).__name__))
+        raise errors.RadInputError(errors.ROOT_SUPPORTED.format(kind=type(model).__name__))
     swapped: dict[str, str] = {}
     left: list[str] = []
     if isinstance(model, _RANDOMIZED):  # a randomized layer as the root: nothing to swap
@@ -145,6 +145,6 @@ def randomize(
         left.append(f"<root> ({type(model).__name__})")
     if left:
         warnings.warn(
-            E.UNSUPPORTED_WARNING.format(count=len(left), names=", ".join(left)), stacklevel=2
+            errors.UNSUPPORTED_WARNING.format(count=len(left), names=", ".join(left)), stacklevel=2
         )
     return RandomizeReport(swapped, left, spec.fraction, spec.mode, spec.replace)

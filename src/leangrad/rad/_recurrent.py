@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _errors as E
+from . import _errors as errors
 from ._linear import rand_linear
 from ._relu import _BitReLUFn
 from ._sampling import SampleSpec, draw_seed, make_generator
@@ -66,7 +66,7 @@ class RandRNNCell(nn.RNNCell):
         dtype: torch.dtype | None = None,
     ) -> None:
         if nonlinearity not in ("tanh", "relu"):  # nn.RNNCell checks only in its forward
-            raise E.RadInputError(E.BAD_NONLINEARITY.format(value=nonlinearity))
+            raise errors.RadInputError(errors.BAD_NONLINEARITY.format(value=nonlinearity))
         super().__init__(input_size, hidden_size, bias, nonlinearity, device=device, dtype=dtype)
         self.spec, self.generator = _spec_and_gen(fraction, mode, replace, seed)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers._bits import PackedBits, pack_bits, unpack_bits
-from . import _errors as E
+from . import _errors as errors
 
 __all__ = ["BitReLU", "LeanAdaptiveAvgPool2d", "LeanAvgPool2d"]
 
@@ -84,7 +84,7 @@ class _AdaptiveAvgPoolFn(torch.autograd.Function):
 
 def _check_rank(layer: nn.Module, x: torch.Tensor) -> None:
     if x.dim() not in (3, 4):
-        raise E.RadInputError(E.BAD_INPUT.format(
+        raise errors.RadInputError(errors.BAD_INPUT.format(
             layer=type(layer).__name__, want="an input of shape (N, C, H, W) or (C, H, W)",
             shape=tuple(x.shape), fix=""))  # fmt: skip
 

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from . import _errors as E
+from . import _errors as errors
 
 __all__ = [
     "MODES",
@@ -55,14 +55,14 @@ def check_fraction(fraction: object) -> float:
         or isinstance(fraction, bool)
         or not 0.0 < float(fraction) <= 1.0  # also rejects nan
     ):
-        raise E.RadInputError(E.BAD_FRACTION.format(value=fraction))
+        raise errors.RadInputError(errors.BAD_FRACTION.format(value=fraction))
     return float(fraction)
 
 
 def check_mode(mode: object) -> str:
     """``mode`` if it is one of :data:`MODES`, else :class:`RadInputError` listing them."""
     if mode not in MODES:
-        raise E.RadInputError(E.BAD_MODE.format(mode=mode, known=", ".join(MODES)))
+        raise errors.RadInputError(errors.BAD_MODE.format(mode=mode, known=", ".join(MODES)))
     return str(mode)
 
 
@@ -71,7 +71,7 @@ def make_generator(seed: object) -> torch.Generator | None:
     if seed is None:
         return None
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise E.RadInputError(E.BAD_SEED.format(value=seed))
+        raise errors.RadInputError(errors.BAD_SEED.format(value=seed))
     return torch.Generator().manual_seed(int(seed))
 
 
@@ -115,7 +115,7 @@ class SampleSpec:
         object.__setattr__(self, "fraction", check_fraction(self.fraction))
         object.__setattr__(self, "mode", check_mode(self.mode))
         if not isinstance(self.replace, bool):  # "no" would be truthy: with replacement
-            raise E.RadInputError(E.BAD_REPLACE.format(value=self.replace))
+            raise errors.RadInputError(errors.BAD_REPLACE.format(value=self.replace))
 
     def kept(self, d: int) -> int:
         """``k``: how many of ``d`` entries (or projection columns) are stored."""

@@ -16,13 +16,13 @@ Quick use::
 - :func:`leangrad.plan` (``leangrad plan``) — which engine fits a memory budget, measured.
 """
 
-from ._checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from ._config import FitResult, NonFiniteLossError, TrainConfig
 from ._distributed import DistContext, average_gradients, averaging_on_grad, init_distributed
 from ._fit import evaluate, fit
 from ._metrics import plot_metrics, read_metrics
 from ._perlayer import GradMemory, PerLayerOptimizer, measure_grad_memory
 from ._registry import DataInfo, build_model, data_names, load_data, model_names, parse_options
+from ._snapshot import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 
 __all__ = [
     "CheckpointError",

@@ -119,8 +119,8 @@ def add_train_parser(sub: Any) -> None:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """Command-line values, else the resumed checkpoint's, else the defaults."""
-    from ._checkpoint import load_checkpoint, resolve_resume
     from ._registry import parse_options
+    from ._snapshot import load_checkpoint, resolve_resume
 
     saved: dict[str, Any] = {}
     if args.resume is not None:
@@ -154,7 +154,7 @@ def run_train(args: argparse.Namespace) -> int:
     from ._fit import fit
 
     if args.resume is not None and args.overwrite:
-        from ._checkpoint import RESUME_AND_OVERWRITE, RunDirectoryError
+        from ._snapshot import RESUME_AND_OVERWRITE, RunDirectoryError
 
         raise RunDirectoryError(RESUME_AND_OVERWRITE)
     if args.threads is not None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._perlayer import GradMemory
 
 __all__ = ["EXACT_KEYS", "FitResult", "NonFiniteLossError", "TrainConfig"]
@@ -36,7 +36,7 @@ EXACT_KEYS = ("model", "model_options", "data", "data_options", "engine", "engin
 """Config entries a resumed run must share with its checkpoint to continue bit-exactly."""
 
 
-class NonFiniteLossError(E.LeangradError, FloatingPointError):
+class NonFiniteLossError(errors.LeangradError, FloatingPointError):
     """The training loss became NaN or infinite."""
 
 

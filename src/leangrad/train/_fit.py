@@ -34,13 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import _errors as E
+from .. import _errors as errors
 from ..data import Dataset
 from ..engines import Engine
 from ..engines import engine as make_engine
 from ..measure import MemoryTracker
-from . import _checkpoint as C
-from . import _distributed as D
+from . import _distributed as distributed
+from . import _snapshot as snapshot
 from ._config import (
     BAD_OPTIMIZER,
     BATCH_TOO_BIG,
@@ -242,9 +242,9 @@ def fit(
                     track_memory_every=track_memory_every, test_fraction=test_fraction,
                     lr=lr)  # fmt: skip
     if resume is not None and overwrite:
-        raise C.RunDirectoryError(C.RESUME_AND_OVERWRITE)
+        raise snapshot.RunDirectoryError(snapshot.RESUME_AND_OVERWRITE)
     dev = _device(device)
-    ctx = D.init_distributed(dev)
+    ctx = distributed.init_distributed(dev)
     if out is not None:
         _claim_run_dir(Path(out), resume=resume, overwrite=overwrite, ctx=ctx)
     cfg = TrainConfig(
@@ -268,7 +268,7 @@ def fit(
     if resume is not None:
         run.resume(resume)
     else:
-        D.broadcast_parameters(run.net, ctx)
+        distributed.broadcast_parameters(run.net, ctx)
     if out is not None:
         run.open(Path(out), keep_checkpoints, resumed=resume is not None)
     with _Interrupt(handle_sigint) as interrupt:
@@ -286,16 +286,18 @@ def _check_settings(*, epochs: int, batch_size: int, max_steps: int | None,
     for name, value in at_least_1.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):  # fmt: skip
-            raise E.OptionError(BAD_SETTING.format(name=name, value=value, want="an int >= 1"))
+            raise errors.OptionError(BAD_SETTING.format(name=name, value=value, want="an int >= 1"))
     if isinstance(track_memory_every, bool) or not isinstance(track_memory_every, int) or \
             track_memory_every < 0:  # fmt: skip
-        raise E.OptionError(BAD_SETTING.format(name="track_memory_every",
+        raise errors.OptionError(BAD_SETTING.format(name="track_memory_every",
                                                value=track_memory_every, want="an int >= 0"))
     if not 0 <= test_fraction < 1:
-        raise E.OptionError(BAD_SETTING.format(name="test_fraction", value=test_fraction,
+        raise errors.OptionError(BAD_SETTING.format(name="test_fraction", value=test_fraction,
                                                want="a share in [0, 1)"))
     if not (math.isfinite(lr) and lr > 0):
-        raise E.OptionError(BAD_SETTING.format(name="lr", value=lr, want="a finite number > 0"))
+        raise errors.OptionError(
+            BAD_SETTING.format(name="lr", value=lr, want="a finite number > 0")
+        )
 
 
 def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
@@ -305,7 +307,7 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     from .._sizes import parse_bytes
 
     if cfg.engine_options:
-        raise E.EngineInputError(BUDGET_AND_ENGINE.format(options=cfg.engine_options))
+        raise errors.EngineInputError(BUDGET_AND_ENGINE.format(options=cfg.engine_options))
     limit = parse_bytes(budget) if isinstance(budget, str) else budget
     dtype = getattr(torch, cfg.dtype)
     probe = copy.deepcopy(net).to(device=dev, dtype=dtype)  # the run's model stays as built
@@ -316,7 +318,7 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
                   optimizer=make)  # fmt: skip
     print(result if progress else result.message, flush=True)
     if result.engine is None:
-        raise E.EngineInputError(result.message)
+        raise errors.EngineInputError(result.message)
     row = next(c for c in result.table if c.verdict.startswith("chosen"))
     per_layer = cfg.step_per_layer or result.per_layer
     return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options),
@@ -324,30 +326,30 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
 
 
 def _claim_run_dir(out: Path, *, resume: str | Path | None, overwrite: bool,
-                   ctx: D.DistContext) -> None:  # fmt: skip
+                   ctx: distributed.DistContext) -> None:  # fmt: skip
     """Refuse ``out`` when it holds another run (rank 0 decides, every rank raises), or
     delete that run first with ``overwrite``."""
-    marks = C.run_marks(out) if ctx.rank == 0 else []
+    marks = snapshot.run_marks(out) if ctx.rank == 0 else []
     why = None
     if marks and resume is None and not overwrite:
-        why = C.RUN_EXISTS.format(dir=out, found=C.describe_marks(marks))
+        why = snapshot.RUN_EXISTS.format(dir=out, found=snapshot.describe_marks(marks))
     elif marks and resume is not None:
-        src = C.resolve_resume(resume)
+        src = snapshot.resolve_resume(resume)
         if src.resolve().parent not in (out.resolve(), (out / "checkpoints").resolve()):
-            why = C.RESUME_INTO_OTHER_RUN.format(dir=out, path=src,
-                                                 found=C.describe_marks(marks))  # fmt: skip
-    if D.any_process(why is not None, ctx):
-        raise C.RunDirectoryError(why or f"{out}: refused by rank 0 (see its message)")
+            why = snapshot.RESUME_INTO_OTHER_RUN.format(dir=out, path=src,
+                                                 found=snapshot.describe_marks(marks))  # fmt: skip
+    if distributed.any_process(why is not None, ctx):
+        raise snapshot.RunDirectoryError(why or f"{out}: refused by rank 0 (see its message)")
     if marks and overwrite:
-        C.remove_run(out)
-    D.barrier(ctx)
+        snapshot.remove_run(out)
+    distributed.barrier(ctx)
 
 
 class _Run:
     """The state of one training run and the steps that change it."""
 
     def __init__(self, cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
-                 ctx: D.DistContext) -> None:  # fmt: skip
+                 ctx: distributed.DistContext) -> None:  # fmt: skip
         dtype = getattr(torch, cfg.dtype)
         self.cfg, self.dev, self.ctx = cfg, dev, ctx
         self.net = net.to(device=dev, dtype=dtype)
@@ -358,23 +360,24 @@ class _Run:
         try:
             self.engine: Engine = make_engine(cfg.engine, **cfg.engine_options)
         except (ValueError, TypeError) as err:  # an option value the engine refuses
-            if isinstance(err, E.LeangradError):
+            if isinstance(err, errors.LeangradError):
                 raise
-            raise E.OptionError(f"--engine-opt (engine {cfg.engine!r}): {err}") from None
+            raise errors.OptionError(f"--engine-opt (engine {cfg.engine!r}): {err}") from None
         if (reason := self.engine.supports(self.net)) is not None:
             label = self.engine.label
-            raise E.EngineInputError(UNSUPPORTED.format(engine=label, model=cfg.model,
+            raise errors.EngineInputError(UNSUPPORTED.format(engine=label, model=cfg.model,
                                                         reason=reason))  # fmt: skip
         self.make_opt = _make_optimizer(cfg.optimizer, cfg.lr)
         self.params = {n: p for n, p in self.net.named_parameters() if p.requires_grad}
         self.plo = PerLayerOptimizer(self.params, self.make_opt) if cfg.step_per_layer else None
         self.opt = None if self.plo else self.make_opt(list(self.params.values()))
-        self.on_grad = D.averaging_on_grad(ctx, self.plo.on_grad) if self.plo else None
+        self.on_grad = distributed.averaging_on_grad(ctx, self.plo.on_grad) if self.plo else None
         self.per_step = cfg.batch_size * ctx.world_size
         self.steps_per_epoch = len(self.train) // self.per_step
         if self.steps_per_epoch < 1:
-            raise E.OptionError(BATCH_TOO_BIG.format(batch=cfg.batch_size, world=ctx.world_size,
-                                                  n=len(self.train)))  # fmt: skip
+            msg = BATCH_TOO_BIG.format(batch=cfg.batch_size, world=ctx.world_size,
+                                       n=len(self.train))  # fmt: skip
+            raise errors.OptionError(msg)
         full = cfg.epochs * self.steps_per_epoch
         self.total = full if cfg.max_steps is None else min(cfg.max_steps, full)
         self.step = self.epoch = self.batch = 0
@@ -399,21 +402,22 @@ class _Run:
     # -- checkpoints ---------------------------------------------------------------
     def resume(self, where: str | Path) -> None:
         """Load a checkpoint: weights, optimizer, position and every RNG state."""
-        path = C.resolve_resume(where)
-        payload = C.load_checkpoint(path, map_location=self.dev)
-        C.check_fingerprint(payload, self.net, path)
+        path = snapshot.resolve_resume(where)
+        payload = snapshot.load_checkpoint(path, map_location=self.dev)
+        snapshot.check_fingerprint(payload, self.net, path)
         saved = payload["config"]
         diffs = [f"{k}: {saved.get(k)!r} there, {getattr(self.cfg, k)!r} here"
                  for k in EXACT_KEYS if saved.get(k) != getattr(self.cfg, k)]  # fmt: skip
         if diffs:
-            raise C.CheckpointError(RESUME_MISMATCH.format(path=path, diffs="; ".join(diffs)))
-        C.check_finite(payload, path)
+            msg = RESUME_MISMATCH.format(path=path, diffs="; ".join(diffs))
+            raise snapshot.CheckpointError(msg)
+        snapshot.check_finite(payload, path)
         self.net.load_state_dict(payload["model"])
         self._optimizer.load_state_dict(payload["optimizer"])
         self.step, self.epoch, self.batch = payload["step"], payload["epoch"], payload["batch"]
         self.last_ckpt = path
-        C.set_engine_rng_state(self.engine, payload["engine_rng"])
-        C.set_rng_state(payload["rng"])
+        snapshot.load_engine_state(self.engine, payload)
+        snapshot.set_rng_state(payload["rng"])
 
     def open(self, out: Path, keep: int, *, resumed: bool) -> None:
         """Start writing into the run directory (rank 0 writes, every rank checkpoints).
@@ -435,19 +439,19 @@ class _Run:
         self._check_finite(self.step, self.final_loss, optimizer=True)
         if self.ckpt_dir is None:
             return
-        path = self.ckpt_dir / C.checkpoint_name(self.step)
+        path = self.ckpt_dir / snapshot.checkpoint_name(self.step)
         if self.lead:
             state = {
                 "step": self.step, "epoch": self.epoch, "batch": self.batch,
                 "config": dataclasses.asdict(self.cfg),
-                "fingerprint": C.model_fingerprint(self.net),
+                "fingerprint": snapshot.model_fingerprint(self.net),
                 "model": self.net.state_dict(), "optimizer": self._optimizer.state_dict(),
-                "rng": C.rng_state(), "engine_rng": C.engine_rng_state(self.engine),
+                "rng": snapshot.rng_state(), "engine_state": self.engine.state_dict(),
             }  # fmt: skip
-            C.save_checkpoint(path, state)
-            C.prune(self.ckpt_dir, self.keep)
+            snapshot.save_checkpoint(path, state)
+            snapshot.prune(self.ckpt_dir, self.keep)
         self.last_ckpt = path  # on every rank, so all take the same branches after the loop
-        D.barrier(self.ctx)
+        distributed.barrier(self.ctx)
 
     def _state_tensors(self, *, optimizer: bool) -> list[tuple[str, torch.Tensor]]:
         """The weights and buffers by name, and the optimizer state if asked."""
@@ -464,8 +468,8 @@ class _Run:
     def _check_finite(self, step: int, loss: float | None, *, optimizer: bool) -> None:
         """Raise :class:`NonFiniteLossError` (on every rank) when the weights, buffers or
         (``optimizer``) optimizer state hold NaN/Inf after ``step``."""
-        bad = C.non_finite(self._state_tensors(optimizer=optimizer))
-        if not D.any_process(bool(bad), self.ctx):
+        bad = snapshot.non_finite(self._state_tensors(optimizer=optimizer))
+        if not distributed.any_process(bool(bad), self.ctx):
             return
         if self.metrics is not None:
             self.metrics.write(kind="event", step=step, event="non-finite weights", where=bad)
@@ -498,13 +502,13 @@ class _Run:
                     if p.grad is not None:
                         on_grad(n, p)
             else:
-                D.average_gradients(self.params.items(), self.ctx)
+                distributed.average_gradients(self.params.items(), self.ctx)
                 opt.step()  # type: ignore[union-attr]
                 opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
         if isinstance(tracker, MemoryTracker):
             rep = tracker.report
             self.peak = max(self.peak or 0, rep.baseline_bytes + rep.peak_bytes)
-        return float(D.mean_scalar(res.loss, self.ctx))
+        return float(distributed.mean_scalar(res.loss, self.ctx))
 
     def _non_finite(self, loss: float) -> NonFiniteLossError:
         if self.metrics is not None:
@@ -560,7 +564,7 @@ class _Run:
                     epoch_done = self.batch == self.steps_per_epoch
                     if epoch_done:
                         self._end_epoch()
-                    if D.any_process(interrupt.hit, self.ctx):
+                    if distributed.any_process(interrupt.hit, self.ctx):
                         self.stopped = "interrupted"
                         break
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -572,7 +576,8 @@ class _Run:
             self.seconds = time.perf_counter() - start
         if self.stopped != "interrupted" and cfg.max_steps is not None:
             self.stopped = "max_steps" if self.step >= cfg.max_steps else self.stopped
-        final = None if self.ckpt_dir is None else self.ckpt_dir / C.checkpoint_name(self.step)
+        name = snapshot.checkpoint_name(self.step)
+        final = None if self.ckpt_dir is None else self.ckpt_dir / name
         if self.last_ckpt is None or final is None or not _same(self.last_ckpt, final):
             self.save()
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from .. import data as _data
 from .. import models as _models
 from ..data._text import text_chars
@@ -72,7 +72,7 @@ BAD_DATA_OPTION = (
 )
 
 
-class DataMismatchError(E.EngineInputError):
+class DataMismatchError(errors.EngineInputError):
     """A registered model that cannot take the data's examples (whatever its options)."""
 
 
@@ -103,7 +103,7 @@ def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
     for item in items or ():
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise E.EngineInputError(BAD_OPTION.format(item=item))
+            raise errors.EngineInputError(BAD_OPTION.format(item=item))
         out[key.strip()] = _value(raw.strip())
     return out
 
@@ -132,11 +132,11 @@ def _import(spec: str, kind: str) -> Callable[..., Any]:
     try:
         factory = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
-        raise E.UnknownNameError(
+        raise errors.UnknownNameError(
             BAD_SPEC.format(kind=kind, spec=spec, target=spec, error=err)
         ) from err
     if not callable(factory):
-        raise E.OptionError(NOT_CALLABLE.format(kind=kind, spec=spec,
+        raise errors.OptionError(NOT_CALLABLE.format(kind=kind, spec=spec,
                                                 type=type(factory).__name__))  # fmt: skip
     return factory
 
@@ -160,7 +160,7 @@ def _check_call(spec: str, kind: str, option: str, factory: Callable[..., Any],
         sig.bind(**kwargs)
     except TypeError as err:
         given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no arguments"
-        raise E.OptionError(BAD_FACTORY_CALL.format(kind=kind, spec=spec, given=given,
+        raise errors.OptionError(BAD_FACTORY_CALL.format(kind=kind, spec=spec, given=given,
                                                     error=err, option=option)) from None
 
 
@@ -190,12 +190,12 @@ def load_data(spec: str, **options: Any) -> _data.Dataset:
     except TypeError as err:
         if "unexpected keyword argument" not in str(err):
             raise
-        raise E.OptionError(BAD_DATA_OPTION.format(spec=spec, error=err)) from None
+        raise errors.OptionError(BAD_DATA_OPTION.format(spec=spec, error=err)) from None
     except (ValueError, FileNotFoundError) as err:  # a value or a path the loader refuses
-        if isinstance(err, E.LeangradError):
+        if isinstance(err, errors.LeangradError):
             raise
         bad = BAD_DATA_VALUE if options and not isinstance(err, FileNotFoundError) else BAD_DATA
-        raise E.OptionError(bad.format(spec=spec, error=err)) from None
+        raise errors.OptionError(bad.format(spec=spec, error=err)) from None
 
 
 def _load(spec: str, **options: Any) -> _data.Dataset:
@@ -207,13 +207,13 @@ def _load(spec: str, **options: Any) -> _data.Dataset:
         _check_call(spec, "data", "--data-opt", factory, options)
         ds = factory(**options)
         if not isinstance(ds, _data.Dataset):
-            raise E.EngineInputError(
+            raise errors.EngineInputError(
                 NOT_A.format(kind="data", spec=spec, type=type(ds).__name__, want="Dataset")
             )
         return ds
     if spec not in _data.available():
-        raise E.UnknownNameError(
-            E.UNKNOWN_NAME.format(kind="dataset", name=spec, known=", ".join(data_names()))
+        raise errors.UnknownNameError(
+            errors.UNKNOWN_NAME.format(kind="dataset", name=spec, known=", ".join(data_names()))
         )
     return _data.load(spec, **options)
 
@@ -314,13 +314,13 @@ def build_model(spec: str, info: DataInfo, **options: Any) -> nn.Module:
         _check_call(spec, "model", "--model-opt", factory, {**extra, **options})
         model = _call(spec, factory, {**extra, **options}, list(options))
         if not isinstance(model, nn.Module):
-            raise E.EngineInputError(
+            raise errors.EngineInputError(
                 NOT_A.format(kind="model", spec=spec, type=type(model).__name__, want="nn.Module")
             )
         return model
     if spec not in _MODELS:
-        raise E.UnknownNameError(
-            E.UNKNOWN_NAME.format(kind="model", name=spec, known=", ".join(model_names()))
+        raise errors.UnknownNameError(
+            errors.UNKNOWN_NAME.format(kind="model", name=spec, known=", ".join(model_names()))
         )
     return _call(spec, lambda **kw: _MODELS[spec](info, **kw), options, list(options))
 
@@ -330,13 +330,13 @@ def _call(spec: str, factory: Callable[..., nn.Module], kwargs: dict[str, Any],
     """``factory(**kwargs)``; a keyword it does not take is the user's --model-opt."""
     try:
         return factory(**kwargs)
-    except (TypeError, ValueError, E.LeangradError) as err:
+    except (TypeError, ValueError, errors.LeangradError) as err:
         if not given or isinstance(err, DataMismatchError):
             raise
         if "unexpected keyword argument" in str(err):
-            raise E.OptionError(BAD_MODEL_OPTION.format(spec=spec, error=err)) from None
+            raise errors.OptionError(BAD_MODEL_OPTION.format(spec=spec, error=err)) from None
         opts = ", ".join(f"{k}={kwargs[k]!r}" for k in given)
-        raise E.OptionError(BAD_MODEL_VALUE.format(spec=spec, opts=opts, error=err)) from None
+        raise errors.OptionError(BAD_MODEL_VALUE.format(spec=spec, opts=opts, error=err)) from None
 
 
 def example_batch(info: DataInfo, batch_size: int, *, device: torch.device | str,

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .._errors import LeangradError
+from ..engines import Engine
 
 __all__ = [
     "CheckpointError",
@@ -45,16 +46,15 @@ __all__ = [
     "check_fingerprint",
     "check_finite",
     "describe_marks",
-    "engine_rng_state",
     "list_checkpoints",
     "load_checkpoint",
+    "load_engine_state",
     "model_fingerprint",
     "non_finite",
     "remove_run",
     "rng_state",
     "run_marks",
     "save_checkpoint",
-    "set_engine_rng_state",
     "set_rng_state",
 ]
 
@@ -364,31 +364,21 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((version, tuple(int(v) for v in pstate.tolist()), pgauss))
 
 
-def engine_rng_state(engine: object) -> list[list[Any]]:
-    """States of the generators an engine keeps as attributes, directly or in a dict
-    (e.g. projforward's seeded per-device generators): ``[[attr, key, state], ...]``."""
-    found: list[list[Any]] = []
-    for name, value in sorted(vars(engine).items()):
-        if isinstance(value, torch.Generator):
-            found.append([name, None, value.get_state()])
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                if isinstance(v, torch.Generator):
-                    found.append([name, str(k), v.get_state()])
-    return found
+def load_engine_state(engine: Engine, payload: Mapping[str, Any]) -> None:
+    """Restore the engine's own state (:meth:`Engine.state_dict`) from a checkpoint.
 
-
-def set_engine_rng_state(engine: object, state: list[list[Any]]) -> None:
-    """Restore :func:`engine_rng_state`. A generator the engine makes lazily in a dict
-    keyed by device (absent in a fresh engine) is created first."""
-    for name, key, st in state:
+    Checkpoints written before engines had ``state_dict`` hold ``engine_rng``, a list of
+    ``[attribute, key, generator state]``; those are read as they were written."""
+    if "engine_state" in payload:
+        engine.load_state_dict(payload["engine_state"])
+        return
+    for name, key, st in payload.get("engine_rng", []):
         value = getattr(engine, name, None)
-        if key is None and isinstance(value, torch.Generator):
+        if isinstance(value, torch.Generator):
             value.set_state(st)
-        elif isinstance(value, dict):
-            match = [k for k in value if str(k) == key]
-            if match:
-                gen = value[match[0]]
-            else:
-                gen = value[torch.device(key)] = torch.Generator(device=key)
-            gen.set_state(st)
+        elif isinstance(value, dict):  # generators by transform name, or by device (lazy)
+            known = {str(k): k for k in value}
+            if key not in known:
+                known[key] = torch.device(key)
+                value[known[key]] = torch.Generator(device=key)
+            value[known[key]].set_state(st)
