@@ -16,7 +16,7 @@ generated code drops each intermediate at its last use, while a Python ``forward
 its locals alive until they are rebound or it returns. Nothing is saved while a
 checkpointed block runs, so those lifetimes are its memory: on a ResNet basic block
 (``h = bn2(conv2(h))`` keeps the first ReLU's output alive through ``bn2``) the
-checkpointed step's peak falls by one activation (tests/test_checkpoint_trace.py). It is
+checkpointed step's peak falls by one activation (tests/engines/test_checkpoint.py). It is
 not the default: the generated code ran 2% (ResNet) to 6% (GPT, no memory gained) slower
 here, so :func:`leangrad.plan` measures both and keeps what pays.
 """

@@ -32,7 +32,7 @@ stored per block of ``B`` rows.
 
 Numerics: eq. (20) is a causal recursion (an IIR filter over positions), so
 rounding errors can grow along a block; blocks bound the growth to ``B−k+1``
-steps. Measured in ``tests/test_fragmental.py`` and the ``fragmental-1d`` suite.
+steps. Measured in ``tests/layers/test_fragmental.py`` and the ``fragmental-1d`` suite.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def test_plan_with_an_optimizer_tries_per_layer_steps(capsys) -> None:
 
 
 def _env() -> dict[str, str]:
-    src = os.path.join(os.path.dirname(__file__), os.pardir, "src")
+    src = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "src")
     return {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1"}
 
 

@@ -26,7 +26,7 @@ from leangrad import models, train
 
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[2])
-from test_train_ddp import CASES, FIT, batch
+from test_distributed import CASES, FIT, batch
 
 ctx = train.init_distributed(torch.device("cpu"))
 assert ctx.enabled and ctx.world_size == 2 and ctx.backend == "gloo"
@@ -87,7 +87,7 @@ def test_two_processes_equal_one_on_the_combined_batch(tmp_path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     here = os.path.dirname(os.path.abspath(__file__))
-    src = os.path.join(here, os.pardir, "src")
+    src = os.path.join(here, os.pardir, os.pardir, "src")
     base = {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": "2"}  # fmt: skip

@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import sys
 
 import pytest
 import torch
-from torch import nn
 
-from leangrad import UnknownNameError, available, models, train
+from leangrad import UnknownNameError, available, train
 from leangrad.train import _snapshot as snapshot
 from leangrad.train._metrics import NO_MATPLOTLIB
+from train_cases import SMALL, Trap, assert_equal, weights
 
-SMALL = {"data": "synthetic", "data_options": {"n": 160}, "batch_size": 32, "progress": False,
-         "track_memory_every": 0, "plots": False}  # fmt: skip
-"""128 training examples, 4 steps per epoch: resumes below cross epoch boundaries."""
 IMAGES = {**SMALL, "data_options": {"n": 160, "shape": [1, 8, 8]}}
 
 
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
 RESUME_CASES = [
@@ -49,7 +39,7 @@ def test_resume_is_bit_exact(tmp_path, model, engine, opts, per_layer, base) -> 
     assert first.stopped == "max_steps" and first.checkpoint.name == "step-000006.pt"
     again = train.fit(model, **kw, max_steps=10, out=tmp_path / "run", resume=tmp_path / "run")
     assert again.steps == ref.steps == 10
-    _assert_equal(_weights(again.model), _weights(ref.model))
+    assert_equal(weights(again.model), weights(ref.model))
     steps = [r["step"] for r in train.read_metrics(again.metrics) if r["kind"] == "step"]
     assert steps == list(range(1, 11))  # metrics cut back to the checkpoint, then continued
 
@@ -125,29 +115,12 @@ def test_save_is_atomic_and_leaves_no_temp_files(tmp_path) -> None:
     assert torch.equal(train.load_checkpoint(path)["x"], torch.arange(4))
 
 
-class _Trap(nn.Module):
-    """An MLP whose forward call number ``at`` returns NaN or sends this process SIGINT
-    (calls count training steps and the one test-set evaluation at each epoch end)."""
-
-    def __init__(self, at: int, action: str) -> None:
-        super().__init__()
-        self.net = models.mlp(64, 16, 1, 10)
-        self.at, self.action, self.calls = at, action, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        out = self.net(x)
-        if self.calls == self.at and self.action == "nan":
-            out = out * float("nan")
-        if self.calls == self.at and self.action == "sigint":
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
 
 
 def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path) -> None:
     with pytest.raises(train.NonFiniteLossError, match=r"loss is nan at step 7 \(epoch 1, "
                        r"batch 2\).*step-000006.pt"):  # fmt: skip
-        train.fit(_Trap(8, "nan"), **SMALL, epochs=3, checkpoint_every=2, out=tmp_path)
+        train.fit(Trap(8, "nan"), **SMALL, epochs=3, checkpoint_every=2, out=tmp_path)
     ckpts = snapshot.list_checkpoints(tmp_path / "checkpoints")
     assert ckpts[-1].name == "step-000006.pt"
     state = train.load_checkpoint(ckpts[-1])["model"]
@@ -156,10 +129,10 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path)
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigint_finishes_a_checkpoint_and_returns(tmp_path) -> None:
-    res = train.fit(_Trap(3, "sigint"), **SMALL, epochs=3, checkpoint_every=100, out=tmp_path)
+    res = train.fit(Trap(3, "sigint"), **SMALL, epochs=3, checkpoint_every=100, out=tmp_path)
     assert res.stopped == "interrupted" and res.steps == 3
     assert res.checkpoint == tmp_path / "checkpoints" / "step-000003.pt"
-    _assert_equal(train.load_checkpoint(res.checkpoint)["model"], _weights(res.model))
+    assert_equal(train.load_checkpoint(res.checkpoint)["model"], weights(res.model))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
 
 

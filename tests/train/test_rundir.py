@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from leangrad import LeangradError, train
 from leangrad.cli import main
 from leangrad.train import _snapshot as snapshot
-from test_train import SMALL, _assert_equal, _Trap, _weights
+from train_cases import SMALL, Trap, assert_equal, weights
 
 RUN = ["--data", "synthetic", "--data-opt", "n=160", "--batch-size", "32", "--epochs", "5",
        "--track-memory-every", "0", "--no-progress", "--no-plots"]  # fmt: skip
@@ -100,7 +100,7 @@ def test_resume_continues_the_old_run_bit_exactly(tmp_path) -> None:
         train.fit("mlp", **kw, max_steps=10, out=run)  # the mistake of issue 12
     again = train.fit("mlp", **kw, max_steps=10, checkpoint_every=4, out=run, resume=run)
     assert again.steps == 10
-    _assert_equal(_weights(again.model), _weights(ref.model))
+    assert_equal(weights(again.model), weights(ref.model))
     assert _steps(again.metrics) == list(range(1, 11))
 
 
@@ -145,7 +145,7 @@ def test_cli_refuses_in_one_line_exit_2_then_overwrite_and_resume(tmp_path, caps
     ref = train.fit("mlp", **SMALL, epochs=5, max_steps=9)
     final = train.load_checkpoint(snapshot.list_checkpoints(out / "checkpoints")[-1])
     assert final["step"] == 9
-    _assert_equal(final["model"], _weights(ref.model))
+    assert_equal(final["model"], weights(ref.model))
     # --overwrite starts over
     assert main(["train", *RUN, "--max-steps", "2", "--seed", "1", "--out", str(out),
                  "--overwrite"]) == 0  # fmt: skip
@@ -199,7 +199,7 @@ def test_nan_update_on_a_checkpoint_step_stops_there_and_is_not_saved(tmp_path) 
     assert recs[-1]["event"] == "non-finite weights" and recs[-1]["step"] == 4
     again = train.fit("mlp", **kw, resume=tmp_path, out=tmp_path)
     clean = train.fit("mlp", **kw)
-    _assert_equal(_weights(again.model), _weights(clean.model))
+    assert_equal(weights(again.model), weights(clean.model))
 
 
 def test_nan_update_between_checkpoints_stops_at_the_next_loss(tmp_path) -> None:
@@ -228,7 +228,7 @@ def test_non_finite_optimizer_state_is_not_saved(tmp_path, per_layer, at) -> Non
 def test_ctrl_c_after_a_nan_update_saves_nothing(tmp_path) -> None:
     with _poison(at=3), pytest.raises(train.NonFiniteLossError,
                                       match=r"update of step 3: .*none written"):  # fmt: skip
-        train.fit(_Trap(3, "sigint"), **SMALL, epochs=3, checkpoint_every=100, out=tmp_path)
+        train.fit(Trap(3, "sigint"), **SMALL, epochs=3, checkpoint_every=100, out=tmp_path)
     assert snapshot.list_checkpoints(tmp_path / "checkpoints") == []
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from leangrad import rad
 from leangrad.measure import estimator_stats, saved_tensor_bytes
 
-# See test_rad_layers.py for the justification of these bounds.
+# See tests/rad/test_layers.py for the justification of these bounds.
 Z2_LOW, Z2_HIGH, Z_MAX = 0.3, 1.6, 6.0
 
 

@@ -1,7 +1,7 @@
 """Composition of a base engine with transforms (``"checkpoint+fad"``, ``"rad"``, ...):
 the spelling, option routing, what is refused, and that the user's module is never
 changed. Gradients and the backward contract are covered by the reference test
-(test_engines.py) and the contract test (test_semantics.py)."""
+(test_engines.py) and the contract test (test_contract.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def test_exact_adjoint_matches_autograd_float64() -> None:
 
 @pytest.mark.parametrize("replace", [False, True])
 def test_rad_gradient_unbiased(replace: bool) -> None:
-    # tolerance as in test_rad_layers.py: mean z^2 near 1, |z| under a Bonferroni bound
+    # tolerance as in tests/rad/test_layers.py: mean z^2 near 1, |z| under a Bonferroni bound
     p = rad.ReactionDiffusion(**SMALL)
     theta = p.initial_theta(seed=1)
     exact = {"theta": rad.pde_gradient(p, theta).grad}

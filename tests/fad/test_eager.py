@@ -12,9 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad.fad as fad
-from leangrad.fad._testing import random_chain
-from leangrad.measure import saved_tensor_bytes
-from test_fad_nest import (
+from fad_cases import (
     Acts,
     Branchy,
     DataDependent,
@@ -26,6 +24,8 @@ from test_fad_nest import (
     rel,
     swish,
 )  # fmt: skip
+from leangrad.fad._testing import random_chain
+from leangrad.measure import saved_tensor_bytes
 
 
 def nested_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
