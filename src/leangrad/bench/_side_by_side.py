@@ -50,6 +50,9 @@ class Curves(abc.ABC):
     unit: str = "step"
     """Names the round in failure messages (``"step 3: ..."``)."""
 
+    failure_records: bool = True
+    """A failed lane gets a record saying why (``False``: its curve just ends)."""
+
     @abc.abstractmethod
     def record(self, lane: Lane, r: int) -> dict[str, Any]:
         """The record of ``lane`` at round ``r`` before anything is measured."""
@@ -71,9 +74,9 @@ def train_side_by_side(
 ) -> list[dict[str, Any]]:
     """Train ``lanes`` round by round on the same ``(round, batch)`` stream; their records.
 
-    A lane whose :meth:`Curves.advance` raises gets one record with ``failed`` set
-    (``"<unit> <round>: <error type>: <message>"``) and stops; a lane failed before the
-    first round gets no record at all.
+    A lane whose :meth:`Curves.advance` raises stops; with ``curves.failure_records``
+    it gets one record with ``failed`` set (``"<unit> <round>: <error type>: <message>"``).
+    A lane failed before the first round gets no record at all.
     """
     records: list[dict[str, Any]] = []
     for r, batch in rounds:
@@ -85,8 +88,9 @@ def train_side_by_side(
                 out = curves.advance(lane, r, batch)
             except Exception as err:  # record what happened, stop this lane
                 lane.failed = f"{curves.unit} {r}: {type(err).__name__}: {err}"
-                rec["failed"] = lane.failed
-                records.append(rec)
+                if curves.failure_records:
+                    rec["failed"] = lane.failed
+                    records.append(rec)
                 continue
             fields = curves.measure(lane, r, batch, out)
             if fields is not None:
