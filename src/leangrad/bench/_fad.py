@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import fad
+from .._sizes import fmt_bytes
 from ..measure import (
     FORWARD_END,
     MemoryTracker,
@@ -352,8 +354,8 @@ def _f(v: Any, spec: str = ".2f") -> str:
     return "—" if v is None else format(v, spec)
 
 
-def _mib(v: Any) -> str:
-    return "—" if v is None else f"{v / 2**20:.2f} MiB"
+_mib = functools.partial(fmt_bytes, spec=".2f")
+"""Sizes in this report's tables: MiB with two decimals."""
 
 
 TARGETS = (

@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import data, rad
+from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, saved_tensor_bytes
 from ._runner import machine_info
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
@@ -375,12 +376,6 @@ def run_pde(
     return records
 
 
-def _fmt_bytes(n: float | None) -> str:
-    from ._report import fmt_bytes
-
-    return fmt_bytes(n)
-
-
 def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> None:
     import matplotlib
 
@@ -421,8 +416,8 @@ def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
         ref = next((r for r in rs if r["fraction"] is None and r["batch"] == 150), rs[0])
         for r in rs:
             lines.append(
-                f"| {kind} | {r['engine']} | {r['batch']} | {_fmt_bytes(r['saved_bytes'])} "
-                f"| {r['saved_bytes'] / ref['saved_bytes']:.3f} | {_fmt_bytes(r['peak_bytes'])} "
+                f"| {kind} | {r['engine']} | {r['batch']} | {fmt_bytes(r['saved_bytes'])} "
+                f"| {r['saved_bytes'] / ref['saved_bytes']:.3f} | {fmt_bytes(r['peak_bytes'])} "
                 f"| {r['grad_mse']:.4g} | {r['grad_mse'] / ref['grad_mse']:.2f} |"
             )
     return [*lines, ""]
@@ -454,8 +449,8 @@ def _render_curves(
             acc = last.get("test_acc")
             secs = next((r["train_seconds"] for r in reversed(ls) if r.get("train_seconds")), None)
             lines.append(
-                f"| {label} | {how} | {_fmt_bytes(last.get('saved_bytes'))} "
-                f"| {_fmt_bytes(last.get('peak_bytes'))} | {last['x']} "
+                f"| {label} | {how} | {fmt_bytes(last.get('saved_bytes'))} "
+                f"| {fmt_bytes(last.get('peak_bytes'))} | {last['x']} "
                 f"| {last['train_loss']:.4g} | {'' if acc is None else f'{acc:.3f}'} "
                 f"| {'' if secs is None else f'{secs:.1f}'} |"
             )
