@@ -47,6 +47,7 @@ from ..measure import (
 )
 from ._fad_models import ACTIVATIONS, build_model, set_recompute
 from ._runner import RECORD_FIELDS, machine_info
+from ._search import bisect_last_fit
 from ._suites import Suite
 
 __all__ = ["run_fad"]
@@ -139,10 +140,7 @@ def _max_batch(m: _Method, make: Callable[[int], tuple[Tensor, Tensor]], budget:
     lo, hi = 0, start
     while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, cap + 1)
-    while hi - lo > max(1, lo // 64):
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    lo = bisect_last_fit(fits, lo, min(hi, cap + 1), relative=64)
     return lo, probes
 
 

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from ..measure import MemoryBudgetExceeded, MemoryTracker
 from ._report import _fmt, fmt_bytes, sweep_section
 from ._runner import RECORD_FIELDS, EngineSpec, machine_info
+from ._search import bisect_last_fit
 from ._suites import Suite
 from ._workloads import build
 
@@ -126,12 +127,8 @@ def deepest_fitting(
             return max_depth, probes
         hi = max_depth if lo < max_depth else max_depth + 1
     while True:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo = bisect_last_fit(ok, lo, hi)
+        hi = lo + 1
         deeper = [d for d in range(hi + 1, min(hi + extra_probes, max_depth) + 1) if ok(d)]
         if not deeper:
             return lo, probes

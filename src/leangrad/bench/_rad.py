@@ -37,6 +37,7 @@ from .. import data, rad
 from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, saved_tensor_bytes
 from ._runner import machine_info
+from ._search import bisect_last_fit
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Suite
 from ._training import _now
@@ -111,15 +112,14 @@ def equal_memory_batch(
     model: nn.Module, target_bytes: int, ds: data.Dataset, *, largest: int
 ) -> tuple[int, int]:
     """The largest exact batch whose measured saved bytes are at most ``target_bytes``."""
-    lo, hi, best = 1, largest, (1, 0)
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        b = memory_of(model, ds.x[:mid], ds.y[:mid])["saved_bytes"]
-        if b <= target_bytes:
-            best, lo = (mid, b), mid + 1
-        else:
-            hi = mid - 1
-    return best
+    saved: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        saved[b] = memory_of(model, ds.x[:b], ds.y[:b])["saved_bytes"]
+        return saved[b] <= target_bytes
+
+    best = bisect_last_fit(fits, 0, largest + 1)
+    return (best, saved[best]) if best else (1, 0)
 
 
 def _load(dataset: str, seed: int, device: str) -> tuple[data.Dataset, data.Dataset]:
