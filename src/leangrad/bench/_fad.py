@@ -47,7 +47,7 @@ from ..measure import (
     time_interleaved,
 )
 from ._fad_models import ACTIVATIONS, build_model, set_recompute
-from ._runner import RECORD_FIELDS, machine_info
+from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._suites import Suite
 
@@ -350,9 +350,8 @@ def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quic
     stamp = {"config": config, "quick": quick, "machine": machine, "created": created}
     records: list[dict[str, Any]] = []
     for name in METHODS:
-        rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-        rec.update(kind="fad", suite=suite.name, series=series, sweep="method", x=name,
-                   engine=name, **stamp, skipped=None, memory_note=None)  # fmt: skip
+        rec = new_record(kind="fad", suite=suite.name, series=series, sweep="method", x=name,
+                         engine=name, **stamp, skipped=None, memory_note=None)  # fmt: skip
         if name not in methods:
             rec["skipped"] = compile_skip
         else:
@@ -361,11 +360,11 @@ def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quic
             rec["fused_chains"] = [list(r.ops) for r in regions if r.name is not None]
         records.append(rec)
     shape = _activation_shape(base, got.x, act)
-    arec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    arec.update(kind="fad-activation", suite=suite.name, series=series, sweep="method",
-                x="activation", engine="activation", **stamp,
-                **_activation_records(act, shape, settings["act_repeats"], device))  # fmt: skip
-    records.append(arec)
+    records.append(new_record(
+        kind="fad-activation", suite=suite.name, series=series, sweep="method",
+        x="activation", engine="activation", **stamp,
+        **_activation_records(act, shape, settings["act_repeats"], device),
+    ))  # fmt: skip
     nest_r = next(r for r in records if r["engine"] == "fad.nest")
     bar.set_postfix_str(
         f"saved {nest_r['saved_ratio']:.2f}x batch {nest_r['max_batch_ratio']:.2f}x "

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..measure import MemoryBudgetExceeded, MemoryTracker
 from ._report import _fmt, fmt_bytes, sweep_section
-from ._runner import RECORD_FIELDS, EngineSpec, machine_info
+from ._runner import EngineSpec, machine_info, new_record
 from ._search import bisect_last_fit
 from ._suites import Suite
 from ._workloads import build
@@ -159,8 +159,7 @@ def run_depth_at_budget(
 
         depth, probes = deepest_fitting(fits, max_depth=max_depth, extra_probes=extra)
         at = next((p for p in probes if p["depth"] == depth), None)
-        rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-        rec.update(
+        rec = new_record(
             kind="depth_at_budget",
             suite=suite.name,
             series="budget",

@@ -52,7 +52,7 @@ from ..highway import (
     cumsumprod_sequential,
 )
 from ..measure import MemoryTracker, compare_grads, grads_of, num_threads, time_interleaved
-from ._runner import RECORD_FIELDS, machine_info
+from ._runner import machine_info, new_record
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Series, Suite
 
@@ -64,10 +64,10 @@ def _now() -> str:
 
 
 def _base(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
-    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    rec.update(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=_now())
-    rec.update(fields)
-    return rec
+    return new_record(
+        dict(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=_now()),
+        fields,
+    )
 
 
 # --- models and data -------------------------------------------------------------------

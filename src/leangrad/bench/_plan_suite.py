@@ -36,7 +36,7 @@ from ..measure._rss import run_json_worker
 from ..measure._timer import num_threads
 from ._plan_peers import HOOKED, Step, make_sgd, optimizer_in_backward, peers, workload
 from ._report import fmt_bytes
-from ._runner import RECORD_FIELDS, machine_info
+from ._runner import machine_info, new_record
 from ._suites import Suite
 
 __all__ = ["render", "run_plan_suite"]
@@ -209,8 +209,7 @@ def _record(
     vs_backprop: float | None,
     **extra: Any,
 ) -> dict[str, Any]:
-    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    rec.update(
+    return new_record(
         common,
         engine=side,
         choice=label,
@@ -220,7 +219,6 @@ def _record(
         fits=label is not None,
         **extra,
     )
-    return rec
 
 
 def _leangrad_side(

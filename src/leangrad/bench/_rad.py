@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from .. import data, rad
 from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, saved_tensor_bytes
-from ._runner import machine_info
+from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Suite
@@ -149,13 +149,7 @@ def _layer_slices(model: nn.Module) -> dict[str, slice]:
 
 
 def _record(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
-    rec: dict[str, Any] = {
-        "engine": None, "config": None, "peak_bytes": None, "saved_bytes": None,
-        "seconds_median": None, "time_ratio": None, "grad_max_rel_err": None,
-        "grad_cosine": None, "kind": kind, "suite": suite.name, "quick": quick,
-    }  # fmt: skip
-    rec.update(fields)
-    return rec
+    return new_record(dict(kind=kind, suite=suite.name, quick=quick), fields)
 
 
 def _estimators(suite: Suite, quick: bool) -> list[dict[str, Any]]:

@@ -21,19 +21,52 @@ from ..measure import profile_step, run_rss_worker, time_interleaved
 from ..measure._rss import rss_supported
 from ._workloads import Workload, build
 
-__all__ = ["RECORD_FIELDS", "EngineSpec", "machine_info", "measure_config"]
+__all__ = [
+    "RECORD_FIELDS",
+    "EngineSpec",
+    "Record",
+    "machine_info",
+    "measure_config",
+    "new_record",
+]
 
-RECORD_FIELDS = (
-    "engine",
-    "config",
-    "peak_bytes",
-    "saved_bytes",
-    "seconds_median",
-    "time_ratio",
-    "grad_max_rel_err",
-    "grad_cosine",
-)
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """The fields every benchmark record has (``None`` where not applicable), typed.
+
+    Records stay JSON dicts: :func:`new_record` writes these fields first, in this order,
+    then a suite's own fields — the keys ``dict.fromkeys(RECORD_FIELDS)`` plus an update
+    gave.
+    """
+
+    engine: str | None = None
+    config: dict[str, Any] | None = None
+    peak_bytes: int | None = None
+    saved_bytes: int | None = None
+    seconds_median: float | None = None
+    time_ratio: float | None = None
+    grad_max_rel_err: float | None = None
+    grad_cosine: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a dict, in declaration order (values not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(Record))
 """The fields every benchmark record has (``None`` where not applicable)."""
+
+
+def new_record(*parts: Mapping[str, Any], **fields: Any) -> dict[str, Any]:
+    """A record: every :class:`Record` field first (``None`` unless given), then the suite's
+    own fields in the order given (``parts``, then ``fields``; a later value wins)."""
+    given: dict[str, Any] = {}
+    for part in parts:
+        given.update(part)
+    given.update(fields)
+    common = Record(**{k: given.pop(k) for k in RECORD_FIELDS if k in given})
+    return {**common.as_dict(), **given}
+
 
 RSS_TOLERANCE = 0.01
 """The RSS cross-check flags a record whose fresh-process peak exceeds the tracker's by more."""

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from .. import data, models
 from ..measure import compare_grads, grads_of
-from ._runner import RECORD_FIELDS, EngineSpec, machine_info
+from ._runner import EngineSpec, machine_info, new_record
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Series, Suite
 
@@ -52,21 +52,10 @@ def _now() -> str:
 
 
 def _record(suite: Suite, series: str, sweep: str, x: int, quick: bool, **fields: Any) -> dict:
-    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    rec.update(
-        kind="training",
-        suite=suite.name,
-        series=series,
-        sweep=sweep,
-        x=x,
-        train_loss=None,
-        train_acc=None,
-        test_acc=None,
-        failed=None,
-        quick=quick,
-    )
-    rec.update(fields)
-    return rec
+    head = dict(kind="training", suite=suite.name, series=series, sweep=sweep, x=x,
+                train_loss=None, train_acc=None, test_acc=None, failed=None,
+                quick=quick)  # fmt: skip
+    return new_record(head, fields)
 
 
 @torch.no_grad()
