@@ -1,4 +1,5 @@
-"""The bisection the benchmark searches share: the largest batch or depth that still fits."""
+"""The bisection the benchmark searches share: the largest batch or depth that still fits
+(fad's and the zoo's max batch, fragmental's deepest depth, rad's equal-memory batch)."""
 
 from __future__ import annotations
 
