@@ -15,6 +15,9 @@ Two runners, named by suite files with ``runner = "module:function"``:
   (unconstrained), both trained with backprop; train loss/accuracy and test
   accuracy after every epoch.
 
+Both are configs (:class:`_Stability`, :class:`_Constrained`) of the loop they share
+with highway-train and rad-convergence, :func:`~leangrad.bench._side_by_side.train_side_by_side`.
+
 Records carry :data:`~leangrad.bench.RECORD_FIELDS` (``None`` where not
 measured) plus ``kind = "training"``, ``suite``, ``series``, ``sweep``
 (``"step"`` or ``"epoch"``), ``x``, ``train_loss``, ``train_acc``, ``test_acc``,
