@@ -1,5 +1,6 @@
-"""Memory sizes as people write them (``"2GiB"``), and how much memory a step may take
-here — shared by ``leangrad plan``, ``train --budget`` and the CLI's option types."""
+"""Memory sizes as people write them (``"2GiB"``) and as reports print them, and how much
+memory a step may take here — shared by ``leangrad plan``, ``train --budget``, the CLI's
+option types and every benchmark report."""
 
 from __future__ import annotations
 
@@ -8,12 +9,35 @@ import re
 
 import torch
 
-__all__ = ["BAD_BYTES", "free_bytes", "parse_bytes"]
+__all__ = ["BAD_BYTES", "MiB", "fmt_bytes", "free_bytes", "parse_bytes"]
+
+MiB = 2**20
 
 BAD_BYTES = "budget {value!r} is not a size; write e.g. 512MiB, 2GiB, 1.5GB or 1e9"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}  # fmt: skip
+
+
+def fmt_bytes(
+    n: float | None, *, spec: str | None = None, missing: str = "—", unit: str = " MiB"
+) -> str:
+    """Bytes as a report prints them; ``missing`` for ``None``.
+
+    Args:
+        n: A size in bytes, or ``None``.
+        spec: ``None``: MiB with three significant digits, KiB below 0.01 MiB
+            (``"1.5 MiB"``, ``"3 KiB"``). A format spec (``".2f"``): always MiB, in
+            that format, followed by ``unit`` — for tables whose column is fixed-point.
+        missing: What ``None`` prints as.
+        unit: The unit's text after a ``spec``-formatted number.
+    """
+    if n is None:
+        return missing
+    if spec is not None:
+        return f"{n / MiB:{spec}}{unit}"
+    v = n / MiB
+    return f"{v:.3g} MiB" if v >= 0.01 else f"{n / 1024:.3g} KiB"
 
 
 def parse_bytes(value: str | int | float) -> int:

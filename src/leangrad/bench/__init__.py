@@ -3,7 +3,7 @@
 from ._demo import run_demo
 from ._report import render_report
 from ._run import run_suite
-from ._runner import RECORD_FIELDS, EngineSpec, machine_info, measure_config
+from ._runner import RECORD_FIELDS, EngineSpec, Record, machine_info, measure_config, new_record
 from ._suites import Suite, list_suites, load_suite
 from ._workloads import Workload, build
 from ._zoo_report import zoo_headline
@@ -11,6 +11,7 @@ from ._zoo_report import zoo_headline
 __all__ = [
     "RECORD_FIELDS",
     "EngineSpec",
+    "Record",
     "Suite",
     "Workload",
     "build",
@@ -18,6 +19,7 @@ __all__ = [
     "load_suite",
     "machine_info",
     "measure_config",
+    "new_record",
     "render_report",
     "run_demo",
     "run_suite",

@@ -30,7 +30,7 @@ from .. import engine, zoo
 from ..measure import MemoryTracker, compare_grads, time_interleaved
 from ..measure._timer import num_threads
 from ._report import fmt_bytes
-from ._runner import RECORD_FIELDS, machine_info
+from ._runner import machine_info, new_record
 from ._suites import Suite
 
 __all__ = ["render", "run_blocks"]
@@ -137,8 +137,7 @@ def run_blocks(suite: Suite, *, quick: bool = False, device: str = "cpu",
                     for n, s in methods.items()}  # fmt: skip
             times = time_interleaved(methods, repeats=repeats, warmup=1, reference="backprop")
             for name in methods:
-                rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-                rec.update(
+                rec = new_record(
                     suite=suite.name, series=kind, sweep="method", x=name, engine=name,
                     config={"model": kind, **size, "dtype": "float32", "threads": 1},
                     peak_bytes=peaks[name], peak_ratio=peaks[name] / peaks["backprop"],

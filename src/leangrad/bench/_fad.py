@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import fad
+from .._sizes import fmt_bytes
 from ..measure import (
     FORWARD_END,
     MemoryTracker,
@@ -44,7 +47,8 @@ from ..measure import (
     time_interleaved,
 )
 from ._fad_models import ACTIVATIONS, build_model, set_recompute
-from ._runner import RECORD_FIELDS, machine_info
+from ._runner import machine_info, new_record
+from ._search import bisect_last_fit
 from ._suites import Suite
 
 __all__ = ["run_fad"]
@@ -137,10 +141,7 @@ def _max_batch(m: _Method, make: Callable[[int], tuple[Tensor, Tensor]], budget:
     lo, hi = 0, start
     while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, cap + 1)
-    while hi - lo > max(1, lo // 64):
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    lo = bisect_last_fit(fits, lo, min(hi, cap + 1), relative=64)
     return lo, probes
 
 
@@ -261,14 +262,70 @@ def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu",
     return records
 
 
+@dataclasses.dataclass
+class _Measured:
+    """What :func:`_run_config` measured of every method on one (model, activation)."""
+
+    x: Tensor
+    y: Tensor
+    mem: dict[str, dict[str, int | None]]
+    budget: int
+    maxb: dict[str, tuple[int, int]]
+    errs: dict[str, float]
+    times: dict[str, Any]
+
+
+def _measure(methods: dict[str, _Method], base: nn.Module,
+             make: Callable[[int], tuple[Tensor, Tensor]],
+             settings: dict[str, Any]) -> _Measured:  # fmt: skip
+    """Memory at ``batch``, max batch under eager's peak at ``budget_batch``, gradient
+    errors against eager float64 (torch.compile: against eager float32), interleaved times."""
+    x, y = make(settings["batch"])
+    mem = {n: _memory(m, x, y) for n, m in methods.items() if n != "torch.compile"}
+    bx, by = make(settings["budget_batch"])
+    budget = _peak(methods["eager"], bx, by)[0]
+    maxb = {n: _max_batch(m, make, budget, settings["budget_batch"], settings["cap"])
+            for n, m in methods.items() if n != "torch.compile"}  # fmt: skip
+    errs = _grad_errors(base, make, list(methods))
+    if "torch.compile" in methods:  # float32 only: a float64 compile would recompile
+        f32 = {}
+        for n in ("eager", "torch.compile"):
+            methods[n].step(x, y, _params(methods[n]))
+            f32[n] = {k: p.grad.clone() for k, p in base.named_parameters()}
+        errs["torch.compile"] = compare_grads(f32["torch.compile"], f32["eager"]).max_rel_err
+    steps = {n: (lambda m=m, x=x, y=y: m.step(x, y, _params(m))) for n, m in methods.items()}
+    times = time_interleaved(steps, repeats=settings["repeats"], warmup=2, reference="eager")
+    return _Measured(x, y, mem, budget, maxb, errs, times)
+
+
+def _method_fields(name: str, m: _Method, got: _Measured) -> dict[str, Any]:
+    """The measured fields of a method that ran: times, error, memory against eager's."""
+    t = got.times[name]
+    out: dict[str, Any] = dict(seconds_median=t.median, seconds_min=t.minimum,
+                               seconds_max=t.maximum, time_ratio=t.ratio,
+                               grad_max_rel_err=got.errs.get(name))  # fmt: skip
+    if name in got.mem:
+        mine, ref, maxb = got.mem[name], got.mem["eager"], got.maxb
+        out.update(mine, budget_bytes=got.budget, max_batch=maxb[name][0],
+                   max_batch_probes=maxb[name][1],
+                   max_batch_ratio=maxb[name][0] / max(maxb["eager"][0], 1),
+                   saved_ratio=mine["saved_bytes"] / ref["saved_bytes"],
+                   forward_live_ratio=mine["forward_live_bytes"] / ref["forward_live_bytes"],
+                   peak_ratio=mine["peak_bytes"] / ref["peak_bytes"])  # fmt: skip
+    else:  # hooks still see what the compiled autograd function saves
+        x, y = got.x, got.y
+        with saved_tensor_bytes(x, y, *m.model.parameters(), *m.model.buffers()) as sv:
+            loss = m.loss(x, y)
+        del loss
+        out.update(saved_bytes=sv.bytes, memory_note=_COMPILE_MEMORY,
+                   saved_ratio=sv.bytes / got.mem["eager"]["saved_bytes"])  # fmt: skip
+    return out
+
+
 def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quick: bool,
                 device: str, settings: dict[str, Any], machine: Any, created: str,
                 bar: Any) -> list[dict[str, Any]]:  # fmt: skip
     """All methods on one (model, activation): records of kind ``fad`` and ``fad-activation``."""
-    batch, budget_batch, batch_cap = settings["batch"], settings["budget_batch"], settings["cap"]
-    repeats, act_repeats = settings["repeats"], settings["act_repeats"]
-    compile_for, compile_limit = settings["compile"], settings["compile_limit"]
-    records: list[dict[str, Any]] = []
     series = f"{kind}-{act}"
     bar.set_description(f"{suite.name} {series}")
     torch.manual_seed(0)
@@ -280,67 +337,35 @@ def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quic
         x, y = make0(b, gen)
         return x.to(device), y.to(device)
 
+    compile_for = settings["compile"]
     want_compile = f"{kind}-{act}" in compile_for or "all" in compile_for
-    compile_skip = _compile_ok(base, make, compile_limit) if want_compile else (
+    compile_skip = _compile_ok(base, make, settings["compile_limit"]) if want_compile else (
         "not run for this configuration (suite setting `compile`)")  # fmt: skip
     methods = _methods(base, compiled=compile_skip is None)
-    config = {"model": kind, "activation": act, **size, "batch": batch,
-              "budget_batch": budget_batch, "dtype": "float32", "threads": 1}  # fmt: skip
-    x, y = make(batch)
-    mem = {n: _memory(m, x, y) for n, m in methods.items() if n != "torch.compile"}
-    bx, by = make(budget_batch)
-    budget = _peak(methods["eager"], bx, by)[0]
-    maxb = {n: _max_batch(m, make, budget, budget_batch, batch_cap)
-            for n, m in methods.items() if n != "torch.compile"}  # fmt: skip
-    errs = _grad_errors(base, make, list(methods))
-    if "torch.compile" in methods:  # float32 only: a float64 compile would recompile
-        f32 = {}
-        for n in ("eager", "torch.compile"):
-            methods[n].step(x, y, _params(methods[n]))
-            f32[n] = {k: p.grad.clone() for k, p in base.named_parameters()}
-        errs["torch.compile"] = compare_grads(f32["torch.compile"], f32["eager"]).max_rel_err
-    steps = {n: (lambda m=m, x=x, y=y: m.step(x, y, _params(m))) for n, m in methods.items()}
-    times = time_interleaved(steps, repeats=repeats, warmup=2, reference="eager")
+    config = {"model": kind, "activation": act, **size, "batch": settings["batch"],
+              "budget_batch": settings["budget_batch"], "dtype": "float32",
+              "threads": 1}  # fmt: skip
+    got = _measure(methods, base, make, settings)
     regions = methods["fad.nest"].model.fad_regions  # type: ignore[union-attr]
+    stamp = {"config": config, "quick": quick, "machine": machine, "created": created}
+    records: list[dict[str, Any]] = []
     for name in METHODS:
-        rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-        rec.update(kind="fad", suite=suite.name, series=series, sweep="method", x=name,
-                   engine=name, config=config, quick=quick, machine=machine,
-                   created=created, skipped=None, memory_note=None)  # fmt: skip
+        rec = new_record(kind="fad", suite=suite.name, series=series, sweep="method", x=name,
+                         engine=name, **stamp, skipped=None, memory_note=None)  # fmt: skip
         if name not in methods:
             rec["skipped"] = compile_skip
-            records.append(rec)
-            continue
-        t = times[name]
-        rec.update(seconds_median=t.median, seconds_min=t.minimum, seconds_max=t.maximum,
-                   time_ratio=t.ratio, grad_max_rel_err=errs.get(name))  # fmt: skip
-        if name in mem:
-            mine, ref = mem[name], mem["eager"]
-            rec.update(mine, budget_bytes=budget, max_batch=maxb[name][0],
-                       max_batch_probes=maxb[name][1],
-                       max_batch_ratio=maxb[name][0] / max(maxb["eager"][0], 1),
-                       saved_ratio=mine["saved_bytes"] / ref["saved_bytes"],
-                       forward_live_ratio=mine["forward_live_bytes"]
-                       / ref["forward_live_bytes"],
-                       peak_ratio=mine["peak_bytes"] / ref["peak_bytes"])  # fmt: skip
-        else:  # hooks still see what the compiled autograd function saves
-            m = methods[name]
-            with saved_tensor_bytes(x, y, *m.model.parameters(), *m.model.buffers()) as sv:
-                loss = m.loss(x, y)
-            del loss
-            rec.update(saved_bytes=sv.bytes, memory_note=_COMPILE_MEMORY,
-                       saved_ratio=sv.bytes / mem["eager"]["saved_bytes"])  # fmt: skip
+        else:
+            rec.update(_method_fields(name, methods[name], got))
         if name == "fad.nest":
             rec["fused_chains"] = [list(r.ops) for r in regions if r.name is not None]
         records.append(rec)
-    shape = _activation_shape(base, x, act)
-    arec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    arec.update(kind="fad-activation", suite=suite.name, series=series, sweep="method",
-                x="activation", engine="activation", config=config, quick=quick,
-                machine=machine, created=created,
-                **_activation_records(act, shape, act_repeats, device))  # fmt: skip
-    records.append(arec)
-    nest_r = next(r for r in records if r["series"] == series and r["engine"] == "fad.nest")
+    shape = _activation_shape(base, got.x, act)
+    records.append(new_record(
+        kind="fad-activation", suite=suite.name, series=series, sweep="method",
+        x="activation", engine="activation", **stamp,
+        **_activation_records(act, shape, settings["act_repeats"], device),
+    ))  # fmt: skip
+    nest_r = next(r for r in records if r["engine"] == "fad.nest")
     bar.set_postfix_str(
         f"saved {nest_r['saved_ratio']:.2f}x batch {nest_r['max_batch_ratio']:.2f}x "
         f"time {nest_r['time_ratio']:.2f}x", refresh=True)  # fmt: skip
@@ -352,8 +377,8 @@ def _f(v: Any, spec: str = ".2f") -> str:
     return "—" if v is None else format(v, spec)
 
 
-def _mib(v: Any) -> str:
-    return "—" if v is None else f"{v / 2**20:.2f} MiB"
+_mib = functools.partial(fmt_bytes, spec=".2f")
+"""Sizes in this report's tables: MiB with two decimals."""
 
 
 TARGETS = (

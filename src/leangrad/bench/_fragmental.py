@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 
 from ..measure import MemoryBudgetExceeded, MemoryTracker
 from ._report import _fmt, fmt_bytes, sweep_section
-from ._runner import RECORD_FIELDS, EngineSpec, machine_info
+from ._runner import EngineSpec, machine_info, new_record
+from ._search import bisect_last_fit
 from ._suites import Suite
 from ._workloads import build
 
@@ -126,12 +127,8 @@ def deepest_fitting(
             return max_depth, probes
         hi = max_depth if lo < max_depth else max_depth + 1
     while True:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo = bisect_last_fit(ok, lo, hi)
+        hi = lo + 1
         deeper = [d for d in range(hi + 1, min(hi + extra_probes, max_depth) + 1) if ok(d)]
         if not deeper:
             return lo, probes
@@ -162,8 +159,7 @@ def run_depth_at_budget(
 
         depth, probes = deepest_fitting(fits, max_depth=max_depth, extra_probes=extra)
         at = next((p for p in probes if p["depth"] == depth), None)
-        rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-        rec.update(
+        rec = new_record(
             kind="depth_at_budget",
             suite=suite.name,
             series="budget",

@@ -22,12 +22,14 @@ Runners (``runner = "leangrad.bench._highway:FN"``), all on one thread, float32:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
+import itertools
 import math
 import sysconfig
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +52,9 @@ from ..highway import (
     cumsumprod_sequential,
 )
 from ..measure import MemoryTracker, compare_grads, grads_of, num_threads, time_interleaved
-from ._runner import RECORD_FIELDS, machine_info
-from ._suites import Suite
+from ._runner import machine_info, new_record
+from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
+from ._suites import Series, Suite
 
 __all__ = ["char_corpus", "run_convergence", "run_rnn", "run_train"]
 
@@ -61,10 +64,10 @@ def _now() -> str:
 
 
 def _base(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
-    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    rec.update(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=_now())
-    rec.update(fields)
-    return rec
+    return new_record(
+        dict(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=_now()),
+        fields,
+    )
 
 
 # --- models and data -------------------------------------------------------------------
@@ -322,10 +325,69 @@ def _task(config: dict[str, Any], value: int, seed: int, device: str) -> dict[st
     raise ValueError(f"unknown highway training model {config['model']!r}")
 
 
-def _optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    if kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+@dataclasses.dataclass
+class _HighwayTrain(Curves):
+    """highway-train: round 0 measures the initialisation, round r trains step r - 1.
+
+    A lane whose loss is not finite stops without a record (the curve just ends).
+    """
+
+    suite: Suite
+    quick: bool
+    series: str
+    config: dict[str, Any]
+    steps: int
+    every: int
+    evaluate: Callable[[nn.Module], dict[str, float]]
+    bar: Any
+    makers: dict[str, Callable[[int], Any]]
+    losses: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    failure_records: bool = False
+
+    def record(self, lane: Lane, r: int) -> dict[str, Any]:
+        return _base(self.suite, "highway-train", self.quick, series=self.series,
+                     engine=lane.label, config=self.config)  # fmt: skip
+
+    def advance(self, lane: Lane, r: int, batch: Any) -> None:
+        if r == 0:
+            return
+        inputs, loss_fn = batch
+        eng = self.makers[lane.label](r - 1)
+        t0 = time.perf_counter()
+        res = eng.backward(lane.model, inputs, loss_fn)
+        lane.opt.step()
+        lane.opt.zero_grad(set_to_none=True)
+        lane.seconds += time.perf_counter() - t0
+        loss = float(res.loss)
+        self.losses.setdefault(lane.label, []).append(loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss not finite at step {r - 1}")
+
+    def measure(self, lane: Lane, r: int, batch: Any, out: Any) -> dict[str, Any] | None:
+        if not (r % self.every == 0 or r == self.steps):
+            return None
+        losses = self.losses.pop(lane.label, [])
+        return {"x": r, "wall_seconds": lane.seconds,
+                "train_loss": sum(losses) / len(losses) if losses else None,
+                **self.evaluate(lane.model)}  # fmt: skip
+
+    def end_round(self, lanes: Sequence[Lane], r: int) -> None:
+        self.bar.update(1)
+
+
+def _train_methods(
+    suite: Suite, series: Series, schedule: Any, steps: int
+) -> dict[str, Callable[[int], Any]]:
+    """Each method's engine at a training step: the suite's engines, and the k schedule."""
+    methods: dict[str, Callable[[int], Any]] = {
+        spec.display: (lambda _s, spec=spec: spec.make()) for spec in suite.engines_for(series)
+    }
+    if schedule is not None:
+        sched = KSchedule(start=int(schedule[0]), end=int(schedule[1]), steps=steps)
+        methods[f"highway(k={schedule[0]}->{schedule[1]})"] = lambda s, sched=sched: make_engine(
+            "highway", k=sched(s)
+        )
+    return methods
 
 
 def run_train(
@@ -342,52 +404,20 @@ def run_train(
         for series, value in jobs:
             task = _task(series.config, int(value), seed, device)
             lr = float(series.config.get("lr", 1e-3))
-            methods: dict[str, Callable[[int], Any]] = {
-                spec.display: (lambda _s, spec=spec: spec.make())
-                for spec in suite.engines_for(series)
-            }
-            if schedule is not None:
-                sched = KSchedule(start=int(schedule[0]), end=int(schedule[1]), steps=steps)
-                methods[f"highway(k={schedule[0]}->{schedule[1]})"] = (
-                    lambda s, sched=sched: make_engine("highway", k=sched(s))
+            makers = _train_methods(suite, series, schedule, steps)
+            lanes = []
+            for label in makers:
+                model = copy.deepcopy(task["model"])
+                lanes.append(
+                    Lane(label, model, make_optimizer(task["opt"], model.parameters(), lr))
                 )
-            runs = {
-                lb: {"model": copy.deepcopy(task["model"]), "make": mk, "seconds": 0.0,
-                     "losses": [], "failed": None}
-                for lb, mk in methods.items()
-            }  # fmt: skip
-            for run in runs.values():
-                run["opt"] = _optimizer(task["opt"], run["model"], lr)
-            bar = tqdm(range(steps + 1), desc=f"{suite.name} {series.name}",
-                       disable=not progress)  # fmt: skip
-            for step, (inputs, loss_fn) in zip(bar, task["batches"], strict=False):
-                for label, run in runs.items():
-                    if run["failed"]:
-                        continue
-                    model = run["model"]
-                    if step % every == 0 or step == steps:
-                        records.append(_base(
-                            suite, "highway-train", quick, series=series.name, engine=label,
-                            config={**series.config, suite.sweep: value, "steps": steps,
-                                    "lr": lr, "threads": 1},
-                            x=step, wall_seconds=run["seconds"],
-                            train_loss=(sum(run["losses"]) / len(run["losses"])
-                                        if run["losses"] else None),
-                            **task["evaluate"](model),
-                        ))  # fmt: skip
-                        run["losses"] = []
-                    if step == steps:
-                        continue
-                    eng = run["make"](step)
-                    t0 = time.perf_counter()
-                    res = eng.backward(model, inputs, loss_fn)
-                    run["opt"].step()
-                    run["opt"].zero_grad(set_to_none=True)
-                    run["seconds"] += time.perf_counter() - t0
-                    loss = float(res.loss)
-                    run["losses"].append(loss)
-                    if not math.isfinite(loss):
-                        run["failed"] = f"loss not finite at step {step}"
+            config = {**series.config, suite.sweep: value, "steps": steps, "lr": lr, "threads": 1}
+            bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}", disable=not progress)
+            curves = _HighwayTrain(suite, quick, series.name, config, steps, every,
+                                   task["evaluate"], bar, makers)  # fmt: skip
+            rounds = zip(range(1, steps + 1), task["batches"], strict=False)
+            records += train_side_by_side(lanes, itertools.chain([(0, None)], rounds), curves)
+            bar.close()
     return records
 
 
@@ -409,7 +439,9 @@ def run_convergence(
         for series, value in jobs:
             task = _task(series.config, int(value), seed, device)
             model = task["model"]
-            opt = _optimizer(task["opt"], model, float(series.config.get("lr", 1e-3)))
+            opt = make_optimizer(
+                task["opt"], model.parameters(), float(series.config.get("lr", 1e-3))
+            )
             bp = make_engine("backprop")
             bar = tqdm(range(steps + 1), desc=f"{suite.name} {series.name}",
                        disable=not progress)  # fmt: skip

@@ -4,8 +4,11 @@ from the records of :mod:`leangrad.bench._highway`'s runners."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
+
+from .._sizes import fmt_bytes
 
 __all__ = ["render"]
 
@@ -14,8 +17,8 @@ def _f(v: Any, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
-def _mib(v: Any) -> str:
-    return "—" if v is None else f"{v / 2**20:.2f} MiB"
+_mib = functools.partial(fmt_bytes, spec=".2f")
+"""Sizes in this report's tables: MiB with two decimals."""
 
 
 def _targets(rs: list[dict[str, Any]]) -> list[str]:

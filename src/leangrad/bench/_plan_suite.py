@@ -24,6 +24,7 @@ the same round-robin, so compile's ratio (another process) compares with the oth
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import Any
 
@@ -35,7 +36,7 @@ from ..measure._rss import run_json_worker
 from ..measure._timer import num_threads
 from ._plan_peers import HOOKED, Step, make_sgd, optimizer_in_backward, peers, workload
 from ._report import fmt_bytes
-from ._runner import RECORD_FIELDS, machine_info
+from ._runner import machine_info, new_record
 from ._suites import Suite
 
 __all__ = ["render", "run_plan_suite"]
@@ -86,44 +87,49 @@ def run_plan_suite(
     return records
 
 
-def _run_model(
-    kind: str, size: dict[str, int], ctx: dict[str, Any], bar: Any
-) -> list[dict[str, Any]]:
-    model, x, loss_fn, parts = workload(kind, size)
-    hooked, hx, hloss, hparts = workload(kind, size)  # its own copy: the hooks stay on it
-    optimizer_in_backward(hooked)
-    opt = make_sgd([p for p in model.parameters() if p.requires_grad])
-    steps = {
-        **peers(parts, loss_fn, ctx["segments"], optimizer=opt),
-        **peers(hparts, hloss, ctx["segments"], optimizer=None, suffix=HOOKED),
-    }
-    prof = {
-        n: profile_step(
-            _Stepper(n, s),
-            hooked if n.endswith(HOOKED) else model,
-            hx if n.endswith(HOOKED) else x,
-            loss_fn,
-            repeats=0,
-        )
-        for n, s in steps.items()
-    }
-    ref = prof["backprop"]
-    base = ref.baseline_bytes
-    bar.set_postfix_str(f"{kind}: torch.compile in fresh processes")
-    compiled = {
-        b: run_json_worker(
-            WORKER,
-            {"mode": "compile", "kind": kind, "size": size, "budget": b, "repeats": ctx["repeats"]},
-        )
-        for b in ctx["compile"]
-    }
-    common = {
+@dataclasses.dataclass
+class _Peers:
+    """One model's eager PyTorch peers, each profiled once (a hooked copy for those with
+    the optimizer in backward)."""
+
+    model: Any
+    x: Any
+    loss_fn: Any
+    steps: dict[str, Step]
+    prof: dict[str, Any]
+
+    @classmethod
+    def profile(cls, kind: str, size: dict[str, int], segments: list[int]) -> _Peers:
+        model, x, loss_fn, parts = workload(kind, size)
+        hooked, hx, hloss, hparts = workload(kind, size)  # its own copy: the hooks stay on it
+        optimizer_in_backward(hooked)
+        opt = make_sgd([p for p in model.parameters() if p.requires_grad])
+        steps = {
+            **peers(parts, loss_fn, segments, optimizer=opt),
+            **peers(hparts, hloss, segments, optimizer=None, suffix=HOOKED),
+        }
+        prof = {
+            n: profile_step(
+                _Stepper(n, s),
+                hooked if n.endswith(HOOKED) else model,
+                hx if n.endswith(HOOKED) else x,
+                loss_fn,
+                repeats=0,
+            )
+            for n, s in steps.items()
+        }
+        return cls(model, x, loss_fn, steps, prof)
+
+
+def _common(kind: str, size: dict[str, int], ctx: dict[str, Any], ref: Any) -> dict[str, Any]:
+    """The fields every record of one model carries."""
+    return {
         "suite": ctx["suite"],
         "series": kind,
         "quick": ctx["quick"],
         "machine": ctx["machine"],
         "created": ctx["created"],
-        "baseline_bytes": base,
+        "baseline_bytes": ref.baseline_bytes,
         "backprop_peak_bytes": ref.peak_bytes,
         "not_measured": NOT_MEASURED,
         "config": {
@@ -134,27 +140,53 @@ def _run_model(
             "optimizer": "SGD(lr=1e-3, momentum=0.9)",
         },
     }
+
+
+def _at_budget(
+    f: float, kind: str, size: dict[str, int], ctx: dict[str, Any], pe: _Peers,
+    compiled: dict[float, dict[str, Any]], common: dict[str, Any],
+) -> tuple[list[dict[str, Any]], Plan]:  # fmt: skip
+    """Plan at ``base + f`` backprop's peak; the three sides' records, and the plan."""
+    ref = pe.prof["backprop"]
+    base = ref.baseline_bytes
+    budget = base + int(f * ref.peak_bytes)
+    p = plan(pe.model, pe.x, pe.loss_fn, budget=budget, optimizer=make_sgd,
+             repeats=ctx["repeats"])  # fmt: skip
+    fits = [n for n in pe.steps if pe.prof[n].total_bytes <= budget]
+    timed = {"backprop": pe.steps["backprop"], **{n: pe.steps[n] for n in fits}}
+    if p.engine is not None:
+        timed["leangrad"] = _leangrad_step(p, pe.model, pe.x, pe.loss_fn)
+    t = {n: v.median for n, v in time_interleaved(timed, repeats=ctx["repeats"], warmup=1).items()}
+    rec = {**common, "sweep": "fraction", "x": f, "budget_bytes": budget}
+    return _budget_records(rec, p, kind, size, pe.prof, fits, t, compiled, base), p
+
+
+def _run_model(
+    kind: str, size: dict[str, int], ctx: dict[str, Any], bar: Any
+) -> list[dict[str, Any]]:
+    pe = _Peers.profile(kind, size, ctx["segments"])
+    ref = pe.prof["backprop"]
+    base = ref.baseline_bytes
+    bar.set_postfix_str(f"{kind}: torch.compile in fresh processes")
+    compiled = {
+        b: run_json_worker(
+            WORKER,
+            {"mode": "compile", "kind": kind, "size": size, "budget": b, "repeats": ctx["repeats"]},
+        )
+        for b in ctx["compile"]
+    }
+    common = _common(kind, size, ctx, ref)
     records: list[dict[str, Any]] = []
     smallest: dict[str, tuple[str, int]] = {}
     for f in ctx["fractions"]:
         bar.set_postfix_str(f"{kind}: plan at {f}")
-        budget = base + int(f * ref.peak_bytes)
-        p = plan(model, x, loss_fn, budget=budget, optimizer=make_sgd, repeats=ctx["repeats"])
-        fits = [n for n in steps if prof[n].total_bytes <= budget]
-        timed = {"backprop": steps["backprop"], **{n: steps[n] for n in fits}}
-        if p.engine is not None:
-            timed["leangrad"] = _leangrad_step(p, model, x, loss_fn)
-        t = {
-            n: v.median
-            for n, v in time_interleaved(timed, repeats=ctx["repeats"], warmup=1).items()
-        }
-        rec = {**common, "sweep": "fraction", "x": f, "budget_bytes": budget}
-        records += _budget_records(rec, p, kind, size, prof, fits, t, compiled, base)
+        recs, p = _at_budget(f, kind, size, ctx, pe, compiled, common)
+        records += recs
         measured = [c for c in p.table if c.peak_bytes is not None]
         low = min(measured, key=lambda c: c.peak_bytes or 0)
         smallest["leangrad"] = (low.label, (low.peak_bytes or 0) - base)
-    eager = min(prof, key=lambda n: prof[n].peak_bytes)
-    smallest["pytorch"] = (eager, prof[eager].peak_bytes)
+    eager = min(pe.prof, key=lambda n: pe.prof[n].peak_bytes)
+    smallest["pytorch"] = (eager, pe.prof[eager].peak_bytes)
     low_b = min(compiled, key=lambda b: compiled[b]["rss_compiled"])
     smallest["compile"] = (f"torch.compile(budget={low_b})", compiled[low_b]["rss_compiled"])
     for side, (label, peak) in smallest.items():
@@ -177,8 +209,7 @@ def _record(
     vs_backprop: float | None,
     **extra: Any,
 ) -> dict[str, Any]:
-    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    rec.update(
+    return new_record(
         common,
         engine=side,
         choice=label,
@@ -188,7 +219,57 @@ def _record(
         fits=label is not None,
         **extra,
     )
-    return rec
+
+
+def _leangrad_side(
+    rec: dict[str, Any], p: Plan, kind: str, size: dict[str, int], t: dict[str, float], base: int
+) -> dict[str, Any]:
+    """leangrad's plan at this budget, its peak re-measured by RSS in a fresh process."""
+    row = next((c for c in p.table if c.verdict.startswith("chosen")), None)
+    if row is None:
+        return _record(rec, "leangrad", None, None, None, None)
+    rss = run_json_worker(
+        WORKER,
+        {
+            "mode": "engine",
+            "kind": kind,
+            "size": size,
+            "engine": row.name,
+            "options": row.options,
+            "per_layer": row.per_layer,
+        },
+    )
+    return _record(
+        rec,
+        "leangrad",
+        row.label,
+        (row.peak_bytes or 0) - base,
+        t["leangrad"],
+        t["leangrad"] / t["backprop"],
+        predicted_bytes=row.peak_bytes,
+        remeasured_bytes=p.remeasured_peak_bytes,
+        rss_bytes=rss["rss"],
+        rss_backprop_bytes=rss["rss_backprop"],
+    )
+
+
+def _compile_side(
+    rec: dict[str, Any], compiled: dict[float, dict[str, Any]], base: int
+) -> dict[str, Any]:
+    """The fastest ``torch.compile`` setting whose fresh-process peak fits the budget."""
+    ok = [b for b, c in compiled.items() if base + c["rss_compiled"] <= rec["budget_bytes"]]
+    cb = min(ok, key=lambda b: compiled[b]["t_compiled"] / compiled[b]["t_eager"]) if ok else None
+    c = compiled[cb] if cb is not None else None
+    return _record(
+        rec,
+        "compile",
+        f"torch.compile(budget={cb})" if c else None,
+        c["rss_compiled"] if c else None,
+        c["t_compiled"] if c else None,
+        c["t_compiled"] / c["t_eager"] if c else None,
+        compile_seconds=c["compile_s"] if c else None,
+        rss_eager_bytes=c["rss_eager"] if c else None,
+    )
 
 
 def _budget_records(
@@ -205,63 +286,17 @@ def _budget_records(
     """The three sides at one budget: leangrad's plan, the fastest eager peer that fits, and
     the fastest ``torch.compile`` setting whose fresh-process peak fits."""
     tb = t["backprop"]
-    out = []
-    row = next((c for c in p.table if c.verdict.startswith("chosen")), None)
-    if row is None:
-        out.append(_record(rec, "leangrad", None, None, None, None))
-    else:
-        rss = run_json_worker(
-            WORKER,
-            {
-                "mode": "engine",
-                "kind": kind,
-                "size": size,
-                "engine": row.name,
-                "options": row.options,
-                "per_layer": row.per_layer,
-            },
-        )
-        out.append(
-            _record(
-                rec,
-                "leangrad",
-                row.label,
-                (row.peak_bytes or 0) - base,
-                t["leangrad"],
-                t["leangrad"] / tb,
-                predicted_bytes=row.peak_bytes,
-                remeasured_bytes=p.remeasured_peak_bytes,
-                rss_bytes=rss["rss"],
-                rss_backprop_bytes=rss["rss_backprop"],
-            )
-        )
     best = min(fits, key=lambda n: t[n]) if fits else None
-    out.append(
-        _record(
-            rec,
-            "pytorch",
-            best,
-            prof[best].peak_bytes if best else None,
-            t[best] if best else None,
-            t[best] / tb if best else None,
-        )
+    leangrad = _leangrad_side(rec, p, kind, size, t, base)
+    pytorch = _record(
+        rec,
+        "pytorch",
+        best,
+        prof[best].peak_bytes if best else None,
+        t[best] if best else None,
+        t[best] / tb if best else None,
     )
-    ok = [b for b, c in compiled.items() if base + c["rss_compiled"] <= rec["budget_bytes"]]
-    cb = min(ok, key=lambda b: compiled[b]["t_compiled"] / compiled[b]["t_eager"]) if ok else None
-    c = compiled[cb] if cb is not None else None
-    out.append(
-        _record(
-            rec,
-            "compile",
-            f"torch.compile(budget={cb})" if c else None,
-            c["rss_compiled"] if c else None,
-            c["t_compiled"] if c else None,
-            c["t_compiled"] / c["t_eager"] if c else None,
-            compile_seconds=c["compile_s"] if c else None,
-            rss_eager_bytes=c["rss_eager"] if c else None,
-        )
-    )
-    return out
+    return [leangrad, pytorch, _compile_side(rec, compiled, base)]
 
 
 def render(

@@ -21,6 +21,8 @@ targets excluded), ``forward_bytes`` the tracker's live bytes after the forward
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -32,8 +34,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import data, rad
+from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, saved_tensor_bytes
-from ._runner import machine_info
+from ._runner import machine_info, new_record
+from ._search import bisect_last_fit
+from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Suite
 from ._training import _now
 
@@ -107,15 +112,14 @@ def equal_memory_batch(
     model: nn.Module, target_bytes: int, ds: data.Dataset, *, largest: int
 ) -> tuple[int, int]:
     """The largest exact batch whose measured saved bytes are at most ``target_bytes``."""
-    lo, hi, best = 1, largest, (1, 0)
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        b = memory_of(model, ds.x[:mid], ds.y[:mid])["saved_bytes"]
-        if b <= target_bytes:
-            best, lo = (mid, b), mid + 1
-        else:
-            hi = mid - 1
-    return best
+    saved: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        saved[b] = memory_of(model, ds.x[:b], ds.y[:b])["saved_bytes"]
+        return saved[b] <= target_bytes
+
+    best = bisect_last_fit(fits, 0, largest + 1)
+    return (best, saved[best]) if best else (1, 0)
 
 
 def _load(dataset: str, seed: int, device: str) -> tuple[data.Dataset, data.Dataset]:
@@ -145,13 +149,7 @@ def _layer_slices(model: nn.Module) -> dict[str, slice]:
 
 
 def _record(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
-    rec: dict[str, Any] = {
-        "engine": None, "config": None, "peak_bytes": None, "saved_bytes": None,
-        "seconds_median": None, "time_ratio": None, "grad_max_rel_err": None,
-        "grad_cosine": None, "kind": kind, "suite": suite.name, "quick": quick,
-    }  # fmt: skip
-    rec.update(fields)
-    return rec
+    return new_record(dict(kind=kind, suite=suite.name, quick=quick), fields)
 
 
 def _estimators(suite: Suite, quick: bool) -> list[dict[str, Any]]:
@@ -238,34 +236,42 @@ def _loss_on(model: nn.Module, ds: data.Dataset) -> tuple[float, float]:
     return loss / len(ds), correct / len(ds)
 
 
-def _train_curve(
-    model: nn.Module, train: data.Dataset, test: data.Dataset, *, batch: int, steps: int,
-    every: int, lr: float, optimizer: str, seed: int, tick: Callable[[], None],
-) -> list[dict[str, Any]]:  # fmt: skip
-    opt: torch.optim.Optimizer = (
-        torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
-        else torch.optim.SGD(model.parameters(), lr=lr)
-    )  # fmt: skip
-    points, seconds = [], 0.0
-    batches = _forever(train, batch, seed)
-    for step in range(steps + 1):
-        if step % every == 0 or step == steps:
-            tl, ta = _loss_on(model, train)
-            _, va = _loss_on(model, test)
-            points.append({"x": step, "train_loss": tl, "train_acc": ta, "test_acc": va,
-                           "train_seconds": seconds})  # fmt: skip
-            if not math.isfinite(tl):
-                break
-        if step == steps:
-            break
-        x, y = next(batches)
+@dataclasses.dataclass
+class _RadTraining(Curves):
+    """rad-convergence: one lane at a time; round 0 measures the initialisation, round r
+    trains one batch (autograd through the lane's model, RAD or not); a lane whose train
+    loss is not finite stops after that point."""
+
+    record_fields: dict[str, Any]
+    train: data.Dataset
+    test: data.Dataset
+    steps: int
+    every: int
+    tick: Callable[[], None]
+
+    def record(self, lane: Lane, r: int) -> dict[str, Any]:
+        return _record(**self.record_fields, engine=lane.label, **lane.fields)
+
+    def advance(self, lane: Lane, r: int, batch: Any) -> None:
+        if r == 0:
+            return
+        x, y = batch
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        seconds += time.perf_counter() - t0
-        tick()
-    return points
+        lane.opt.zero_grad(set_to_none=True)
+        F.cross_entropy(lane.model(x), y).backward()
+        lane.opt.step()
+        lane.seconds += time.perf_counter() - t0
+        self.tick()
+
+    def measure(self, lane: Lane, r: int, batch: Any, out: Any) -> dict[str, Any] | None:
+        if not (r % self.every == 0 or r == self.steps):
+            return None
+        tl, ta = _loss_on(lane.model, self.train)
+        _, va = _loss_on(lane.model, self.test)
+        if not math.isfinite(tl):
+            lane.failed = f"train loss {tl} at step {r}"  # the curve ends here
+        return {"x": r, "train_loss": tl, "train_acc": ta, "test_acc": va,
+                "train_seconds": lane.seconds}  # fmt: skip
 
 
 def run_convergence(
@@ -301,15 +307,15 @@ def run_convergence(
                       "optimizer": optimizer, "steps": steps, "seed": seed,
                       "dataset": train.name, "train_examples": len(train),
                       "equal_memory_target_bytes": target}  # fmt: skip
-            points = _train_curve(
-                model, train, test, batch=b, steps=steps, every=every, lr=lr,
-                optimizer=optimizer, seed=seed + 3, tick=lambda: bar.update(1),
-            )  # fmt: skip
-            for p in points:
-                records.append(_record(
-                    suite, "rad-training", quick, engine=label, model=kind, series=kind,
-                    sweep="step", config=config, machine=machine, created=created, **mem, **p,
-                ))  # fmt: skip
+            opt = make_optimizer(optimizer, model.parameters(), lr, momentum=0.0)
+            lane = Lane(label, model, opt, fields={
+                "model": kind, "series": kind, "sweep": "step", "config": config,
+                "machine": machine, "created": created, **mem,
+            })  # fmt: skip
+            head = {"suite": suite, "kind": "rad-training", "quick": quick}
+            curves = _RadTraining(head, train, test, steps, every, tick=lambda: bar.update(1))
+            rounds = zip(range(1, steps + 1), _forever(train, b, seed + 3), strict=False)
+            records += train_side_by_side([lane], itertools.chain([(0, None)], rounds), curves)
     bar.close()
     return records
 
@@ -364,12 +370,6 @@ def run_pde(
     return records
 
 
-def _fmt_bytes(n: float | None) -> str:
-    from ._report import fmt_bytes
-
-    return fmt_bytes(n)
-
-
 def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> None:
     import matplotlib
 
@@ -410,8 +410,8 @@ def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
         ref = next((r for r in rs if r["fraction"] is None and r["batch"] == 150), rs[0])
         for r in rs:
             lines.append(
-                f"| {kind} | {r['engine']} | {r['batch']} | {_fmt_bytes(r['saved_bytes'])} "
-                f"| {r['saved_bytes'] / ref['saved_bytes']:.3f} | {_fmt_bytes(r['peak_bytes'])} "
+                f"| {kind} | {r['engine']} | {r['batch']} | {fmt_bytes(r['saved_bytes'])} "
+                f"| {r['saved_bytes'] / ref['saved_bytes']:.3f} | {fmt_bytes(r['peak_bytes'])} "
                 f"| {r['grad_mse']:.4g} | {r['grad_mse'] / ref['grad_mse']:.2f} |"
             )
     return [*lines, ""]
@@ -443,8 +443,8 @@ def _render_curves(
             acc = last.get("test_acc")
             secs = next((r["train_seconds"] for r in reversed(ls) if r.get("train_seconds")), None)
             lines.append(
-                f"| {label} | {how} | {_fmt_bytes(last.get('saved_bytes'))} "
-                f"| {_fmt_bytes(last.get('peak_bytes'))} | {last['x']} "
+                f"| {label} | {how} | {fmt_bytes(last.get('saved_bytes'))} "
+                f"| {fmt_bytes(last.get('peak_bytes'))} | {last['x']} "
                 f"| {last['train_loss']:.4g} | {'' if acc is None else f'{acc:.3f}'} "
                 f"| {'' if secs is None else f'{secs:.1f}'} |"
             )

@@ -9,18 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import _errors as E
+from .._sizes import MiB, fmt_bytes
 
 __all__ = ["fmt_bytes", "load_records", "render_report", "sweep_section"]
-
-MiB = 2**20
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Bytes as MiB with three significant digits; ``—`` for missing."""
-    if n is None:
-        return "—"
-    v = n / MiB
-    return f"{v:.3g} MiB" if v >= 0.01 else f"{n / 1024:.3g} KiB"
 
 
 def _fmt(v: float | None, spec: str) -> str:

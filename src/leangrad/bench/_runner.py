@@ -21,19 +21,52 @@ from ..measure import profile_step, run_rss_worker, time_interleaved
 from ..measure._rss import rss_supported
 from ._workloads import Workload, build
 
-__all__ = ["RECORD_FIELDS", "EngineSpec", "machine_info", "measure_config"]
+__all__ = [
+    "RECORD_FIELDS",
+    "EngineSpec",
+    "Record",
+    "machine_info",
+    "measure_config",
+    "new_record",
+]
 
-RECORD_FIELDS = (
-    "engine",
-    "config",
-    "peak_bytes",
-    "saved_bytes",
-    "seconds_median",
-    "time_ratio",
-    "grad_max_rel_err",
-    "grad_cosine",
-)
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """The fields every benchmark record has (``None`` where not applicable), typed.
+
+    Records stay JSON dicts: :func:`new_record` writes these fields first, in this order,
+    then a suite's own fields — the keys ``dict.fromkeys(RECORD_FIELDS)`` plus an update
+    gave.
+    """
+
+    engine: str | None = None
+    config: dict[str, Any] | None = None
+    peak_bytes: int | None = None
+    saved_bytes: int | None = None
+    seconds_median: float | None = None
+    time_ratio: float | None = None
+    grad_max_rel_err: float | None = None
+    grad_cosine: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a dict, in declaration order (values not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(Record))
 """The fields every benchmark record has (``None`` where not applicable)."""
+
+
+def new_record(*parts: Mapping[str, Any], **fields: Any) -> dict[str, Any]:
+    """A record: every :class:`Record` field first (``None`` unless given), then the suite's
+    own fields in the order given (``parts``, then ``fields``; a later value wins)."""
+    given: dict[str, Any] = {}
+    for part in parts:
+        given.update(part)
+    given.update(fields)
+    common = Record(**{k: given.pop(k) for k in RECORD_FIELDS if k in given})
+    return {**common.as_dict(), **given}
+
 
 RSS_TOLERANCE = 0.01
 """The RSS cross-check flags a record whose fresh-process peak exceeds the tracker's by more."""
@@ -95,6 +128,111 @@ def _step(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
     return step
 
 
+_MEASURED = (
+    "peak_bytes",
+    "peak_bytes_prealloc",
+    "saved_bytes",
+    "baseline_bytes",
+    "seconds_median",
+    "seconds_min",
+    "seconds_max",
+    "time_ratio",
+    "grad_max_rel_err",
+    "grad_cosine",
+    "rss_peak_bytes",
+    "rss_exceeds_tracker",
+)
+"""The fields :func:`measure_config` measures (``None`` until measured)."""
+
+
+def _blank_record(
+    spec: EngineSpec, engine: engines.Engine, config: Mapping[str, Any], base: Workload
+) -> dict[str, Any]:
+    """An engine's record before anything is measured."""
+    rec: dict[str, Any] = {
+        "engine": spec.label or engine.label,
+        "engine_name": spec.name,
+        "options": spec.options,
+        "exact": engine.exact,
+        "config": dict(config),
+        "num_params": base.num_params,
+        "estimate": False,
+        "skipped": None,
+    }
+    rec.update(dict.fromkeys(_MEASURED))
+    return rec
+
+
+def _skip_reason(spec: EngineSpec, engine: engines.Engine, base: Workload) -> str | None:
+    """Why ``engine`` is not measured on ``base`` (``None``: it is)."""
+    if spec.max_params is not None and base.num_params > spec.max_params:
+        return (
+            f"{base.num_params} parameters > max_params {spec.max_params} "
+            "(its time grows with the parameter count)"
+        )
+    reason = engine.supports(base.model)
+    return None if reason is None else f"not applicable: {reason}"
+
+
+def _measure_memory(
+    rec: dict[str, Any],
+    spec: EngineSpec,
+    engine: engines.Engine,
+    wl: Workload,
+    *,
+    ref_grads: dict[str, torch.Tensor],
+    rss: bool,
+    device: str,
+    tick: Callable[[str], None],
+) -> None:
+    """One tracked step (peak, saved bytes, gradient error) and the RSS cross-check."""
+    prof = profile_step(engine, wl.model, wl.inputs, wl.loss_fn, repeats=0,
+                        reference=ref_grads, prealloc=True,
+                        baseline=(wl.targets,))  # fmt: skip
+    rec.update(
+        peak_bytes=prof.peak_bytes,
+        saved_bytes=prof.kept_bytes,
+        baseline_bytes=prof.baseline_bytes,
+        grad_max_rel_err=prof.grad_max_rel_err,
+        grad_cosine=prof.grad_cosine,
+        peak_bytes_prealloc=prof.peak_bytes_prealloc,
+        engine_info=dict(prof.info),
+    )
+    tick(f"memory {rec['engine']}")
+    if rss and rss_supported() and device == "cpu":
+        r = run_rss_worker(
+            "leangrad.bench._rss_worker",
+            {"config": dict(rec["config"]), "engine": spec.name, "options": spec.options},
+        )
+        rec["rss_peak_bytes"] = r.peak_above
+        rec["rss_exceeds_tracker"] = r.peak_above > prof.peak_bytes * (1 + RSS_TOLERANCE)
+        tick(f"rss {rec['engine']}")
+
+
+def _measure_time(
+    records: Mapping[str, dict[str, Any]],
+    steps: Mapping[str, Callable[[], object]],
+    *,
+    reference: str,
+    repeats: int,
+    warmup: int,
+    tick: Callable[[str], None],
+) -> None:
+    """Interleaved timings of ``steps`` (by label), ratios to the ``reference`` engine's."""
+    ref_label = next((lb for lb in steps if records[lb]["engine_name"] == reference), None)
+    timings = time_interleaved(
+        dict(steps), repeats=repeats, warmup=warmup, reference=ref_label,
+        progress=lambda: tick("time"),
+    )  # fmt: skip
+    for lb, t in timings.items():
+        records[lb].update(
+            seconds_median=t.median,
+            seconds_min=t.minimum,
+            seconds_max=t.maximum,
+            time_ratio=t.ratio,
+        )
+
+
 def measure_config(
     config: Mapping[str, Any],
     specs: Sequence[EngineSpec],
@@ -122,87 +260,20 @@ def measure_config(
 
     ref_grads = _reference_grads(config, device)
     base = build(config, device=device)
-    workloads: dict[str, Workload] = {}
-    engines_run: dict[str, engines.Engine] = {}
+    steps: dict[str, Callable[[], object]] = {}
     records: dict[str, dict[str, Any]] = {}
     for spec in specs:
         engine = spec.make()
-        label = spec.label or engine.label
-        rec: dict[str, Any] = {
-            "engine": label,
-            "engine_name": spec.name,
-            "options": spec.options,
-            "exact": engine.exact,
-            "config": dict(config),
-            "num_params": base.num_params,
-            "estimate": False,
-            "skipped": None,
-        }
-        for key in (
-            "peak_bytes",
-            "peak_bytes_prealloc",
-            "saved_bytes",
-            "baseline_bytes",
-            "seconds_median",
-            "seconds_min",
-            "seconds_max",
-            "time_ratio",
-            "grad_max_rel_err",
-            "grad_cosine",
-            "rss_peak_bytes",
-            "rss_exceeds_tracker",
-        ):
-            rec[key] = None
-        records[label] = rec
-        if spec.max_params is not None and base.num_params > spec.max_params:
-            rec["skipped"] = (
-                f"{base.num_params} parameters > max_params {spec.max_params} "
-                "(its time grows with the parameter count)"
-            )
+        rec = _blank_record(spec, engine, config, base)
+        records[rec["engine"]] = rec
+        rec["skipped"] = _skip_reason(spec, engine, base)
+        if rec["skipped"] is not None:
             continue
-        reason = engine.supports(base.model)
-        if reason is not None:
-            rec["skipped"] = f"not applicable: {reason}"
-            continue
-        wl = workloads[label] = copy.deepcopy(base)
-        engines_run[label] = engine
-        prof = profile_step(engine, wl.model, wl.inputs, wl.loss_fn, repeats=0,
-                            reference=ref_grads, prealloc=True,
-                            baseline=(wl.targets,))  # fmt: skip
-        rec.update(
-            peak_bytes=prof.peak_bytes,
-            saved_bytes=prof.kept_bytes,
-            baseline_bytes=prof.baseline_bytes,
-            grad_max_rel_err=prof.grad_max_rel_err,
-            grad_cosine=prof.grad_cosine,
-            peak_bytes_prealloc=prof.peak_bytes_prealloc,
-            engine_info=dict(prof.info),
-        )
-        tick(f"memory {label}")
-        if rss and rss_supported() and device == "cpu":
-            r = run_rss_worker(
-                "leangrad.bench._rss_worker",
-                {"config": dict(config), "engine": spec.name, "options": spec.options},
-            )
-            rec["rss_peak_bytes"] = r.peak_above
-            rec["rss_exceeds_tracker"] = r.peak_above > prof.peak_bytes * (1 + RSS_TOLERANCE)
-            tick(f"rss {label}")
-    if workloads:
-        labels = list(workloads)
-        ref_label = next((lb for lb in labels if records[lb]["engine_name"] == reference), None)
-        fns = {lb: _step(engines_run[lb], wl) for lb, wl in workloads.items()}
-        timings = time_interleaved(
-            fns,
-            repeats=repeats,
-            warmup=warmup,
-            reference=ref_label,
-            progress=lambda: tick("time"),
-        )
-        for lb, t in timings.items():
-            records[lb].update(
-                seconds_median=t.median,
-                seconds_min=t.minimum,
-                seconds_max=t.maximum,
-                time_ratio=t.ratio,
-            )
+        wl = copy.deepcopy(base)
+        steps[rec["engine"]] = _step(engine, wl)
+        _measure_memory(rec, spec, engine, wl, ref_grads=ref_grads, rss=rss, device=device,
+                        tick=tick)  # fmt: skip
+    if steps:
+        _measure_time(records, steps, reference=reference, repeats=repeats, warmup=warmup,
+                      tick=tick)  # fmt: skip
     return list(records.values())

@@ -15,6 +15,9 @@ Two runners, named by suite files with ``runner = "module:function"``:
   (unconstrained), both trained with backprop; train loss/accuracy and test
   accuracy after every epoch.
 
+Both are configs (:class:`_Stability`, :class:`_Constrained`) of the loop they share
+with highway-train and rad-convergence, :func:`~leangrad.bench._side_by_side.train_side_by_side`.
+
 Records carry :data:`~leangrad.bench.RECORD_FIELDS` (``None`` where not
 measured) plus ``kind = "training"``, ``suite``, ``series``, ``sweep``
 (``"step"`` or ``"epoch"``), ``x``, ``train_loss``, ``train_acc``, ``test_acc``,
@@ -26,10 +29,11 @@ is not finite gets a record with ``failed`` set and stops training.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,8 +43,9 @@ from tqdm.auto import tqdm
 
 from .. import data, models
 from ..measure import compare_grads, grads_of
-from ._runner import RECORD_FIELDS, EngineSpec, machine_info
-from ._suites import Suite
+from ._runner import EngineSpec, machine_info, new_record
+from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
+from ._suites import Series, Suite
 
 __all__ = ["run_constrained", "run_stability"]
 
@@ -50,29 +55,10 @@ def _now() -> str:
 
 
 def _record(suite: Suite, series: str, sweep: str, x: int, quick: bool, **fields: Any) -> dict:
-    rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    rec.update(
-        kind="training",
-        suite=suite.name,
-        series=series,
-        sweep=sweep,
-        x=x,
-        train_loss=None,
-        train_acc=None,
-        test_acc=None,
-        failed=None,
-        quick=quick,
-    )
-    rec.update(fields)
-    return rec
-
-
-def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {name!r}")
+    head = dict(kind="training", suite=suite.name, series=series, sweep=sweep, x=x,
+                train_loss=None, train_acc=None, test_acc=None, failed=None,
+                quick=quick)  # fmt: skip
+    return new_record(head, fields)
 
 
 @torch.no_grad()
@@ -135,102 +121,135 @@ def stability_model(config: Mapping[str, Any], depth: int) -> nn.Module:
     return Chain(*layers, stem=model.stem, head=model.head)
 
 
+@dataclasses.dataclass
+class _Settings:
+    """The settings both training suites share."""
+
+    batch: int
+    lr: float
+    optimizer: str
+    seed: int
+    fraction: float
+
+    @classmethod
+    def of(cls, suite: Suite, quick: bool, *, batch: int) -> _Settings:
+        return cls(
+            batch=int(suite.setting("batch", quick, batch)),
+            lr=float(suite.setting("lr", quick, 1e-3)),
+            optimizer=str(suite.setting("optimizer", quick, "adam")),
+            seed=int(suite.setting("seed", quick, 0)),
+            fraction=float(suite.setting("train_fraction", quick, 0.8)),
+        )
+
+    def config(self) -> dict[str, Any]:
+        return {"batch": self.batch, "lr": self.lr, "optimizer": self.optimizer,
+                "seed": self.seed, "dtype": "float32"}  # fmt: skip
+
+
+def _jobs(suite: Suite, quick: bool) -> list[tuple[Series, Any]]:
+    return [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+
+
+@dataclasses.dataclass
+class _Stability(Curves):
+    """v1 stability: every lane's gradient of each batch, at its own weights, vs the oracle."""
+
+    suite: Suite
+    quick: bool
+    name: str
+    config: dict[str, Any]
+    steps: int
+    every: int
+    train: data.Dataset
+    test: data.Dataset
+    bar: Any
+    ref: nn.Module | None = None
+    stamp: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def record(self, lane: Lane, r: int) -> dict[str, Any]:
+        return _record(self.suite, self.name, "step", r, self.quick, **lane.fields,
+                       config=self.config, **self.stamp)  # fmt: skip
+
+    def advance(self, lane: Lane, r: int, batch: Any) -> tuple[float, float]:
+        x, y = batch
+        lane.model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        res = lane.engine.backward(lane.model, x, lambda out, y=y: F.cross_entropy(out, y))
+        loss = float(res.loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"batch loss is {loss}")
+        dt = time.perf_counter() - t0
+        lane.seconds += dt
+        return loss, dt
+
+    def measure(self, lane: Lane, r: int, batch: Any, out: Any) -> dict[str, Any] | None:
+        if not (r % self.every == 0 or r == self.steps):
+            return None
+        (x, y), (loss, dt), model = batch, out, lane.model
+        cmp = compare_grads(grads_of(model), _oracle(model, x, y))
+        train_loss, train_acc = _evaluate(model, self.train)
+        _, test_acc = _evaluate(model, self.test)
+        return {
+            "grad_max_rel_err": cmp.max_rel_err,
+            "grad_cosine": cmp.cosine,
+            "batch_loss": loss,
+            "train_loss": train_loss,
+            "train_acc": train_acc,
+            "test_acc": test_acc,
+            "param_dist_to_backprop": None if self.ref is None else _param_dist(model, self.ref),
+            "train_seconds": lane.seconds,
+            "seconds_median": dt,
+        }
+
+    def end_round(self, lanes: Sequence[Lane], r: int) -> None:
+        if r < self.steps:  # after every engine's measurement of this step
+            for lane in lanes:
+                lane.opt.step()
+                self.bar.update(1)
+
+
+def _engine_lanes(base: nn.Module, specs: Sequence[EngineSpec], settings: _Settings) -> list[Lane]:
+    """One lane per engine spec, each on its own copy of ``base``."""
+    lanes = []
+    for spec in specs:
+        model = copy.deepcopy(base)
+        engine = spec.make()
+        reason = engine.supports(model)
+        opt = make_optimizer(settings.optimizer, model.parameters(), settings.lr)
+        lanes.append(Lane(
+            spec.display, model, opt,
+            fields={"engine": spec.display, "engine_name": spec.name, "options": spec.options},
+            engine=engine, failed=f"not applicable: {reason}" if reason else None,
+        ))  # fmt: skip
+    return lanes
+
+
 def run_stability(
     suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
     """Train one RevNet per engine side by side; gradient error vs the float64 oracle."""
-    machine, created = machine_info(), _now()
+    stamp = {"machine": machine_info(), "created": _now()}
     steps = int(suite.setting("steps", quick, 300))
     every = int(suite.setting("eval_every", quick, 25))
-    batch = int(suite.setting("batch", quick, 32))
-    lr = float(suite.setting("lr", quick, 1e-3))
-    opt_name = str(suite.setting("optimizer", quick, "adam"))
-    seed = int(suite.setting("seed", quick, 0))
-    fraction = float(suite.setting("train_fraction", quick, 0.8))
-    train, test = data.digits(device=device).split(fraction, seed=seed)
-    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
-    specs_all = {s.name: suite.engines_for(s) for s in suite.series}
-    total = sum(steps * len(specs_all[s.name]) for s, _ in jobs)
+    st = _Settings.of(suite, quick, batch=32)
+    train, test = data.digits(device=device).split(st.fraction, seed=st.seed)
+    jobs = _jobs(suite, quick)
+    total = sum(steps * len(suite.engines_for(s)) for s, _ in jobs)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=total, desc=f"train {suite.name}", unit="step", disable=not progress)
     for series, depth in jobs:
         name = f"{series.name}-{suite.sweep}{depth}"
-        config = {
-            **series.config,
-            suite.sweep: depth,
-            "steps": steps,
-            "eval_every": every,
-            "batch": batch,
-            "lr": lr,
-            "optimizer": opt_name,
-            "seed": seed,
-            "dtype": "float32",
-        }
+        config = {**series.config, suite.sweep: depth, "steps": steps, "eval_every": every,
+                  **st.config()}  # fmt: skip
         bar.set_description(f"{suite.name} {name}")
-        torch.manual_seed(seed)
-        base = stability_model(series.config, depth).to(device)
-        specs: list[EngineSpec] = specs_all[series.name]
-        runs: dict[str, dict[str, Any]] = {}
-        for spec in specs:
-            model = copy.deepcopy(base)
-            engine = spec.make()
-            reason = engine.supports(model)
-            runs[spec.display] = {
-                "spec": spec,
-                "engine": engine,
-                "model": model,
-                "opt": _optimizer(opt_name, model.parameters(), lr),
-                "failed": f"not applicable: {reason}" if reason else None,
-                "seconds": 0.0,
-            }
-        ref_label = next((lb for lb, r in runs.items() if r["spec"].name == "backprop"), None)
-        for step, (x, y) in zip(range(steps + 1), _forever(train, batch, seed), strict=False):
-            evaluate = step % every == 0 or step == steps
-            for label, run in runs.items():
-                if run["failed"] is not None:
-                    continue
-                model, engine = run["model"], run["engine"]
-                rec = _record(
-                    suite, name, "step", step, quick,
-                    engine=label, engine_name=run["spec"].name, options=run["spec"].options,
-                    config=config, machine=machine, created=created,
-                )  # fmt: skip
-                model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                try:
-                    res = engine.backward(model, x, lambda out, y=y: F.cross_entropy(out, y))
-                    loss = float(res.loss)
-                    if not math.isfinite(loss):
-                        raise FloatingPointError(f"batch loss is {loss}")
-                except Exception as err:  # record what happened, stop this engine
-                    run["failed"] = f"step {step}: {type(err).__name__}: {err}"
-                    rec["failed"] = run["failed"]
-                    records.append(rec)
-                    continue
-                dt = time.perf_counter() - t0
-                run["seconds"] += dt
-                if evaluate:
-                    cmp = compare_grads(grads_of(model), _oracle(model, x, y))
-                    train_loss, train_acc = _evaluate(model, train)
-                    _, test_acc = _evaluate(model, test)
-                    ref = runs[ref_label]["model"] if ref_label else None
-                    rec.update(
-                        grad_max_rel_err=cmp.max_rel_err,
-                        grad_cosine=cmp.cosine,
-                        batch_loss=loss,
-                        train_loss=train_loss,
-                        train_acc=train_acc,
-                        test_acc=test_acc,
-                        param_dist_to_backprop=None if ref is None else _param_dist(model, ref),
-                        train_seconds=run["seconds"],
-                        seconds_median=dt,
-                    )
-                    records.append(rec)
-            if step < steps:  # after every engine's measurement of this step
-                for run in runs.values():
-                    if run["failed"] is None:
-                        run["opt"].step()
-                        bar.update(1)
+        torch.manual_seed(st.seed)
+        lanes = _engine_lanes(
+            stability_model(series.config, depth).to(device), suite.engines_for(series), st
+        )
+        ref = next((ln.model for ln in lanes if ln.fields["engine_name"] == "backprop"), None)
+        curves = _Stability(suite, quick, name, config, steps, every, train, test, bar, ref, stamp)
+        rounds = zip(range(steps + 1), _forever(train, st.batch, st.seed), strict=False)
+        records += train_side_by_side(lanes, rounds, curves)
         last = {r["engine"]: r for r in records if r["series"] == name}
         bar.set_postfix_str(
             " ".join(f"{lb}:{r['grad_max_rel_err'] or 0:.1e}" for lb, r in last.items()),
@@ -264,98 +283,95 @@ def constrained_model(config: Mapping[str, Any], constrained: bool) -> nn.Module
     return nn.Sequential(*layers)
 
 
-def run_constrained(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
-    """Constrained vs unconstrained conv nets, trained with backprop, per epoch."""
-    machine, created = machine_info(), _now()
-    epochs = int(suite.setting("epochs", quick, 10))
-    batch = int(suite.setting("batch", quick, 64))
-    lr = float(suite.setting("lr", quick, 1e-3))
-    opt_name = str(suite.setting("optimizer", quick, "adam"))
-    seed = int(suite.setting("seed", quick, 0))
-    fraction = float(suite.setting("train_fraction", quick, 0.8))
+@dataclasses.dataclass
+class _Constrained(Curves):
+    """v2 constrained: round 0 measures the initialisation, round e trains epoch e."""
+
+    suite: Suite
+    quick: bool
+    name: str
+    config: dict[str, Any]
+    settings: _Settings
+    train: data.Dataset
+    test: data.Dataset
+    bar: Any
+    stamp: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unit: str = "epoch"
+
+    def record(self, lane: Lane, r: int) -> dict[str, Any]:
+        return _record(self.suite, self.name, "epoch", r, self.quick, **lane.fields,
+                       config=self.config, **self.stamp, failed=None)  # fmt: skip
+
+    def advance(self, lane: Lane, r: int, batch: Any) -> None:
+        if r == 0:
+            return
+        st, t0 = self.settings, time.perf_counter()
+        try:
+            for x, y in self.train.batches(st.batch, shuffle=True, seed=st.seed + r,
+                                           drop_last=True):  # fmt: skip
+                lane.model.zero_grad(set_to_none=True)
+                res = lane.engine.backward(lane.model, x, lambda out, y=y: F.cross_entropy(out, y))
+                if not math.isfinite(float(res.loss)):
+                    raise FloatingPointError(f"batch loss is {float(res.loss)}")
+                lane.opt.step()
+                self.bar.update(1)
+        finally:
+            lane.seconds += time.perf_counter() - t0
+
+    def measure(self, lane: Lane, r: int, batch: Any, out: Any) -> dict[str, Any]:
+        train_loss, train_acc = _evaluate(lane.model, self.train)
+        test_loss, test_acc = _evaluate(lane.model, self.test)
+        self.bar.set_postfix_str(f"epoch {r} test acc {test_acc:.3f}")
+        return {"train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss,
+                "test_acc": test_acc, "train_seconds": lane.seconds}  # fmt: skip
+
+
+def _constrained_data(
+    suite: Suite, quick: bool, st: _Settings, device: str
+) -> tuple[str, int, data.Dataset, data.Dataset]:
+    """Dataset name, image size, and the train/test split (train cut to ``train_limit``)."""
     limit = suite.setting("train_limit", quick, None)
     dataset = str(suite.setting("dataset", quick, "mnist5k"))
     size = int(suite.setting("size", quick, 32))
     ds = data.load(dataset, device=device)
     ds = data.Dataset(_pad_to(ds.x, size), ds.y, ds.name, ds.num_classes)
-    train, test = ds.split(fraction, seed=seed)
+    train, test = ds.split(st.fraction, seed=st.seed)
     if limit is not None and int(limit) < len(train):
         train = data.Dataset(train.x[: int(limit)], train.y[: int(limit)], ds.name, 10)
-    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    return dataset, size, train, test
+
+
+def run_constrained(
+    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+) -> list[dict[str, Any]]:
+    """Constrained vs unconstrained conv nets, trained with backprop, per epoch."""
+    stamp = {"machine": machine_info(), "created": _now()}
+    epochs = int(suite.setting("epochs", quick, 10))
+    st = _Settings.of(suite, quick, batch=64)
+    dataset, size, train, test = _constrained_data(suite, quick, st, device)
+    jobs = _jobs(suite, quick)
     variants = ("constrained", "unconstrained")
-    n_batches = len(train) // batch
-    total = len(jobs) * len(variants) * epochs * n_batches
+    total = len(jobs) * len(variants) * epochs * (len(train) // st.batch)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=total, desc=f"train {suite.name}", unit="batch", disable=not progress)
     for series, value in jobs:
         name = f"{series.name}-{suite.sweep}{value}"
-        config = {
-            **series.config,
-            suite.sweep: value,
-            "dataset": dataset,
-            "size": size,
-            "train_examples": len(train),
-            "test_examples": len(test),
-            "epochs": epochs,
-            "batch": batch,
-            "lr": lr,
-            "optimizer": opt_name,
-            "seed": seed,
-            "dtype": "float32",
-        }
+        config = {**series.config, suite.sweep: value, "dataset": dataset, "size": size,
+                  "train_examples": len(train), "test_examples": len(test), "epochs": epochs,
+                  **st.config()}  # fmt: skip
+        curves = _Constrained(suite, quick, name, config, st, train, test, bar, stamp)
         for spec in suite.engines_for(series):
-            for variant in variants:
+            for variant in variants:  # one lane at a time: records ordered by lane
                 bar.set_description(f"{suite.name} {name} {variant}")
-                torch.manual_seed(seed)
+                torch.manual_seed(st.seed)
                 model = constrained_model(config, variant == "constrained").to(device)
-                engine = spec.make()
-                opt = _optimizer(opt_name, model.parameters(), lr)
-                label = spec.display
-                num_params = sum(p.numel() for p in model.parameters())
-                seconds = 0.0
-                failed = None
-                for epoch in range(epochs + 1):
-                    if epoch > 0 and failed is None:
-                        t0 = time.perf_counter()
-                        batches = train.batches(
-                            batch, shuffle=True, seed=seed + epoch, drop_last=True
-                        )
-                        for x, y in batches:
-                            model.zero_grad(set_to_none=True)
-                            try:
-                                res = engine.backward(
-                                    model, x, lambda out, y=y: F.cross_entropy(out, y)
-                                )
-                                if not math.isfinite(float(res.loss)):
-                                    raise FloatingPointError(f"batch loss is {float(res.loss)}")
-                            except Exception as err:
-                                failed = f"epoch {epoch}: {type(err).__name__}: {err}"
-                                break
-                            opt.step()
-                            bar.update(1)
-                        seconds += time.perf_counter() - t0
-                    rec = _record(
-                        suite, name, "epoch", epoch, quick,
-                        engine=f"{variant} ({label})", engine_name=spec.name,
-                        options=spec.options, model=variant, num_params=num_params,
-                        config=config,
-                        machine=machine, created=created, failed=failed,
-                    )  # fmt: skip
-                    if failed is None:
-                        train_loss, train_acc = _evaluate(model, train)
-                        test_loss, test_acc = _evaluate(model, test)
-                        rec.update(
-                            train_loss=train_loss,
-                            train_acc=train_acc,
-                            test_loss=test_loss,
-                            test_acc=test_acc,
-                            train_seconds=seconds,
-                        )
-                    records.append(rec)
-                    if failed is not None:
-                        break
-                    bar.set_postfix_str(f"epoch {epoch} test acc {rec['test_acc']:.3f}")
+                lane = Lane(
+                    f"{variant} ({spec.display})", model,
+                    make_optimizer(st.optimizer, model.parameters(), st.lr), engine=spec.make(),
+                    fields={"engine": f"{variant} ({spec.display})", "engine_name": spec.name,
+                            "options": spec.options, "model": variant,
+                            "num_params": sum(p.numel() for p in model.parameters())},
+                )  # fmt: skip
+                records += train_side_by_side([lane], ((e, e) for e in range(epochs + 1)), curves)
     bar.close()
     return records

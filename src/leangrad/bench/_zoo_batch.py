@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..measure import estimate_memory, profile_step
+from ._search import bisect_last_fit
 from ._zoo_methods import Method, build
 
 __all__ = ["NOT_ESTIMABLE", "BatchSearch", "Footprint", "estimable", "footprint", "max_batch"]
@@ -159,10 +160,5 @@ def max_batch(
                 lo = guess - step
                 break
             hi, step = guess - step, 2 * step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
+    lo = bisect_last_fit(fits, lo, hi)
     return BatchSearch(batch=lo, capped=lo == limit, probes=dict(sorted(seen.items())))

@@ -35,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
+from .._sizes import fmt_bytes
 from ..data import Dataset
 from ..engines import Engine
 from ..engines import engine as make_engine
@@ -558,8 +559,9 @@ class _Run:
                         self.metrics.write(kind="step", step=self.step, epoch=self.epoch,
                                            loss=loss, examples_per_s=rate,
                                            peak_bytes=self.peak)  # fmt: skip
-                    bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:.0f}",
-                                    peak=_mib(self.peak), refresh=False)  # fmt: skip
+                    peak = fmt_bytes(self.peak, spec=".1f", missing="?", unit="MiB")
+                    bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:.0f}", peak=peak,
+                                    refresh=False)  # fmt: skip
                     bar.update()
                     epoch_done = self.batch == self.steps_per_epoch
                     if epoch_done:
@@ -626,6 +628,3 @@ def _names(names: list[str], most: int = 4) -> str:
 def _same(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
-
-def _mib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**20:.1f}MiB"
