@@ -28,6 +28,7 @@ demo: install
 
 test: install-dev
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 bench-baselines: install

@@ -9,9 +9,13 @@ layers carry the rules ``moonwalk`` and ``revbackprop`` need.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .layers import Chain
 
 __all__ = [
     "GRUSequence",
@@ -146,7 +150,7 @@ def revnet(
     layers_per_block: int = 1,
     activation: str = "relu",
     batchnorm: bool = False,
-) -> nn.Module:
+) -> Chain:
     """The Moonwalk v1 RevNet, scaled down: zero-padded input, ``blocks`` blocks of
     additive couplings (F = conv-act-[BN]-conv) that alternate which channel half
     they update (a :class:`~leangrad.layers.SwapHalves` after each coupling, as in

@@ -294,7 +294,7 @@ def highway_gru_lm(*, vocab: int = 128, embed: int = 64, hidden: int = 256,
     from .highway import GRULayer, HighwayNet
 
     stacks = [GRULayer(embed if i == 0 else hidden, hidden) for i in range(layers)]
-    return HighwayNet(_TimeMajor(vocab, embed), stacks, _BatchMajor(hidden, vocab))  # type: ignore[arg-type]
+    return HighwayNet(_TimeMajor(vocab, embed), stacks, _BatchMajor(hidden, vocab))
 
 
 class ViT(nn.Module):

@@ -36,23 +36,25 @@ from ._suites import Suite
 __all__ = ["render", "run_blocks"]
 
 Step = Callable[[], None]
+Parts = tuple[Callable[[], torch.Tensor], list[nn.Module], Callable[[torch.Tensor], torch.Tensor]]
+"""A model cut for the hand-written peers: its stem (a thunk), its blocks, its head."""
 
 
-def _gpt_parts(model: zoo.GPT, idx: torch.Tensor) -> tuple[Callable[[], torch.Tensor],
-                                                          list[nn.Module], Callable]:  # type: ignore[type-arg]  # fmt: skip
+def _gpt_parts(model: zoo.GPT, idx: torch.Tensor) -> Parts:
     t = idx.shape[1]
     return (lambda: model.tok(idx) + model.pos[:t], list(model.blocks),
             lambda x: model.head(model.ln_f(x)))  # fmt: skip
 
 
-def _resnet_parts(model: zoo.ResNet, x: torch.Tensor) -> tuple[Callable[[], torch.Tensor],
-                                                              list[nn.Module], Callable]:  # type: ignore[type-arg]  # fmt: skip
-    blocks = [b for stage in model.stages for b in stage]
+def _resnet_parts(model: zoo.ResNet, x: torch.Tensor) -> Parts:
+    blocks = [b for stage in model.stages for b in stage.children()]
     return (lambda: model.stem(x), blocks,
             lambda h: model.head(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1)))  # fmt: skip
 
 
-def _workload(kind: str, size: dict[str, int]):  # type: ignore[no-untyped-def]
+def _workload(
+    kind: str, size: dict[str, int]
+) -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Parts]:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     batch = size["batch"]
@@ -62,10 +64,10 @@ def _workload(kind: str, size: dict[str, int]):  # type: ignore[no-untyped-def]
         idx = torch.randint(0, size["vocab"], (batch, size["context"]), generator=gen)
         tgt = torch.randint(0, size["vocab"], (batch, size["context"]), generator=gen)
         return model, idx, (lambda out: zoo.GPT.loss(out, tgt)), _gpt_parts(model, idx)
-    model = zoo.resnet(size["depth"], width=size["width"], classes=10)
+    resnet = zoo.resnet(size["depth"], width=size["width"], classes=10)
     x = torch.randn(batch, 3, size["image"], size["image"], generator=gen)
     y = torch.randint(0, 10, (batch,), generator=gen)
-    return model, x, (lambda out: F.cross_entropy(out, y)), _resnet_parts(model, x)
+    return resnet, x, (lambda out: F.cross_entropy(out, y)), _resnet_parts(resnet, x)
 
 
 def _methods(model: nn.Module, inp: torch.Tensor, loss_fn: Callable, parts: Any,  # type: ignore[type-arg]

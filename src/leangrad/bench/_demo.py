@@ -139,7 +139,7 @@ def run_demo(
     """The headline (deepest network per engine in one budget; a zoo GPT planned to half
     its memory), then every engine on the demo workloads; print the tables; write
     ``demo.json``, ``demo.png`` (depth), ``demo-plan.png`` and ``demo-engines.png``."""
-    from . import _demo_headline as H
+    from . import _demo_headline as headline
 
     out = Path(out)
     stream = stream if stream is not None else sys.stdout
@@ -154,10 +154,10 @@ def run_demo(
     def say(msg: str) -> None:
         bar.set_postfix_str(msg, refresh=True)
 
-    depth = H.deepest(progress=say)
+    depth = headline.deepest(progress=say)
     bar.update()
     with num_threads(1):
-        planned = H.plan_half(repeats=repeats, progress=say)
+        planned = headline.plan_half(repeats=repeats, progress=say)
     bar.update()
     records: list[dict[str, Any]] = []
     for model, config in DEMO_CONFIGS.items():
@@ -168,17 +168,17 @@ def run_demo(
         records += recs
         bar.update()
     bar.close()
-    print(H.format_depth(depth), file=stream)
+    print(headline.format_depth(depth), file=stream)
     print(file=stream)
-    print(H.format_plan(planned), file=stream)
+    print(headline.format_plan(planned), file=stream)
     print(file=stream)
     print(format_table(records), file=stream)
     extra = [{**r, "kind": "depth_at_budget", "series": "depth", **common} for r in depth]
     extra.append({**planned, "kind": "plan_half", "series": "plan", **common})
     write_records(records + extra, out / "demo.json")
     try:
-        H.plot_depth(depth, out / "demo.png")
-        H.plot_plan(planned, out / "demo-plan.png")
+        headline.plot_depth(depth, out / "demo.png")
+        headline.plot_plan(planned, out / "demo-plan.png")
         _plot(records, out / "demo-engines.png")
         print(f"wrote {out / 'demo.json'}, demo.png, demo-plan.png and demo-engines.png",
               file=stream)  # fmt: skip

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,11 @@ PLAN_SIZE: dict[str, int] = {"dim": 128, "layers": 6, "heads": 4, "context": 128
 """The zoo GPT the demo plans to half its memory."""
 
 
+def _probe_depth(spec: EngineSpec, depth: int) -> Any:
+    """One probe of the depth search: ``spec`` at ``depth`` within :data:`DEPTH_BUDGET`."""
+    return _probe(DEPTH_CONFIG, spec, depth, DEPTH_BUDGET, "cpu")
+
+
 def deepest(*, progress: Any = None) -> list[dict[str, Any]]:
     """For each of :data:`DEPTH_ENGINES`, the deepest network whose step fits the budget."""
     out = []
@@ -57,7 +64,7 @@ def deepest(*, progress: Any = None) -> list[dict[str, Any]]:
         if progress is not None:
             progress(f"deepest {label}")
         depth, probes = deepest_fitting(
-            lambda d, spec=spec: _probe(DEPTH_CONFIG, spec, d, DEPTH_BUDGET, "cpu"),
+            functools.partial(_probe_depth, spec),
             max_depth=DEPTH_MAX, extra_probes=1)  # fmt: skip
         out.append({"engine": label, "engine_label": spec.display, "max_depth": depth,
                     "capped": depth >= DEPTH_MAX, "budget_bytes": DEPTH_BUDGET,
@@ -87,8 +94,12 @@ def plan_half(*, repeats: int = 3, progress: Any = None) -> dict[str, Any]:
     if p.engine is not None:
         eng = p.engine
 
-        def step(e: Any) -> Any:
-            return lambda: (model.zero_grad(set_to_none=True), e.backward(model, idx, loss_fn))
+        def step(e: Any) -> Callable[[], None]:
+            def run() -> None:
+                model.zero_grad(set_to_none=True)
+                e.backward(model, idx, loss_fn)
+
+            return run
 
         t = time_interleaved({"backprop": step(leangrad.engine("backprop")), "plan": step(eng)},
                              repeats=repeats, warmup=1, reference="backprop")  # fmt: skip

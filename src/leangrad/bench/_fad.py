@@ -28,7 +28,7 @@ import datetime
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +101,7 @@ def _methods(base: nn.Module, *, compiled: bool) -> dict[str, _Method]:
         "fad.nested": _Method("fad.nested", base, nested=True),
     }
     if compiled:
-        out["torch.compile"] = _Method("torch.compile", torch.compile(base))
+        out["torch.compile"] = _Method("torch.compile", cast(nn.Module, torch.compile(base)))
     return out
 
 
@@ -220,7 +220,7 @@ def _compile_ok(base: nn.Module, make: Callable[[int], tuple[Tensor, Tensor]],
     """``None`` when torch.compile compiles and runs a step, else why not."""
     try:
         t0 = time.perf_counter()
-        m = _Method("torch.compile", torch.compile(copy.deepcopy(base)))
+        m = _Method("torch.compile", cast(nn.Module, torch.compile(copy.deepcopy(base))))
         x, y = make(2)
         m.step(x, y, _params(m))
         took = time.perf_counter() - t0
@@ -268,7 +268,8 @@ class _Measured:
 
     x: Tensor
     y: Tensor
-    mem: dict[str, dict[str, int | None]]
+    mem: dict[str, dict[str, Any]]  # saved, forward-live and peak bytes (ints: fad's steps
+    # always end a forward)
     budget: int
     maxb: dict[str, tuple[int, int]]
     errs: dict[str, float]
@@ -291,7 +292,7 @@ def _measure(methods: dict[str, _Method], base: nn.Module,
         f32 = {}
         for n in ("eager", "torch.compile"):
             methods[n].step(x, y, _params(methods[n]))
-            f32[n] = {k: p.grad.clone() for k, p in base.named_parameters()}
+            f32[n] = {k: p.grad.clone() for k, p in base.named_parameters() if p.grad is not None}
         errs["torch.compile"] = compare_grads(f32["torch.compile"], f32["eager"]).max_rel_err
     steps = {n: (lambda m=m, x=x, y=y: m.step(x, y, _params(m))) for n, m in methods.items()}
     times = time_interleaved(steps, repeats=settings["repeats"], warmup=2, reference="eager")
@@ -346,7 +347,7 @@ def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quic
               "budget_batch": settings["budget_batch"], "dtype": "float32",
               "threads": 1}  # fmt: skip
     got = _measure(methods, base, make, settings)
-    regions = methods["fad.nest"].model.fad_regions  # type: ignore[union-attr]
+    regions: list[fad.Region] = cast(Any, methods["fad.nest"].model).fad_regions
     stamp = {"config": config, "quick": quick, "machine": machine, "created": created}
     records: list[dict[str, Any]] = []
     for name in METHODS:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import functools
 import itertools
 import math
 import sysconfig
@@ -31,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ from ..engines import engine as make_engine
 from ..highway import (
     GRULayer,
     HighwayNet,
+    HighwayStack,
     KSchedule,
     LSTMLayer,
     PreActBlock,
@@ -52,7 +54,7 @@ from ..highway import (
     cumsumprod_sequential,
 )
 from ..measure import MemoryTracker, compare_grads, grads_of, num_threads, time_interleaved
-from ._runner import machine_info, new_record
+from ._runner import EngineSpec, machine_info, new_record
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Series, Suite
 
@@ -87,7 +89,9 @@ class _TorchLM(nn.Module):
         super().__init__()
         layer = net.stacks[0]
         cls = nn.GRU if cell == "gru" else nn.LSTM
-        self.stem, self.head = copy.deepcopy(net.stem), copy.deepcopy(net.head)
+        assert net.stem is not None and net.head is not None, "char_lm has both"
+        self.stem: nn.Module = copy.deepcopy(net.stem)
+        self.head: nn.Module = copy.deepcopy(net.head)
         self.rnn = cls(layer.input_size, layer.hidden_size)
         with torch.no_grad():
             for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
@@ -152,7 +156,9 @@ def preact_resnet(channels: int, blocks: int, classes: int = 10) -> HighwayNet:
 # --- highway-rnn -----------------------------------------------------------------------
 
 
-def _step_fn(eng: Any, model: nn.Module, inputs: tuple, loss_fn: Callable) -> Callable[[], None]:
+def _step_fn(
+    eng: Any, model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[..., Any]
+) -> Callable[[], None]:
     def step() -> None:
         model.zero_grad(set_to_none=True)
         eng.backward(model, inputs, loss_fn)
@@ -160,13 +166,16 @@ def _step_fn(eng: Any, model: nn.Module, inputs: tuple, loss_fn: Callable) -> Ca
     return step
 
 
-def _forward_fn(model: nn.Module, inputs: tuple, loss_fn: Callable, *, traced: bool):
+def _forward_fn(
+    model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[..., Any], *, traced: bool
+) -> Callable[[], None]:
     def fwd() -> None:
         if traced:  # what the highway engine runs before its backward
             assert isinstance(model, HighwayNet)
+            assert model.stem is not None and model.head is not None, "char_lm has both"
             with torch.no_grad():
                 x = model.stem(*inputs)
-            for s in model.stacks:
+            for s in cast("list[HighwayStack]", list(model.stacks)):
                 x = s.trace(x).output
             with torch.enable_grad():
                 loss_fn(model.head(x.requires_grad_()))
@@ -202,8 +211,8 @@ def run_rnn(
             "bptt": (make_engine("backprop"), net, None),
             f"nn.{cell.upper()}": (make_engine("backprop"), torch_lm, None),
         }
-        for k in ks:
-            methods[f"highway(k={k})"] = (make_engine("highway", k=k), net, k)
+        for k_iter in ks:
+            methods[f"highway(k={k_iter})"] = (make_engine("highway", k=k_iter), net, k_iter)
         methods["fpi(k=2)"] = (make_engine("highway", k=2, baseline="fpi"), net, 2)
         fns = {lb: _step_fn(e, m, inputs, loss_fn) for lb, (e, m, _) in methods.items()}
         fns["forward:bptt"] = _forward_fn(net, inputs, loss_fn, traced=False)
@@ -238,7 +247,9 @@ def run_rnn(
     return records
 
 
-def grads_of_engine(eng: Any, model: nn.Module, inputs: tuple, loss_fn: Callable) -> dict:
+def grads_of_engine(
+    eng: Any, model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[..., Any]
+) -> dict[str, torch.Tensor]:
     """``grads_of(model)`` after one ``eng.backward`` (``.grad`` cleared first)."""
     model.zero_grad(set_to_none=True)
     eng.backward(model, inputs, loss_fn)
@@ -260,8 +271,8 @@ def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: in
         v = torch.randn(length, *state, device=device)
         k = torch.rand(length, *state, device=device)
         t = time_interleaved(
-            {"parallel": lambda v=v, k=k: cumsumprod_parallel(v, k),
-             "sequential": lambda v=v, k=k: cumsumprod_sequential(v, k)},
+            {"parallel": functools.partial(cumsumprod_parallel, v, k),
+             "sequential": functools.partial(cumsumprod_sequential, v, k)},
             repeats=5 if quick else 11, warmup=1, reference="sequential", threads=1,
         )  # fmt: skip
         for name, tm in t.items():
@@ -290,7 +301,7 @@ def _task(config: dict[str, Any], value: int, seed: int, device: str) -> dict[st
         held = [b for _, b in zip(range(4), _lm_batches(ids[cut:], value, batch, seed + 1),
                                   strict=False)]  # fmt: skip
 
-        def batches() -> Iterator[tuple[tuple, Callable]]:
+        def batches() -> Iterator[tuple[tuple[Any, ...], Callable[..., Any]]]:
             for x, y in stream:
                 yield (x,), _lm_loss(y, vocab)
 
@@ -305,7 +316,7 @@ def _task(config: dict[str, Any], value: int, seed: int, device: str) -> dict[st
         model = preact_resnet(int(config.get("channels", 16)), value).to(device)
         batch = int(config.get("batch", 64))
 
-        def batches() -> Iterator[tuple[tuple, Callable]]:
+        def batches() -> Iterator[tuple[tuple[Any, ...], Callable[..., Any]]]:
             epoch = 0
             while True:
                 for x, y in train.batches(batch, shuffle=True, seed=seed + epoch, drop_last=True):
@@ -379,13 +390,14 @@ def _train_methods(
     suite: Suite, series: Series, schedule: Any, steps: int
 ) -> dict[str, Callable[[int], Any]]:
     """Each method's engine at a training step: the suite's engines, and the k schedule."""
-    methods: dict[str, Callable[[int], Any]] = {
-        spec.display: (lambda _s, spec=spec: spec.make()) for spec in suite.engines_for(series)
-    }
+    def fixed(spec: EngineSpec) -> Callable[[int], Any]:
+        return lambda _step: spec.make()
+
+    methods = {spec.display: fixed(spec) for spec in suite.engines_for(series)}
     if schedule is not None:
         sched = KSchedule(start=int(schedule[0]), end=int(schedule[1]), steps=steps)
-        methods[f"highway(k={schedule[0]}->{schedule[1]})"] = lambda s, sched=sched: make_engine(
-            "highway", k=sched(s)
+        methods[f"highway(k={schedule[0]}->{schedule[1]})"] = lambda step: make_engine(
+            "highway", k=sched(step)
         )
     return methods
 

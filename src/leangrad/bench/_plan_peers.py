@@ -81,11 +81,16 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _sequential(seq: nn.Sequential, segments: int, stem: Any, head: Any) -> torch.Tensor:
+    """``torch.utils.checkpoint.checkpoint_sequential`` over the blocks, stem and head plain."""
+    return head(checkpoint_sequential(seq, segments, stem(), use_reentrant=False))
+
+
 def peers(
     parts: Any,
-    loss_fn: Callable,
+    loss_fn: Callable[..., torch.Tensor],
     segments: list[int],
-    *,  # type: ignore[type-arg]
+    *,
     optimizer: torch.optim.Optimizer | None,
     suffix: str = "",
 ) -> dict[str, Step]:
@@ -121,7 +126,6 @@ def peers(
     }  # fmt: skip
     for s in segments:
         if s < len(blocks):
-            out[f"checkpoint_sequential({s})"] = train(
-                lambda s=s: head(checkpoint_sequential(seq, s, stem(), use_reentrant=False))
-            )
+            run = functools.partial(_sequential, seq, s, stem, head)
+            out[f"checkpoint_sequential({s})"] = train(run)
     return {name + suffix: step for name, step in out.items()}

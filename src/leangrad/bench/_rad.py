@@ -128,7 +128,9 @@ def _load(dataset: str, seed: int, device: str) -> tuple[data.Dataset, data.Data
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads), "every parameter of these models has a gradient"
+    return torch.cat([g.reshape(-1).double() for g in grads if g is not None])
 
 
 def _full_gradient(model: nn.Module, ds: data.Dataset) -> torch.Tensor:
@@ -296,7 +298,7 @@ def run_convergence(
         probe = randomized(base, fraction, "different", seed)
         target = memory_of(probe, train.x[:batch], train.y[:batch])["saved_bytes"]
         reduced, _ = equal_memory_batch(base, target, train, largest=batch)
-        configs = [("baseline", batch, None, "-")]
+        configs: list[tuple[str, int, float | None, str]] = [("baseline", batch, None, "-")]
         configs += [(f"RAD {fraction} {m}", batch, fraction, m) for m in modes]
         configs.append((f"reduced batch {reduced}", reduced, None, "-"))
         for label, b, frac, mode in configs:

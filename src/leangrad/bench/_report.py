@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .. import _errors as E
+from .. import _errors as errors
 from .._sizes import MiB, fmt_bytes
 
 __all__ = ["fmt_bytes", "load_records", "render_report", "sweep_section"]
@@ -45,16 +45,16 @@ def _scan(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
     """The suites' records, and why each other ``*.json`` file is not a suite result."""
     if not directory.is_dir():
         what = "a file" if directory.exists() else "not there"
-        raise E.LeangradError(NOT_A_DIRECTORY.format(directory=directory, what=what))
+        raise errors.LeangradError(NOT_A_DIRECTORY.format(directory=directory, what=what))
     out: dict[str, list[dict[str, Any]]] = {}
     skipped: list[str] = []
     for path in sorted(directory.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise E.LeangradError(BAD_JSON.format(path=path, error=err)) from None
+            raise errors.LeangradError(BAD_JSON.format(path=path, error=err)) from None
         except OSError as err:
-            raise E.LeangradError(UNREADABLE.format(path=path, error=err.strerror)) from None
+            raise errors.LeangradError(UNREADABLE.format(path=path, error=err.strerror)) from None
         if not isinstance(data, list):
             what = _JSON_KIND.get(type(data).__name__, type(data).__name__)
             skipped.append(f"{path.name} holds {what}, not a list of records")
@@ -276,7 +276,7 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
     suites, skipped = _scan(directory)
     if not suites:
         why = f" ({'; '.join(skipped)})" if skipped else ""
-        raise E.LeangradError(NO_RESULTS.format(directory=directory, why=why))
+        raise errors.LeangradError(NO_RESULTS.format(directory=directory, why=why))
     lines = ["# leangrad benchmark report", ""]
     first = next(iter(suites.values()))[0]
     m = first.get("machine", {})
@@ -299,7 +299,7 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
         try:
             lines += _suite_section(suite, records, directory, plots=plots)
         except KeyError as err:  # a record without a field its renderer reads
-            raise E.LeangradError(MISSING_FIELD.format(
+            raise errors.LeangradError(MISSING_FIELD.format(
                 path=directory / f"{suite}.json", field=err.args[0] if err.args else "?",
                 suite=suite)) from None  # fmt: skip
     path = directory / "report.md"

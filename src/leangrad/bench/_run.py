@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._runner import machine_info, measure_config
 from ._suites import Suite, load_suite
 
@@ -73,7 +73,7 @@ def run_suite(
             kwargs["save"] = lambda records: write_records(merged(records), path)
         if only is not None:
             if "only" not in inspect.signature(runner).parameters:
-                raise E.OptionError(NO_ONLY.format(suite=suite.name))
+                raise errors.OptionError(NO_ONLY.format(suite=suite.name))
             kwargs["only"] = list(only)
         records = runner(suite, quick=quick, device=device, progress=progress, **kwargs)
     else:
@@ -87,7 +87,7 @@ def _pick(suite: Suite, only: Sequence[str]) -> list[Any]:
     known = [s.name for s in suite.series]
     unknown = [n for n in only if n not in known]
     if unknown:
-        raise E.OptionError(UNKNOWN_SERIES.format(
+        raise errors.OptionError(UNKNOWN_SERIES.format(
             suite=suite.name, names=", ".join(unknown), known=", ".join(known)))  # fmt: skip
     return [s for s in suite.series if s.name in only]
 
@@ -99,14 +99,16 @@ def _kept_records(path: Path, *, quick: bool) -> list[dict[str, Any]]:
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise E.OptionError(f"cannot merge into {path}: {err}") from err
+        raise errors.OptionError(f"cannot merge into {path}: {err}") from err
     modes = {bool(r.get("quick")) for r in old if isinstance(r, dict)}
     if modes - {quick}:
-        raise E.OptionError(MIXED.format(path=path, theirs="--quick" if not quick else "full"))
+        raise errors.OptionError(MIXED.format(path=path, theirs="--quick" if not quick else "full"))
     return [r for r in old if isinstance(r, dict)]
 
 
-def _sweep(suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool) -> list[dict]:
+def _sweep(
+    suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool
+) -> list[dict[str, Any]]:
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]

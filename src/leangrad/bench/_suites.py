@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._runner import EngineSpec
 
 __all__ = ["Series", "Suite", "list_suites", "load_suite"]
@@ -95,10 +95,10 @@ class Suite:
             for series in self.series:
                 self.engines_for(series)
         except (TypeError, ValueError) as err:
-            if isinstance(err, E.LeangradError):
+            if isinstance(err, errors.LeangradError):
                 raise
             msg = str(err) if str(err).startswith("suite ") else f"suite {self.name!r}: {err}"
-            raise E.LeangradError(msg) from None
+            raise errors.LeangradError(msg) from None
         if self.runner is not None:
             self.resolve_runner()
         if self.report is not None:
@@ -111,7 +111,7 @@ def _resolve(spec: str, *, suite: str, what: str) -> Any:
     try:
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as err:
-        raise E.LeangradError(BAD_HOOK.format(name=suite, what=what, spec=spec,
+        raise errors.LeangradError(BAD_HOOK.format(name=suite, what=what, spec=spec,
                                               error=err)) from err  # fmt: skip
 
 
@@ -138,31 +138,31 @@ def load_suite(name: str) -> Suite:
     source = "shipped with leangrad"
     if name.endswith(".toml") and name not in files:
         if not Path(name).is_file():
-            raise E.UnknownNameError(
+            raise errors.UnknownNameError(
                 NO_SUITE_FILE.format(path=name, known=", ".join(sorted(files)))
             )
         try:
             text = Path(name).read_text()
         except (OSError, UnicodeDecodeError) as err:
-            raise E.LeangradError(f"cannot read suite file {name}: {err}") from None
+            raise errors.LeangradError(f"cannot read suite file {name}: {err}") from None
         source, name = name, Path(name).stem
     else:
         if name not in files:
-            raise E.UnknownNameError(
-                E.UNKNOWN_NAME.format(kind="suite", name=name, known=", ".join(sorted(files)))
+            raise errors.UnknownNameError(
+                errors.UNKNOWN_NAME.format(kind="suite", name=name, known=", ".join(sorted(files)))
             )
         text = files[name].read_text()
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise E.LeangradError(f"suite {name!r} is not valid TOML: {err}") from err
+        raise errors.LeangradError(f"suite {name!r} is not valid TOML: {err}") from err
     try:
         return _parse(name, data)
     except KeyError as err:
         problem = f"an entry lacks the key {err.args[0]!r}"
     except (TypeError, ValueError) as err:
         problem = str(err)
-    raise E.LeangradError(BAD_SUITE.format(name=name, source=source, problem=problem))
+    raise errors.LeangradError(BAD_SUITE.format(name=name, source=source, problem=problem))
 
 
 def _parse(name: str, data: dict[str, Any]) -> Suite:

@@ -54,7 +54,9 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _record(suite: Suite, series: str, sweep: str, x: int, quick: bool, **fields: Any) -> dict:
+def _record(
+    suite: Suite, series: str, sweep: str, x: int, quick: bool, **fields: Any
+) -> dict[str, Any]:
     head = dict(kind="training", suite=suite.name, series=series, sweep=sweep, x=x,
                 train_loss=None, train_acc=None, test_acc=None, failed=None,
                 quick=quick)  # fmt: skip

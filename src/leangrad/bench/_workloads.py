@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _errors as E
+from .. import _errors as errors
 from .. import models
 
 __all__ = ["MODELS", "Workload", "build", "dtype_of"]
@@ -45,8 +45,8 @@ def dtype_of(config: Mapping[str, Any]) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise E.UnknownNameError(
-            E.UNKNOWN_NAME.format(kind="dtype", name=name, known=", ".join(_DTYPES))
+        raise errors.UnknownNameError(
+            errors.UNKNOWN_NAME.format(kind="dtype", name=name, known=", ".join(_DTYPES))
         ) from None
 
 
@@ -131,8 +131,8 @@ def build(config: Mapping[str, Any], *, device: str | torch.device = "cpu") -> W
     """
     name = config.get("model")
     if name not in MODELS:
-        raise E.UnknownNameError(
-            E.UNKNOWN_NAME.format(kind="model", name=name, known=", ".join(MODELS))
+        raise errors.UnknownNameError(
+            errors.UNKNOWN_NAME.format(kind="model", name=name, known=", ".join(MODELS))
         )
     dtype = dtype_of(config)
     seed = int(config.get("seed", 0))

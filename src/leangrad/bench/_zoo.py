@@ -32,7 +32,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .. import _errors as E
+from .. import _errors as errors
 from .._plan import plan
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
@@ -105,7 +105,9 @@ def run_zoo(
         unknown = [n for n in only if n not in models and n not in estimates]
         if unknown:
             known = ", ".join(dict.fromkeys([*models, *estimates]))
-            raise E.OptionError(f"zoo suite has no model {', '.join(unknown)}; its models: {known}")
+            raise errors.OptionError(
+                f"zoo suite has no model {', '.join(unknown)}; its models: {known}"
+            )
         models = {k: v for k, v in models.items() if k in only}
         estimates = {k: v for k, v in estimates.items() if k in only}
     records: list[dict[str, Any]] = []
@@ -139,104 +141,117 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     def say(msg: str) -> None:
         bar.set_postfix_str(f"{name}: {msg}", refresh=True)
 
-    wl = build(name, size)
-    model, x, loss_fn = wl.model, wl.inputs, wl.loss_fn
-    methods, skipped = methods_for(name, model, ctx)
-    engines = {m.label: m.make() for m in methods}
-    model.zero_grad(set_to_none=True)
-    loss_fn(model(x)).backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    prof: dict[str, StepProfile] = {}
-    failed: dict[str, tuple[str, str]] = {}  # label -> (side, error)
-    for m in methods:
-        say(m.label)
-        try:
-            prof[m.label] = profile_step(
-                engines[m.label], model, x, loss_fn, repeats=0, reference=ref
-            )
-        except Exception as err:  # an engine failing on a zoo model is a finding
-            failed[m.label] = (m.side, f"{type(err).__name__}: {str(err)[:300]}")
-    bp = prof["backprop"]
-    plans: dict[str, dict[str, Any]] = {}
+    run = _ModelRun(name, size, ctx, say)
+    for m in list(run.methods):
+        run.profile(m)
+    bp = run.prof["backprop"]
     for f in [float(v) for v in ctx.get("fractions", [0.5, 0.25])]:
-        say(f"plan at {f}")
-        label, budget = f"plan(≤{f}×)", bp.baseline_bytes + int(f * bp.peak_bytes)
-        plans[label] = {"budget_bytes": budget, "fraction": f}
-        try:
-            p = plan(model, x, loss_fn, budget=budget, exact=True, repeats=ctx.repeats)
-        except Exception as err:  # a planner failing on a zoo model is a finding
-            failed[label] = ("plan", f"{type(err).__name__}: {str(err)[:300]}")
-            continue
-        row = next((c for c in p.table if c.verdict == "chosen"), None)
-        plans[label]["choice"] = row.label if row else None
-        if row is None:
-            skipped.append(Skipped(label, "plan", p.message))
-            continue
-        m = Method(label, "plan", row.exact, {"engine": row.name, "options": row.options})
-        methods.append(m)
-        engines[label] = m.make()
-        prof[label] = profile_step(engines[label], model, x, loss_fn, repeats=0, reference=ref)
-    ok = [m for m in methods if m.label in prof]
+        run.plan_at(f, bp)
+    ok = [m for m in run.methods if m.label in run.prof]
     say(f"timing {len(ok)} methods, {ctx.repeats} interleaved repeats")
-    steps = {m.label: _step(engines[m.label], model, x, loss_fn) for m in ok}
+    steps = {m.label: _step(run.engines[m.label], run.model, run.x, run.loss_fn) for m in ok}
     times = time_interleaved(steps, repeats=ctx.repeats, warmup=1, reference="backprop")
+    fixed = 2 * sum(p.numel() * p.element_size() for p in run.model.parameters())  # + grads
+    factor = int(ctx.get("max_batch_factor", 16))
     batches = {}
-    fixed = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients
     for m in ok:
         say(f"max batch of {m.label}")
-        batches[m.label] = _max_batch(
-            name,
-            size,
-            m,
-            prof[m.label],
-            bp.total_bytes,
-            int(ctx.get("max_batch_factor", 16)),
-            fixed,
-        )
+        prof = run.prof[m.label]
+        batches[m.label] = _max_batch(name, size, m, prof, bp.total_bytes, factor, fixed)
     say("fresh-process RSS and torch.compile")
-    worker = fresh_process(name, size, ok, prof, ctx)
+    worker = fresh_process(name, size, ok, run.prof, ctx)
     rss = worker["rss"]
-    out = []
-    for m in ok:
-        p, t = prof[m.label], times[m.label]
-        out.append(
-            record(
-                ctx,
-                name,
-                size,
-                m.label,
-                m.side,
-                exact=m.exact,
-                peak_bytes=p.peak_bytes,
-                peak_ratio=p.peak_bytes / bp.peak_bytes,
-                peak_source="tracker",
-                baseline_bytes=p.baseline_bytes,
-                kept_bytes=p.kept_bytes,
-                saved_bytes=p.kept_bytes,
-                rss_peak_bytes=rss.get(m.label),
-                rss_backprop_bytes=rss.get("backprop"),
-                seconds_median=t.median,
-                seconds_min=t.minimum,
-                seconds_max=t.maximum,
-                time_ratio=t.ratio,
-                grad_max_rel_err=p.grad_max_rel_err,
-                grad_cosine=p.grad_cosine,
-                spec=m.spec,
-                **plans.get(m.label, {}),
-                **batches[m.label],
-            )
+    out = [
+        record(
+            ctx, name, size, m.label, m.side, exact=m.exact,
+            **_profile_fields(run.prof[m.label], bp),
+            rss_peak_bytes=rss.get(m.label), rss_backprop_bytes=rss.get("backprop"),
+            seconds_median=times[m.label].median, seconds_min=times[m.label].minimum,
+            seconds_max=times[m.label].maximum, time_ratio=times[m.label].ratio,
+            spec=m.spec, **run.plans.get(m.label, {}), **batches[m.label],
         )
+        for m in ok
+    ]  # fmt: skip
     out += compile_records(ctx, name, size, worker["compile"])
     out += [
-        record(ctx, name, size, lb, side, failed=why, **plans.get(lb, {}))
-        for lb, (side, why) in failed.items()
+        record(ctx, name, size, lb, side, failed=why, **run.plans.get(lb, {}))
+        for lb, (side, why) in run.failed.items()
     ]
     out += [
-        record(ctx, name, size, s.label, s.side, skipped=s.reason, **plans.get(s.label, {}))
-        for s in skipped
+        record(ctx, name, size, s.label, s.side, skipped=s.reason, **run.plans.get(s.label, {}))
+        for s in run.skipped
     ]
     return out
+
+
+def _profile_fields(p: StepProfile, bp: StepProfile) -> dict[str, Any]:
+    """A measured method's tracker fields, its peak as a ratio to backprop's."""
+    return {
+        "peak_bytes": p.peak_bytes,
+        "peak_ratio": p.peak_bytes / bp.peak_bytes,
+        "peak_source": "tracker",
+        "baseline_bytes": p.baseline_bytes,
+        "kept_bytes": p.kept_bytes,
+        "saved_bytes": p.kept_bytes,
+        "grad_max_rel_err": p.grad_max_rel_err,
+        "grad_cosine": p.grad_cosine,
+    }
+
+
+class _ModelRun:
+    """One zoo model at its measured size: its methods, their engines and tracker profiles,
+    the plans added as methods, and what failed or was skipped (with the reason)."""
+
+    def __init__(
+        self, name: str, size: dict[str, Any], ctx: Context, say: Callable[[str], None]
+    ) -> None:
+        wl = build(name, size)
+        self.model, self.x, self.loss_fn = wl.model, wl.inputs, wl.loss_fn
+        self.ctx, self.say = ctx, say
+        self.methods, self.skipped = methods_for(name, self.model, ctx)
+        self.engines = {m.label: m.make() for m in self.methods}
+        self.model.zero_grad(set_to_none=True)
+        self.loss_fn(self.model(self.x)).backward()
+        self.ref = {
+            n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None
+        }
+        self.model.zero_grad(set_to_none=True)
+        self.prof: dict[str, StepProfile] = {}
+        self.failed: dict[str, tuple[str, str]] = {}  # label -> (side, error)
+        self.plans: dict[str, dict[str, Any]] = {}  # plan label -> budget, fraction, choice
+
+    def profile(self, m: Method) -> None:
+        """The tracker's profile of ``m``'s step, or the error it raised (a finding)."""
+        self.say(m.label)
+        try:
+            self.prof[m.label] = profile_step(
+                self.engines[m.label], self.model, self.x, self.loss_fn, repeats=0,
+                reference=self.ref,
+            )  # fmt: skip
+        except Exception as err:  # an engine failing on a zoo model is a finding
+            self.failed[m.label] = (m.side, f"{type(err).__name__}: {str(err)[:300]}")
+
+    def plan_at(self, fraction: float, bp: StepProfile) -> None:
+        """``leangrad.plan`` at parameters and inputs + ``fraction`` x backprop's peak; its
+        choice joins the methods (none fitting is recorded as skipped, with the plan's word)."""
+        self.say(f"plan at {fraction}")
+        label, budget = f"plan(≤{fraction}×)", bp.baseline_bytes + int(fraction * bp.peak_bytes)
+        self.plans[label] = {"budget_bytes": budget, "fraction": fraction}
+        try:
+            p = plan(self.model, self.x, self.loss_fn, budget=budget, exact=True,
+                     repeats=self.ctx.repeats)  # fmt: skip
+        except Exception as err:  # a planner failing on a zoo model is a finding
+            self.failed[label] = ("plan", f"{type(err).__name__}: {str(err)[:300]}")
+            return
+        row = next((c for c in p.table if c.verdict == "chosen"), None)
+        self.plans[label]["choice"] = row.label if row else None
+        if row is None:
+            self.skipped.append(Skipped(label, "plan", p.message))
+            return
+        m = Method(label, "plan", row.exact, {"engine": row.name, "options": row.options})
+        self.methods.append(m)
+        self.engines[label] = m.make()
+        self.profile(m)
 
 
 def _step(eng: Any, model: Any, x: Any, loss_fn: Any) -> Any:
@@ -268,13 +283,14 @@ def _max_batch(
             est = None
     ratio = None if est is None else est / prof.total_bytes
     use_estimate = ratio is not None and abs(ratio - 1) <= ESTIMATE_TOLERANCE
+    at_base = est if est is not None and use_estimate else prof.total_bytes
     search = max_batch(
         lambda b: footprint(name, size, m, b, estimate=use_estimate).total,
         budget,
         start=base,
         limit=factor * base,
         fixed=fixed,
-        known={base: est if use_estimate else prof.total_bytes},
+        known={base: at_base},
     )
     return {
         "max_batch": search.batch,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import _errors as E
+from .. import _errors as errors
 from .. import zoo
 from ..engines import available, engine
 from ..engines._compose import Composed
@@ -69,7 +69,7 @@ def build(name: str, size: dict[str, Any], *, batch: int | None = None) -> Workl
     """Zoo model ``name`` at ``size`` (constructor keys plus ``batch`` and, for token
     models, ``length`` or ``context``), with ``batch`` overriding the size's."""
     if name not in _CTOR:
-        raise E.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=", ".join(_CTOR)))
+        raise errors.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=", ".join(_CTOR)))
     kw = {k: size[k] for k in _CTOR[name] if k in size}
     torch.manual_seed(0)
     if name in ("lstm_lm", "gru_lm"):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import _errors as E
+from .. import _errors as errors
 from ._report import fmt_bytes, load_records
 
 __all__ = [
@@ -123,7 +123,7 @@ def zoo_headline(directory: str | Path) -> str:
     """
     records = load_records(Path(directory)).get("zoo")
     if not records:
-        raise E.LeangradError(NO_ZOO.format(directory=directory))
+        raise errors.LeangradError(NO_ZOO.format(directory=directory))
     measured = [r for r in records if not r.get("estimate")]
     sizes = "--quick sizes" if all(r.get("quick") for r in measured) else "full sizes"
     machine = measured[0].get("machine") or {}

@@ -7,6 +7,7 @@ GPU-sized configurations estimated on fake tensors; with the helpers the runner 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from torch import nn
@@ -185,6 +186,11 @@ def compile_records(
     return out
 
 
+def _estimated_total(name: str, size: dict[str, Any], m: Method, batch: int) -> int:
+    """The fake-tensor estimate of ``m``'s total bytes at ``batch``."""
+    return footprint(name, size, m, batch, estimate=True).total
+
+
 def estimate_records(
     name: str, size: dict[str, Any], ctx: Context, bar: Any, checked: dict[str, float | None]
 ) -> list[dict[str, Any]]:
@@ -216,40 +222,18 @@ def estimate_records(
         if ctx.get("estimate_max_batch", True):
             bar.set_postfix_str(f"{series}: max batch of {m.label}", refresh=True)
             search = max_batch(
-                lambda b, m=m: footprint(name, size, m, b, estimate=True).total,
-                bp.total,
-                start=base,
-                limit=limit,
-                fixed=fixed,
-                known={base: f.total},
-            )
-            fields = {
-                "max_batch": search.batch,
-                "max_batch_capped": search.capped,
-                "max_batch_budget_bytes": bp.total,
-                "max_batch_method": "estimate",
-            }
-        out.append(
-            record(
-                ctx,
-                name,
-                size,
-                m.label,
-                m.side,
-                exact=m.exact,
-                estimate=True,
-                series=series,
-                peak_bytes=f.peak,
-                peak_ratio=f.peak / bp.peak,
-                peak_source="estimate",
-                baseline_bytes=f.baseline,
-                kept_bytes=f.kept,
-                saved_bytes=f.kept,
-                spec=m.spec,
-                estimate_vs_tracker_at_measured_size=checked.get(m.label),
-                **fields,
-            )
-        )
+                functools.partial(_estimated_total, name, size, m), bp.total, start=base,
+                limit=limit, fixed=fixed, known={base: f.total},
+            )  # fmt: skip
+            fields = {"max_batch": search.batch, "max_batch_capped": search.capped,
+                      "max_batch_budget_bytes": bp.total,
+                      "max_batch_method": "estimate"}  # fmt: skip
+        out.append(record(
+            ctx, name, size, m.label, m.side, exact=m.exact, estimate=True, series=series,
+            peak_bytes=f.peak, peak_ratio=f.peak / bp.peak, peak_source="estimate",
+            baseline_bytes=f.baseline, kept_bytes=f.kept, saved_bytes=f.kept, spec=m.spec,
+            estimate_vs_tracker_at_measured_size=checked.get(m.label), **fields,
+        ))  # fmt: skip
     out += [
         record(ctx, name, size, s.label, s.side, estimate=True, series=series, skipped=s.reason)
         for s in skipped

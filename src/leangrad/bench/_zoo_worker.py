@@ -19,6 +19,7 @@ resident set follows live memory), one thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -94,7 +95,8 @@ def main() -> None:
     rss: dict[str, int] = {}
     for m in payload.get("methods", []):
         eng = Method(**m).make()
-        rss[m["label"]] = _warm_rss(_stepper(model, lambda e=eng: e.backward(model, x, loss_fn)))
+        step = functools.partial(eng.backward, model, x, loss_fn)
+        rss[m["label"]] = _warm_rss(_stepper(model, step))
     compiled: dict[str, Any] = {}
     for budget in payload.get("compile", []):
         key = "default" if budget is None else str(budget)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -223,7 +224,7 @@ class HighwayNet(nn.Module):
     """
 
     def __init__(
-        self, stem: nn.Module | None, stacks: list[HighwayStack], head: nn.Module | None
+        self, stem: nn.Module | None, stacks: Sequence[HighwayStack], head: nn.Module | None
     ) -> None:
         super().__init__()
         if len(stacks) == 0:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import _cli_types as T
+from .. import _cli_types as cli_types
 
 __all__ = ["add_plan_parser", "add_train_parser", "run_plan", "run_train"]
 
@@ -47,7 +47,7 @@ RETIRED_MAX_STEP_SECONDS = (
 
 def _seed(raw: str) -> int:
     """A seed: a whole number that torch's generators take."""
-    value = T.whole(raw)
+    value = cli_types.whole(raw)
     if value > MAX_SEED:
         raise argparse.ArgumentTypeError(BAD_SEED.format(value=value))
     return value
@@ -79,37 +79,39 @@ def add_train_parser(sub: Any) -> None:
                       ("--data-opt", "data_options")):  # fmt: skip
         t.add_argument(flag, dest=key, action="append", default=None, metavar="KEY=VALUE",
                        help="keyword option, repeatable (default: none)")  # fmt: skip
-    opt("--epochs", "epochs", "passes over the training split", type=T.positive_int)
+    opt("--epochs", "epochs", "passes over the training split", type=cli_types.positive_int)
     opt("--batch-size", "batch_size", "examples per step (per process under torchrun)",
-        type=T.positive_int)  # fmt: skip
-    opt("--lr", "lr", "learning rate", type=T.positive_float)
+        type=cli_types.positive_int)  # fmt: skip
+    opt("--lr", "lr", "learning rate", type=cli_types.positive_float)
     opt("--optimizer", "optimizer", "adam or sgd", choices=("adam", "sgd"))
     opt("--seed", "seed", "seed of init, split and data order", type=_seed)
     opt("--step-per-layer", "step_per_layer", "optimizer step per parameter inside on_grad; "
         "gradients never all live at once (saving measured and printed)", action="store_const",
         const=True)  # fmt: skip
     opt("--checkpoint-every", "checkpoint_every", "checkpoint every N steps (always at the end)",
-        type=T.positive_int)  # fmt: skip
-    opt("--max-steps", "max_steps", "stop after N steps in total", type=T.positive_int)
+        type=cli_types.positive_int)  # fmt: skip
+    opt("--max-steps", "max_steps", "stop after N steps in total", type=cli_types.positive_int)
     opt("--dtype", "dtype", "float32 or float64", choices=("float32", "float64"))
     opt("--test-fraction", "test_fraction", "held-out share for test accuracy, in [0, 1)",
-        type=T.fraction)  # fmt: skip
-    t.add_argument("--budget", default=None, type=T.size,
+        type=cli_types.fraction)  # fmt: skip
+    t.add_argument("--budget", default=None, type=cli_types.size,
                    help="plan the step instead of naming an engine: train with the fastest "
                    "exact engine whose memory fits, e.g. 64MiB (see `leangrad plan`)")
-    t.add_argument("--out", default=None, type=T.out_dir,
+    t.add_argument("--out", default=None, type=cli_types.out_dir,
                    help="run directory (default: leangrad-run, or the --resume directory)")
     t.add_argument("--resume", default=None, metavar="DIR|FILE",
                    help="continue bit-exactly from the newest checkpoint of DIR (or FILE)")
     t.add_argument("--overwrite", action="store_true",
                    help="--out may hold an earlier run: delete its checkpoints, metrics, "
                    "run.json and plot first, nothing else (default: refuse such a directory)")
-    t.add_argument("--keep", type=T.positive_int, default=3, help="checkpoints kept (default: 3)")
-    t.add_argument("--device", default=None, type=T.device,
+    t.add_argument(
+        "--keep", type=cli_types.positive_int, default=3, help="checkpoints kept (default: 3)"
+    )
+    t.add_argument("--device", default=None, type=cli_types.device,
                    help="cpu, cuda, cuda:1 (default: cuda if present)")
-    t.add_argument("--threads", type=T.positive_int, default=None,
+    t.add_argument("--threads", type=cli_types.positive_int, default=None,
                    help="torch.set_num_threads (default: torch's choice)")
-    t.add_argument("--track-memory-every", type=T.whole, default=50,
+    t.add_argument("--track-memory-every", type=cli_types.whole, default=50,
                    help="measure a step's peak memory every N steps, 0: never (default: 50)")
     t.add_argument("--no-measure-saving", action="store_true",
                    help="with --step-per-layer, skip measuring the saving on model copies")
@@ -247,16 +249,18 @@ def add_plan_parser(sub: Any) -> None:
                    metavar="KEY=VALUE", help="model option, repeatable")  # fmt: skip
     a.add_argument("--data-opt", dest="data_options", action="append", default=None,
                    metavar="KEY=VALUE", help="data option, repeatable (e.g. shape=3,32,32)")
-    a.add_argument("--batch-size", type=T.positive_int, default=64, help="examples per step")
-    a.add_argument("--budget", type=T.size, default="2GiB",
+    a.add_argument(
+        "--batch-size", type=cli_types.positive_int, default=64, help="examples per step"
+    )
+    a.add_argument("--budget", type=cli_types.size, default="2GiB",
                    help="memory budget, e.g. 512MiB, 2GiB, 1e9")
     a.add_argument("--engines", default=None,
                    help="comma-separated engines to try, e.g. backprop,checkpoint+fad "
                    "(default: every one that applies)")
-    a.add_argument("--repeats", type=T.positive_int, default=3, help="timed repeats")
+    a.add_argument("--repeats", type=cli_types.positive_int, default=3, help="timed repeats")
     a.add_argument("--max-step-seconds", type=_retired_max_step_seconds, default=None,
                    help=argparse.SUPPRESS)  # the old advise's; refused with the fix
-    a.add_argument("--device", default=None, type=T.device,
+    a.add_argument("--device", default=None, type=cli_types.device,
                    help="cpu or cuda (default: cuda if present)")
     a.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     a.add_argument("--inexact", action="store_true",
@@ -265,7 +269,7 @@ def add_plan_parser(sub: Any) -> None:
                    help="plan the training step with this optimizer's step: every candidate "
                    "is also tried with the optimizer stepped per layer (train with "
                    "--step-per-layer when that is chosen)")
-    a.add_argument("--lr", type=T.positive_float, default=0.01, help="with --optimizer")
+    a.add_argument("--lr", type=cli_types.positive_float, default=0.01, help="with --optimizer")
     a.add_argument("--no-progress", action="store_true", help="say nothing while measuring")
 
 
