@@ -280,7 +280,7 @@ def test_time_chunks_give_autograds_gradient_in_float64(kind: str, arg: int | No
 def test_readme_opens_with_the_committed_zoo_headline(capsys: pytest.CaptureFixture[str]) -> None:
     """The README's opening table is ``leangrad report results --headline`` of the committed
     ``results/zoo.json``, verbatim: regenerated, never edited by hand."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert main(["report", str(root / "results"), "--headline"]) == 0
     table = capsys.readouterr().out.strip()
     assert table.count("\n| ") >= 7  # a row per measured model
