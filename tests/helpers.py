@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,10 @@ __all__ = [
     "reference_grads",
     "trainable",
 ]
+
+DEVICE = torch.device(os.environ.get("LEANGRAD_TEST_DEVICE", "cpu"))
+"""Where :func:`make_problem` puts its problems: ``LEANGRAD_TEST_DEVICE=cuda`` runs the
+reference test of every engine on a GPU (``make bench-gpu``)."""
 
 MODEL_KINDS = (
     "mlp", "cnn", "conv", "rnn", "revchain", "subcnn", "subcnn_repeat", "frag1d", "frag2d"
@@ -128,7 +133,9 @@ def make_problem(
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     targets = torch.randint(0, c, (b,))
-    return Problem(model=model.to(dtype), inputs=(x.to(dtype),), targets=targets)
+    return Problem(
+        model=model.to(DEVICE, dtype), inputs=(x.to(DEVICE, dtype),), targets=targets.to(DEVICE)
+    )
 
 
 def draw_problem(data: st.DataObject, kind: str, dtype: torch.dtype) -> Problem:
