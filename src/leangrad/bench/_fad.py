@@ -46,7 +46,7 @@ from ..measure import (
     saved_tensor_bytes,
     time_interleaved,
 )
-from ._fad_models import ACTIVATIONS, build_model, set_recompute
+from ._fad_models import ACTIVATIONS, fad_model, set_recompute
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._suites import Suite
@@ -330,7 +330,7 @@ def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quic
     series = f"{kind}-{act}"
     bar.set_description(f"{suite.name} {series}")
     torch.manual_seed(0)
-    base, make0 = build_model(kind, act, size)
+    base, make0 = fad_model(kind, act, size)
     base = base.to(device)
     gen = torch.Generator().manual_seed(1)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ACTIVATIONS", "Act", "Encoder", "ResNet", "build_model", "set_recompute"]
+__all__ = ["ACTIVATIONS", "Act", "ActEncoder", "ActResNet", "fad_model", "set_recompute"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -82,7 +82,7 @@ class _Block(nn.Module):
         return self.act2(self.bn2(self.conv2(out)) + self.short(x))
 
 
-class ResNet(nn.Module):
+class ActResNet(nn.Module):
     """Stem conv, ``stages`` stages of ``blocks`` basic blocks (widths c, 2c, ...), head."""
 
     def __init__(self, *, act: str, channels: int = 16, stages: int = 2, blocks: int = 1,
@@ -129,7 +129,7 @@ class _Layer(nn.Module):
         return self.ln2(x + self.ff2(self.act(self.ff1(x))))
 
 
-class Encoder(nn.Module):
+class ActEncoder(nn.Module):
     """Token + position embeddings, ``layers`` post-LN layers, mean-pool, linear head."""
 
     def __init__(self, *, act: str, d: int = 64, heads: int = 4, layers: int = 2,
@@ -149,10 +149,10 @@ class Encoder(nn.Module):
 Batch = Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
 
 
-def build_model(kind: str, act: str, size: dict[str, int]) -> tuple[nn.Module, Batch]:
+def fad_model(kind: str, act: str, size: dict[str, int]) -> tuple[nn.Module, Batch]:
     """The model and a batch maker ``make(batch, generator) -> (inputs, targets)``."""
     if kind == "resnet":
-        model: nn.Module = ResNet(
+        model: nn.Module = ActResNet(
             act=act,
             channels=size.get("channels", 16),
             stages=size.get("stages", 2),
@@ -167,7 +167,7 @@ def build_model(kind: str, act: str, size: dict[str, int]) -> tuple[nn.Module, B
         return model, make
     if kind == "bert":
         seq = size.get("seq", 32)
-        model = Encoder(act=act, d=size.get("d", 64), heads=size.get("heads", 4),
+        model = ActEncoder(act=act, d=size.get("d", 64), heads=size.get("heads", 4),
                         layers=size.get("layers", 2), seq=seq)  # fmt: skip
 
         def make_ids(b: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -66,7 +66,7 @@ class RowRNN(nn.Module):
         return self.head(h)
 
 
-def build_model(kind: str, *, side: int = 28) -> nn.Module:
+def rad_model(kind: str, *, side: int = 28) -> nn.Module:
     """``mlp``: Appendix A's 784-300-300-300-10 ReLU net; ``cnn``: a small ReLU/avg-pool
     convnet (a CPU-sized stand-in for the paper's CIFAR-10 net); ``irnn``: :class:`RowRNN`
     with 100 hidden units. ``side``: the images' side (28 for MNIST, 8 for digits)."""
@@ -182,7 +182,7 @@ def run_variance(
     bar = tqdm(total=len(models) * len(ests) * draws, desc=suite.name, disable=not progress)
     for kind in models:
         torch.manual_seed(seed)
-        base = build_model(kind, side=train.x.shape[-1]).to(device)
+        base = rad_model(kind, side=train.x.shape[-1]).to(device)
         if pretrain:  # move away from the initialisation, as a gradient mid-training
             opt = torch.optim.Adam(base.parameters(), lr=1e-3)
             for _, (x, y) in zip(range(pretrain), _forever(train, 150, seed), strict=False):
@@ -294,7 +294,7 @@ def run_convergence(
         kind, steps, every = run["model"], int(run["steps"]), int(run["eval_every"])
         lr, optimizer = float(run["lr"]), str(run.get("optimizer", "adam"))
         torch.manual_seed(seed)
-        base = build_model(kind, side=train.x.shape[-1]).to(device)
+        base = rad_model(kind, side=train.x.shape[-1]).to(device)
         probe = randomized(base, fraction, "different", seed)
         target = memory_of(probe, train.x[:batch], train.y[:batch])["saved_bytes"]
         reduced, _ = equal_memory_batch(base, target, train, largest=batch)

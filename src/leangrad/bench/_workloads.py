@@ -93,7 +93,7 @@ def _fragmental(rank: int) -> Callable[[Mapping[str, Any]], tuple[nn.Module, tup
     """Workload builder of ``models.fragmental_cnn1d`` (``length``) or ``..._cnn2d`` (``size``)."""
     factory = models.fragmental_cnn1d if rank == 1 else models.fragmental_cnn2d
 
-    def build_model(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
+    def fragmental_model(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
         cin = c.get("in_channels", 3)
         spatial = (c.get("length", 512),) if rank == 1 else (c.get("size", 64),) * 2
         model = factory(
@@ -107,7 +107,7 @@ def _fragmental(rank: int) -> Callable[[Mapping[str, Any]], tuple[nn.Module, tup
         )
         return model, (cin, *spatial)
 
-    return build_model
+    return fragmental_model
 
 
 MODELS: dict[str, Callable[[Mapping[str, Any]], tuple[nn.Module, tuple[int, ...]]]] = {
