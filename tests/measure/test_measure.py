@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from leangrad.measure import (
     saved_tensor_bytes,
     time_interleaved,
 )
+from leangrad.measure._memory import _RESIZE
 
 
 def _mlp_step(depth: int = 3, batch: int = 16, width: int = 32, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -131,6 +133,24 @@ def test_resized_storage_counts_its_growth() -> None:
         a = torch.empty(10)
         torch.randn(1000, out=a)
     assert tracker.report.peak_bytes == tracker.report.end_bytes == 1000 * 4
+
+
+@pytest.mark.parametrize("how", ["untyped_storage", "storage"])
+def test_a_storage_resized_from_python_is_seen(how: str) -> None:
+    """memcnn frees a block's activations with ``x.storage().resize_(0)``: outside the
+    dispatcher, so the tracker is told by the storage itself. Freed: the next allocation
+    reuses the room (peak one block, not two); grown: the growth counts."""
+    block = 4096 * 4
+    with MemoryTracker() as tracker, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        a = torch.ones(4096)
+        getattr(a, how)().resize_(0)
+        assert tracker.current_bytes() == 0
+        b = torch.ones(4096)
+        getattr(b, how)().resize_(3 * block if how == "untyped_storage" else 3 * 4096)
+        assert tracker.current_bytes() == 3 * block
+    assert tracker.report.peak_bytes == 3 * block
+    assert torch.UntypedStorage.resize_ is _RESIZE  # put back once no tracker is active
 
 
 def test_baseline_reported_separately() -> None:

@@ -160,6 +160,34 @@ class _StorageMode(TorchDispatchMode):
         return out
 
 
+_RESIZE = torch.UntypedStorage.resize_
+_resize_users = 0  # CPU trackers active (any thread) that need storage resizes reported
+
+
+def _reported_resize(self: Any, size: int) -> Any:
+    """``UntypedStorage.resize_``, then told to this thread's trackers: a storage resized
+    from Python (``x.untyped_storage().resize_(0)``, memcnn's way of freeing a block's
+    activations, or ``x.storage().resize_``) changes size outside the dispatcher, so the
+    dispatch mode would otherwise keep counting its old size."""
+    out = _RESIZE(self, size)
+    me = threading.get_ident()
+    for t in list(_ACTIVE):
+        if t._thread == me and t._mode is not None and id(self) in t._entries:
+            t._see(self, external=False)
+    return out
+
+
+def _report_resizes(on: bool) -> None:
+    """Install :func:`_reported_resize` while any CPU tracker is active, and only then."""
+    global _resize_users
+    _resize_users += 1 if on else -1
+    installed = torch.UntypedStorage.resize_ is not _RESIZE
+    if _resize_users > 0 and not installed:
+        torch.UntypedStorage.resize_ = _reported_resize  # type: ignore[method-assign]
+    elif _resize_users == 0 and installed:
+        torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
+
+
 BUDGET_EXCEEDED = (
     "memory budget exceeded: {total} bytes live ({baseline} baseline + {live} allocated in "
     "the step) > budget_bytes={budget}"
@@ -285,6 +313,7 @@ class MemoryTracker:
             mode = _StorageMode(self)
             mode.__enter__()
             self._mode = mode
+            _report_resizes(True)
         self._thread = threading.get_ident()
         _ACTIVE.append(self)
         return self
@@ -318,6 +347,7 @@ class MemoryTracker:
             self.live = torch.cuda.memory_allocated(self.device) - self._cuda_start
         elif self._mode is not None:
             mode, self._mode = self._mode, None
+            _report_resizes(False)
             mode.__exit__(*exc)
         self._report = MemoryReport(
             device=str(self.device),
