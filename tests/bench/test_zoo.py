@@ -277,7 +277,7 @@ def test_time_chunks_give_autograds_gradient_in_float64(kind: str, arg: int | No
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize(("where", "models"), [("results", 7), ("results/full", 2)])
+@pytest.mark.parametrize(("where", "models"), [("results", 7), ("results/full", 1)])
 def test_readme_opens_with_the_committed_zoo_headline(
     where: str, models: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
