@@ -220,6 +220,16 @@ def _rec(
     }
 
 
+def test_headline_shows_a_plans_named_blocks_by_their_count() -> None:
+    choice = "checkpoint(blocks=['blocks.0', 'blocks.1', 'blocks.2'],trace=True)"
+    rs = [
+        _rec("m", "backprop", "reference", 1.0, 1.0),
+        _rec("m", "plan(≤0.5×)", "plan", 0.3, 1.1, choice=choice),
+    ]
+    row = headline_table(rs).splitlines()[2]
+    assert "plan(≤0.5×) → checkpoint(blocks=[3 named],trace=True) (0.30×) | 1.10×" in row
+
+
 def test_headline_table_picks_the_fastest_exact_row_within_each_bound() -> None:
     rs = [
         _rec("m", "backprop", "reference", 1.0, 1.0),
@@ -277,7 +287,7 @@ def test_time_chunks_give_autograds_gradient_in_float64(kind: str, arg: int | No
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize(("where", "models"), [("results", 7), ("results/full", 1)])
+@pytest.mark.parametrize(("where", "models"), [("results", 7), ("results/full", 2)])
 def test_readme_opens_with_the_committed_zoo_headline(
     where: str, models: int, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -63,11 +64,21 @@ def best_within(
     return min(fit, key=lambda r: r["time_ratio"]) if fit else None
 
 
+def _how(r: dict[str, Any]) -> str:
+    """The method, with a plan's choice; a list of named blocks is shown by its length
+    (``checkpoint(blocks=[9 named])``): the names are in the JSON and the per-model table."""
+    if not r.get("choice"):
+        return str(r["engine"])
+    choice = re.sub(
+        r"blocks=\[([^\]]*)\]", lambda m: f"blocks=[{m.group(1).count(',') + 1} named]", r["choice"]
+    )
+    return f"{r['engine']} → {choice}"
+
+
 def _cell(r: dict[str, Any] | None) -> str:
     if r is None:
         return "nothing fits | —"
-    how = f"{r['engine']} → {r['choice']}" if r.get("choice") else r["engine"]
-    return f"{how} ({r['peak_ratio']:.2f}×) | {r['time_ratio']:.2f}×"
+    return f"{_how(r)} ({r['peak_ratio']:.2f}×) | {r['time_ratio']:.2f}×"
 
 
 def headline_table(
