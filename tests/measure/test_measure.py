@@ -151,6 +151,7 @@ def test_a_storage_resized_from_python_is_seen(how: str) -> None:
         assert tracker.current_bytes() == 3 * block
     assert tracker.report.peak_bytes == 3 * block
     assert torch.UntypedStorage.resize_ is _RESIZE  # put back once no tracker is active
+    assert "resize_" not in vars(torch.UntypedStorage)  # the class as torch left it
 
 
 def test_baseline_reported_separately() -> None:

@@ -161,6 +161,7 @@ class _StorageMode(TorchDispatchMode):
 
 
 _RESIZE = torch.UntypedStorage.resize_
+_RESIZE_OWN = "resize_" in vars(torch.UntypedStorage)
 _resize_users = 0  # CPU trackers active (any thread) that need storage resizes reported
 
 
@@ -185,7 +186,10 @@ def _report_resizes(on: bool) -> None:
     if _resize_users > 0 and not installed:
         torch.UntypedStorage.resize_ = _reported_resize  # type: ignore[method-assign]
     elif _resize_users == 0 and installed:
-        torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
+        if _RESIZE_OWN:  # put back exactly what was there: the class's own, or nothing
+            torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
+        else:
+            del torch.UntypedStorage.resize_  # inherited from the C base again
 
 
 BUDGET_EXCEEDED = (
