@@ -153,6 +153,22 @@ def test_max_batch_search_is_exact_and_monotone_in_budget() -> None:
     assert max_batch(total, 10**9, start=6, limit=64).capped
 
 
+def test_relative_max_batch_brackets_the_boundary_with_fewer_probes() -> None:
+    """Within 1/relative: the answer fits, ``fails`` does not, the true boundary lies
+    between them, and the search probes less than the exact one."""
+
+    def total(b: int) -> int:
+        return 5000 + 40 * b
+
+    for budget in range(20_000, 45_000, 997):
+        exact = max_batch(total, budget, start=16, limit=2000)
+        got = max_batch(total, budget, start=16, limit=2000, fixed=5000 - 400, relative=20)
+        assert total(got.batch) <= budget and got.fails is not None
+        assert total(got.fails) > budget and got.batch <= exact.batch < got.fails
+        assert got.fails - got.batch <= max(1, got.batch // 20) + 1
+        assert len(got.probes) <= len(exact.probes)
+
+
 def test_max_batch_on_real_estimates_is_monotone_in_budget() -> None:
     ck = Method("checkpoint", "leangrad", True, {"engine": "checkpoint", "options": {}})
     totals = {b: footprint("gpt", GPT, ck, b, estimate=True).total for b in range(1, 13)}

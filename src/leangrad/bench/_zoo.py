@@ -153,11 +153,14 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     times = time_interleaved(steps, repeats=ctx.repeats, warmup=1, reference="backprop")
     fixed = 2 * sum(p.numel() * p.element_size() for p in run.model.parameters())  # + grads
     factor = int(ctx.get("max_batch_factor", 16))
+    relative = int(ctx.get("max_batch_tracker_relative", 0)) or None
     batches = {}
     for m in ok:
         say(f"max batch of {m.label}")
         prof = run.prof[m.label]
-        batches[m.label] = _max_batch(name, size, m, prof, bp.total_bytes, factor, fixed)
+        batches[m.label] = _max_batch(
+            name, size, m, prof, bp.total_bytes, factor, fixed, relative=relative
+        )
     say("fresh-process RSS and torch.compile")
     worker = fresh_process(name, size, ok, run.prof, ctx)
     rss = worker["rss"]
@@ -270,10 +273,14 @@ def _max_batch(
     budget: int,
     factor: int,
     fixed: int,
+    *,
+    relative: int | None = None,
 ) -> dict[str, Any]:
     """The max-batch fields of a record: searched on fake-tensor estimates where the estimate
     at the base batch is within :data:`ESTIMATE_TOLERANCE` of the tracker, else with the
-    tracker (``estimate_vs_tracker``: that ratio, ``None`` where fake tensors cannot run)."""
+    tracker (``estimate_vs_tracker``: that ratio, ``None`` where fake tensors cannot run) —
+    to within 1/``relative`` there when given (``max_batch_fails``: the smallest batch seen
+    not to fit, so the boundary lies in ``[max_batch, max_batch_fails)``)."""
     base = int(size["batch"])
     est: int | None = None
     if estimable(m) is None:
@@ -291,12 +298,15 @@ def _max_batch(
         limit=factor * base,
         fixed=fixed,
         known={base: at_base},
+        relative=None if use_estimate else relative,
     )
     return {
         "max_batch": search.batch,
         "max_batch_capped": search.capped,
         "max_batch_budget_bytes": budget,
         "max_batch_probes": len(search.probes),
+        "max_batch_fails": search.fails,
+        "max_batch_relative": None if use_estimate else relative,
         "max_batch_method": "estimate" if use_estimate else "tracker",
         "estimate_vs_tracker": ratio,
     }

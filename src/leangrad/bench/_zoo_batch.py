@@ -58,11 +58,14 @@ class BatchSearch:
         batch: the largest batch that fits (0: not even one sample).
         capped: ``batch`` is the search's ``limit``; a larger one may fit too.
         probes: batch -> total bytes, every size measured.
+        fails: the smallest batch probed that does not fit (``None``: none did); with a
+            ``relative`` search the true boundary lies in ``[batch, fails)``.
     """
 
     batch: int
     capped: bool
     probes: dict[int, int]
+    fails: int | None = None
 
 
 def estimable(method: Method) -> str | None:
@@ -108,6 +111,7 @@ def max_batch(
     limit: int,
     fixed: int = 0,
     known: dict[int, int] | None = None,
+    relative: int | None = None,
 ) -> BatchSearch:
     """The largest ``b <= limit`` with ``total(b) <= budget``, for ``total`` non-decreasing
     in ``b`` (then the answer is non-decreasing in ``budget``).
@@ -123,6 +127,9 @@ def max_batch(
         limit: the largest batch tried.
         fixed: bytes that do not grow with the batch (e.g. parameters and gradients).
         known: ``{batch: total}`` already measured (not measured again).
+        relative: stop once the bracket is within ``batch // relative`` (and walk in steps
+            of ``guess // relative``): an answer within 1/``relative`` for far fewer probes
+            where each is a measured step of a large model. ``None``: exact.
 
     Returns:
         A :class:`BatchSearch` (``batch=0`` when even one sample does not fit).
@@ -140,7 +147,7 @@ def max_batch(
     slope = (seen[start] - fixed) / start
     guess = start + int((budget - seen[start]) // slope) if slope > 0 else limit
     guess = max(1, min(limit, guess))
-    step = 1
+    step = max(1, guess // relative) if relative else 1
     if fits(guess):  # walk up: lo fits, hi does not (or lies past the limit)
         lo, hi = guess, limit + 1
         while guess + step <= limit:
@@ -160,5 +167,8 @@ def max_batch(
                 lo = guess - step
                 break
             hi, step = guess - step, 2 * step
-    lo = bisect_last_fit(fits, lo, hi)
-    return BatchSearch(batch=lo, capped=lo == limit, probes=dict(sorted(seen.items())))
+    lo = bisect_last_fit(fits, lo, hi, relative=relative)
+    fails = min((b for b, t in seen.items() if t > budget), default=None)
+    return BatchSearch(
+        batch=lo, capped=lo == limit, probes=dict(sorted(seen.items())), fails=fails
+    )

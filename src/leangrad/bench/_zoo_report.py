@@ -182,7 +182,10 @@ def _batch(r: dict[str, Any]) -> str:
     if r.get("max_batch") is None:
         return "—"
     how = {"estimate": "est.", "tracker": "tracker"}.get(r.get("max_batch_method") or "", "")
-    return f"{'≥' if r.get('max_batch_capped') else ''}{r['max_batch']} ({how})"
+    b, fails = r["max_batch"], r.get("max_batch_fails")
+    if r.get("max_batch_relative") and fails is not None and fails - 1 > b:
+        return f"{b}–{fails - 1} ({how})"  # a search to within 1/relative: the bracket
+    return f"{'≥' if r.get('max_batch_capped') else ''}{b} ({how})"
 
 
 def _model_table(series: str, rs: list[dict[str, Any]]) -> list[str]:
