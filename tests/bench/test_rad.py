@@ -62,3 +62,44 @@ def test_pde_runner(tmp_path: Path) -> None:
     assert len(exact) == len(randomized) == 3
     assert randomized[0]["saved_bytes"] < 0.3 * exact[0]["saved_bytes"]
     assert _rad.render("rad-pde", recs, tmp_path, plots=False)
+
+
+def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Without the official code its row is skipped, saying how to get it; the crossover is
+    the first batch where RAD's tracker peak is below backprop's (checked against a scan)."""
+    from leangrad.bench import _rad_peer
+
+    monkeypatch.delenv(_rad_peer.OFFICIAL_ENV, raising=False)
+    cfg = {"model": "mlp", "fraction": 0.1, "batch": 40}
+    suite = _tiny("rad-peer", dataset="digits", batch=40, draws=2, repeats=1, largest_batch=96,
+                  crossover=[cfg])  # fmt: skip
+    recs = _rad_peer.run_peer(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    peers = [r for r in recs if r["kind"] == "rad-peer" and not r.get("skipped")]
+    assert {r["engine"] for r in peers} == {"backprop", "rad", "rad (with replacement)"}
+    assert {r["threads"] for r in peers} >= {1}
+    assert all(r["saved_bytes"] > 0 and r["peak_bytes"] > 0 and r["grad_mse"] > 0 for r in peers)
+    by = {r["engine"]: r for r in peers if r["threads"] == 1}
+    assert by["rad"]["saved_bytes"] < 0.2 * by["backprop"]["saved_bytes"]
+    skipped = [r for r in recs if r.get("skipped")]
+    assert [r["engine"] for r in skipped] == ["official"]
+    assert _rad_peer.OFFICIAL_ENV in skipped[0]["skipped"]
+    (cross,) = [r for r in recs if r["kind"] == "rad-crossover"]
+    b = cross["crossover_batch"]
+    assert b is not None and 1 <= b <= 96 and cross["peak_ratio_at_crossover"] < 1
+    if b > 1:  # the batch before does not pay: the bisection found the boundary
+        import copy
+
+        import torch
+
+        from leangrad import data, rad
+
+        train = data.load("digits").split(0.8, seed=0)[0]
+        torch.manual_seed(0)
+        base = _rad.rad_model("mlp", side=8)
+        model = copy.deepcopy(base)
+        rad.randomize(model, fraction=0.1, seed=1)
+        x, y = train.x[: b - 1], train.y[: b - 1]
+        mine, theirs = (_rad_peer._memory(m, x, y)["peak_bytes"] for m in (model, base))
+        assert mine >= theirs
+    lines = _rad_peer.render("rad-peer", recs, tmp_path, plots=False)
+    assert any("| 1 | rad |" in line for line in lines) and any("| mlp |" in x for x in lines)
