@@ -241,7 +241,7 @@ def check_loss(loss: Any, *, needs_graph: bool = True) -> torch.Tensor:
         raise errors.EngineInputError(errors.LOSS_NOT_FLOAT.format(dtype=loss.dtype))
     if needs_graph and loss.grad_fn is None:
         raise errors.EngineInputError(errors.LOSS_NO_GRAD)
-    return loss.reshape(())
+    return loss if loss.dim() == 0 else loss.reshape(())  # no op to transform when scalar
 
 
 def forward_loss(

@@ -193,6 +193,8 @@ def used_parameters(
     loss_fn: Callable[[Any], torch.Tensor],
     params: dict[str, nn.Parameter],
     run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any],
+    *,
+    real: bool = False,
 ) -> dict[str, nn.Parameter]:
     """The parameters the loss depends on (autograd would give the others no ``.grad``).
 
@@ -200,17 +202,23 @@ def used_parameters(
     without computing, drawing random numbers or touching the real buffers; the
     parameters behind its ``AccumulateGrad`` nodes are the ones used. A model that fake
     tensors cannot run (data-dependent control flow) gets one real forward instead,
-    with the RNG forked and every buffer put back afterwards.
+    with the RNG forked, nothing saved for backward and every buffer put back afterwards.
+    ``real=True`` takes the real forward at once: an engine that runs the model many
+    times per step (``forward``: one run per chunk of directions) pays one more run, far
+    less than fake tensors' per-operator cost (7.5 ms vs 0.3 ms on a small MLP).
 
     Raises:
         EngineInputError: the loss depends on no trainable parameter.
     """
-    try:
-        leaves = _fake_leaves(model, xs, loss_fn, params, run)
-    except errors.LeangradError:
-        raise
-    except Exception:
+    if real:
         leaves = _real_leaves(model, xs, loss_fn, params, run)
+    else:
+        try:
+            leaves = _fake_leaves(model, xs, loss_fn, params, run)
+        except errors.LeangradError:
+            raise
+        except Exception:
+            leaves = _real_leaves(model, xs, loss_fn, params, run)
     used = {n: p for n, p in params.items() if n in leaves}
     if not used:
         raise errors.EngineInputError(errors.LOSS_NO_GRAD)

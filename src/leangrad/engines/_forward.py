@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.func import vmap
+from torch.func import jvp, vmap
 
 from .. import _errors as errors
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
@@ -60,7 +60,7 @@ class Forward(Engine):
     ) -> StepResult:
         refuse_non_finite(self.label, inputs)
         # Parameters the loss does not use keep .grad None, as under autograd.
-        params = used_parameters(model, inputs, loss_fn, params, self._run)
+        params = used_parameters(model, inputs, loss_fn, params, self._run, real=True)
         f = pure_loss(self.label, model, inputs, loss_fn, params)
         primals = {n: p.detach() for n, p in params.items()}
         bufs = BatchedBuffers(model)
@@ -81,6 +81,9 @@ class Forward(Engine):
                 def g(t: torch.Tensor, bb: dict[str, torch.Tensor]) -> torch.Tensor:
                     return f({**primals, name: t}, bb)
 
+                if not b:  # no buffers to carry: a plain jvp (no aux, no clones)
+                    value, dloss = jvp(lambda t: g(t, b), (primals[name],), (v,))
+                    return value, dloss, b
                 return jvp_with_buffers(g, primals[name], v, b)
 
             batched = vmap(loss_along, randomness="same")
