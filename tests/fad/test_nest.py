@@ -3,6 +3,7 @@ that gradients equal autograd's (float64, 1e-12), what it saves, and its errors/
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -51,16 +52,10 @@ def test_random_chains_nest(seed: int) -> None:
     assert_same_grads(model, nested, torch.randn(4, 5, dtype=torch.float64), chain.text)
 
 
-
-
-
-
-
-
 def test_branches_multiple_consumers_inplace_noncontiguous() -> None:
     torch.manual_seed(0)
     model = Branchy().double()
-    nested = fad.nest(model)
+    nested = fad.nest(model, builtins=False)  # every chain nested (gelu_tanh is F.gelu's)
     fused = {r.source: r for r in nested.fad_regions if r.name is not None}
     assert set(fused) == {"conv", "transpose"}
     assert fused["conv"].outputs == 2  # c (into the two-source product) and a (into f + a)
@@ -69,8 +64,6 @@ def test_branches_multiple_consumers_inplace_noncontiguous() -> None:
     assert_same_grads(model, nested, torch.randn(3, 2, 5, 5, dtype=torch.float64))
     # the two-source product stays: its sigmoid is a lone primitive left to autograd
     assert any(r.skipped and r.ops == ("sigmoid",) for r in nested.fad_regions)
-
-
 
 
 @pytest.mark.parametrize(
@@ -102,10 +95,6 @@ def test_nest_maps_activation_modules() -> None:
     assert_same_grads(model, nested, torch.randn(3, 4, dtype=torch.float64))
 
 
-
-
-
-
 @pytest.mark.parametrize("make", [WritesSource, InPlaceModuleBetween])
 def test_chain_with_a_write_in_between_is_left_to_autograd(make) -> None:  # type: ignore[no-untyped-def]
     model = make().double()
@@ -114,8 +103,6 @@ def test_chain_with_a_write_in_between_is_left_to_autograd(make) -> None:  # typ
     assert region.name is None
     assert region.skipped == "another node may write in place while the chain runs"
     assert_same_grads(model, nested, torch.randn(2, 3, dtype=torch.float64))
-
-
 
 
 def test_untraceable_model_points_to_eager_mode() -> None:
@@ -151,10 +138,50 @@ def test_no_warning_for_float_chains() -> None:
         nested(torch.randn(2, 16)).sum().backward()
 
 
-
-
 def test_inplace_write_into_chain_output() -> None:
     model = ResidualInPlace(setitem=False).double()
     nested = fad.nest(model)
     assert any(r.name is not None for r in nested.fad_regions)
     assert_same_grads(model, nested, torch.randn(3, 4, dtype=torch.float64))
+
+
+class _Act(nn.Module):
+    def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.lin, self.fn = nn.Linear(6, 6), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.lin(x))
+
+
+_SQ2PI = math.sqrt(2 / math.pi)
+
+
+@pytest.mark.parametrize(
+    ("fn", "builtin"),
+    [
+        (lambda h: h * torch.sigmoid(h), "F.silu"),
+        (lambda h: torch.sigmoid(h) * h, "F.silu"),
+        (lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2))), "F.gelu"),
+        (
+            lambda h: h * 0.5 * (1.0 + torch.tanh(_SQ2PI * (h + 0.044715 * h**3))),
+            "F.gelu(approximate='tanh')",
+        ),
+        (lambda h: h * torch.tanh(F.softplus(h)), None),  # Mish: FAD beats PyTorch's CPU Mish
+        (lambda h: torch.relu(h) * torch.sigmoid(h), None),  # equals silu for h > 0 only
+        (lambda h: h * torch.sigmoid(1.001 * h), None),  # close to silu, not silu
+    ],
+)
+def test_chains_that_are_a_builtin_run_by_it(fn, builtin) -> None:  # type: ignore[no-untyped-def]
+    """A chain computing exactly PyTorch's fused kernel calls it (same bytes, faster); every
+    other chain is nested; gradients equal autograd's either way (float64)."""
+    torch.manual_seed(0)
+    model = _Act(fn).double()
+    nested = fad.nest(model)
+    (region,) = [r for r in nested.fad_regions if r.skipped is None]
+    assert region.builtin == builtin
+    assert (region.name is None) == (builtin is not None)
+    assert len(fad.fused_chains(nested)) == (0 if builtin else 1)
+    assert_same_grads(model, nested, torch.randn(5, 6, dtype=torch.float64))
+    kept = fad.nest(model, builtins=False)
+    assert all(r.builtin is None for r in kept.fad_regions) and fad.fused_chains(kept)

@@ -187,9 +187,12 @@ def _fad_report(gm: Any) -> dict[str, Any]:
     activation modules it leaves alone (rewriting them saves no bytes: they keep only
     their input, like a fused chain)."""
     fused = [f"{r.name}: {' -> '.join(r.ops)} (from {r.source})"
-             for r in gm.fad_regions if r.skipped is None]  # fmt: skip
+             for r in gm.fad_regions if r.name is not None]  # fmt: skip
     left = [f"{' -> '.join(r.ops)} (from {r.source}): {r.skipped}"
             for r in gm.fad_regions if r.skipped is not None]  # fmt: skip
+    left += [f"{' -> '.join(r.ops)} (from {r.source}): is PyTorch's fused {r.builtin}, which "
+             "keeps the same one tensor and is faster: run by it"
+             for r in gm.fad_regions if r.builtin is not None]  # fmt: skip
     for node in gm.graph.nodes:
         if node.op == "call_module":
             mod = gm.get_submodule(node.target)

@@ -24,6 +24,7 @@ from typing import Any
 from torch import fx, nn
 
 from . import _errors as errors
+from ._builtin import builtin_of
 from ._primitives import PRIMITIVES, Call, is_const, lookup, lookup_method, normalize
 from ._program import FusedChain, Program, Ref, Step
 
@@ -49,6 +50,9 @@ class Region:
         ops: primitive names in execution order.
         outputs: how many values leave it (M).
         skipped: why it was left to autograd, ``None`` when fused.
+        builtin: the PyTorch fused activation that runs it instead (``"F.silu"`` ...):
+            the chain computes exactly that kernel, which keeps the same one tensor and
+            is faster (:mod:`leangrad.fad._builtin`); ``name`` is then ``None``.
     """
 
     name: str | None
@@ -56,6 +60,7 @@ class Region:
     ops: tuple[str, ...]
     outputs: int
     skipped: str | None = None
+    builtin: str | None = None
 
 
 @dataclasses.dataclass
@@ -114,7 +119,7 @@ def _private(node: fx.Node, ok: dict[fx.Node, fx.Node], inside: set[fx.Node]) ->
     return isinstance(target, fx.Node) and target in ok and target not in inside
 
 
-def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
+def nest(model: nn.Module, *, min_ops: int = 2, builtins: bool = True) -> fx.GraphModule:
     """Trace ``model`` and fuse each maximal single-source element-wise chain (section III-B).
 
     Args:
@@ -122,6 +127,9 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
         min_ops: chains with fewer primitives stay with autograd (a lone ``sigmoid``
             saves one tensor either way, and FAD would only add the derivative's cost;
             section IV-B, "NY -> YN").
+        builtins: a chain that computes exactly a PyTorch fused activation (``F.silu``,
+            ``F.gelu``) calls it instead of a nested chain: the same saved bytes, less
+            time (:mod:`leangrad.fad._builtin`). ``False`` nests every chain.
 
     Returns:
         A ``GraphModule`` sharing ``model``'s parameters, with an attribute
@@ -152,7 +160,15 @@ def nest(model: nn.Module, *, min_ops: int = 2) -> fx.GraphModule:
             regions.append(Region(None, source.name, ops, len(outputs), skipped))
             continue
         name = f"fad_chain_{sum(r.name is not None for r in regions)}"
-        _fuse(gm, name, source, members, outputs, infos)
+        program = _program(name, source, members, outputs, infos)
+        kernel = builtin_of(program) if builtins else None
+        if kernel is not None:
+            _replace(gm, source, members, outputs, ("call_function", kernel.fn),
+                     dict(kernel.kwargs))  # fmt: skip
+            regions.append(Region(None, source.name, ops, 1, builtin=kernel.label))
+            continue
+        _replace(gm, source, members, outputs, ("call_module", name))
+        gm.add_submodule(name, FusedChain(program, fallback=True))
         regions.append(Region(name, source.name, ops, len(outputs)))
     graph.lint()
     gm.recompile()
@@ -233,17 +249,14 @@ def _why_left(
     return None
 
 
-def _fuse(
-    gm: fx.GraphModule,
+def _program(
     name: str,
     source: fx.Node,
     members: list[fx.Node],
     outputs: list[fx.Node],
     infos: dict[fx.Node, _Info],
-) -> None:
-    """Replace ``members`` by one :class:`FusedChain` submodule ``name`` reading ``source``;
-    the chain's readers outside it read the fused module's outputs."""
-    graph, inside = gm.graph, set(members)
+) -> Program:
+    """The chain ``members`` (reading ``source``) as a :class:`Program`."""
     slot = {source: 0} | {m: i + 1 for i, m in enumerate(members)}
     steps = tuple(
         Step(
@@ -253,10 +266,23 @@ def _fuse(
         )
         for m in members
     )
-    program = Program(name, steps, tuple(slot[o] for o in outputs))
-    gm.add_submodule(name, FusedChain(program, fallback=True))
+    return Program(name, steps, tuple(slot[o] for o in outputs))
+
+
+def _replace(
+    gm: fx.GraphModule,
+    source: fx.Node,
+    members: list[fx.Node],
+    outputs: list[fx.Node],
+    call: tuple[str, Any],
+    kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Replace ``members`` by one node ``call = (op, target)`` reading ``source`` (a fused
+    chain's submodule, or a built-in function); the chain's readers outside it read that
+    node's outputs."""
+    graph, inside = gm.graph, set(members)
     with graph.inserting_before(members[0]):
-        fused = graph.call_module(name, (source,))
+        fused = graph.create_node(call[0], call[1], (source,), kwargs or {})
         gets = [fused]
         if len(outputs) > 1:
             getitem = operator.getitem
@@ -272,4 +298,3 @@ def _fuse(
 def fused_chains(model: nn.Module) -> list[FusedChain]:
     """The :class:`FusedChain` submodules of a model (what :func:`nest` inserted)."""
     return [m for m in model.modules() if isinstance(m, FusedChain)]
-
