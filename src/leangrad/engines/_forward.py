@@ -82,8 +82,8 @@ class Forward(Engine):
                     return f({**primals, name: t}, bb)
 
                 if not b:  # no buffers to carry: a plain jvp (no aux, no clones)
-                    value, dloss = jvp(lambda t: g(t, b), (primals[name],), (v,))
-                    return value, dloss, b
+                    out = jvp(lambda t: g(t, b), (primals[name],), (v,))
+                    return out[0], out[1], b
                 return jvp_with_buffers(g, primals[name], v, b)
 
             batched = vmap(loss_along, randomness="same")
