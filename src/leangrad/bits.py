@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers._bits import PackedBits, pack_bits, unpack_bits
+from .layers._bits import PackedBits, pack_bits, unpack_bits, unpack_nonzero
 from .rad._relu import BitReLU, LeanAdaptiveAvgPool2d, LeanAvgPool2d
 
 __all__ = [
@@ -50,8 +50,8 @@ class _BitLeakyReLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         (data,) = ctx.saved_tensors
-        positive = unpack_bits(PackedBits(data, ctx.shape))
-        return torch.where(positive, g, g * ctx.slope), None
+        positive = unpack_nonzero(PackedBits(data, ctx.shape))  # leaky_relu's test: > 0
+        return torch.ops.aten.leaky_relu_backward(g, positive, ctx.slope, False), None
 
 
 class BitLeakyReLU(nn.LeakyReLU):

@@ -7,7 +7,7 @@ from ._base import (
     NotInvertibleError,
     NotSubmersiveError,
 )
-from ._bits import PackedBits, pack_bits, unpack_bits
+from ._bits import PackedBits, pack_bits, unpack_bits, unpack_nonzero
 from ._chain import Chain
 from ._conv import SubmersiveConv2d
 from ._fragmental import FragmentalConv1d, FragmentalConv2d
@@ -34,4 +34,5 @@ __all__ = [
     "Tanh",
     "pack_bits",
     "unpack_bits",
+    "unpack_nonzero",
 ]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers._bits import PackedBits, pack_bits, unpack_bits
+from ..layers._bits import PackedBits, pack_bits, unpack_nonzero
 from . import _errors as errors
 
 __all__ = ["BitReLU", "LeanAdaptiveAvgPool2d", "LeanAvgPool2d"]
@@ -26,7 +26,7 @@ class _BitReLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(x)
-        packed = pack_bits(y > 0)
+        packed = pack_bits(~(y <= 0))  # autograd's test (threshold_backward): NaN passes
         ctx.save_for_backward(packed.data)
         ctx.shape = packed.shape
         return y
@@ -34,7 +34,8 @@ class _BitReLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         (data,) = ctx.saved_tensors
-        return g * unpack_bits(PackedBits(data, ctx.shape))
+        kept = unpack_nonzero(PackedBits(data, ctx.shape))  # threshold_backward tests > 0
+        return torch.ops.aten.threshold_backward(g, kept, 0)
 
 
 class BitReLU(nn.Module):
