@@ -136,10 +136,14 @@ class LeakyReLU(ChainLayer):
         """``h_out · where(x > 0, 1, slope)`` from the packed sign (matches autograd at x = 0)."""
         # autograd's own leaky_relu kernel reads the unpacked mask as its x (it tests x > 0):
         # one pass, no temporary (torch.where was 70x slower on CPU, 262k floats); the uint8
-        # unpacking feeds it without the bool conversion (1M elements: 2.3 vs 5.6 ms)
-        return torch.ops.aten.leaky_relu_backward(
-            h_out, unpack_nonzero(res), self.negative_slope, False
-        )
+        # unpacking feeds it without the bool conversion (1M elements: 2.3 vs 5.6 ms). A
+        # cotangent in another layout than the (row-major) mask, e.g. channels-last from a
+        # conv's backward, is made contiguous and overwritten: 15 ms -> ~1.5 ms for 1M.
+        op, mask = torch.ops.aten.leaky_relu_backward, unpack_nonzero(res)
+        if not h_out.is_contiguous():
+            hc = h_out.contiguous()
+            return op.grad_input(hc, mask, self.negative_slope, False, grad_input=hc)
+        return op(h_out, mask, self.negative_slope, False)
 
     def vijp(self, x: torch.Tensor, h_in: torch.Tensor) -> torch.Tensor:
         """``h_in / where(x > 0, 1, slope)``, the inverse of the diagonal Jacobian (v2 eq. (9)),
