@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from leangrad.bench import _rad
@@ -76,7 +77,8 @@ def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> No
     recs = _rad_peer.run_peer(suite, quick=False, progress=False)  # type: ignore[arg-type]
     peers = [r for r in recs if r["kind"] == "rad-peer" and not r.get("skipped")]
     assert {r["engine"] for r in peers} == {"backprop", "rad", "rad (with replacement)"}
-    assert {r["threads"] for r in peers} >= {1}
+    assert {r["threads"] for r in peers} == {1, os.cpu_count() or 1}
+    assert all(r["config"]["threads"] == r["threads"] for r in peers)
     assert all(r["saved_bytes"] > 0 and r["peak_bytes"] > 0 and r["grad_mse"] > 0 for r in peers)
     by = {r["engine"]: r for r in peers if r["threads"] == 1}
     assert by["rad"]["saved_bytes"] < 0.2 * by["backprop"]["saved_bytes"]

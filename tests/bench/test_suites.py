@@ -118,6 +118,7 @@ def test_run_suite_then_report(tmp_path: Path) -> None:
     for r in records:
         assert set(RECORD_FIELDS) <= set(r)
         assert r["suite"] == "tiny" and r["quick"] is True and "torch" in r["machine"]
+        assert r["threads"] == 1  # the sweep's timings: time_interleaved's one thread
     # Depth 3 has more than 200 parameters: forward is skipped there, not at depth 1.
     skipped = {r["x"] for r in records if r["engine"] == "forward" and r["skipped"]}
     assert skipped == {3}

@@ -40,7 +40,6 @@ from tqdm.auto import tqdm
 from .. import data, rad
 from ..measure import MemoryTracker, run_rss_worker, time_interleaved
 from ..measure._rss import measure_rss
-from ..measure._timer import num_threads
 from ._rad import _flat, _full_gradient, memory_of, rad_model
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
@@ -175,10 +174,9 @@ def _peer_rows(suite: Suite, quick: bool, train: data.Dataset, common: dict[str,
         bar.update()
     timings: dict[int, Any] = {}
     for threads in sorted({1, os.cpu_count() or 1}):
-        with num_threads(threads):
-            steps = {r: _step(models[r], x, y) for r in rows}
-            timings[threads] = time_interleaved(steps, repeats=repeats, warmup=3,
-                                                reference="backprop")  # fmt: skip
+        steps = {r: _step(models[r], x, y) for r in rows}
+        timings[threads] = time_interleaved(steps, repeats=repeats, warmup=3,
+                                            reference="backprop", threads=threads)  # fmt: skip
         bar.update()
     bar.close()
     records = []

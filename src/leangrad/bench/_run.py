@@ -35,6 +35,11 @@ def write_records(records: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+TIMING_THREADS = 1
+"""Torch threads of a suite's timings unless it records its own: ``time_interleaved``'s
+default, which every sweep times with (``rad-peer`` times at 1 and the core count)."""
+
+
 def run_suite(
     name: str,
     *,
@@ -49,7 +54,8 @@ def run_suite(
 
     Every record carries the fields of :data:`~leangrad.bench.RECORD_FIELDS`
     plus ``suite``, ``series``, ``sweep``, ``x`` (the swept value), ``quick``,
-    ``machine`` and ``created``.
+    ``machine``, ``created`` and ``threads`` (torch threads of its timings: the record's
+    own, else ``config["threads"]``, else :data:`TIMING_THREADS`).
 
     ``only`` runs just these series (a sweep suite's series, the zoo's models) and merges
     them into ``out/name.json``: the records of the series run are replaced, the others
@@ -80,6 +86,8 @@ def run_suite(
         if only is not None:
             suite = dataclasses.replace(suite, series=_pick(suite, only))
         records = _sweep(suite, quick=quick, rss=rss, device=device, progress=progress)
+    for r in records:  # every record says at how many threads it was timed
+        r.setdefault("threads", (r.get("config") or {}).get("threads", TIMING_THREADS))
     return write_records(merged(records), path)
 
 
