@@ -238,3 +238,22 @@ def test_stem_chunks_auto_chunks_when_safe_and_says_why_not() -> None:
     res = leangrad.engine("moonwalk").backward(model, x, loss_fn)
     assert res.info["stem_chunks"] == 1
     assert "BatchNorm2d '1' in training mode" in res.info["stem_chunks_note"]
+
+
+@pytest.mark.parametrize("stem_chunks", ["auto", 4])
+def test_stem_chunks_says_why_it_did_not_apply(stem_chunks: object) -> None:
+    """A trainable stem needs h0 whole: no h1 seed, so no chunks — and the step says so."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = leangrad.models.submersive_cnn(3, 8, depth=2, classes=4, stem="conv")
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,))
+    res = leangrad.engine("moonwalk", stem_chunks=stem_chunks).backward(
+        model, x, lambda out: F.cross_entropy(out, y)
+    )
+    assert res.info["stem_chunks"] == 1
+    assert "the stem has parameters to train" in res.info["stem_chunks_note"]
+    res = leangrad.engine("moonwalk", stem_chunks=1).backward(
+        model, x, lambda out: F.cross_entropy(out, y)
+    )
+    assert "stem_chunks_note" not in res.info  # asked for one chunk: nothing to explain

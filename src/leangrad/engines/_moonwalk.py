@@ -88,6 +88,11 @@ STEM_CHUNKS_COUPLED = (
     "when it treats examples independently and deterministically, but it has {module} "
     "in training mode; use stem_chunks=1 (or put that module in eval mode)"
 )
+STEM_CHUNKS_UNUSED = (
+    "stem_chunks did not apply (one chunk): {why}; the batch-chunked stem of the h1 seed "
+    "(v2 section 4.3) needs a mixed-mode chain whose first layer's vijp ignores its input "
+    "and a stem that takes no gradient (e.g. parameter-free, or frozen)"
+)
 AUTO_STEM_CHUNKS = 4
 """``stem_chunks="auto"``: the measured best of the ``moonwalk-v2-cnn`` suite."""
 AUTO_ONE_CHUNK = (
@@ -329,7 +334,22 @@ class Moonwalk(Engine):
         if self.mode == "pure" and not self.per_example:
             # Forward mode gave h₀ but no head gradients: the head's backward from x_L.
             head_backward(self.label, chain, x_last, loss_fn, sink)
-        return self._result(seed.loss, **seed.info)
+        info = dict(seed.info)
+        if not seed_h1 and self.stem_chunks != 1:  # say why chunking the stem did not apply
+            why = self._no_h1_seed(layers, bool(sink.of(chain, chain.stem)), stem.input_grads)
+            info.update(stem_chunks=1, stem_chunks_note=STEM_CHUNKS_UNUSED.format(why=why))
+        return self._result(seed.loss, **info)
+
+    def _no_h1_seed(self, layers: list[ChainLayer], stem_params: bool, input_grads: bool) -> str:
+        """Why the h₁ seed (and with it ``stem_chunks``) does not apply to this step."""
+        if self.mode != "mixed":
+            return "mode='pure' forms h0 by forward mode"
+        if not layers or layers[0].vijp_needs_input:
+            return "the first chain layer's vijp needs its input x0"
+        if stem_params:
+            return "the stem has parameters to train, whose gradient needs h0 whole"
+        assert input_grads, "the h1 seed's four conditions"
+        return "an input wants a gradient, which needs h0 whole"
 
     # -- seeding: the loss and the cotangent Phase III starts from ------------------
     def _seed(
