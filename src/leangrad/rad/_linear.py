@@ -112,7 +112,8 @@ class RandLinear(nn.Linear):
 
     Trade-off: saved input bytes shrink by ``fraction`` (indices and projection
     matrices are regenerated from a seed, never stored) for extra gradient
-    variance; the backward never rebuilds a dense input (sparse or factored products).
+    variance; the backward never rebuilds the whole dense input (blocks of rows, or
+    factored products).
     """
 
     def __init__(

@@ -186,8 +186,8 @@ class SampleSpec:
         ``g``: ``(rows, out)`` output gradient; ``kept``: :meth:`compress`'s copy of the
         ``(rows, 1, d)`` input. Returns the ``(out, d)`` weight gradient estimate. The
         projection is applied as ``(gᵀ xR) Rᵀ``, "same" fills ``k`` columns, and
-        "different" multiplies by a sparse CSR ``x̂`` (``rows·k`` non-zeros), so the
-        backward allocates nothing of the input's full size.
+        "different" rebuilds ``x̂`` a 64 KiB block of rows at a time (:func:`_scattered_product`),
+        so the backward allocates nothing of the input's full size.
         """
         rows, _, k = kept.shape
         vals = kept.reshape(rows, k)
