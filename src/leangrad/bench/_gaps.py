@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,16 +36,12 @@ ROWS = ("rad", "forward", "fad", "pure", "mixed", "highway")
 
 
 def _timed(fns: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function over ``repeats`` interleaved rounds after a warm-up."""
-    for f in fns.values():
-        f()
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            out[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in out.items()}
+    """Median seconds of each function: :func:`leangrad.measure.time_interleaved` (both
+    versions have it) at the worker's own thread count."""
+    from leangrad.measure import time_interleaved
+
+    times = time_interleaved(fns, repeats=repeats, warmup=1, threads=None)
+    return {k: t.median for k, t in times.items()}
 
 
 def _engine_step(eng: Any, model: Any, inputs: Any, loss_fn: Any) -> Callable[[], None]:
