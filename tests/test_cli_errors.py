@@ -133,6 +133,12 @@ CASES: list[tuple[list[str], str]] = [
     (["bench", "{suites}/label.toml"], "suite 'label', series 'a': unknown engine labels ['zzz']"),
     (["bench", "{suites}/engine.toml"], "unknown engine 'nosuch'; known engines: backprop"),
     (["bench", "baselines", "--out", "{file}/sub"], "--out {file}/sub: {file} is a file"),
+    (["bench", "baselines", "--threads", "0"],
+     "argument --threads: '0' in '0' is not a thread count; write N[,N...] with N >= 1"),
+    (["bench", "baselines", "--threads", "1,two"], "'two' in '1,two' is not a thread count"),
+    (["bench", "rad-variance", "--threads", "1,2"],
+     "suite 'rad-variance' times at one thread count (1); drop --threads (suites that time "
+     "at several: baselines"),
     # demo
     (["demo", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
     (["demo", "--out", "{file}"], "argument --out: '{file}' is a file; name a directory"),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["device", "fraction", "name_list", "out_dir", "positive_float", "positive_int",
-           "size", "whole"]  # fmt: skip
+           "size", "thread_list", "whole"]  # fmt: skip
 
 
 def _int(raw: str) -> int:
@@ -99,6 +99,26 @@ def name_list(raw: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError(f"{raw!r} names nothing; write NAME[,NAME...]")
     return names
+
+
+def thread_list(raw: str) -> list[int | str]:
+    """Torch thread counts to time at, comma-separated: ``1,2``, ``1,cores`` (``cores``:
+    this machine's CPU count)."""
+    out: list[int | str] = []
+    for part in (p.strip() for p in raw.split(",")):
+        if part == "cores":
+            out.append(part)
+            continue
+        try:
+            n = int(part)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} in {raw!r} is not a thread count; write N[,N...] with N >= 1 "
+                "or 'cores', e.g. 1,cores")  # fmt: skip
+        out.append(n)
+    return out
 
 
 def out_dir(raw: str) -> str:

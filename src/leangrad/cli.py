@@ -3,7 +3,7 @@ and :func:`leangrad.train.fit`.
 
 leangrad demo [--out DIR]
 leangrad bench --list
-leangrad bench SUITE [--quick] [--out DIR] [--no-rss]
+leangrad bench SUITE [--quick] [--out DIR] [--no-rss] [--threads 1,cores]
 leangrad report DIR [--headline]
 leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE] ...
 leangrad plan --model NAME --batch-size B --budget 2GiB      (alias: advise)
@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--only", type=cli_types.name_list, default=None, metavar="SERIES[,SERIES]",
                    help="run just these series (the zoo: models) and merge them into "
                         "OUT/SUITE.json, replacing their records")  # fmt: skip
+    b.add_argument("--threads", type=cli_types.thread_list, default=None, metavar="N[,N]",
+                   help="torch thread counts to time at, side by side in one run (e.g. "
+                        "1,cores; default: the suite's own, else 1)")  # fmt: skip
     r = sub.add_parser("report", help="render every SUITE.json in DIR into DIR/report.md")
     r.add_argument("dir", help="directory holding suite JSON files")
     r.add_argument("--headline", action="store_true",
@@ -191,12 +194,15 @@ def _dispatch(args: argparse.Namespace) -> int:
             for name, desc in bench.list_suites().items():
                 print(f"{name:24s} {desc}")
             return 0
-        bench.load_suite(args.suite).check()  # a suite that cannot run: before any work
+        suite = bench.load_suite(args.suite)
+        suite.check()  # a suite that cannot run: before any work
+        counts = bench.timing_threads(suite, quick=args.quick, threads=args.threads)
         check_out_dir(args.out)
         torch.set_num_threads(1)
         print(
             f"leangrad bench {args.suite}: quick={args.quick}, out={args.out}, "
-            f"rss={not args.no_rss}, device={args.device}, threads=1"
+            f"rss={not args.no_rss}, device={args.device}, "
+            f"threads={','.join(map(str, counts))}"
         )
         path = bench.run_suite(
             args.suite,
@@ -206,6 +212,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             device=args.device,
             progress=not args.no_progress,
             only=args.only,
+            threads=counts,
         )
         print(f"wrote {path}")
         return 0

@@ -38,7 +38,7 @@ seq = 8
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     path = tmp_path_factory.mktemp("suite") / "fad.toml"
     path.write_text(TINY)
-    return run_fad(load_suite(str(path)), quick=False, progress=False)
+    return run_fad(load_suite(str(path)), quick=False, progress=False, threads=[1, 2])
 
 
 def test_records_cover_every_method_and_activation(records: list[dict]) -> None:
@@ -50,6 +50,12 @@ def test_records_cover_every_method_and_activation(records: list[dict]) -> None:
     assert all(r["skipped"].startswith("not run for this configuration") for r in compiled)
     acts = [r for r in records if r["kind"] == "fad-activation"]
     assert len(acts) == 2
+    for r in runs:  # every step timed at 1 and 2 threads side by side, ratios to eager's
+        if not r["skipped"]:
+            assert r["threads"] == 1 and [e["threads"] for e in r["by_threads"]] == [1, 2]
+            assert r["by_threads"][0]["time_ratio"] == r["time_ratio"]
+            if r["engine"] == "eager":
+                assert [e["time_ratio"] for e in r["by_threads"]] == [1.0, 1.0]
 
 
 def test_fad_saves_less_with_exact_gradients(records: list[dict]) -> None:
@@ -86,4 +92,6 @@ def test_report_section(records: list[dict], tmp_path: Path) -> None:
     assert "PyTorch's built-in (nn.SiLU) saves" in text
     assert "| fad.nest step time ≤ 1.0× the model with PyTorch's built-in activation |" in text
     assert "### resnet-swish" in text and "### bert-swish" in text
+    assert "| time ratio | time ratio (2 thr) |" in text
+    assert "| step time ≤ 1.05× eager, 2 threads |" in text
     assert (tmp_path / "plots" / "fad.png").is_file()

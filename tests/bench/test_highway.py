@@ -35,18 +35,22 @@ def test_char_corpus_reads_the_standard_library() -> None:
 
 def test_rnn_suite_records_and_report(tmp_path: Path) -> None:
     suite = _tiny("highway-rnn", hidden=8, batch=2, vocab=11, ks=[0, 7], quick_repeats=1)
-    recs = run_rnn(suite, quick=True, progress=False)
+    recs = run_rnn(suite, quick=True, progress=False, threads=[1, 2])
     steps = [r for r in recs if r["kind"] == "highway-rnn"]
     labels = {r["engine"] for r in steps}
     assert {"bptt", "nn.GRU", "nn.LSTM", "highway(k=0)", "highway(k=7)", "fpi(k=2)"} <= labels
     for r in steps:
         assert r["peak_bytes"] > 0 and r["seconds_median"] > 0
         assert r["forward_seconds"] > 0 and r["config"]["length"] == 8
+        assert [e["threads"] for e in r["by_threads"]] == [1, 2]  # side by side in one run
+        assert r["by_threads"][0]["step_speedup"] == r["step_speedup"]
+        assert all(e["step_speedup"] > 0 for e in r["by_threads"])
     exact = [r for r in steps if r["engine"] in ("bptt", "highway(k=7)")]
     assert all(r["grad_max_rel_err"] < 1e-5 and r["grad_cosine"] > 1 - 1e-9 for r in exact)
     assert {r["engine"] for r in recs if r["kind"] == "scan"} == {"parallel", "sequential"}
     text = "\n".join(render("highway-rnn", recs, tmp_path, plots=False))
     assert "| gru | 8 | highway(k=0) |" in text and "CumSumProd" in text
+    assert "| step speedup | step speedup (2 thr) |" in text
 
 
 @pytest.mark.parametrize("runner", [run_train, run_convergence])

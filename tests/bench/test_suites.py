@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from leangrad.bench import (
     measure_config,
     render_report,
     run_suite,
+    timing_threads,
 )
 from leangrad.cli import main
 
@@ -127,6 +129,48 @@ def test_run_suite_then_report(tmp_path: Path) -> None:
     assert "## tiny (quick)" in text and "| backprop | 1 |" in text
     assert "skipped:" in text
     assert (out / "plots" / "tiny-mlp.png").stat().st_size > 1000
+
+
+def test_a_sweep_times_every_thread_count_side_by_side(tmp_path: Path) -> None:
+    """``threads`` times each step at every count in one run: a record's own time fields are
+    the first count's, ``by_threads`` has each count's (ratios at that count), and the
+    report adds a column per further count and dashed lines to the plot."""
+    suite_file = tmp_path / "tiny.toml"
+    three = 'quick_repeats = 1\nthreads = [1, "cores", 3]'
+    suite_file.write_text(TINY_SUITE.replace("quick_repeats = 1", three))
+    counts = timing_threads(load_suite(str(suite_file)), quick=True)
+    assert counts == list(dict.fromkeys([1, os.cpu_count() or 1, 3]))  # a repeat is dropped
+    assert timing_threads(load_suite(str(suite_file)), threads=[2]) == [2]  # --threads wins
+    out = tmp_path / "results"
+    path = run_suite(str(suite_file), out=out, quick=True, rss=False, progress=False,
+                     threads=[1, 2])  # fmt: skip
+    timed = [r for r in json.loads(path.read_text()) if not r["skipped"]]
+    assert timed
+    for r in timed:
+        assert r["threads"] == 1 and [e["threads"] for e in r["by_threads"]] == [1, 2]
+        assert r["by_threads"][0]["seconds_median"] == r["seconds_median"]
+        assert all(e["seconds_median"] > 0 for e in r["by_threads"])
+        if r["engine"] == "backprop":
+            assert [e["time_ratio"] for e in r["by_threads"]] == [1.0, 1.0]
+    text = render_report(out).read_text()
+    assert "| time ratio (1 thr) | time ratio (2 thr) |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| backprop | 1 |"))
+    header = next(line for line in text.splitlines() if line.startswith("| engine |"))
+    assert row.count("|") == header.count("|")  # a cell for every column
+
+
+def test_a_bad_threads_setting_or_a_one_count_runner_is_refused(tmp_path: Path) -> None:
+    suite_file = tmp_path / "tiny.toml"
+    suite_file.write_text(TINY_SUITE.replace("quick_repeats = 1", "quick_repeats = 1\nthreads = 2"))
+    with pytest.raises(LeangradError, match=r"setting threads = 2 is not a list of thread"):
+        timing_threads(load_suite(str(suite_file)))
+    assert timing_threads(load_suite("rad-variance")) == [1]
+    with pytest.raises(LeangradError, match="'rad-variance' times at one thread count"):
+        timing_threads(load_suite("rad-variance"), threads=[1, 2])
+    cores = os.cpu_count() or 1
+    for name in ("baselines", "moonwalk-v1-revnet", "moonwalk-v2-cnn", "fad", "highway-rnn",
+                 "rad-peer"):  # the headline suites time at 1 thread and the core count
+        assert timing_threads(load_suite(name)) == list(dict.fromkeys([1, cores])), name
 
 
 def test_report_of_an_empty_directory_says_what_to_do(tmp_path: Path) -> None:

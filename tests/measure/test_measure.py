@@ -31,6 +31,7 @@ from leangrad.measure import (
     proc_status_bytes,
     reset_peak_rss,
     saved_tensor_bytes,
+    time_across_threads,
     time_interleaved,
 )
 from leangrad.measure._memory import _RESIZE
@@ -344,6 +345,50 @@ def test_time_interleaved() -> None:
 
     no_ref = time_interleaved({"a": lambda: None}, repeats=2, warmup=0, threads=None)
     assert no_ref["a"].ratio is None and no_ref["a"].repeats == 2
+
+
+def test_time_across_threads_interleaves_thread_counts_and_divides_within_each() -> None:
+    """Every (thread count, function) cell runs in every round, at its own thread count,
+    both rotated; a ratio divides by the reference *at the same count*: here the fast
+    function sleeps longer at 2 threads, so its 2-thread ratio to itself stays 1 while the
+    slow one's falls."""
+    seen: list[tuple[int, str]] = []
+
+    def fn(name: str):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            n = torch.get_num_threads()
+            seen.append((n, name))
+            time.sleep({"fast": 0.001 * n * n, "slow": 0.008}[name])
+
+        return run
+
+    before = torch.get_num_threads()
+    ticks: list[int] = []
+    res = time_across_threads({"fast": fn("fast"), "slow": fn("slow")}, threads=[1, 2],
+                              repeats=3, warmup=1, reference="fast",
+                              progress=lambda: ticks.append(1))  # fmt: skip
+    assert torch.get_num_threads() == before
+    assert list(res) == [1, 2]
+    assert len(ticks) == 2 * 2 * 3
+    assert seen[:4] == [(1, "fast"), (1, "slow"), (2, "fast"), (2, "slow")]  # warm-up
+    rounds = [seen[4 + 4 * r : 8 + 4 * r] for r in range(3)]
+    assert rounds[0][0][0] == 1 and rounds[1][0][0] == 2  # thread counts rotate per round
+    assert all(sorted(r) == sorted(seen[:4]) for r in rounds)  # every cell in every round
+    for ts in res.values():
+        assert ts["fast"].ratio == 1.0 and ts["fast"].repeats == 3
+        assert ts["slow"].ratio == pytest.approx(ts["slow"].median / ts["fast"].median)
+    assert res[1]["fast"].median < res[2]["fast"].median
+    assert res[2]["slow"].ratio < res[1]["slow"].ratio
+    one = time_interleaved({"a": lambda: None}, repeats=2, warmup=0, threads=2)
+    assert set(one) == {"a"} and one["a"].repeats == 2
+    with pytest.raises(ValueError, match="at least one thread count"):
+        time_across_threads({"a": lambda: None}, threads=[])
+    with pytest.raises(ValueError, match="threads must be an int >= 1, got 0"):
+        time_across_threads({"a": lambda: None}, threads=[1, 0])
+    with pytest.raises(ValueError, match=r"lists a count twice: \[2, 2\]"):
+        time_across_threads({"a": lambda: None}, threads=[2, 2])
+    with pytest.raises(KeyError, match="missing"):
+        time_across_threads({"a": lambda: None}, threads=[1], reference="missing")
 
 
 def test_time_interleaved_bad_arguments() -> None:

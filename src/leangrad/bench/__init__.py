@@ -2,7 +2,7 @@
 
 from ._demo import run_demo
 from ._report import render_report
-from ._run import run_suite
+from ._run import run_suite, timing_threads
 from ._runner import RECORD_FIELDS, EngineSpec, Record, machine_info, measure_config, new_record
 from ._suites import Suite, list_suites, load_suite
 from ._workloads import Workload, build
@@ -23,5 +23,6 @@ __all__ = [
     "render_report",
     "run_demo",
     "run_suite",
+    "timing_threads",
     "zoo_headline",
 ]

@@ -40,14 +40,17 @@ from .._sizes import fmt_bytes
 from ..measure import (
     FORWARD_END,
     MemoryTracker,
+    Timing,
     compare_grads,
     mark,
     num_threads,
     saved_tensor_bytes,
+    time_across_threads,
     time_interleaved,
 )
 from ._fad_models import ACTIVATIONS, Act, fad_model, set_recompute
-from ._runner import machine_info, new_record
+from ._report import at_threads, extra_threads
+from ._runner import by_threads, machine_info, new_record, timing_fields
 from ._search import bisect_last_fit
 from ._suites import Suite
 
@@ -246,10 +249,13 @@ def _compile_ok(base: nn.Module, make: Callable[[int], tuple[Tensor, Tensor]],
     return None
 
 
-def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu",
-            progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True,
+            threads: list[int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Run the ``fad`` suite; one record per (model, activation, method) plus one
-    ``fad-activation`` record per (model, activation)."""
+    ``fad-activation`` record per (model, activation). Steps are timed at every count of
+    ``threads`` side by side (``by_threads``; default one thread), the activation alone at
+    the first."""
+    threads = threads or [1]
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     batch = int(suite.setting("batch", quick, 32))
@@ -265,9 +271,9 @@ def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu",
     records: list[dict[str, Any]] = []
     settings = {"batch": batch, "budget_batch": budget_batch, "cap": batch_cap,
                 "repeats": repeats, "act_repeats": act_repeats, "compile": compile_for,
-                "compile_limit": compile_limit}  # fmt: skip
+                "compile_limit": compile_limit, "threads": threads}  # fmt: skip
     bar = tqdm(jobs, desc=f"bench {suite.name}", unit="config", disable=not progress)
-    with num_threads(1):
+    with num_threads(threads[0]):
         for kind, act in bar:
             records += _run_config(
                 suite, kind, act, models[kind], quick=quick, device=device,
@@ -288,7 +294,7 @@ class _Measured:
     budget: int
     maxb: dict[str, tuple[int, int]]
     errs: dict[str, float]
-    times: dict[str, Any]
+    times: dict[int, dict[str, Timing]]  # thread count -> method -> timing
 
 
 def _measure(methods: dict[str, _Method], base: nn.Module,
@@ -310,15 +316,16 @@ def _measure(methods: dict[str, _Method], base: nn.Module,
             f32[n] = {k: p.grad.clone() for k, p in base.named_parameters() if p.grad is not None}
         errs["torch.compile"] = compare_grads(f32["torch.compile"], f32["eager"]).max_rel_err
     steps = {n: (lambda m=m, x=x, y=y: m.step(x, y, _params(m))) for n, m in methods.items()}
-    times = time_interleaved(steps, repeats=settings["repeats"], warmup=2, reference="eager")
+    times = time_across_threads(steps, threads=settings["threads"], repeats=settings["repeats"],
+                                warmup=2, reference="eager")  # fmt: skip
     return _Measured(x, y, mem, budget, maxb, errs, times)
 
 
 def _method_fields(name: str, m: _Method, got: _Measured) -> dict[str, Any]:
     """The measured fields of a method that ran: times, error, memory against eager's."""
-    t = got.times[name]
-    out: dict[str, Any] = dict(seconds_median=t.median, seconds_min=t.minimum,
-                               seconds_max=t.maximum, time_ratio=t.ratio,
+    first = next(iter(got.times))
+    out: dict[str, Any] = dict(timing_fields(got.times[first][name]), threads=first,
+                               by_threads=by_threads(got.times, name),
                                grad_max_rel_err=got.errs.get(name))  # fmt: skip
     if name in got.mem:
         mine, ref, maxb = got.mem[name], got.mem["eager"], got.maxb
@@ -360,7 +367,7 @@ def _run_config(suite: Suite, kind: str, act: str, size: dict[str, int], *, quic
     methods = _methods(base, compiled=compile_skip is None)
     config = {"model": kind, "activation": act, **size, "batch": settings["batch"],
               "budget_batch": settings["budget_batch"], "dtype": "float32",
-              "threads": 1}  # fmt: skip
+              "threads": settings["threads"][0]}  # fmt: skip
     got = _measure(methods, base, make, settings)
     stamp = {"config": config, "quick": quick, "machine": machine, "created": created}
     records: list[dict[str, Any]] = []
@@ -423,18 +430,34 @@ def _targets(records: list[dict[str, Any]]) -> list[str]:
         (TARGETS[3], rec, lambda v: v >= 1.15),
         (TARGETS[4], _vs_builtin(runs), lambda v: v <= 1.0),
     ):  # fmt: skip
-        if not vals:
-            continue
-        met = sum(ok(v) for v in vals)
-        lines.append(f"| {name} | {min(vals):.2f}–{max(vals):.2f} | {met}/{len(vals)} |")
+        lines += _target_line(name, vals, ok)
+    for n in extra_threads(runs):  # the time targets again at each further thread count
+        at = [v for r in runs if r["engine"].startswith("fad.")
+              and (v := at_threads(r, n, "time_ratio")) is not None]  # fmt: skip
+        lines += _target_line(f"{TARGETS[2]}, {n} threads", at, lambda v: v <= 1.05)
+        lines += _target_line(f"{TARGETS[4]}, {n} threads", _vs_builtin(runs, n),
+                              lambda v: v <= 1.0)  # fmt: skip
     return lines
 
 
-def _vs_builtin(runs: list[dict[str, Any]]) -> list[float]:
-    """Per series: fad.nest's step time / the built-in model's (same interleaved run)."""
+def _target_line(name: str, vals: list[float], ok: Callable[[float], bool]) -> list[str]:
+    if not vals:
+        return []
+    met = sum(ok(v) for v in vals)
+    return [f"| {name} | {min(vals):.2f}–{max(vals):.2f} | {met}/{len(vals)} |"]
+
+
+def _vs_builtin(runs: list[dict[str, Any]], threads: int | None = None) -> list[float]:
+    """Per series: fad.nest's step time / the built-in model's (same interleaved run), at
+    the records' own thread count or, given, at ``threads``."""
     by = {(r["series"], r["engine"]): r for r in runs}
-    return [by[s, "fad.nest"]["seconds_median"] / by[s, "builtin"]["seconds_median"]
-            for s, e in by if e == "fad.nest" and (s, "builtin") in by]  # fmt: skip
+
+    def secs(r: dict[str, Any]) -> Any:
+        return r["seconds_median"] if threads is None else at_threads(r, threads, "seconds_median")
+
+    pairs = [(secs(by[s, "fad.nest"]), secs(by[s, "builtin"]))
+             for s, e in by if e == "fad.nest" and (s, "builtin") in by]  # fmt: skip
+    return [a / b for a, b in pairs if a is not None and b]
 
 
 def _plot(records: list[dict[str, Any]], path: Any) -> None:
@@ -475,8 +498,11 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *,
              "allocator-level tracker (peak with `.grad` preallocated; *kept* = live at the end "
              "of the forward) and from saved-tensor hooks (*saved*); max batch = largest batch "
              "whose tracker peak fits eager's peak at `budget_batch`. Times: medians of "
-             "interleaved repeats, 1 thread, ratio to eager. Gradient error: float64 vs eager "
+             "interleaved repeats, ratio to eager at the same thread count (every thread count "
+             "side by side in one run; targets without a count: the first, "
+             f"{records[0].get('threads', 1)}). Gradient error: float64 vs eager "
              "autograd (torch.compile: float32).", "", "### Targets", ""]  # fmt: skip
+    extra = extra_threads([r for r in records if r.get("kind") == "fad"])
     lines += [*_targets(records), ""]
     if plots:
         png = Path("plots") / f"{suite}.png"
@@ -487,13 +513,15 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *,
         cfg = rs[0]["config"]
         lines += [f"### {series}", "", f"`{cfg}`", "",
                   "| method | saved | kept | peak | saved ratio | peak ratio | max batch "
-                  "| time ratio | s median | grad err | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| time ratio" + "".join(f" | time ratio ({n} thr)" for n in extra)
+                  + " | s median | grad err | note |",
+                  "|---|---|---|---|---|---|---|---|" + "---|" * (3 + len(extra))]  # fmt: skip
         for r in rs:
             if r.get("kind") != "fad":
                 continue
             if r.get("skipped"):
-                lines.append(f"| {r['engine']} | skipped: {r['skipped']} |||||||||| |")
+                lines.append(f"| {r['engine']} | skipped: {r['skipped']} |||||||||| |"
+                             + " |" * len(extra))  # fmt: skip
                 continue
             mb = (f"{r['max_batch']} ({r['max_batch_ratio']:.2f}×)"
                   if r.get("max_batch") is not None else "—")  # fmt: skip
@@ -507,7 +535,9 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *,
                 f"| {r['engine']} | {_mib(r.get('saved_bytes'))} "
                 f"| {_mib(r.get('forward_live_bytes'))} | {_mib(r.get('peak_bytes'))} "
                 f"| {_f(r.get('saved_ratio'))} | {_f(r.get('peak_ratio'))} | {mb} "
-                f"| {_f(r.get('time_ratio'))} | {_f(r.get('seconds_median'), '.4f')} "
+                f"| {_f(r.get('time_ratio'))} "
+                + "".join(f"| {_f(at_threads(r, n, 'time_ratio'))} " for n in extra)
+                + f"| {_f(r.get('seconds_median'), '.4f')} "
                 f"| {_f(r.get('grad_max_rel_err'), '.1e')} | {note} |"
             )
         for r in rs:

@@ -53,8 +53,15 @@ from ..highway import (
     cumsumprod_parallel,
     cumsumprod_sequential,
 )
-from ..measure import MemoryTracker, compare_grads, grads_of, num_threads, time_interleaved
-from ._runner import EngineSpec, machine_info, new_record
+from ..measure import (
+    MemoryTracker,
+    compare_grads,
+    grads_of,
+    num_threads,
+    time_across_threads,
+    time_interleaved,
+)
+from ._runner import EngineSpec, by_threads, machine_info, new_record, timing_fields
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Series, Suite
 
@@ -186,9 +193,19 @@ def _forward_fn(
 
 
 def run_rnn(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+    suite: Suite,
+    *,
+    quick: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    threads: list[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time, memory and gradient quality of highway (each k) vs BPTT vs nn.GRU/nn.LSTM."""
+    """Time, memory and gradient quality of highway (each k) vs BPTT vs nn.GRU/nn.LSTM.
+
+    Steps are timed at every count of ``threads`` side by side (default one thread): the
+    record's time fields are the first count's, ``by_threads`` has every count's (with
+    ``step_speedup`` and ``backward_speedup`` at that count)."""
+    threads = threads or [1]
     repeats = int(suite.setting("repeats", quick, 5))
     batch = int(suite.setting("batch", quick, 32))
     hidden = int(suite.setting("hidden", quick, 128))
@@ -218,33 +235,41 @@ def run_rnn(
         fns["forward:bptt"] = _forward_fn(net, inputs, loss_fn, traced=False)
         fns["forward:highway"] = _forward_fn(net, inputs, loss_fn, traced=True)
         fns["forward:nn"] = _forward_fn(torch_lm, inputs, loss_fn, traced=False)
-        times = time_interleaved(fns, repeats=repeats, warmup=1, reference="bptt", threads=1)
+        timings = time_across_threads(fns, threads=threads, repeats=repeats, warmup=1,
+                                      reference="bptt")  # fmt: skip
+        times = timings[threads[0]]
         ref = grads_of_engine(make_engine("backprop"), copy.deepcopy(net).double(), inputs,
                               loss_fn)  # fmt: skip
-        bptt_bwd = times["bptt"].median - times["forward:bptt"].median
         for label, (eng, model, k) in methods.items():
             fwd_key = ("forward:nn" if model is torch_lm
                        else "forward:highway" if k is not None else "forward:bptt")  # fmt: skip
-            bwd = times[label].median - times[fwd_key].median
+            speed = [_speedups(ts, label, fwd_key) for ts in timings.values()]
             model.zero_grad(set_to_none=True)
-            with num_threads(1), MemoryTracker(baseline=(model, tokens)) as tracker:
+            with num_threads(threads[0]), MemoryTracker(baseline=(model, tokens)) as tracker:
                 eng.backward(model, inputs, loss_fn)
             got = _torch_lm_grads(torch_lm) if model is torch_lm else grads_of(model)
             cmp = compare_grads(got, ref)
             records.append(_base(
                 suite, "highway-rnn", quick, series=series.name, engine=label,
                 config={"cell": cell, "length": length, "batch": batch, "hidden": hidden,
-                        "vocab": vocab, "dtype": "float32", "threads": 1},
-                x=length, k=k, peak_bytes=tracker.report.peak_bytes,
-                seconds_median=times[label].median, seconds_min=times[label].minimum,
-                seconds_max=times[label].maximum, time_ratio=times[label].ratio,
-                forward_seconds=times[fwd_key].median, backward_seconds=bwd,
-                step_speedup=times["bptt"].median / times[label].median,
-                backward_speedup=bptt_bwd / bwd if bwd > 0 else None,
+                        "vocab": vocab, "dtype": "float32", "threads": threads[0]},
+                x=length, k=k, peak_bytes=tracker.report.peak_bytes, threads=threads[0],
+                **timing_fields(times[label]), **speed[0],
+                by_threads=[{**t, **sp} for t, sp in zip(by_threads(timings, label), speed,
+                                                         strict=True)],
                 grad_max_rel_err=cmp.max_rel_err, grad_cosine=cmp.cosine,
             ))  # fmt: skip
-        records += _scan_records(suite, quick, length, batch, hidden, device)
+        records += _scan_records(suite, quick, length, batch, hidden, device, threads[0])
     return records
+
+
+def _speedups(times: dict[str, Any], label: str, fwd_key: str) -> dict[str, Any]:
+    """A highway-rnn row's forward and backward seconds and its speedups over BPTT."""
+    bwd = times[label].median - times[fwd_key].median
+    bptt_bwd = times["bptt"].median - times["forward:bptt"].median
+    return {"forward_seconds": times[fwd_key].median, "backward_seconds": bwd,
+            "step_speedup": times["bptt"].median / times[label].median,
+            "backward_speedup": bptt_bwd / bwd if bwd > 0 else None}  # fmt: skip
 
 
 def grads_of_engine(
@@ -264,7 +289,7 @@ def _torch_lm_grads(m: _TorchLM) -> dict[str, torch.Tensor]:
 
 
 def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: int,
-                  device: str) -> list[dict[str, Any]]:  # fmt: skip
+                  device: str, threads: int) -> list[dict[str, Any]]:  # fmt: skip
     """Both CumSumProd algorithms on a diagonal K, at this L and at a tiny state."""
     out = []
     for state in ((batch, hidden), (2, 8)):
@@ -273,12 +298,12 @@ def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: in
         t = time_interleaved(
             {"parallel": functools.partial(cumsumprod_parallel, v, k),
              "sequential": functools.partial(cumsumprod_sequential, v, k)},
-            repeats=5 if quick else 11, warmup=1, reference="sequential", threads=1,
+            repeats=5 if quick else 11, warmup=1, reference="sequential", threads=threads,
         )  # fmt: skip
         for name, tm in t.items():
             out.append(_base(
                 suite, "scan", quick, series=f"scan-{state[0]}x{state[1]}", engine=name,
-                config={"length": length, "state": list(state), "threads": 1}, x=length,
+                config={"length": length, "state": list(state), "threads": threads}, x=length,
                 seconds_median=tm.median, time_ratio=tm.ratio,
             ))  # fmt: skip
     return out

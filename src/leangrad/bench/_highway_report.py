@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .._sizes import fmt_bytes
+from ._report import at_threads, extra_threads
 
 __all__ = ["render"]
 
@@ -41,26 +42,54 @@ def _targets(rs: list[dict[str, Any]]) -> list[str]:
             more = "larger" if b["backward_speedup"] > a["backward_speedup"] else "NOT larger"
             lines.append(f"- {label} backward speedup L=1024 {b['backward_speedup']:.2f}x vs "
                          f"L=256 {a['backward_speedup']:.2f}x: {more}")  # fmt: skip
+    lines += _step_targets(rs, get)
     return [*lines, ""]
 
 
+def _step_targets(rs: list[dict[str, Any]], get: Any) -> list[str]:
+    """Issue 16's step targets against nn.GRU / nn.LSTM (same weights, same run), at every
+    thread count timed."""
+    lines = []
+    for n in [rs[0].get("threads", 1), *extra_threads(rs)]:
+        for cell, label, want in (("gru", "highway(k=0)", 2.0), ("gru", "highway(k=2)", 1.4),
+                                  ("lstm", "highway(k=0)", 1.0)):  # fmt: skip
+            mine = next((r for r in rs if r["config"].get("cell") == cell and r["x"] == 256
+                         and r["engine"] == label), None)  # fmt: skip
+            peer = next((r for r in rs if r["config"].get("cell") == cell and r["x"] == 256
+                         and r["engine"] == f"nn.{cell.upper()}"), None)  # fmt: skip
+            if mine is None or peer is None:
+                continue
+            a = at_threads(mine, n, "seconds_median") or mine["seconds_median"]
+            b = at_threads(peer, n, "seconds_median") or peer["seconds_median"]
+            ok = "met" if b / a >= want else "NOT met"
+            lines.append(f"- L=256 {label} step vs nn.{cell.upper()}, {n} thread(s): "
+                         f"{b / a:.2f}x faster (target ≥ {want}): {ok}")  # fmt: skip
+    return lines
+
+
 def _render_rnn(rs: list[dict[str, Any]]) -> list[str]:
+    extra = extra_threads(rs)
     lines = [
-        "One training step (forward + gradients), float32, one thread. *backward* = step − "
+        f"One training step (forward + gradients), float32, {rs[0].get('threads', 1)} "
+        "thread(s)" + "".join(f"; step speedup also at {n} threads" for n in extra)
+        + " (side by side in one run). *backward* = step − "
         "forward of the same method (BPTT and nn.* record a graph; highway runs its traced "
         "no-grad forward). Speedups are BPTT's time over the method's, measured "
         "interleaved in one process. Peak = allocator-level tracker peak over the step. "
         "Gradients vs autograd in float64.",
         "",
         *_targets(rs),
-        "| series | L | method | step ms | step speedup | backward ms | backward speedup "
-        "| peak | cosine | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| series | L | method | step ms | step speedup"
+        + "".join(f" | step speedup ({n} thr)" for n in extra)
+        + " | backward ms | backward speedup | peak | cosine | max rel err |",
+        "|---|---|---|---|---|" + "---|" * (5 + len(extra)),
     ]
     for r in rs:
         lines.append(
             f"| {r['series']} | {r['x']} | {r['engine']} | {r['seconds_median'] * 1e3:.1f} "
-            f"| {_f(r.get('step_speedup'), '.2f')}x | {r['backward_seconds'] * 1e3:.1f} "
+            f"| {_f(r.get('step_speedup'), '.2f')}x "
+            + "".join(f"| {_f(at_threads(r, n, 'step_speedup'), '.2f')}x " for n in extra)
+            + f"| {r['backward_seconds'] * 1e3:.1f} "
             f"| {_f(r.get('backward_speedup'), '.2f')}x | {_mib(r.get('peak_bytes'))} "
             f"| {_f(r.get('grad_cosine'), '.6f')} | {_f(r.get('grad_max_rel_err'), '.2e')} |"
         )

@@ -38,7 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import data, rad
-from ..measure import MemoryTracker, run_rss_worker, time_interleaved
+from ..measure import MemoryTracker, run_rss_worker, time_across_threads
 from ..measure._rss import measure_rss
 from ._rad import _flat, _full_gradient, memory_of, rad_model
 from ._runner import machine_info, new_record
@@ -132,7 +132,12 @@ def _rss(payload: dict[str, Any]) -> int | None:
 
 
 def run_peer(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
+    suite: Suite,
+    *,
+    quick: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    threads: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """The peer rows, then the crossover rows (module docstring)."""
     if device != "cpu":
@@ -140,12 +145,13 @@ def run_peer(
     common = {"suite": suite.name, "quick": quick, "machine": machine_info(), "created": _now()}
     seed = int(suite.setting("seed", quick, 0))
     train = data.load(str(suite.setting("dataset", quick, "mnist5k"))).split(0.8, seed=seed)[0]
-    records = _peer_rows(suite, quick, train, common, progress)
+    threads = threads or sorted({1, os.cpu_count() or 1})
+    records = _peer_rows(suite, quick, train, common, progress, threads)
     return records + _crossover_rows(suite, quick, train, common, progress)
 
 
 def _peer_rows(suite: Suite, quick: bool, train: data.Dataset, common: dict[str, Any],
-               progress: bool) -> list[dict[str, Any]]:  # fmt: skip
+               progress: bool, threads: list[int]) -> list[dict[str, Any]]:  # fmt: skip
     seed = int(suite.setting("seed", quick, 0))
     batch, fraction = (
         int(suite.setting("batch", quick, 150)),
@@ -165,28 +171,26 @@ def _peer_rows(suite: Suite, quick: bool, train: data.Dataset, common: dict[str,
     config = {"model": "mlp", "batch": batch, "fraction": fraction, "mode": "different",
               "dataset": train.name, "draws": draws, "repeats": repeats}  # fmt: skip
     out: dict[str, dict[str, Any]] = {}
-    bar = tqdm(total=len(rows) + 2, desc=f"{suite.name} peers", disable=not progress)
+    bar = tqdm(total=len(rows) + 1, desc=f"{suite.name} peers", disable=not progress)
     for r in rows:
         payload = {"row": r, "batch": batch, "fraction": fraction, "seed": seed,
                    "official": official, "dataset": train.name}  # fmt: skip
         out[r] = {**_memory(models[r], x, y), "rss_peak_bytes": _rss(payload),
                   "grad_mse": _mse(models[r], train, full, batch, draws, seed + 2)}  # fmt: skip
         bar.update()
-    timings: dict[int, Any] = {}
-    for threads in sorted({1, os.cpu_count() or 1}):
-        steps = {r: _step(models[r], x, y) for r in rows}
-        timings[threads] = time_interleaved(steps, repeats=repeats, warmup=3,
-                                            reference="backprop", threads=threads)  # fmt: skip
-        bar.update()
+    steps = {r: _step(models[r], x, y) for r in rows}
+    timings = time_across_threads(steps, threads=threads, repeats=repeats, warmup=3,
+                                  reference="backprop")  # fmt: skip
+    bar.update()
     bar.close()
     records = []
-    for threads, times in timings.items():
+    for n, times in timings.items():
         for r in rows:
             t = times[r]
             vs = times["official"].median if "official" in times else None
             records.append(new_record(
-                common, out[r], kind="rad-peer", engine=r, config={**config, "threads": threads},
-                threads=threads, seconds_median=t.median, time_ratio=t.ratio,
+                common, out[r], kind="rad-peer", engine=r, config={**config, "threads": n},
+                threads=n, seconds_median=t.median, time_ratio=t.ratio,
                 vs_official=None if vs is None else t.median / vs,
                 peak_ratio=out[r]["peak_bytes"] / out["backprop"]["peak_bytes"],
             ))  # fmt: skip

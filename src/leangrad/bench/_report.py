@@ -11,11 +11,24 @@ from typing import Any
 from .. import _errors as errors
 from .._sizes import MiB, fmt_bytes
 
-__all__ = ["fmt_bytes", "load_records", "render_report", "sweep_section"]
+__all__ = ["at_threads", "extra_threads", "fmt_bytes", "load_records", "render_report",
+           "sweep_section"]  # fmt: skip
 
 
 def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def extra_threads(records: list[dict[str, Any]]) -> list[int]:
+    """The thread counts records were also timed at (``by_threads``) beside their own."""
+    return sorted({e["threads"] for r in records for e in (r.get("by_threads") or [])}
+                  - {r.get("threads") for r in records})  # fmt: skip
+
+
+def at_threads(r: dict[str, Any], threads: int, key: str) -> Any:
+    """A record's ``key`` as timed at ``threads`` (``by_threads``); ``None`` if not timed."""
+    return next((e.get(key) for e in (r.get("by_threads") or []) if e["threads"] == threads),
+                None)  # fmt: skip
 
 
 NOT_A_DIRECTORY = (
@@ -77,17 +90,24 @@ def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path
     panels = [
         ("peak_bytes", "peak memory above baseline (MiB)", MiB),
         ("saved_bytes", "kept for backward (MiB)", MiB),
-        ("time_ratio", "time / backprop", 1.0),
+        ("time_ratio", "time / backprop (dashed: more threads)", 1.0),
     ]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     by_engine: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in recs:
         by_engine[r["engine"]].append(r)
+    extra = extra_threads(recs)
     for ax, (key, title, scale) in zip(axes, panels, strict=True):
         for engine, rs in by_engine.items():
             pts = sorted((r["x"], r[key] / scale) for r in rs if r.get(key) is not None)
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=engine)
+                line = ax.plot(*zip(*pts, strict=True), marker="o", label=engine)[0]
+            for n in extra if key == "time_ratio" and pts else []:
+                more = sorted((r["x"], v) for r in rs
+                              if (v := at_threads(r, n, key)) is not None)  # fmt: skip
+                if more:
+                    ax.plot(*zip(*more, strict=True), marker="x", ls="--",
+                            color=line.get_color(), label=f"{engine} ({n} threads)")  # fmt: skip
         ax.set_xlabel(sweep)
         ax.set_title(title)
         ax.set_xscale("log", base=2)
@@ -200,16 +220,20 @@ def sweep_section(
         png = Path("plots") / f"{suite}-{series}.png"
         _plot_series(suite, series, recs, directory / png)
         lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+    extra = extra_threads(recs)
+    first = recs[0].get("threads", 1)
+    more = "".join(f" | time ratio ({n} thr)" for n in extra)
     lines += [
         f"| engine | {recs[0].get('sweep', 'x')} | params | peak | peak (grads prealloc.)"
-        " | saved | RSS | time ratio | s median [min–max] | max rel err | cosine |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f" | saved | RSS | time ratio{f' ({first} thr)' if extra else ''}{more}"
+        " | s median [min–max] | max rel err | cosine |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * (3 + len(extra)),
     ]
     for r in sorted(recs, key=lambda r: (r["engine"], r["x"])):
         if r.get("skipped"):
             lines.append(
                 f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
-                f"| skipped: {r['skipped']} | | | | | | | |"
+                f"| skipped: {r['skipped']} | | | | | | | |" + " |" * len(extra)
             )
             continue
         rss = fmt_bytes(r.get("rss_peak_bytes"))
@@ -225,7 +249,9 @@ def sweep_section(
             f"| {fmt_bytes(r.get('peak_bytes'))}{est} "
             f"| {fmt_bytes(r.get('peak_bytes_prealloc'))} "
             f"| {fmt_bytes(r.get('saved_bytes'))} | {rss} "
-            f"| {_fmt(r.get('time_ratio'), '.2f')} | {secs} "
+            f"| {_fmt(r.get('time_ratio'), '.2f')} "
+            + "".join(f"| {_fmt(at_threads(r, n, 'time_ratio'), '.2f')} " for n in extra)
+            + f"| {secs} "
             f"| {_fmt(r.get('grad_max_rel_err'), '.2e')} "
             f"| {_fmt(r.get('grad_cosine'), '.6f')} |"
         )

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import inspect
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,18 @@ from .. import _errors as errors
 from ._runner import machine_info, measure_config
 from ._suites import Suite, load_suite
 
-__all__ = ["MIXED", "NO_ONLY", "UNKNOWN_SERIES", "run_suite", "write_records"]
+__all__ = ["MIXED", "NO_ONLY", "ONE_THREAD_COUNT", "UNKNOWN_SERIES", "run_suite",
+           "timing_threads", "write_records"]  # fmt: skip
 
 NO_ONLY = "suite {suite!r} runs all of its series at once; drop --only"
+ONE_THREAD_COUNT = (
+    "suite {suite!r} times at one thread count ({threads}); drop --threads (suites that "
+    "time at several: {several})"
+)
+BAD_THREADS = (
+    "suite {suite!r}: setting threads = {value!r} is not a list of thread counts; write e.g. "
+    'threads = [1, "cores"]'
+)
 UNKNOWN_SERIES = "suite {suite!r} has no series {names}; its series: {known}"
 MIXED = (
     "{path} holds a {theirs} run; --only merges into a file of the same mode: pass another "
@@ -37,7 +47,40 @@ def write_records(records: list[dict[str, Any]], path: Path) -> Path:
 
 TIMING_THREADS = 1
 """Torch threads of a suite's timings unless it records its own: ``time_interleaved``'s
-default, which every sweep times with (``rad-peer`` times at 1 and the core count)."""
+default, which a suite without a ``threads`` setting times with."""
+
+
+def timing_threads(
+    suite: Suite, *, quick: bool = False, threads: Sequence[int | str] | None = None
+) -> list[int]:
+    """The torch thread counts ``suite``'s timings run at, side by side: ``threads`` (the
+    command's ``--threads``), else the suite's ``threads`` setting, else
+    ``[TIMING_THREADS]``; ``"cores"`` is this machine's CPU count, a repeat is dropped.
+
+    Raises:
+        OptionError: ``threads`` names several counts for a suite whose runner times at
+            one; a ``threads`` setting that is not a list of counts.
+    """
+    raw = threads if threads is not None else suite.setting("threads", quick, [TIMING_THREADS])
+    if not isinstance(raw, list | tuple) or not raw or not all(
+        v == "cores" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1) for v in raw
+    ):
+        raise errors.OptionError(BAD_THREADS.format(suite=suite.name, value=raw))
+    counts = list(dict.fromkeys((os.cpu_count() or 1) if v == "cores" else int(v) for v in raw))
+    if counts != [TIMING_THREADS] and not _times_at_threads(suite):
+        from ._suites import list_suites, load_suite
+
+        several = [n for n in list_suites() if _times_at_threads(load_suite(n))]
+        raise errors.OptionError(ONE_THREAD_COUNT.format(
+            suite=suite.name, threads=TIMING_THREADS, several=", ".join(several)))  # fmt: skip
+    return counts
+
+
+def _times_at_threads(suite: Suite) -> bool:
+    """A sweep suite, or a runner that takes ``threads``."""
+    if suite.runner is None:
+        return True
+    return "threads" in inspect.signature(suite.resolve_runner()).parameters
 
 
 def run_suite(
@@ -49,6 +92,7 @@ def run_suite(
     device: str = "cpu",
     progress: bool = True,
     only: Sequence[str] | None = None,
+    threads: Sequence[int | str] | None = None,
 ) -> Path:
     """Run suite ``name`` and write ``out/name.json``; returns the path.
 
@@ -56,6 +100,10 @@ def run_suite(
     plus ``suite``, ``series``, ``sweep``, ``x`` (the swept value), ``quick``,
     ``machine``, ``created`` and ``threads`` (torch threads of its timings: the record's
     own, else ``config["threads"]``, else :data:`TIMING_THREADS`).
+
+    ``threads`` (e.g. ``[1, "cores"]``; default: the suite's ``threads`` setting) times
+    every step at each thread count side by side in one run (:func:`timing_threads`);
+    a record's ``by_threads`` lists its time fields per count, ratios at the same count.
 
     ``only`` runs just these series (a sweep suite's series, the zoo's models) and merges
     them into ``out/name.json``: the records of the series run are replaced, the others
@@ -65,6 +113,7 @@ def run_suite(
     long run that is stopped keeps every series it finished.
     """
     suite = load_suite(name)
+    counts = timing_threads(suite, quick=quick, threads=threads)
     path = Path(out) / f"{suite.name}.json"
     kept = _kept_records(path, quick=quick) if only is not None else []
 
@@ -81,11 +130,14 @@ def run_suite(
             if "only" not in inspect.signature(runner).parameters:
                 raise errors.OptionError(NO_ONLY.format(suite=suite.name))
             kwargs["only"] = list(only)
+        if "threads" in inspect.signature(runner).parameters:
+            kwargs["threads"] = counts
         records = runner(suite, quick=quick, device=device, progress=progress, **kwargs)
     else:
         if only is not None:
             suite = dataclasses.replace(suite, series=_pick(suite, only))
-        records = _sweep(suite, quick=quick, rss=rss, device=device, progress=progress)
+        records = _sweep(suite, quick=quick, rss=rss, device=device, progress=progress,
+                         threads=counts)  # fmt: skip
     for r in records:  # every record says at how many threads it was timed
         r.setdefault("threads", (r.get("config") or {}).get("threads", TIMING_THREADS))
     return write_records(merged(records), path)
@@ -115,7 +167,7 @@ def _kept_records(path: Path, *, quick: bool) -> list[dict[str, Any]]:
 
 
 def _sweep(
-    suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool
+    suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool, threads: list[int]
 ) -> list[dict[str, Any]]:
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -133,6 +185,7 @@ def _sweep(
             warmup=int(suite.settings.get("warmup", 1)),
             rss=rss,
             device=device,
+            threads=threads,
             progress=lambda msg: bar.set_postfix_str(msg, refresh=True),
         )
         for r in recs:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import engines
-from ..measure import profile_step, run_rss_worker, time_interleaved
+from ..measure import Timing, profile_step, run_rss_worker, time_across_threads
 from ..measure._rss import rss_supported
 from ._workloads import Workload, build
 
@@ -25,9 +25,11 @@ __all__ = [
     "RECORD_FIELDS",
     "EngineSpec",
     "Record",
+    "by_threads",
     "machine_info",
     "measure_config",
     "new_record",
+    "timing_fields",
 ]
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,7 @@ _MEASURED = (
     "seconds_min",
     "seconds_max",
     "time_ratio",
+    "by_threads",
     "grad_max_rel_err",
     "grad_cosine",
     "rss_peak_bytes",
@@ -209,6 +212,18 @@ def _measure_memory(
         tick(f"rss {rec['engine']}")
 
 
+def timing_fields(t: Timing) -> dict[str, Any]:
+    """A record's time fields from one :class:`~leangrad.measure.Timing`."""
+    return {"seconds_median": t.median, "seconds_min": t.minimum, "seconds_max": t.maximum,
+            "time_ratio": t.ratio}  # fmt: skip
+
+
+def by_threads(timings: Mapping[int, Mapping[str, Timing]], name: str) -> list[dict[str, Any]]:
+    """A record's ``by_threads`` field: ``name``'s time fields at every thread count timed
+    (:func:`~leangrad.measure.time_across_threads`'s result), ratios at the same count."""
+    return [{"threads": n, **timing_fields(ts[name])} for n, ts in timings.items()]
+
+
 def _measure_time(
     records: Mapping[str, dict[str, Any]],
     steps: Mapping[str, Callable[[], object]],
@@ -216,21 +231,19 @@ def _measure_time(
     reference: str,
     repeats: int,
     warmup: int,
+    threads: Sequence[int],
     tick: Callable[[str], None],
 ) -> None:
-    """Interleaved timings of ``steps`` (by label), ratios to the ``reference`` engine's."""
+    """Interleaved timings of ``steps`` (by label) at every thread count, ratios to the
+    ``reference`` engine's; the record's own time fields are those at ``threads[0]``."""
     ref_label = next((lb for lb in steps if records[lb]["engine_name"] == reference), None)
-    timings = time_interleaved(
-        dict(steps), repeats=repeats, warmup=warmup, reference=ref_label,
+    timings = time_across_threads(
+        dict(steps), threads=threads, repeats=repeats, warmup=warmup, reference=ref_label,
         progress=lambda: tick("time"),
     )  # fmt: skip
-    for lb, t in timings.items():
-        records[lb].update(
-            seconds_median=t.median,
-            seconds_min=t.minimum,
-            seconds_max=t.maximum,
-            time_ratio=t.ratio,
-        )
+    for lb in steps:
+        records[lb].update(timing_fields(timings[threads[0]][lb]), threads=threads[0],
+                           by_threads=by_threads(timings, lb))  # fmt: skip
 
 
 def measure_config(
@@ -242,6 +255,7 @@ def measure_config(
     warmup: int = 1,
     rss: bool = True,
     device: str = "cpu",
+    threads: Sequence[int] = (1,),
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every engine of ``specs`` on the workload ``config``; one record each.
@@ -250,8 +264,10 @@ def measure_config(
     one with gradients pre-allocated (``peak_bytes_prealloc``), so new gradient
     buffers do not hide activation differences. ``saved_bytes`` is the live
     memory above baseline when the engine's forward phase ended. Time: medians
-    of interleaved repeats, ratio to ``reference`` (which must be among specs).
-    Gradients: compared with autograd's float64 gradient of the same step.
+    of interleaved repeats, ratio to ``reference`` (which must be among specs), at every
+    torch thread count of ``threads`` side by side (``by_threads``; the record's time
+    fields and ``threads`` are the first count's). Gradients: compared with autograd's
+    float64 gradient of the same step.
     """
 
     def tick(msg: str) -> None:
@@ -275,5 +291,5 @@ def measure_config(
                         tick=tick)  # fmt: skip
     if steps:
         _measure_time(records, steps, reference=reference, repeats=repeats, warmup=warmup,
-                      tick=tick)  # fmt: skip
+                      threads=list(threads), tick=tick)  # fmt: skip
     return list(records.values())

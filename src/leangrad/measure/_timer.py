@@ -6,17 +6,28 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["BAD_COUNT", "NOT_CALLABLE", "NO_FUNCTIONS", "Timing", "num_threads", "time_interleaved"]
+__all__ = [
+    "BAD_COUNT",
+    "NOT_CALLABLE",
+    "NO_FUNCTIONS",
+    "NO_THREADS",
+    "Timing",
+    "num_threads",
+    "time_across_threads",
+    "time_interleaved",
+]
 
 BAD_COUNT = "{name} must be an int >= {least}, got {value!r}"
 NO_FUNCTIONS = (
     "time_interleaved needs at least one function to time, got an empty mapping; "
     "pass e.g. {{'backprop': step}}"
 )
+NO_THREADS = "time_across_threads needs at least one thread count, e.g. threads=[1, 2]"
 NOT_CALLABLE = (
     "time_interleaved: fns[{name!r}] must be a zero-argument callable, got {type}; "
     "wrap a call with arguments as lambda: step(model, x)"
@@ -92,6 +103,49 @@ def time_interleaved(
             (or not ints); TypeError: a value of ``fns`` is not callable; KeyError: an
             unknown ``reference``.
     """
+    _check_args(fns, repeats=repeats, warmup=warmup, reference=reference)
+    if threads is not None:
+        _check_count("threads", threads, 1)
+    return _rounds(fns, repeats=repeats, warmup=warmup, reference=reference,
+                   threads=[threads], progress=progress)[threads]
+
+
+def time_across_threads(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    threads: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 1,
+    reference: str | None = None,
+    progress: Callable[[], None] | None = None,
+) -> dict[int, dict[str, Timing]]:
+    """:func:`time_interleaved` at several torch thread counts, side by side in one run.
+
+    Each round times every function at every thread count (thread counts and functions
+    both rotated by one each round), so a drift of the machine hits every cell alike;
+    ratios divide by the reference's median *at the same thread count*. Warm-up rounds run
+    every function at every thread count first.
+
+    Returns:
+        thread count -> (name -> :class:`Timing`), in the order of ``threads``.
+
+    Raises:
+        ValueError: as :func:`time_interleaved`, and for no thread counts, a count < 1 or
+            the same count twice.
+    """
+    _check_args(fns, repeats=repeats, warmup=warmup, reference=reference)
+    if not threads:
+        raise ValueError(NO_THREADS)
+    for n in threads:
+        _check_count("threads", n, 1)
+    if len(set(threads)) != len(threads):
+        raise ValueError(f"threads lists a count twice: {list(threads)}")
+    return _rounds(fns, repeats=repeats, warmup=warmup, reference=reference,
+                   threads=list(threads), progress=progress)  # fmt: skip
+
+
+def _check_args(fns: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int,
+                reference: str | None) -> None:  # fmt: skip
     if not fns:
         raise ValueError(NO_FUNCTIONS)
     for name, fn in fns.items():
@@ -101,24 +155,40 @@ def time_interleaved(
         raise KeyError(f"reference {reference!r} is not among the timed functions {list(fns)}")
     _check_count("repeats", repeats, 1)
     _check_count("warmup", warmup, 0)
-    if threads is not None:
-        _check_count("threads", threads, 1)
+
+
+def _rounds(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int,
+    reference: str | None,
+    threads: list[int | None],
+    progress: Callable[[], None] | None,
+) -> dict[Any, dict[str, Timing]]:
+    """Warm-up, then ``repeats`` rounds of every (thread count, function), both rotated."""
     names = list(fns)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    with num_threads(threads):
-        for _ in range(warmup):
-            for n in names:
-                fns[n]()
-        for r in range(repeats):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for n in order:
-                _sync()
-                t0 = time.perf_counter()
-                fns[n]()
-                _sync()
-                samples[n].append(time.perf_counter() - t0)
-                if progress is not None:
-                    progress()
+    samples: dict[Any, dict[str, list[float]]] = {t: {n: [] for n in names} for t in threads}
+    for t in threads:
+        with num_threads(t):
+            for _ in range(warmup):
+                for n in names:
+                    fns[n]()
+    for r in range(repeats):
+        for t in threads[r % len(threads) :] + threads[: r % len(threads)]:
+            with num_threads(t):
+                for n in names[r % len(names) :] + names[: r % len(names)]:
+                    _sync()
+                    t0 = time.perf_counter()
+                    fns[n]()
+                    _sync()
+                    samples[t][n].append(time.perf_counter() - t0)
+                    if progress is not None:
+                        progress()
+    return {t: _timings(per, reference) for t, per in samples.items()}
+
+
+def _timings(samples: dict[str, list[float]], reference: str | None) -> dict[str, Timing]:
     ref = statistics.median(samples[reference]) if reference is not None else None
     return {
         n: Timing(
