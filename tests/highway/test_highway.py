@@ -134,6 +134,32 @@ def test_approximation_improves_and_is_exact_from_L_minus_1(kind: str) -> None:
     assert compare_grads(seq, par).max_rel_err <= 1e-12
 
 
+@pytest.mark.parametrize("baseline", ["highway", "fpi"])
+@pytest.mark.parametrize("scan", ["sequential", "parallel"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_lstm_scans_only_where_k_acts(k: int, scan: str, baseline: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """K = diag([f, 0]) moves only c, and the loss's direct gradients reach only h: the
+    engine scans the c half alone and skips eq. 10's scan — the same gradient, at every k,
+    as scanning the whole state."""
+    net, inputs, loss_fn, _ = _rnn_problem("lstm")
+    net, inputs = net.double(), _cast(inputs, torch.float64)
+    eng = leangrad.engine("highway", k=k, scan=scan, baseline=baseline)
+    part = _grads(eng, copy.deepcopy(net), inputs, loss_fn)
+    prepare = LSTMLayer.prepare
+
+    def whole_state_k(self: LSTMLayer, trace) -> None:  # type: ignore[no-untyped-def]
+        prepare(self, trace)
+        if trace.k.shape[-1] == self.hidden_size:  # K on the whole state: [f, 0]
+            trace.k = torch.cat([trace.k, torch.zeros_like(trace.k)], -1)
+
+    monkeypatch.setattr(LSTMLayer, "prepare", whole_state_k)
+    monkeypatch.setattr(LSTMLayer, "k_support", lambda self: None)
+    monkeypatch.setattr(LSTMLayer, "direct_off_support", False)
+    whole = _grads(eng, copy.deepcopy(net), inputs, loss_fn)
+    assert compare_grads(part, whole).max_rel_err <= 1e-12
+
+
 def test_step_info_reports_iterations_and_adaptive_stop() -> None:
     """info counts iterations per stack (capped at L − 1); with tol the loop stops once an
     update's relative norm is below tol, and every update but the last is above it."""

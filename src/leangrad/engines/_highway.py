@@ -165,7 +165,8 @@ class Highway(Engine):
         a = stack.direct_grads(trace, dy)
         k_fac = trace.k
         fpi = self.baseline == "fpi"
-        w0 = a if fpi else cumsumprod(a, k_fac, scan=self.scan)  # eq. 10
+        # eq. 10 (the identity when the direct gradients vanish wherever K acts)
+        w0 = a if fpi or stack.direct_off_support else self._scan(stack, a, k_fac)
         del a  # only w0 is needed from here on
         cap = min(self.k, trace.length - 1)  # w^{L-1} is exact (Theorem 2)
         w = w0.clone() if cap > 0 else w0  # updated in place: w[:-1] = w0[:-1] + u[:-1]
@@ -175,10 +176,10 @@ class Highway(Engine):
         for _ in range(cap):
             jw = stack.j_vjp(trace, w)  # eq. 8, all layers at once (ours to overwrite)
             if fpi:
-                jw.add_(w if k_fac is None else w * k_fac)
+                self._add_k_times(stack, jw, w, k_fac)
             u = jw[1:]  # v_t = w_{t+1} J_{t+1}; the last state has no successor
             if not fpi:
-                cumsumprod(u, k_tail, scan=self.scan, inplace=True)  # eq. 11
+                self._scan(stack, u, k_tail, inplace=True)  # eq. 11
             done += 1
             if self.tol is not None:
                 change = torch.linalg.vector_norm(w0[:-1] + u - w[:-1])
@@ -191,6 +192,30 @@ class Highway(Engine):
                 torch.add(w0[:-1], u, out=w[:-1])
         pg, dx = stack.param_vjp(trace, w, dy)
         return pg, dx, StackResult(length=trace.length, iterations=done, updates=tuple(updates))
+
+
+    def _scan(self, stack: HighwayStack, v: torch.Tensor, k: torch.Tensor | None, *,
+              inplace: bool = False) -> torch.Tensor:  # fmt: skip
+        """CumSumProd of ``v`` by ``k``, over the part of the state where K may be non-zero
+        (``stack.k_support()``, which ``k`` then covers alone); elsewhere K = 0, ``u = v``."""
+        part = stack.k_support() if k is not None else None
+        if part is None:
+            return cumsumprod(v, k, scan=self.scan, inplace=inplace)
+        u = v if inplace else v.clone()
+        cumsumprod(u[..., part], k, scan=self.scan, inplace=True)
+        return u
+
+    @staticmethod
+    def _add_k_times(stack: HighwayStack, jw: torch.Tensor, w: torch.Tensor,
+                     k: torch.Tensor | None) -> None:  # fmt: skip
+        """``jw += K w`` (the fixed-point baseline's residual term), K on its support."""
+        part = stack.k_support() if k is not None and not isinstance(k, float) else None
+        if k is None:
+            jw.add_(w)
+        elif part is None:
+            jw.add_(w * k)
+        else:
+            jw[..., part].addcmul_(w[..., part], k)
 
 
 def _add(grads: dict[nn.Parameter, torch.Tensor], params: list[Any], gs: Any) -> None:

@@ -93,8 +93,10 @@ class Trace:
     Attributes:
         output: what the next stage of the model consumes.
         length: L, the number of layers (time steps for a recurrent stack).
-        k: the K factors stacked over layers, ``(L, *state)`` for diagonal K,
-            ``(L, 1, …, 1)`` for scalar K, ``None`` when every K is the identity.
+        k: the K factors stacked over layers, ``(L, *state)`` for diagonal K (for a
+            stack whose :meth:`HighwayStack.k_support` is a slice: K on that slice of the
+            last axis only, as K = 0 elsewhere), ``(L, 1, …, 1)`` for scalar K, ``None``
+            when every K is the identity.
         saved: stack-specific tensors (gates, block inputs, …).
     """
 
@@ -144,6 +146,17 @@ class HighwayStack(nn.Module, abc.ABC):
     """
 
     k_structure: ClassVar[str] = "identity"
+    direct_off_support: ClassVar[bool] = False
+    """``direct_grads`` is zero wherever :meth:`k_support` lets K be non-zero (an LSTM's
+    loss sees ``h``, its K moves only ``c``): eq. 10's scan of the direct gradients is then
+    the identity, and the engine skips it."""
+
+    def k_support(self) -> slice | None:
+        """Where a diagonal K may be non-zero, as a slice of the state's last axis
+        (``None``: anywhere). Outside it K = 0: ``trace.k`` holds K on this slice only, and
+        the engine scans only this part, leaving the cotangent as it is elsewhere (an
+        LSTM's ``K = diag([f, 0])``: the ``c`` half)."""
+        return None
 
     @abc.abstractmethod
     def trace(self, x: torch.Tensor) -> Trace:

@@ -226,6 +226,10 @@ class LSTMLayer(_RecurrentLayer):
     """
 
     gates = 4
+    direct_off_support = True  # the loss sees h; K = diag([f, 0]) moves only c
+
+    def k_support(self) -> slice:
+        return slice(0, self.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The autograd forward (what BPTT differentiates), one step at a time."""
@@ -249,38 +253,48 @@ class LSTMLayer(_RecurrentLayer):
         return hs + x if self.residual else hs
 
     def trace(self, x: torch.Tensor) -> Trace:
+        """No-grad forward into preallocated buffers, keeping the gates.
+
+        The cell gate is formed as ``tanh(a) = 2σ(2a) − 1`` (its weight rows doubled), so
+        one ``sigmoid_`` per step covers all four gates: a ``tanh`` of a strided slice
+        runs multi-threaded at this size and costs 3-4× a ``sigmoid_`` at 2 threads."""
         self._check(x, highway=True)
         length, batch, _ = x.shape
         hsz = self.hidden_size
         with torch.no_grad():
             x = x.detach()
-            w_hh_t = self.weight_hh.detach().t()
+            cell = slice(2 * hsz, 3 * hsz)
+            w_ih, w_hh = self.weight_ih.detach().clone(), self.weight_hh.detach().clone()
             bias = self.bias_ih.detach() + self.bias_hh.detach()  # both biases, added once
-            pre = torch.addmm(bias, x.reshape(-1, self.input_size), self.weight_ih.detach().t())
+            for t in (w_ih, w_hh, bias):
+                t[cell] *= 2
+            pre = torch.addmm(bias, x.reshape(-1, self.input_size), w_ih.t())
             pre = pre.reshape(length, batch, 4 * hsz)  # becomes the gates, in place
             hs = x.new_empty(length + 1, batch, hsz)
             cs = x.new_empty(length + 1, batch, hsz)
             tc = x.new_empty(length, batch, hsz)
             hs[0].zero_()
             cs[0].zero_()
+            w_hh_t = w_hh.t()
             # every per-step view made once (a Python select per use costs ~6% of the loop)
-            views = zip(pre, pre[..., : 2 * hsz], pre[..., :hsz], pre[..., hsz : 2 * hsz],
-                        pre[..., 2 * hsz : 3 * hsz], pre[..., 3 * hsz :], hs[:-1], hs[1:],
-                        cs[:-1], cs[1:], tc, strict=True)  # fmt: skip
-            for p, p_if, p_i, p_f, p_g, p_o, h, h_next, c, c_next, tc_t in views:
+            views = zip(pre, pre[..., :hsz], pre[..., hsz : 2 * hsz], pre[..., cell],
+                        pre[..., 3 * hsz :], hs[:-1], hs[1:], cs[:-1], cs[1:], tc,
+                        strict=True)  # fmt: skip
+            for p, p_i, p_f, p_s, p_o, h, h_next, c, c_next, tc_t in views:
                 p.addmm_(h, w_hh_t)
-                p_if.sigmoid_()
-                p_o.sigmoid_()
-                p_g.tanh_()
-                torch.mul(p_f, c, out=c_next).addcmul_(p_i, p_g)
+                p.sigmoid_()  # i, f, s = σ(2a), o
+                # c' = f ⊙ c + i ⊙ g with g = 2s − 1
+                torch.mul(p_f, c, out=c_next).addcmul_(p_i, p_s, value=2).sub_(p_i)
                 torch.mul(p_o, torch.tanh(c_next, out=tc_t), out=h_next)
+            pre[..., cell].mul_(2).sub_(1)  # the cell gate g itself, for the backward
             out = hs[1:] + x if self.residual else hs[1:]
         saved = {"x": x, "h_prev": hs[:-1], "gates": pre, "tc": tc, "c_prev": cs[:-1]}
         return Trace(output=out, length=length, k=None, saved=saved)
 
     def prepare(self, trace: Trace) -> None:
-        """The J-vjp factors and ``K = diag([f, 0])`` from the saved gates (vectorised);
-        the factors overwrite the gate buffer (same layout), slot by slot."""
+        """The J-vjp factors and ``K = diag([f, 0])`` (``trace.k``: f, on the c half that
+        :meth:`k_support` names) from the saved gates (vectorised); the factors overwrite
+        the gate buffer (same layout), slot by slot."""
         s, hsz = trace.saved, self.hidden_size
         if "coef" in s:
             return
@@ -288,15 +302,20 @@ class LSTMLayer(_RecurrentLayer):
             gates, tc, c_prev = s.pop("gates"), s.pop("tc"), s.pop("c_prev")
             coef = gates.view(*gates.shape[:2], 4, hsz)
             i, f, gg, o = coef.unbind(2)
+            trace.k = f.clone()
             q = torch.mul(tc, tc).neg_().add_(1).mul_(o)  # ∂h'/∂c'
-            trace.k = torch.cat([f, torch.zeros_like(f)], -1)
             s["q"], s["qf"] = q, q * f
             # With s = w_c + w_h ⊙ q (the cotangent reaching c'), the gate pre-activation
-            # cotangents are s ⊙ [a_i, a_f, a_g] and w_h ⊙ a_o:
-            a_g = torch.mul(gg, gg).neg_().add_(1).mul_(i)
-            o.mul_(1 - o).mul_(tc)  # a_o
-            f.mul_(1 - f).mul_(c_prev)  # a_f
-            i.mul_(1 - i).mul_(gg)  # a_i
+            # cotangents are s ⊙ [a_i, a_f, a_g] and w_h ⊙ a_o (σ' = (1 − σ) σ, as autograd
+            # writes it: accurate where σ is near 1), formed in place: tc and c_prev are
+            # not needed after them, so they serve as scratch (no new (L, B, H) buffer).
+            o_tc = tc.mul_(o)
+            o.neg_().add_(1).mul_(o_tc)  # a_o = (1 − o) o tanh(c')
+            c_prev.mul_(f)
+            f.neg_().add_(1).mul_(c_prev)  # a_f = (1 − f) f c
+            a_g = torch.mul(gg, gg, out=tc).neg_().add_(1).mul_(i)  # (1 − g²) i
+            gg.mul_(i)
+            i.neg_().add_(1).mul_(gg)  # a_i = (1 − i) i g
             gg.copy_(a_g)
         s["coef"] = coef
 
