@@ -18,7 +18,7 @@ builders). Rows:
   ``nn.SiLU``, and with Mish written out / ``nn.Mish``;
 - ``pure``: Forward / pure Moonwalk step time, RevNet with 6 couplings (digits);
 - ``mixed``: Moonwalk (defaults) / backprop step time and tracker peak, moonwalk-v2-cnn at
-  depth 6;
+  depth 6, and a no-grad forward / backprop's step (what Phase III runs again);
 - ``highway``: nn.GRU / highway (k=0, k=2) step time, L=256 H=128 B=32; nn.LSTM / highway k=0.
 """
 
@@ -201,6 +201,8 @@ def _row_pure() -> dict[str, float]:
 
 
 def _row_mixed() -> dict[str, float]:
+    import torch
+
     import leangrad
     from leangrad.bench._workloads import build
     from leangrad.measure import profile_step
@@ -209,11 +211,17 @@ def _row_mixed() -> dict[str, float]:
                 "size": 128, "batch": 8, "classes": 10, "dtype": "float32", "seed": 0,
                 "depth": 6})  # fmt: skip
     bp, mw = leangrad.engine("backprop"), leangrad.engine("moonwalk")
+    def forward() -> None:  # what Phase III must run again: one forward of every layer
+        with torch.no_grad():
+            wl.model(*wl.inputs)
+
     t = _timed({"backprop": _engine_step(bp, wl.model, wl.inputs, wl.loss_fn),
-                "moonwalk": _engine_step(mw, wl.model, wl.inputs, wl.loss_fn)}, 7)  # fmt: skip
+                "moonwalk": _engine_step(mw, wl.model, wl.inputs, wl.loss_fn),
+                "forward": forward}, 7)  # fmt: skip
     peak = {n: profile_step(e, wl.model, wl.inputs, wl.loss_fn, repeats=0).peak_bytes
             for n, e in (("backprop", bp), ("moonwalk", mw))}  # fmt: skip
     return {"mixed_vs_backprop": t["moonwalk"] / t["backprop"],
+            "forward_vs_backprop": t["forward"] / t["backprop"],
             "mixed_peak_vs_backprop": peak["moonwalk"] / peak["backprop"]}  # fmt: skip
 
 
