@@ -62,8 +62,9 @@ def _step_targets(rs: list[dict[str, Any]], get: Any) -> list[str]:
             a = at_threads(mine, n, "seconds_median") or mine["seconds_median"]
             b = at_threads(peer, n, "seconds_median") or peer["seconds_median"]
             ok = "met" if b / a >= want else "NOT met"
-            lines.append(f"- L=256 {label} step vs nn.{cell.upper()}, {n} thread(s): "
-                         f"{b / a:.2f}x faster (target ≥ {want}): {ok}")  # fmt: skip
+            lines.append(f"- L=256 {label} at {n} thread{'s' if n > 1 else ''}: "
+                         f"nn.{cell.upper()}'s step time / its own {b / a:.2f} "
+                         f"(target ≥ {want}): {ok}")  # fmt: skip
     return lines
 
 

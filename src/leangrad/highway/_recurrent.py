@@ -125,46 +125,51 @@ class GRULayer(_RecurrentLayer):
         with torch.no_grad():
             x = x.detach()
             w_ih, w_hh = self.weight_ih.detach(), self.weight_hh.detach()
-            xi = torch.addmm(self.bias_ih.detach(), x.reshape(-1, self.input_size), w_ih.t())
-            xi = xi.reshape(length, batch, 3 * hsz)
+            pre = torch.addmm(self.bias_ih.detach(), x.reshape(-1, self.input_size), w_ih.t())
+            pre = pre.reshape(length, batch, 3 * hsz)
+            # pre becomes [W_ir·x + b_ir + b_hr, W_iz·x + b_iz + b_hz, b_hn] and each step
+            # adds W_hh·h in place (one matmul, no bias copy per step, no separate add for
+            # r and z); W_in·x + b_in, which r does not multiply, moves to xn.
+            xn = pre[..., 2 * hsz :].clone()
+            b_hh = self.bias_hh.detach()
+            pre[..., : 2 * hsz] += b_hh[: 2 * hsz]
+            pre[..., 2 * hsz :] = b_hh[2 * hsz :]
             hs = x.new_empty(length + 1, batch, hsz)
             hs[0].zero_()
-            hh = x.new_empty(length, batch, 3 * hsz)  # b_hh + W_hh·h, written step by step
-            rz = x.new_empty(length, batch, 2 * hsz)
             n = x.new_empty(length, batch, hsz)
-            w_hh_t, b_hh = w_hh.t(), self.bias_hh.detach()
+            w_hh_t = w_hh.t()
             # every per-step view made once (a Python select per use cost ~6% of the loop)
-            views = zip(hs[:-1], hs[1:], hh, hh[..., : 2 * hsz], hh[..., 2 * hsz :],
-                        xi[..., : 2 * hsz], xi[..., 2 * hsz :], rz, rz[..., :hsz],
-                        rz[..., hsz:], n, strict=True)  # fmt: skip
-            for h, h_next, hh_t, hh_rz, hh_n, xi_rz, xi_n, rz_t, r_t, z_t, n_t in views:
-                torch.addmm(b_hh, h, w_hh_t, out=hh_t)
-                torch.add(xi_rz, hh_rz, out=rz_t).sigmoid_()
-                torch.addcmul(xi_n, r_t, hh_n, out=n_t).tanh_()
+            views = zip(hs[:-1], hs[1:], pre, pre[..., : 2 * hsz], pre[..., :hsz],
+                        pre[..., hsz : 2 * hsz], pre[..., 2 * hsz :], xn, n,
+                        strict=True)  # fmt: skip
+            for h, h_next, p_t, rz_t, r_t, z_t, hn_t, xn_t, n_t in views:
+                p_t.addmm_(h, w_hh_t)
+                rz_t.sigmoid_()
+                torch.addcmul(xn_t, r_t, hn_t, out=n_t).tanh_()
                 torch.lerp(n_t, h, z_t, out=h_next)
+            del xn
             out = hs[1:] + x if self.residual else hs[1:]
-        saved = {"x": x, "h_prev": hs[:-1], "rz": rz, "hh": hh, "n": n}
-        return Trace(output=out, length=length, k=rz[..., hsz:], saved=saved)
+        saved = {"x": x, "h_prev": hs[:-1], "gates": pre, "n": n}  # gates: [r, z, W_hn·h + b_hn]
+        return Trace(output=out, length=length, k=pre[..., hsz : 2 * hsz], saved=saved)
 
     def prepare(self, trace: Trace) -> None:
-        """Turn the saved gates into the factors the J-vjp multiplies by (vectorised)."""
-        s, hsz = trace.saved, self.hidden_size
+        """Turn the saved gates into the factors the J-vjp multiplies by (vectorised, in
+        the gate buffer, slot by slot)."""
+        s = trace.saved
         if "coef" in s:
             return
         with torch.no_grad():
-            rz, hh, n = s.pop("rz"), s.pop("hh"), s.pop("n")
-            r, z, hn = rz[..., :hsz], rz[..., hsz:], hh[..., 2 * hsz :]
-            # The factors of the W_hh·h cotangent overwrite the W_hh·h buffer, slot by slot
-            # (r and z slots first, the n slot once hn is used), and ∂h'/∂(n pre-act.) n.
-            coef = hh.view(*hh.shape[:2], 3, hsz)
-            zz = torch.addcmul(z, z, z, value=-1)  # z (1 − z)
-            torch.sub(s["h_prev"], n, out=coef[:, :, 1]).mul_(zz)  # z pre-activation
+            gates, n = s.pop("gates"), s.pop("n")
+            coef = gates.view(*gates.shape[:2], 3, self.hidden_size)
+            r, z, hn = coef.unbind(2)
+            trace.k = z.contiguous()  # K = diag(z), before z's slot is overwritten
             omz = torch.rsub(z, 1)
+            zz = torch.mul(omz, z)  # σ' = (1 − z) z, as autograd writes it
+            torch.sub(s["h_prev"], n, out=z).mul_(zz)  # z pre-activation
             c_n = omz.addcmul_(omz, n.mul_(n), value=-1)  # (1 − z)(1 − n²)
-            torch.addcmul(r, r, r, value=-1, out=zz).mul_(c_n)  # r (1 − r) c_n
-            torch.mul(zz, hn, out=coef[:, :, 0])  # r pre-activation
-            torch.mul(c_n, r, out=coef[:, :, 2])  # W_hn·h + b_hn
-            trace.k = z.contiguous()  # frees r
+            torch.mul(r, -1, out=zz).add_(1).mul_(r).mul_(c_n).mul_(hn)  # r pre-activation
+            torch.mul(c_n, r, out=hn)  # W_hn·h + b_hn
+            r.copy_(zz)
         s["coef"], s["c_n"] = coef, c_n
 
     def _chunks(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -320,7 +325,10 @@ class LSTMLayer(_RecurrentLayer):
         s["coef"] = coef
 
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
-        return torch.cat([torch.zeros_like(dy), dy], -1)
+        a = dy.new_empty(*dy.shape[:-1], 2 * self.hidden_size)  # [0, dy]: the loss sees h
+        a[..., : self.hidden_size].zero_()
+        a[..., self.hidden_size :] = dy
+        return a
 
     def _chunks(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
         """``(steps, gate pre-activation cotangents (rows, 4H))`` over chunks of about
