@@ -169,30 +169,34 @@ class Highway(Engine):
         w0 = a if fpi or stack.direct_off_support else self._scan(stack, a, k_fac)
         del a  # only w0 is needed from here on
         cap = min(self.k, trace.length - 1)  # w^{L-1} is exact (Theorem 2)
-        w = w0.clone() if cap > 0 else w0  # updated in place: w[:-1] = w0[:-1] + u[:-1]
+        w, cur = w0, w0  # cur: this iteration's w (w0 itself the first time: no copy)
+        if cap > 0:  # w^k lands in its own buffer: w[:-1] = w0[:-1] + u, w[-1] = w0[-1]
+            w = torch.empty_like(w0)
+            w[-1] = w0[-1]
         k_tail = None if k_fac is None else k_fac[:-1]
         updates: list[float] = []
         done = 0
         for _ in range(cap):
-            jw = stack.j_vjp(trace, w)  # eq. 8, all layers at once (ours to overwrite)
+            jw = stack.j_vjp(trace, cur)  # eq. 8, all layers at once (ours to overwrite)
             if fpi:
-                self._add_k_times(stack, jw, w, k_fac)
+                self._add_k_times(stack, jw, cur, k_fac)
             u = jw[1:]  # v_t = w_{t+1} J_{t+1}; the last state has no successor
             if not fpi:
                 self._scan(stack, u, k_tail, inplace=True)  # eq. 11
             done += 1
             if self.tol is not None:
-                change = torch.linalg.vector_norm(w0[:-1] + u - w[:-1])
+                change = torch.linalg.vector_norm(w0[:-1] + u - cur[:-1])
                 torch.add(w0[:-1], u, out=w[:-1])
                 rel = float(change / torch.linalg.vector_norm(w).clamp_min(1e-30))
                 updates.append(rel)
+                cur = w
                 if rel < self.tol:
                     break
             else:
                 torch.add(w0[:-1], u, out=w[:-1])
+                cur = w
         pg, dx = stack.param_vjp(trace, w, dy)
         return pg, dx, StackResult(length=trace.length, iterations=done, updates=tuple(updates))
-
 
     def _scan(self, stack: HighwayStack, v: torch.Tensor, k: torch.Tensor | None, *,
               inplace: bool = False) -> torch.Tensor:  # fmt: skip
