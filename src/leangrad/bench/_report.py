@@ -85,18 +85,23 @@ def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     sweep = recs[0].get("sweep", "x")
+    extra = extra_threads(recs)
+    timed = "time / backprop"
+    if extra:  # which line is which thread count, said in the panel's title
+        counts = ", ".join(map(str, extra))
+        timed += f" (solid: {recs[0].get('threads', 1)} thread, dashed: {counts} threads)"
     panels = [
         ("peak_bytes", "peak memory above baseline (MiB)", MiB),
         ("saved_bytes", "kept for backward (MiB)", MiB),
-        ("time_ratio", "time / backprop (dashed: more threads)", 1.0),
+        ("time_ratio", timed, 1.0),
     ]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     by_engine: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in recs:
         by_engine[r["engine"]].append(r)
-    extra = extra_threads(recs)
     for ax, (key, title, scale) in zip(axes, panels, strict=True):
         for engine, rs in by_engine.items():
             pts = sorted((r["x"], r[key] / scale) for r in rs if r.get(key) is not None)
@@ -109,10 +114,20 @@ def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path
                     ax.plot(*zip(*more, strict=True), marker="x", ls="--",
                             color=line.get_color(), label=f"{engine} ({n} threads)")  # fmt: skip
         ax.set_xlabel(sweep)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.set_xscale("log", base=2)
+        xs = sorted({r["x"] for r in recs if isinstance(r.get("x"), int | float)})
+        ax.set_xticks(xs, [f"{v:g}" for v in xs])  # the swept values, not powers of 2
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     axes[2].set_yscale("log")
+    times = FuncFormatter(lambda v, _: f"{v:g}×")  # 1.5×, not 1.5 × 10⁰
+    axes[2].yaxis.set_major_formatter(times)
+    low, high = axes[2].get_ylim()
+    if high < 10 * low:  # within a decade only the minor ticks carry numbers; else clutter
+        axes[2].yaxis.set_minor_formatter(times)
+    else:
+        axes[2].yaxis.set_minor_formatter(NullFormatter())
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{suite} — {series}")
     fig.tight_layout()
