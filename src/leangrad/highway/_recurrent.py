@@ -298,26 +298,25 @@ class LSTMLayer(_RecurrentLayer):
 
     def prepare(self, trace: Trace) -> None:
         """The J-vjp factors and ``K = diag([f, 0])`` (``trace.k``: f, on the c half that
-        :meth:`k_support` names) from the saved gates (vectorised); the factors overwrite
-        the gate buffer (same layout), slot by slot."""
-        s, hsz = trace.saved, self.hidden_size
+        :meth:`k_support` names, left in its gate slot) from the saved gates (vectorised);
+        the other factors overwrite the gate buffer slot by slot, and ``a_f`` the buffer of
+        the previous cell states, which nothing needs after it."""
+        s = trace.saved
         if "coef" in s:
             return
         with torch.no_grad():
             gates, tc, c_prev = s.pop("gates"), s.pop("tc"), s.pop("c_prev")
-            coef = gates.view(*gates.shape[:2], 4, hsz)
+            coef = gates.view(*gates.shape[:2], 4, self.hidden_size)
             i, f, gg, o = coef.unbind(2)
-            trace.k = f.clone()
-            q = torch.mul(tc, tc).neg_().add_(1).mul_(o)  # ∂h'/∂c'
-            s["q"], s["qf"] = q, q * f
+            trace.k = f
+            s["q"] = torch.mul(tc, tc).neg_().add_(1).mul_(o)  # ∂h'/∂c'
             # With s = w_c + w_h ⊙ q (the cotangent reaching c'), the gate pre-activation
             # cotangents are s ⊙ [a_i, a_f, a_g] and w_h ⊙ a_o (σ' = (1 − σ) σ, as autograd
-            # writes it: accurate where σ is near 1), formed in place: tc and c_prev are
-            # not needed after them, so they serve as scratch (no new (L, B, H) buffer).
+            # writes it: accurate where σ is near 1), formed in place: tc serves as scratch.
             o_tc = tc.mul_(o)
             o.neg_().add_(1).mul_(o_tc)  # a_o = (1 − o) o tanh(c')
-            c_prev.mul_(f)
-            f.neg_().add_(1).mul_(c_prev)  # a_f = (1 − f) f c
+            one_minus_f = torch.mul(f, -1, out=tc).add_(1)
+            s["a_f"] = c_prev.mul_(f).mul_(one_minus_f)  # a_f = (1 − f) f c
             a_g = torch.mul(gg, gg, out=tc).neg_().add_(1).mul_(i)  # (1 − g²) i
             gg.mul_(i)
             i.neg_().add_(1).mul_(gg)  # a_i = (1 − i) i g
@@ -342,7 +341,9 @@ class LSTMLayer(_RecurrentLayer):
             out, coef = s["g"][: sl.stop - sl.start], s["coef"][sl]
             wc, wh = w[sl, :, :hsz], w[sl, :, hsz:]
             cot = torch.addcmul(wc, wh, s["q"][sl])  # the cotangent reaching c'
-            torch.mul(coef[:, :, :3], cot.unsqueeze(2), out=out[:, :, :3])
+            ig = slice(0, 3, 2)  # the i and g slots (f's slot holds K)
+            torch.mul(coef[:, :, ig], cot.unsqueeze(2), out=out[:, :, ig])
+            torch.mul(s["a_f"][sl], cot, out=out[:, :, 1])
             torch.mul(coef[:, :, 3], wh, out=out[:, :, 3])
             yield sl, out.view(-1, 4 * hsz)
 
@@ -352,6 +353,8 @@ class LSTMLayer(_RecurrentLayer):
         if "jw" not in s:
             s["jw"] = torch.empty_like(w)
         jw, w_hh = s["jw"], self.weight_hh.detach()
+        if "qf" not in s:  # made once, by the first J-vjp (k = 0 never needs it)
+            s["qf"] = s["q"] * s["coef"][:, :, 1]  # q ⊙ f (f stays in its gate slot)
         torch.mul(w[..., hsz:], s["qf"], out=jw[..., :hsz])  # through c' = f ⊙ c + i ⊙ g
         for sl, g in self._chunks(trace, w):
             jw[sl, :, hsz:] = (g @ w_hh).view(sl.stop - sl.start, -1, hsz)
