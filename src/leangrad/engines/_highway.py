@@ -184,17 +184,14 @@ class Highway(Engine):
             if not fpi:
                 self._scan(stack, u, k_tail, inplace=True)  # eq. 11
             done += 1
-            if self.tol is not None:
-                change = torch.linalg.vector_norm(w0[:-1] + u - cur[:-1])
-                torch.add(w0[:-1], u, out=w[:-1])
+            change = None if self.tol is None else torch.linalg.vector_norm(w0[:-1] + u - cur[:-1])
+            torch.add(w0[:-1], u, out=w[:-1])
+            cur = w
+            if change is not None:
                 rel = float(change / torch.linalg.vector_norm(w).clamp_min(1e-30))
                 updates.append(rel)
-                cur = w
-                if rel < self.tol:
+                if self.tol is not None and rel < self.tol:
                     break
-            else:
-                torch.add(w0[:-1], u, out=w[:-1])
-                cur = w
         pg, dx = stack.param_vjp(trace, w, dy)
         return pg, dx, StackResult(length=trace.length, iterations=done, updates=tuple(updates))
 
@@ -213,13 +210,11 @@ class Highway(Engine):
     def _add_k_times(stack: HighwayStack, jw: torch.Tensor, w: torch.Tensor,
                      k: torch.Tensor | None) -> None:  # fmt: skip
         """``jw += K w`` (the fixed-point baseline's residual term), K on its support."""
-        part = stack.k_support() if k is not None and not isinstance(k, float) else None
         if k is None:
             jw.add_(w)
-        elif part is None:
-            jw.add_(w * k)
-        else:
-            jw[..., part].addcmul_(w[..., part], k)
+            return
+        part = stack.k_support() or slice(None)
+        jw[..., part].addcmul_(w[..., part], k)  # a scalar K of shape (L, 1, …) broadcasts
 
 
 def _add(grads: dict[nn.Parameter, torch.Tensor], params: list[Any], gs: Any) -> None:

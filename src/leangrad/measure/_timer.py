@@ -175,9 +175,9 @@ def _rounds(
                 for n in names:
                     fns[n]()
     for r in range(repeats):
-        for t in threads[r % len(threads) :] + threads[: r % len(threads)]:
+        for t in _rotated(threads, r):
             with num_threads(t):
-                for n in names[r % len(names) :] + names[: r % len(names)]:
+                for n in _rotated(names, r):
                     _sync()
                     t0 = time.perf_counter()
                     fns[n]()
@@ -186,6 +186,11 @@ def _rounds(
                     if progress is not None:
                         progress()
     return {t: _timings(per, reference) for t, per in samples.items()}
+
+
+def _rotated(items: list[Any], r: int) -> list[Any]:
+    """``items`` rotated left by ``r`` (round r of the interleaving starts at item r)."""
+    return items[r % len(items) :] + items[: r % len(items)]
 
 
 def _timings(samples: dict[str, list[float]], reference: str | None) -> dict[str, Timing]:
