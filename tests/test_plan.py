@@ -240,3 +240,39 @@ def test_plan_with_an_optimizer_refuses_a_model_it_cannot_copy() -> None:
 
     with pytest.raises(leangrad.LeangradError, match=r"cannot be copied \(holds a file handle\)"):
         leangrad.plan(NoCopy(), x, loss_fn, budget=2**40, optimizer=_sgd)
+
+
+class _Breaks(leangrad.engines.Engine):
+    """A candidate that fails with a non-leangrad error (a model it cannot handle)."""
+
+    name = "_plan_test_breaks"
+
+    def _backward(self, model, inputs, loss_fn, params, on_grad):  # type: ignore[no-untyped-def]
+        raise TypeError("forward() got an unexpected keyword argument 'attention_mask'")
+
+
+def test_plan_records_a_failing_candidate_and_goes_on() -> None:
+    model, x, loss_fn = _bn_mlp()
+    leangrad.engines.register(_Breaks.name)(_Breaks)
+    try:
+        plan = leangrad.plan(model, x, loss_fn, budget=2**30, repeats=1,
+                             engines=[(_Breaks.name, {}), ("backprop", {})])  # fmt: skip
+    finally:
+        from leangrad.engines._registry import _REGISTRY
+
+        del _REGISTRY[_Breaks.name]
+    rows = {c.label: c for c in plan.table}
+    assert rows[_Breaks.name].verdict == (
+        "failed: TypeError: forward() got an unexpected keyword argument 'attention_mask'")
+    assert rows[_Breaks.name].peak_bytes is None
+    assert plan.engine is not None and plan.engine.name == "backprop"
+
+
+def test_plan_raises_when_backprop_itself_fails() -> None:
+    model, x, _ = _bn_mlp()
+
+    def bad_loss(out: torch.Tensor) -> torch.Tensor:
+        return out.logits.sum()  # type: ignore[attr-defined, no-any-return]
+
+    with pytest.raises(AttributeError, match="logits"):
+        leangrad.plan(model, x, bad_loss, budget=2**30, repeats=1)

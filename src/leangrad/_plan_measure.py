@@ -22,7 +22,10 @@ from .measure import estimate_step, profile_step
 if TYPE_CHECKING:
     from .train._perlayer import MakeOptimizer
 
-__all__ = ["ESTIMATED", "PER_LAYER", "Context", "TrainingStep", "Tried", "measure", "too_big"]
+__all__ = [
+    "ESTIMATED", "FAILED", "PER_LAYER", "Context", "TrainingStep", "Tried", "failed_verdict",
+    "measure", "too_big",
+]
 
 ESTIMATED = "estimate"
 """Verdict suffix of a row measured on fake tensors (too big to allocate here)."""
@@ -116,9 +119,16 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
         eng = engine(name, **opts)
         kinds: list[bool | None] = [None] if ctx.optimizer is None else [False, True]
         if not ctx.exact or eng.exact:
-            why = eng.supports(ctx.model)
-            if why is None and isinstance(eng, Composed):
-                why = eng.idle_reason(ctx.model)
+            try:
+                why = eng.supports(ctx.model)
+                if why is None and isinstance(eng, Composed):
+                    why = eng.idle_reason(ctx.model)
+            except errors.LeangradError as err:
+                why = str(err)
+            except Exception as err:  # e.g. block discovery failing on this model
+                tried.append(Tried(None, eng.label, eng.exact, None, failed_verdict(err),
+                                   name, dict(opts)))  # fmt: skip
+                continue
         else:
             why = "not exact (plan with exact=False to allow estimators)"
         for per_layer in kinds:
@@ -135,10 +145,25 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
             except errors.LeangradError as err:
                 tried.append(row(engine=None, peak=None, verdict=f"n/a: {err}"))
                 continue
+            except Exception as err:  # a candidate's own failure is a row, not the plan's
+                if name == "backprop":  # the reference: the model or loss itself fails
+                    raise
+                tried.append(row(engine=None, peak=None, verdict=failed_verdict(err)))
+                continue
             verdict = "fits" if peak <= ctx.budget else "over budget"
             if est:
                 verdict += f" ({ESTIMATED})"
             tried.append(row(engine=step, peak=peak, verdict=verdict, estimate=est))
+
+
+FAILED = "failed: {kind}: {error}"
+"""Verdict of a candidate that raised something other than a leangrad refusal."""
+
+
+def failed_verdict(err: BaseException) -> str:
+    """One line naming what a failed candidate raised (the plan goes on without it)."""
+    first = str(err).strip().splitlines()
+    return FAILED.format(kind=type(err).__name__, error=first[0][:200] if first else "")
 
 
 def _make_step(name: str, opts: dict[str, Any], optimizer: MakeOptimizer | None,
