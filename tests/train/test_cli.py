@@ -157,3 +157,57 @@ def test_engine_options_are_parsed_and_checked(tmp_path, capsys) -> None:
     assert "engine 'checkpoint' has no option 'bogus'" in capsys.readouterr().err
     assert train.parse_options(["a=1", "b=0.5", "c=true", "d=none", "e=sqrt"]) == {
         "a": 1, "b": 0.5, "c": True, "d": None, "e": "sqrt"}  # fmt: skip
+
+
+_FACTORIES = '''
+import dataclasses
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class Output:  # what Hugging Face's ModelOutput looks like to a loss: .logits
+    logits: torch.Tensor
+
+
+class WithOutput(nn.Module):
+    def __init__(self, features: int, classes: int, wrap: bool) -> None:
+        super().__init__()
+        self.lin, self.wrap = nn.Linear(features, classes), wrap
+
+    def forward(self, x):
+        y = self.lin(x.flatten(1))
+        return Output(y) if self.wrap else {"scores": y}
+
+
+def logits_model(input_shape, num_classes):
+    return WithOutput(input_shape[-1] * input_shape[-2], num_classes, True)
+
+
+def opaque_model(input_shape, num_classes):
+    return WithOutput(input_shape[-1] * input_shape[-2], num_classes, False)
+'''
+
+
+def _console(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``leangrad`` console script as a user runs it, from ``tmp_path``."""
+    exe = os.path.join(os.path.dirname(sys.executable), "leangrad")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([exe, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+
+
+def test_a_factory_in_the_current_directory_returning_a_model_output(tmp_path) -> None:
+    (tmp_path / "mymodels.py").write_text(_FACTORIES)
+    base = ["train", "--data", "digits", "--max-steps", "2", "--batch-size", "8",
+            "--no-progress", "--no-plots"]  # fmt: skip
+    done = _console(tmp_path, *base, "--model", "mymodels:logits_model", "--out", "a")
+    assert done.returncode == 0, done.stderr
+    assert "max_steps: 2 steps" in done.stdout
+    done = _console(tmp_path, *base, "--model", "mymodels:opaque_model", "--out", "b")
+    assert done.returncode == 2
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and "returned dict" in err[0] and ".logits" in err[0], done.stderr
+    done = _console(tmp_path, *base, "--model", "nomodule:factory", "--out", "c")
+    assert done.returncode == 2
+    assert "or in the current directory" in done.stderr and "PYTHONPATH" in done.stderr

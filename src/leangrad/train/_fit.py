@@ -74,11 +74,35 @@ NON_FINITE_STATE = (
 )
 
 
-def _loss_fn(y: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+NOT_LOGITS = (
+    "the model returned {type}, and training reads a tensor of logits from it: a tensor, "
+    "a tuple whose first item is one, or an output with .logits (Hugging Face "
+    "transformers' ModelOutput); return the logits from the factory's model (wrap it), or "
+    "train it from Python with your own loss_fn"
+)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits in a model's output: a tensor as is, ``out.logits`` or ``out["logits"]``
+    (Hugging Face ``ModelOutput``), or the first item of a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    found = getattr(out, "logits", None)
+    if found is None and isinstance(out, Mapping):
+        found = out.get("logits")
+    if found is None and isinstance(out, (tuple, list)) and out:
+        found = out[0]
+    if not isinstance(found, torch.Tensor):
+        raise errors.EngineInputError(NOT_LOGITS.format(type=type(out).__name__))
+    return found
+
+
+def _loss_fn(y: torch.Tensor) -> Callable[[Any], torch.Tensor]:
     """Cross-entropy over classes (N, C) or over every position of sequences (N, T, V)."""
 
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    def loss_fn(out: Any) -> torch.Tensor:
+        logits = logits_of(out)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     return loss_fn
 
@@ -90,7 +114,7 @@ def evaluate(model: nn.Module, ds: Dataset, batch: int = 512) -> tuple[float, fl
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for x, y in ds.batches(batch, shuffle=False):
-        out = model(x)
+        out = logits_of(model(x))
         out = out.reshape(-1, out.shape[-1])
         loss_sum += F.cross_entropy(out, y.reshape(-1), reduction="sum").item()
         correct += int((out.argmax(1) == y.reshape(-1)).sum().item())

@@ -12,7 +12,10 @@ import dataclasses
 import importlib
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -127,10 +130,35 @@ def _value(raw: str) -> Any:
     return raw
 
 
+def _import_module(module: str) -> ModuleType:
+    """Import ``module``, from the current directory too (as ``python -m`` would: the
+    ``leangrad`` console script does not put it on ``sys.path``)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        cwd = os.getcwd()
+        top = module.partition(".")[0]
+        if err.name != top or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, cwd)
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as again:
+            if again.name == top:  # not here either: leave sys.path as it was
+                sys.path.remove(cwd)
+                raise ModuleNotFoundError(
+                    f"No module named {top!r} on sys.path or in the current directory "
+                    f"{cwd}; run from the folder that holds {top}.py, or add its folder to "
+                    "PYTHONPATH",
+                    name=top,
+                ) from None
+            raise
+
+
 def _import(spec: str, kind: str) -> Callable[..., Any]:
     module, _, attr = spec.partition(":")
     try:
-        factory = getattr(importlib.import_module(module), attr)
+        factory = getattr(_import_module(module), attr)
     except (ImportError, AttributeError) as err:
         raise errors.UnknownNameError(
             BAD_SPEC.format(kind=kind, spec=spec, target=spec, error=err)
