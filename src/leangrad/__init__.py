@@ -13,7 +13,7 @@ from . import bits, data, engines, fad, highway, layers, measure, models, rad, t
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
 from ._plan import Plan, plan
 from .engines import Blocks, Engine, StepResult, available, blocks, engine, explain
-from .layers import Chain, ChainLayer
+from .layers import Chain, ChainLayer, PrecisionWarning
 
 __version__ = "0.1.0"
 
@@ -26,6 +26,7 @@ __all__ = [
     "LeangradError",
     "OptionalDependencyError",
     "Plan",
+    "PrecisionWarning",
     "StepResult",
     "UnknownNameError",
     "__version__",

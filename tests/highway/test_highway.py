@@ -272,8 +272,11 @@ def test_sequences_of_length_0_or_1_are_rejected(kind: str, length: int) -> None
     net, inputs, _, _ = _rnn_problem(kind, steps=max(length, 1), layers=1)
     tokens = inputs[0][:length]
     name = "GRULayer" if kind == "gru" else "LSTMLayer"
-    # An empty input is refused by every engine before any work (the engine contract).
-    msg = SHORT_SEQUENCE.format(where=name, length=length) if length else "input 0 is empty"
+    # An empty input is refused by every engine before any work (the engine contract),
+    # naming the empty dimension: the sequence, not the batch (issue 30, class 9).
+    msg = SHORT_SEQUENCE.format(where=name, length=length) if length else (
+        "input 0 has sequence length 0"
+    )
     error = HighwayError if length else leangrad.EngineInputError
     with pytest.raises(error, match=re.escape(msg)):
         leangrad.engine("highway").backward(net, (tokens,), lambda out: out.sum())

@@ -22,6 +22,7 @@ from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refu
 
 __all__ = [
     "Engine",
+    "GradAnnouncer",
     "Inputs",
     "LossFn",
     "OnGrad",
@@ -39,8 +40,15 @@ OnGrad: TypeAlias = Callable[[str, nn.Parameter], None]
 """Called as ``on_grad(name, param)`` once ``param.grad`` holds this step's gradient.
 
 The callback may step an optimizer on that parameter alone and set
-``param.grad = None`` so that gradients never all live at once.
+``param.grad = None`` so that gradients never all live at once. Each parameter is
+handed over exactly once per step (:class:`GradAnnouncer`).
 """
+
+ON_GRAD_TWICE = (
+    "internal error in engine {engine!r}: on_grad for {name!r} a second time in one "
+    "step, so its first call carried a partial gradient; please report this (the engine "
+    "must declare the parameter in revisited_parameters)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +152,7 @@ class Engine(abc.ABC):
         xs = as_input_tuple(inputs)
         params = trainable_parameters(model)
         _check_inputs(xs, params)
-        check_batch(xs)
+        check_batch(xs, model)
         if not self.input_gradients:
             refuse_input_grads(self.label, xs)
         rerun = list(self.rerun_modules(model))
@@ -152,7 +160,23 @@ class Engine(abc.ABC):
             refuse_hooks(self.label, rerun)
         guard = BufferGuard(model) if self.reruns else contextlib.nullcontext()
         with guard:
-            return self._backward(model, xs, loss_fn, params, on_grad)
+            if on_grad is None:
+                return self._backward(model, xs, loss_fn, params, None)
+            held = self.revisited_parameters(model, params)
+            announcer = GradAnnouncer(self.label, params, on_grad, held=held)
+            result = self._backward(model, xs, loss_fn, params, announcer)
+            announcer.finish()
+            return result
+
+    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+        """Ids of the parameters whose gradient this engine forms in several pieces that it
+        hands to ``on_grad`` one by one (a chain layer listed twice, a parameter shared by
+        the stem and the head): :class:`GradAnnouncer` holds their calls back until the
+        end of the step. Default: none — the engine calls ``on_grad`` once per parameter
+        with its final gradient (autograd's post-accumulate-grad hooks fire once per
+        backward pass, tied weights included)."""
+        del model, params
+        return set()
 
     def rerun_modules(self, model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
         """The (name, module) pairs this engine runs more than once per step; their
@@ -180,6 +204,59 @@ class Engine(abc.ABC):
 
     def _result(self, loss: torch.Tensor, **info: Any) -> StepResult:
         return StepResult(loss=loss.detach(), engine=self.label, info=info)
+
+
+class GradAnnouncer:
+    """The ``on_grad`` an engine's :meth:`Engine._backward` receives: it hands each
+    parameter to the user's ``on_grad`` exactly once per step, with its final gradient.
+
+    Calls for the parameters in ``held`` (ids; the engine's
+    :meth:`Engine.revisited_parameters`, whose gradient arrives in pieces) are held back
+    and made by :meth:`finish` at the end of the step, when every piece is in — and no
+    optimizer step inside ``on_grad`` moves a parameter the step has yet to use. Every
+    other parameter is handed on at once; a second call for one of them is an engine bug,
+    raised (a ``RuntimeError``, not a refusal) rather than passed over in silence. A
+    parameter reached under several names (tied weights) is handed on under its name in
+    ``params``.
+
+    Args:
+        engine: the engine's label, for the error.
+        params: the step's trainable parameters by name.
+        on_grad: the user's callback.
+        held: ids of the parameters whose calls wait for :meth:`finish`.
+    """
+
+    def __init__(
+        self,
+        engine: str,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad,
+        *,
+        held: set[int],
+    ) -> None:
+        self.engine = engine
+        self.on_grad = on_grad
+        self.held = held
+        self._names = {id(p): n for n, p in params.items()}
+        self._pending: dict[int, tuple[str, nn.Parameter]] = {}
+        self._done: set[int] = set()
+
+    def __call__(self, name: str, param: nn.Parameter) -> None:
+        key = id(param)
+        name = self._names.get(key, name)
+        if key in self.held:
+            self._pending[key] = (name, param)
+            return
+        if key in self._done:
+            raise RuntimeError(ON_GRAD_TWICE.format(engine=self.engine, name=name))
+        self._done.add(key)
+        self.on_grad(name, param)
+
+    def finish(self) -> None:
+        """Hand on the held-back parameters that received a gradient this step."""
+        pending, self._pending = self._pending, {}
+        for name, param in pending.values():
+            self.on_grad(name, param)
 
 
 def as_input_tuple(inputs: Inputs) -> tuple[torch.Tensor, ...]:

@@ -21,17 +21,35 @@ from torch import nn
 
 from .. import _errors as errors
 
-__all__ = ["NO_BLOCKS", "Blocks", "blocks"]
+__all__ = ["NO_BLOCKS", "Blocks", "blocks", "children", "submodules"]
 
 NO_BLOCKS = (
     "found no repeated blocks in {model}: no nn.ModuleList or nn.Sequential in its module "
     "tree has two or more children of one type; name the submodules to checkpoint with "
     "blocks=[...] (e.g. blocks=['encoder', 'decoder']), or build the model as nn.Sequential"
 )
+NOT_SUBMODULE = (
+    "{model}.checkpoint_blocks() lists a {block} that is not a submodule of {model}; "
+    "list only the model's own submodules (register the block as an attribute)"
+)
 UNKNOWN_BLOCK = (
     "blocks= names {name!r}, which is not a submodule of {model}; its submodules: {known}"
 )
 NESTED_BLOCKS = "blocks= names {inner!r} inside {outer!r}; a block cannot contain another block"
+
+
+def children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every ``(name, child)`` of ``module``, a child registered under two names listed at
+    each: ``nn.Sequential(lin, nn.Tanh(), lin)`` runs ``lin`` twice, and both uses are
+    blocks. (``named_children()`` lists a module once, at its first name, so a block built
+    from it would silently skip the second use.)"""
+    return [(n, c) for n, c in module._modules.items() if c is not None]
+
+
+def submodules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every submodule by every name it is registered under (``named_modules()`` keeps only
+    the first name of a module registered twice, so a later name would be unknown)."""
+    return dict(model.named_modules(remove_duplicate=False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +90,7 @@ def _repeats(module: nn.Module) -> tuple[str, int] | None:
     """``(type name, count)`` of the most repeated child type of a container, if ≥ 2."""
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         return None
-    counts = collections.Counter(type(c).__name__ for c in module.children())
+    counts = collections.Counter(type(c).__name__ for _, c in children(module))
     if not counts:
         return None
     name, count = counts.most_common(1)[0]
@@ -95,17 +113,16 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
     Raises:
         EngineInputError: a given name is not a submodule, or nothing repeats.
     """
-    subs = dict(model.named_modules())
+    subs = submodules(model)
     if names is not None:
         return _given(model, subs, names)
     blocks_fn = getattr(model, "checkpoint_blocks", None)
     if callable(blocks_fn):
-        ids = {id(m): n for n, m in model.named_modules()}
         listed = list(blocks_fn())
-        found = tuple(ids[id(m)] for m in listed)
+        found = _names_of(model, listed)
         return Blocks(found, True, "checkpoint_blocks()", dict(zip(found, listed, strict=True)))
     if isinstance(model, nn.Sequential):
-        found = tuple(n for n, _ in model.named_children())
+        found = tuple(n for n, _ in children(model))
         return Blocks(found, True, "nn.Sequential children", {n: subs[n] for n in found})
     found_list, hows = _repeated_units(model)
     if not found_list:
@@ -114,7 +131,29 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
             raise errors.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
         return split
     how = "repeated children of " + ", ".join(hows)
+    found_list = _one_name_per_slot(subs, found_list)
     return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
+
+
+def _names_of(model: nn.Module, listed: list[nn.Module]) -> tuple[str, ...]:
+    """The submodule name of each module ``checkpoint_blocks()`` listed: a module listed
+    again takes its next registered name (a layer held twice by a chain is two blocks), or
+    its first one when it has no other."""
+    paths: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        if n and n not in paths.setdefault(id(m), []):
+            paths[id(m)].append(n)
+    used: dict[int, int] = {}
+    out: list[str] = []
+    for m in listed:
+        names = paths.get(id(m))
+        if not names:
+            raise errors.EngineInputError(NOT_SUBMODULE.format(
+                model=type(model).__name__, block=type(m).__name__))  # fmt: skip
+        k = used.get(id(m), 0)
+        used[id(m)] = k + 1
+        out.append(names[k] if k < len(names) else names[0])
+    return tuple(out)
 
 
 def _given(model: nn.Module, subs: dict[str, nn.Module], names: Sequence[str]) -> Blocks:
@@ -123,20 +162,36 @@ def _given(model: nn.Module, subs: dict[str, nn.Module], names: Sequence[str]) -
     out: list[str] = []
     for name in names:
         if name not in subs or name == "":
-            known = ", ".join(n for n, _ in model.named_children())
+            known = ", ".join(n for n, _ in children(model))
             raise errors.EngineInputError(
                 UNKNOWN_BLOCK.format(name=name, model=type(model).__name__, known=known)
             )
         m = subs[name]
         if isinstance(m, nn.ModuleList):
-            out += [f"{name}.{c}" for c, _ in m.named_children()]
+            out += [f"{name}.{c}" for c, _ in children(m)]
         else:
             out.append(name)
     for a in out:
         for b in out:
             if a != b and b.startswith(f"{a}."):
                 raise errors.EngineInputError(NESTED_BLOCKS.format(inner=b, outer=a))
+    out = _one_name_per_slot(subs, out)
     return Blocks(tuple(out), False, "given by blocks=", {n: subs[n] for n in out})
+
+
+def _one_name_per_slot(subs: dict[str, nn.Module], names: list[str]) -> list[str]:
+    """``names`` without those that reach an attribute slot an earlier name reaches: a
+    container registered under two names (``self.b = self.a``) holds each block once, and
+    a block is wrapped (checkpointed, transformed) once however many names reach it."""
+    seen: set[tuple[int, str]] = set()
+    out: list[str] = []
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        slot = (id(subs[parent]), attr)
+        if slot not in seen:
+            seen.add(slot)
+            out.append(name)
+    return out
 
 
 def _repeated_units(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -149,7 +204,7 @@ def _repeated_units(model: nn.Module) -> tuple[list[str], list[str]]:
         """The finest repeated units: a child that is itself a repeating container (a
         ResNet stage of residual blocks) stands for its own children."""
         out: list[str] = []
-        for c, child in container.named_children():
+        for c, child in children(container):
             rep = _repeats(child)
             if rep is not None:
                 hows.append(f"'{prefix}{c}': {rep[1]} x {rep[0]}")
@@ -159,7 +214,7 @@ def _repeated_units(model: nn.Module) -> tuple[list[str], list[str]]:
         return out
 
     def visit(module: nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
+        for name, child in children(module):
             full = f"{prefix}{name}"
             rep = _repeats(child)
             if rep is not None:

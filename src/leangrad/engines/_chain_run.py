@@ -38,6 +38,7 @@ __all__ = [
     "chain_and_layers",
     "chain_of",
     "chain_reruns",
+    "chain_revisited",
     "head_backward",
     "refuse_random_layers",
 ]
@@ -73,6 +74,22 @@ def chain_reruns(chain: Chain, *, head: bool = False) -> list[tuple[str, nn.Modu
     return [(f"{p}.{n}" if n else p, m) for p, mod in parts for n, m in mod.named_modules()]
 
 
+def chain_revisited(model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+    """Ids of the trainable parameters held by more than one part of a chain (stem, each
+    chain layer position, head): a chain engine hands each part's gradients over on their
+    own, so these arrive in pieces (a layer listed twice, weights tied across parts) and
+    their ``on_grad`` waits for the end of the step (:class:`~._base.GradAnnouncer`)."""
+    if not isinstance(model, Chain):
+        return set()  # refused by the engine's _backward, naming the fix
+    trainable = {id(p) for p in params.values()}
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for part in [model.stem, *model.layers, model.head]:
+        for key in {id(p) for p in part.parameters()} & trainable:
+            (twice if key in seen else seen).add(key)
+    return twice
+
+
 def chain_of(model: nn.Module, engine: str) -> Chain:
     """``model`` as a Chain, or an error naming the fix."""
     if not isinstance(model, Chain):
@@ -100,7 +117,9 @@ def chain_and_layers(model: nn.Module, engine: str, *, need: str) -> tuple[Chain
 class GradSink:
     """Where a chain engine's parameter gradients go: into ``.grad`` of the step's
     trainable parameters (``params``, keyed by their names in the model), each handed
-    to ``on_grad`` as soon as it is complete, so it can be applied and freed at once.
+    to ``on_grad`` as soon as its part of the chain is done, so it can be applied and freed
+    at once (a parameter held by several parts: at the end of the step, see
+    :func:`chain_revisited`).
 
     Args:
         params: the parameters this step differentiates, by full name.
@@ -128,8 +147,10 @@ class GradSink:
                     self.on_grad(full, self.params[full])
 
     def of(self, chain: Chain, module: nn.Module) -> dict[str, nn.Parameter]:
-        """The trainable parameters of one part of the chain (stem, head), by full name."""
-        return {n: p for n, p in chain.iter_params(module) if n in self.params}
+        """The trainable parameters of one part of the chain (stem, head), by their names in
+        ``params`` (a weight tied across parts is named once there)."""
+        del chain
+        return {self._full_name[id(p)]: p for p in module.parameters() if id(p) in self._full_name}
 
     def hooks(self, chain: Chain, module: nn.Module, *, announce: bool = True) -> grad_hooks:
         """While autograd differentiates ``module``: ``on_grad`` for each of its parameters

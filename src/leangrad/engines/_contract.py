@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from .. import _errors as errors
 from ..measure._memory import FORWARD_END, mark
@@ -166,11 +165,17 @@ def random_module(module: nn.Module) -> str | None:
     return None
 
 
-def check_batch(xs: tuple[torch.Tensor, ...]) -> None:
-    """An empty input has no loss to differentiate: refuse it with the fix."""
+def check_batch(xs: tuple[torch.Tensor, ...], model: nn.Module | None = None) -> None:
+    """An empty input has no loss to differentiate: refuse it with the fix. A model that
+    knows which dimension is empty says so through ``model.explain_empty_input(index, x)``
+    (e.g. a time-first recurrent net: the sequence length, not the batch)."""
     for i, x in enumerate(xs):
         if x.numel() == 0:
-            raise errors.EngineInputError(EMPTY_BATCH.format(index=i, shape=tuple(x.shape)))
+            explain = getattr(model, "explain_empty_input", None)
+            msg = explain(i, x) if callable(explain) else None
+            if not isinstance(msg, str):
+                msg = EMPTY_BATCH.format(index=i, shape=tuple(x.shape))
+            raise errors.EngineInputError(msg)
 
 
 def refuse_non_finite(engine: str, xs: tuple[torch.Tensor, ...]) -> None:
@@ -265,7 +270,11 @@ def _fake_leaves(
             state[n] = fake
         fxs = tuple(mode.from_tensor(x.detach()) for x in xs)
         with mode, torch.enable_grad():
-            out = run(lambda *a: functional_call(model, state, a, tie_weights=False), fxs)
+            # each attribute slot gets its fake: a weight tied into a second module is
+            # found through either (issue 30)
+            from ._functional import call_with
+
+            out = run(lambda *a: call_with(model, state, a), fxs)
             loss = loss_fn(out)
             return _graph_leaves(loss, names)
 

@@ -1,17 +1,108 @@
-"""Shared plumbing of the forward-mode engines: the loss as a pure function of parameters."""
+"""Shared plumbing of the forward-mode engines: the loss as a pure function of parameters.
+
+Two PyTorch behaviours are worked around here, at their cause:
+
+- ``torch.func.functional_call`` (``tie_weights=True``, its default) swaps a tensor into
+  every *name* it has; a module registered under two names (``nn.Sequential(lin, act,
+  lin)``) is one attribute slot reached twice, so the second swap saves the first one's
+  stand-in as "the original" and puts it back at the end — the user's ``lin.weight``
+  is left a plain tensor, not their Parameter. :func:`call_with` swaps each attribute
+  slot once (a tensor tied into several modules, GPT-2's embedding and output layer, is
+  swapped into each of its slots).
+- ``group_norm`` under ``torch.func``: its vmap rule folds the vmapped dimension into the
+  batch by a reshape that can stay a non-contiguous view (a convolution with a batched
+  weight, split along channels, hands it one), which the CPU kernel refuses ("Expected
+  X.is_contiguous"); its forward-mode rule views a channels-last input, which fails too.
+  :func:`contiguous_norms` hands it a contiguous copy of its input — the same values.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jvp
+from torch.overrides import TorchFunctionMode
 
 from ._base import LossFn, check_loss, run_forward
 
-__all__ = ["BatchedBuffers", "jvp_with_buffers", "pure_loss"]
+__all__ = [
+    "BatchedBuffers",
+    "call_with",
+    "contiguous_norms",
+    "jvp_with_buffers",
+    "pure_loss",
+    "slot_names",
+]
+
+
+def slot_names(model: nn.Module) -> dict[str, list[str]]:
+    """For each parameter and buffer name (as ``named_parameters()`` / ``named_buffers()``
+    give it), one name per attribute slot that holds the same tensor: a tensor tied into
+    two modules has two slots; a module registered under two names has one."""
+    canonical = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    out: dict[str, list[str]] = {n: [] for n in canonical.values()}
+    seen: set[tuple[int, str]] = set()
+    members = [*model.named_parameters(remove_duplicate=False),
+               *model.named_buffers(remove_duplicate=False)]  # fmt: skip
+    for name, t in members:
+        prefix, _, attr = name.rpartition(".")
+        slot = (id(model.get_submodule(prefix)), attr)
+        if slot not in seen and id(t) in canonical:
+            seen.add(slot)
+            out[canonical[id(t)]].append(name)
+    return out
+
+
+def call_with(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    args: tuple[Any, ...],
+    *,
+    slots: Mapping[str, list[str]] | None = None,
+) -> Any:
+    """``model(*args)`` with the tensors of ``state`` (by ``named_parameters()`` /
+    ``named_buffers()`` name) in place of the model's, as ``torch.func.functional_call``,
+    but swapping each attribute slot once, so the model holds its own Parameters again
+    afterwards whatever is shared (module docstring). ``slots``: :func:`slot_names` of
+    the model, when the caller has it already."""
+    slots = slot_names(model) if slots is None else slots
+    full = {path: t for n, t in state.items() for path in slots.get(n, [n])}
+    return functional_call(model, full, args, tie_weights=False)
+
+
+class _ContiguousNorms(TorchFunctionMode):
+    """Hands ``group_norm`` a contiguous copy of its input (see :func:`contiguous_norms`)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if (
+            (func is F.group_norm or func is torch.group_norm)
+            and args
+            and isinstance(args[0], torch.Tensor)
+        ):
+            args = (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def contiguous_norms() -> Iterator[None]:
+    """Within: ``group_norm`` gets a contiguous copy of its input. Under ``vmap`` the copy is
+    contiguous with the vmapped dimension first, which its batching rule needs; under
+    ``jvp`` it is not channels-last, which its forward-mode rule needs (module
+    docstring). Use it around model code run under ``torch.func`` transforms."""
+    with _ContiguousNorms():
+        yield
 
 
 class BatchedBuffers:
@@ -43,12 +134,18 @@ def pure_loss(
     loss_fn: LossFn,
     params: dict[str, nn.Parameter],
 ) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]:
-    """``f(param_values, buffer_values) -> loss``, a pure function for ``torch.func``."""
+    """``f(param_values, buffer_values) -> loss``, a pure function for ``torch.func``; the
+    model runs by :func:`call_with` under :func:`contiguous_norms`."""
     frozen = {n: p.detach() for n, p in model.named_parameters() if n not in params}
+    slots = slot_names(model)
+
+    def run(*xs: torch.Tensor, state: dict[str, torch.Tensor]) -> Any:
+        with contiguous_norms():
+            return call_with(model, state, xs, slots=slots)
 
     def f(values: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.Tensor:
         state = {**frozen, **values, **buffers}
-        out = run_forward(engine, lambda *xs: functional_call(model, state, xs), inputs)
+        out = run_forward(engine, lambda *xs: run(*xs, state=state), inputs)
         return check_loss(loss_fn(out), needs_graph=False)
 
     return f

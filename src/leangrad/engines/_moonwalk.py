@@ -33,21 +33,42 @@ I/II (its graph lives only until h_L exists), the stem after Phase II from a
 replay of its forward (same RNG state), which also gives Phase III its input x₀ —
 so Phase I keeps nothing but the residuals. Chain layers must be deterministic
 functions of their input (no dropout): Phase III recomputes them.
+
+Precision: Phase III rebuilds h_i from h₀ as stored, and a LeakyReLU's vijp divides by
+its slope where x ≤ 0 only, so after channel-mixing layers the rounding error of h₀
+comes back amplified by about Π √(1/slope) (estimate; worst case Π 1/slope): in float32,
+``submersive_cnn(3, 4, 8, 3)`` at 256×256 with slope 0.1 measured up to 4e-4 relative
+(float32 autograd: 4e-6), and with slope 0.01 the gradient was lost. Mixed mode therefore
+keeps Phase II's own output cotangent at the layers
+``leangrad.layers._base.precision_keep_points`` names (where the estimate would pass
+1/16 of the warning limit; for that CNN at slope 0.1 a 32×32 and a 4×4 cotangent, 6% of
+h₁'s bytes), which measured ≤ 1.9x float32 autograd's error. Pure mode has no backward
+pass to keep from: it emits a :class:`~leangrad.layers._base.PrecisionWarning` (once per
+condition) when the estimate exceeds 256x autograd's error and 3e-5; the fixes: float64,
+a slope closer to 1, mode="mixed", or the ``checkpoint`` engine.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from torch.func import functional_call, jvp, vmap
+from torch.func import jvp, vmap
 
 from .. import _errors as errors
-from ..layers._base import NOT_SUBMERSIVE, ChainLayer, FragmentalLayer, NotSubmersiveError
+from ..layers._base import (
+    NOT_SUBMERSIVE,
+    ChainLayer,
+    FragmentalLayer,
+    NotSubmersiveError,
+    chain_dtype,
+    precision_keep_points,
+    warn_vijp_precision,
+)
 from ..layers._chain import Chain
 from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
 from ._chain_run import (
@@ -56,11 +77,12 @@ from ._chain_run import (
     StemRun,
     chain_of,
     chain_reruns,
+    chain_revisited,
     head_backward,
     refuse_random_layers,
 )
 from ._checkpoint import split_segments
-from ._contract import batch_coupling, forward_end, random_module, used_parameters
+from ._contract import RngReplay, batch_coupling, forward_end, random_module, used_parameters
 from ._registry import register
 
 __all__ = ["NEEDS_FRAGMENT", "NO_FRAGMENT_RULE", "Moonwalk", "Seed"]
@@ -130,6 +152,9 @@ class Seed:
     kept: list[Any]
     info: dict[str, Any]
     """``StepResult.info`` entries of the seeding (kept bytes, stem chunks)."""
+    head_rng: RngReplay | None = None
+    """Pure mode without ``per_example``: rewinds the RNG to where the head's runs under
+    forward mode began, so that its backward after Phase III draws the same masks."""
 
 
 @register("moonwalk")
@@ -243,6 +268,9 @@ class Moonwalk(Engine):
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return chain_reruns(chain_of(model, self.label), head=self.mode == "pure")
 
+    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+        return chain_revisited(model, params)
+
     @staticmethod
     def _chunk_blocker(chain: Chain, layers: list[ChainLayer]) -> tuple[str, str] | None:
         """``(where, module)`` of the first module that forbids running the stem in batch
@@ -295,16 +323,30 @@ class Moonwalk(Engine):
             return layer.fragments(h_out, self.fragment)
         return h_out  # fragment="full" (``_layers`` refused any other non-submersive layer)
 
+    def _precision_keep(self, layers: list[ChainLayer], inputs: tuple[torch.Tensor, ...]
+                        ) -> set[int]:  # fmt: skip
+        """Mixed mode: the chain positions whose output cotangent Phase II keeps for Phase
+        III, so that no run of vijps amplifies rounding errors past 1/16 of the
+        :class:`~leangrad.layers._base.PrecisionWarning` limit (float32 through deep
+        LeakyReLU chains; ``submersive_cnn(3, 4, 8, 3)`` at 256², slope 0.1: a 32×32 and
+        a 4×4 cotangent, 6% of h₁'s bytes, error 4e-4 → 3.6e-6)."""
+        dtype = chain_dtype(layers, inputs)
+        if self.mode != "mixed" or dtype is None:
+            return set()
+        return set(precision_keep_points(layers, dtype))
+
     def _kept_info(self, kept: list[Any]) -> dict[str, Any]:
         """``StepResult.info`` entry: bytes Phase II keeps for Phase III (``fragment=``)."""
-        return {"kept_cotangent_bytes": _storage_bytes(kept)} if self.fragment else {}
+        kept_any = any(k is not None for k in kept)
+        return {"kept_cotangent_bytes": _storage_bytes(kept)} if self.fragment or kept_any else {}
 
     def _out_cotangent(
         self, layer: ChainLayer, x: torch.Tensor | None, h: torch.Tensor, kept: Any
     ) -> torch.Tensor:
         """h_i from h_{i−1}: the vijp (eq. 9), the kept cotangent, or the rebuilt one."""
         if layer.submersive:  # x is None only where the vijp ignores it (vijp_needs_input)
-            return layer.vijp(cast(torch.Tensor, x), h)
+            # (kept: Phase II's own cotangent, where the vijps would lose digits)
+            return layer.vijp(cast(torch.Tensor, x), h) if kept is None else kept
         if isinstance(layer, FragmentalLayer) and isinstance(self.fragment, int):
             return layer.vijp_fragments(x, h, kept, self.fragment)
         return cast(torch.Tensor, kept)  # fragment="full": the whole cotangent was kept
@@ -325,14 +367,19 @@ class Moonwalk(Engine):
             and not sink.of(chain, chain.stem) and not stem.input_grads
         )  # fmt: skip
         self._preconditions(chain, layers, seed_h1)
+        keep = self._precision_keep(layers, inputs)
+        warn_vijp_precision(self.label, layers, inputs, kept=keep)  # pure mode: no keeping
         if self.mode == "pure":  # forward mode sees no graph: refuse a model-free loss first
             used_parameters(
                 model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs)
             )
-        seed = self._seed(layers, stem, loss_fn, sink, seed_h1=seed_h1)
+        seed = self._seed(layers, stem, loss_fn, sink, seed_h1=seed_h1, keep=keep)
         x_last = self._phase_three(layers[seed.start :], seed, sink)
         if self.mode == "pure" and not self.per_example:
-            # Forward mode gave h₀ but no head gradients: the head's backward from x_L.
+            # Forward mode gave h₀ but no head gradients: the head's backward from x_L,
+            # drawing the masks its runs under forward mode drew.
+            assert seed.head_rng is not None
+            seed.head_rng.before_run()
             head_backward(self.label, chain, x_last, loss_fn, sink)
         info = dict(seed.info)
         if not seed_h1 and self.stem_chunks != 1:  # say why chunking the stem did not apply
@@ -354,28 +401,33 @@ class Moonwalk(Engine):
     # -- seeding: the loss and the cotangent Phase III starts from ------------------
     def _seed(
         self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink, *,
-        seed_h1: bool,
+        seed_h1: bool, keep: set[int],
     ) -> Seed:  # fmt: skip
         """The loss J and where Phase III starts. ``seed_h1``: :meth:`_seed_h1`. Otherwise
         h₀ = ∂J/∂x₀ by Phases I and II (mixed) or forward mode (pure) gives the stem its
         gradients, and Phase III starts at x₀, h₀ — or at x₁, h₁ when the first layer's
         vijp ignores x₀ (a conv): h₀ is then freed before x₀ is replayed."""
         if seed_h1:
-            return self._seed_h1(layers, stem, loss_fn, sink)
+            return self._seed_h1(layers, stem, loss_fn, sink, keep={i - 1 for i in keep if i})
         chain = stem.chain
+        head_rng = None
         if self.mode == "mixed":
-            loss, h0, kept = self._phase_one_two(chain, layers, stem.take(), loss_fn, sink)
+            loss, h0, kept = self._phase_one_two(
+                chain, layers, stem.take(), loss_fn, sink, keep=keep
+            )
             info = self._kept_info(kept)
         else:
             info = {}
             kept = [None] * len(layers)
-            loss, h0 = self._pure_h0(chain, layers, stem.take(), loss_fn, sink)
+            loss, h0, head_rng = self._pure_h0(chain, layers, stem.take(), loss_fn, sink)
         if not layers or layers[0].vijp_needs_input:
             x0 = stem.backward(h0, sink)  # replayed: x0 was not kept meanwhile
             assert x0 is not None
             state = [x0, h0]
             del x0, h0  # Phase III owns them now and frees each as soon as it is used
-            return Seed(loss=loss, start=0, state=state, kept=kept, info=info)
+            return Seed(
+                loss=loss, start=0, state=state, kept=kept, info=info, head_rng=head_rng
+            )
         # The first layer's vijp ignores x0 (a conv): take h1 from h0 and free h0
         # before x0 is replayed, so the two full-size tensors never coexist.
         stem.backward(h0, sink, keep=False, announce=False)
@@ -386,10 +438,10 @@ class Moonwalk(Engine):
         sink.announce(chain, chain.stem)  # only now: a step on the stem would change the replay
         state = [x, h]
         del x, h
-        return Seed(loss=loss, start=1, state=state, kept=kept, info=info)
+        return Seed(loss=loss, start=1, state=state, kept=kept, info=info, head_rng=head_rng)
 
-    def _seed_h1(self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink
-                 ) -> Seed:  # fmt: skip
+    def _seed_h1(self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink,
+                 *, keep: set[int]) -> Seed:  # fmt: skip
         """v2 section 4.3's alternative seed, when the first layer's vijp ignores x₀ and
         the stem takes no gradient: Phase II stops at h₁, and x₀ is rebuilt only to form
         g₁, in ``stem_chunks`` batch chunks, so the full-size x₀ never lives whole."""
@@ -407,6 +459,7 @@ class Moonwalk(Engine):
                 ]),
                 loss_fn,
                 sink,
+                keep=keep,
             )  # fmt: skip
         info = {**self._kept_info(kept), **chunk_info}
         x = self._first_layer(stem, layers[0], h1, sink, chunks=chunks)
@@ -424,6 +477,7 @@ class Moonwalk(Engine):
         sink: GradSink,
         *,
         stop: int = 0,
+        keep: Collection[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
         """Loss, h_stop (h₀ by default: the backward stops at layer ``stop``'s output) and
         what each layer keeps of its output cotangent for Phase III (``fragment=``)."""
@@ -464,7 +518,7 @@ class Moonwalk(Engine):
                     del xb, y
                 for i in reversed(group):
                     if i >= stop:
-                        kept[i] = self._kept(layers[i], h)
+                        kept[i] = h if i in keep else self._kept(layers[i], h)
                         h = layers[i].vjp_input(residuals[i], h)
                     residuals[i] = None
         return loss, h, kept
@@ -477,16 +531,25 @@ class Moonwalk(Engine):
         x0: torch.Tensor,
         loss_fn: LossFn,
         sink: GradSink,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, RngReplay | None]:
         """Loss and h₀ by forward mode: one jvp per input coordinate (``per_example``: per
-        coordinate of one example, for all examples at once, against h_L from the head)."""
-        body = nn.Sequential(*layers)
-        state = {n: t.detach() for n, t in body.named_parameters()}
-        buffers = dict(body.named_buffers())
+        coordinate of one example, for all examples at once, against h_L from the head).
+
+        The modules run as they are, their parameters constants of the jvps (no graph is
+        recorded): ``torch.func.functional_call`` would put plain tensors in place of the
+        Parameters of a layer listed twice. Buffers are only read (``_preconditions``
+        refuses training-mode BatchNorm in pure mode). x₀ is taken in the standard layout:
+        under vmap, a channels-last input makes normalisation layers clone in a layout
+        vmap does not support. Without ``per_example``, the head (dropout included) runs
+        in every chunk and again for its backward; each run starts from the RNG state of
+        the first, so all draw the masks one autograd forward draws: the returned
+        :class:`RngReplay` rewinds the stream before the head's backward."""
+        x0 = x0.contiguous()
 
         def run_body(x: torch.Tensor) -> torch.Tensor:
-            local = {n: b.clone() for n, b in buffers.items()}  # BatchNorm may update them
-            return functional_call(body, {**state, **local}, (x,))
+            for layer in layers:
+                x = layer(x)
+            return x
 
         forward_end()
         if self.per_example:
@@ -502,36 +565,40 @@ class Moonwalk(Engine):
                 return (tout * h_last).flatten(1).sum(1)  # one value per example
 
             cols = torch.cat(self._chunked(along, per, x0))
-            return loss, cols.t().reshape(x0.shape)
-
-        head_params = {n: p.detach() for n, p in chain.head.named_parameters()}
-        head_buffers = dict(chain.head.named_buffers())
+            return loss, cols.t().reshape(x0.shape), None
 
         def full(x: torch.Tensor) -> torch.Tensor:
-            hb = {n: b.clone() for n, b in head_buffers.items()}
-            out = functional_call(chain.head, {**head_params, **hb}, (run_body(x),))
-            return check_loss(loss_fn(out), needs_graph=False)
+            return check_loss(loss_fn(chain.head(run_body(x))), needs_graph=False)
 
         def along_full(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             value, slope = jvp(full, (x0,), (v.reshape(x0.shape),))[:2]
             return value, slope  # (J, ∂J/∂x₀ · v)
 
-        outs = self._chunked(along_full, x0.numel(), x0)
+        rng = RngReplay([x0])
+        outs = self._chunked(along_full, x0.numel(), x0, rng=rng)
         loss = outs[0][0][0].clone()  # the primal J, the same along every direction
         h0 = torch.cat([dj for _, dj in outs]).reshape(x0.shape)
-        return loss, h0
+        return loss, h0, rng
 
-    def _chunked(self, fn: Callable[[torch.Tensor], Any], n: int, like: torch.Tensor
-                 ) -> list[Any]:  # fmt: skip
+    def _chunked(
+        self, fn: Callable[[torch.Tensor], Any], n: int, like: torch.Tensor, *,
+        rng: RngReplay | None = None,
+    ) -> list[Any]:  # fmt: skip
         """``fn(e_j)`` over the n one-hot directions, vmapped ``chunk_size`` at a time: one
-        output per chunk, stacked along its first dimension."""
+        output per chunk, stacked along its first dimension. With ``rng``, every chunk
+        starts from the RNG state of the first (the same dropout masks in all)."""
         batched = vmap(fn, randomness="same")
         outs = []
         for start in range(0, n, self.chunk_size):
             k = min(self.chunk_size, n - start)
             eye = torch.zeros(k, n, dtype=like.dtype, device=like.device)
             eye[torch.arange(k), torch.arange(start, start + k)] = 1
-            outs.append(batched(eye))
+            if rng is not None:
+                rng.before_run()
+            with torch.no_grad():  # the parameters are constants here: record no graph
+                outs.append(batched(eye))
+            if rng is not None:
+                rng.after_run()
         return outs
 
     # -- Phase III: the forward sweep ---------------------------------------------

@@ -5,7 +5,7 @@ blocks, rad's randomized layers, fad's fused chains) work on a copy of its modul
 that shares every ``Parameter`` and buffer object with the original — so ``.grad`` and
 running statistics land on the user's tensors and the user's module is never modified.
 A copy is made once per model and made again only when the model's parameters, modules
-or train/eval modes change.
+(by every name they are registered under) or train/eval modes change.
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ class PreparedCache(Generic[T]):
         )
 
     def get(self, model: nn.Module, build: Callable[[nn.Module], T]) -> T:
+        # Every name of every module and parameter: a module listed twice
+        # (``nn.Sequential(lin, act, lin)``) is two blocks, and swapping one of its places
+        # for another module already in the model changes no set of objects.
         key = (
-            tuple(id(p) for p in model.parameters()),
-            tuple((id(m), m.training) for m in model.modules()),
+            tuple((n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)),
+            tuple((n, id(m), m.training) for n, m in model.named_modules(remove_duplicate=False)),
         )
         hit = self._cache.get(model)
         if hit is not None and hit[0] == key:

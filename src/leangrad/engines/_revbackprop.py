@@ -27,6 +27,7 @@ from ._chain_run import (
     chain_and_layers,
     chain_of,
     chain_reruns,
+    chain_revisited,
     head_backward,
     refuse_random_layers,
 )
@@ -47,6 +48,9 @@ class RevBackprop(Engine):
 
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return chain_reruns(chain_of(model, self.label))
+
+    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+        return chain_revisited(model, params)
 
     def supports(self, model: nn.Module) -> str | None:
         try:

@@ -18,14 +18,15 @@ L blocks is one ``torch.autograd.grad`` call over the L detached block graphs (e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._protocol import (
+    BLOCK_WIDTH,
     MISMATCHED_SIZES,
     HighwayBlock,
     HighwayError,
@@ -36,7 +37,18 @@ from ._protocol import (
     check_k,
 )
 
-__all__ = ["PostLNSublayer", "PostReLUBlock", "PreActBlock", "PreLNSublayer", "ResidualStack"]
+__all__ = [
+    "PostLNSublayer",
+    "PostReLUBlock",
+    "PreActBlock",
+    "PreLNSublayer",
+    "ResidualStack",
+    "block_width",
+]
+
+_T = TypeVar("_T")
+_CHANNEL_SIZES = ("in_channels", "num_features")  # sizes dimension 1 of the input
+_FEATURE_SIZES = ("in_features", "embed_dim", "normalized_shape")  # size the last dimension
 
 
 def _conv(channels: int) -> nn.Conv2d:
@@ -50,9 +62,11 @@ class PreActBlock(HighwayBlock):
     """
 
     k_structure = "identity"
+    width_dim = 1
 
     def __init__(self, channels: int) -> None:
         super().__init__()
+        self.width = channels
         self.bn1, self.conv1 = nn.BatchNorm2d(channels), _conv(channels)
         self.bn2, self.conv2 = nn.BatchNorm2d(channels), _conv(channels)
 
@@ -73,9 +87,11 @@ class PostReLUBlock(HighwayBlock):
     """
 
     k_structure = "diagonal"
+    width_dim = 1
 
     def __init__(self, channels: int) -> None:
         super().__init__()
+        self.width = channels
         self.conv1, self.bn1 = _conv(channels), nn.BatchNorm2d(channels)
         self.conv2, self.bn2 = _conv(channels), nn.BatchNorm2d(channels)
 
@@ -131,6 +147,7 @@ class PreLNSublayer(HighwayBlock):
 
     def __init__(self, d_model: int, heads: int = 2, *, kind: str = "mlp", gamma: float = 0.0):
         super().__init__()
+        self.width = d_model
         self.gamma = check_gamma(type(self).__name__, gamma)
         self.ln = nn.LayerNorm(d_model)
         self.layer = _Sublayer(d_model, heads, kind)
@@ -161,6 +178,7 @@ class PostLNSublayer(HighwayBlock):
 
     def __init__(self, d_model: int, heads: int = 2, *, kind: str = "mlp", gamma: float = 0.0):
         super().__init__()
+        self.width = d_model
         self.gamma = check_gamma(type(self).__name__, gamma)
         self.layer = _Sublayer(d_model, heads, kind)
         self.ln = nn.LayerNorm(d_model)
@@ -186,6 +204,43 @@ class PostLNSublayer(HighwayBlock):
         return w * x, w
 
 
+def _unwrapped(block: nn.Module) -> nn.Module:
+    """The user's block inside a wrapper an engine or PyTorch put around it (the checkpoint
+    engine's ``inner``, ``torch.compile``'s ``_orig_mod``, DDP's ``module``)."""
+    for _ in range(8):
+        inner = next(
+            (m for a in ("inner", "_orig_mod", "module")
+             if isinstance(m := getattr(block, a, None), nn.Module)),
+            None,
+        )  # fmt: skip
+        if inner is None:
+            break
+        block = inner
+    return block
+
+
+def block_width(block: nn.Module, *, declared_only: bool = False) -> tuple[int, int] | None:
+    """``(width, dim)``: the input width ``block`` is built for and the input dimension that
+    holds it. Its declared :attr:`~leangrad.highway.HighwayBlock.width` and ``width_dim``
+    if set; else (unless ``declared_only``) a guess from its first submodule with a known
+    input size — a conv's or BatchNorm's channels at dimension 1, a Linear's, LayerNorm's
+    or attention's features at the last one; ``None`` if there is neither."""
+    block = _unwrapped(block)
+    width = getattr(block, "width", None)
+    if isinstance(width, int) and not isinstance(width, bool):
+        return width, int(getattr(block, "width_dim", -1))
+    if declared_only:
+        return None
+    for m in block.modules():
+        for attr, dim in [(a, 1) for a in _CHANNEL_SIZES] + [(a, -1) for a in _FEATURE_SIZES]:
+            size = getattr(m, attr, None)
+            if isinstance(size, (tuple, list, torch.Size)) and size:
+                size = size[-1]
+            if isinstance(size, int) and not isinstance(size, bool):
+                return size, dim
+    return None
+
+
 def _detach(z: Any) -> Any:
     return tuple(t.detach() for t in z) if isinstance(z, tuple) else z.detach()
 
@@ -208,7 +263,59 @@ class ResidualStack(HighwayStack):
             raise HighwayError("ResidualStack needs at least one block, got none")
         for b in blocks:
             check_block(b)
+        for i in range(1, len(blocks)):
+            prev, cur = (block_width(b, declared_only=True) for b in blocks[i - 1 : i + 1])
+            if prev is not None and cur is not None and prev[0] != cur[0]:
+                source = f"the output of block {i - 1} ({type(blocks[i - 1]).__name__})"
+                raise HighwayError(self._width_message(i, blocks[i], cur[0], prev[0], source))
         self.blocks = nn.ModuleList(blocks)
+
+    @staticmethod
+    def _width_message(index: int, block: nn.Module, want: int, got: int, source: str) -> str:
+        fix = (
+            f"give the stack inputs of width {want} (e.g. a stem that maps to {want}), or "
+            f"build its blocks with width {got}"
+            if index == 0
+            else f"build block {index} with width {got} like block {index - 1}, or end this "
+            f"ResidualStack there and start another one after a projection to width {want}"
+        )
+        return BLOCK_WIDTH.format(
+            where="ResidualStack", index=index, block=type(_unwrapped(block)).__name__, want=want,
+            got=got, source=source, fix=fix,
+        )  # fmt: skip
+
+    def _width_error(self, index: int, x: torch.Tensor, *, declared_only: bool
+                     ) -> HighwayError | None:  # fmt: skip
+        """The error naming block ``index`` when ``x`` has another width than it expects."""
+        block = self.blocks[index]
+        found = block_width(block, declared_only=declared_only)
+        if found is None or not -x.dim() <= found[1] < x.dim():
+            return None
+        want, got = found[0], x.shape[found[1]]
+        if got == want:
+            return None
+        source = (
+            f"the stack's input, shape {tuple(x.shape)}" if index == 0
+            else f"the output of block {index - 1} "
+            f"({type(_unwrapped(self.blocks[index - 1])).__name__}), "
+            f"shape {tuple(x.shape)}"
+        )  # fmt: skip
+        return HighwayError(self._width_message(index, block, want, got, source))
+
+    def _run_block(self, index: int, x: torch.Tensor, fn: Callable[[torch.Tensor], _T]) -> _T:
+        """``fn(x)`` for block ``index``: a width that the block does not expect is named
+        (declared widths before the call; guessed ones when the call fails) instead of
+        surfacing as PyTorch's error from deep inside the block."""
+        err = self._width_error(index, x, declared_only=True)
+        if err is not None:
+            raise err
+        try:
+            return fn(x)
+        except RuntimeError as failure:
+            err = self._width_error(index, x, declared_only=False)
+            if err is None:
+                raise
+            raise err from failure
 
     @property
     def _each(self) -> list[HighwayBlock]:
@@ -216,8 +323,8 @@ class ResidualStack(HighwayStack):
         return cast("list[HighwayBlock]", list(self.blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
+        for i, b in enumerate(self.blocks):
+            x = self._run_block(i, x, b)
         return x
 
     def trace(self, x: torch.Tensor) -> Trace:
@@ -228,7 +335,7 @@ class ResidualStack(HighwayStack):
         for i, b in enumerate(self._each):
             xi = h.requires_grad_()
             with torch.enable_grad():
-                z = b.g(xi)
+                z = self._run_block(i, xi, b.g)
             zd = _detach(z)
             with torch.no_grad():
                 h = b.r(xi.detach(), zd)

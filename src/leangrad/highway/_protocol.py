@@ -36,6 +36,8 @@ __all__ = [
     "BAD_GAMMA",
     "BAD_K_SHAPE",
     "BAD_K_STRUCTURE",
+    "BLOCK_WIDTH",
+    "EMPTY_SEQUENCE",
     "K_STRUCTURES",
     "MISMATCHED_SIZES",
     "NOT_HIGHWAY",
@@ -72,6 +74,17 @@ SHORT_SEQUENCE = (
     "{where}: Highway-BP needs a sequence of length >= 2 (got length {length}); "
     "a sequence of length 0 has nothing to differentiate and length 1 has no residual path "
     "— use the backprop engine for it"
+)
+EMPTY_SEQUENCE = (
+    "input {index} has sequence length 0 (shape {shape}): {where} reads it time-first, "
+    "(L, batch, …), so dimension 0 is the sequence, and a sequence of no time steps has no "
+    "loss to differentiate; skip empty sequences (e.g. drop zero-length samples before "
+    "batching), or transpose batch-first data to (L, batch, …)"
+)
+BLOCK_WIDTH = (
+    "{where}: block {index} ({block}) expects width {want} but receives width {got} "
+    "({source}); a residual stack keeps the state's shape through every block, so all its "
+    "blocks need one width: {fix}"
 )
 
 NOT_HIGHWAY = (
@@ -114,6 +127,12 @@ class HighwayBlock(nn.Module, abc.ABC):
     """
 
     k_structure: ClassVar[str] = "identity"
+    width: int | None = None
+    """The size of the input dimension :attr:`width_dim` the block is built for (its
+    channels or features); ``None``: not declared. A :class:`~leangrad.highway.ResidualStack`
+    checks it, so that blocks of different widths are named instead of failing deep inside."""
+    width_dim: ClassVar[int] = -1
+    """The input dimension that :attr:`width` sizes (1 for ``(N, C, H, W)`` images)."""
 
     @abc.abstractmethod
     def g(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -146,10 +165,24 @@ class HighwayStack(nn.Module, abc.ABC):
     """
 
     k_structure: ClassVar[str] = "identity"
+    time_first: ClassVar[bool] = False
+    """The input is ``(L, batch, …)`` (a recurrent stack): dimension 0 is the sequence."""
     direct_off_support: ClassVar[bool] = False
     """``direct_grads`` is zero wherever :meth:`k_support` lets K be non-zero (an LSTM's
     loss sees ``h``, its K moves only ``c``): eq. 10's scan of the direct gradients is then
     the identity, and the engine skips it."""
+
+    def explain_empty_input(self, index: int, x: torch.Tensor) -> str | None:
+        """Why the empty input ``x`` (position ``index``) cannot be differentiated, when this
+        stack knows which of its dimensions is empty (a time-first stack: the sequence);
+        ``None`` leaves the engine's generic "empty batch" message. Engines ask the model
+        before any forward."""
+        if self.time_first and x.dim() >= 1 and x.shape[0] == 0:
+            return EMPTY_SEQUENCE.format(index=index, shape=tuple(x.shape), where=self._name())
+        return None
+
+    def _name(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
 
     def k_support(self) -> slice | None:
         """Where a diagonal K may be non-zero, as a slice of the state's last axis
@@ -257,6 +290,17 @@ class HighwayNet(nn.Module):
         self.stem = stem
         self.stacks = nn.ModuleList(stacks)
         self.head = head
+
+    def explain_empty_input(self, index: int, x: torch.Tensor) -> str | None:
+        """The first stack's :meth:`HighwayStack.explain_empty_input` when the stem keeps
+        the input's leading dimensions (none, ``nn.Identity`` or ``nn.Embedding``: token ids
+        ``(L, batch)`` become ``(L, batch, d)``), else ``None``."""
+        keeps_layout = self.stem is None or isinstance(self.stem, (nn.Identity, nn.Embedding))
+        if index != 0 or not keeps_layout:
+            return None
+        first = self.stacks[0]
+        assert isinstance(first, HighwayStack)
+        return first.explain_empty_input(index, x)
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         x = self.stem(*inputs) if self.stem is not None else inputs[0]

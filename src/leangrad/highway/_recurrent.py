@@ -39,6 +39,7 @@ rows: matmuls stay large (efficient), the gate-cotangent buffer stays small (mem
 class _RecurrentLayer(HighwayStack):
     gates: int = 3
     k_structure = "diagonal"
+    time_first = True
 
     def __init__(self, input_size: int, hidden_size: int, *, residual: bool = False) -> None:
         super().__init__()

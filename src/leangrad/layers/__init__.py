@@ -6,6 +6,7 @@ from ._base import (
     LayerConditionError,
     NotInvertibleError,
     NotSubmersiveError,
+    PrecisionWarning,
 )
 from ._bits import PackedBits, pack_bits, unpack_bits, unpack_nonzero
 from ._chain import Chain
@@ -27,6 +28,7 @@ __all__ = [
     "NotInvertibleError",
     "NotSubmersiveError",
     "PackedBits",
+    "PrecisionWarning",
     "SpaceToDepth",
     "SubmersiveConv2d",
     "SubmersiveLinear",

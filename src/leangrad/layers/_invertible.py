@@ -33,7 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from .._errors import LeangradError
-from ._base import ChainLayer, LayerConditionError
+from ._base import ChainLayer, LayerConditionError, param_grad_input
 from ._bits import PackedBits, pack_bits, unpack_nonzero
 
 __all__ = ["AdditiveCoupling", "LeakyReLU", "SpaceToDepth", "Tanh"]
@@ -145,6 +145,13 @@ class LeakyReLU(ChainLayer):
         cotangent in another layout, e.g. a fragmental conv's channels-last rebuild, as
         :func:`_leaky_backward` says)."""
         return _leaky_backward(h_in, x, 1.0 / self.negative_slope)
+
+    def vijp_amplification(self) -> float:
+        """``max(slope, 1/slope)``: the vijp divides the elements where ``x ≤ 0`` by the slope
+        and leaves the others, so after a channel-mixing layer the rounding error of a
+        cotangent can grow by up to this factor per LeakyReLU (by its square root for
+        random signs; ``leangrad.layers._base.vijp_precision`` has the measurements)."""
+        return max(self.negative_slope, 1.0 / self.negative_slope)
 
     def forward_vjp_params(
         self, x: torch.Tensor, h_out: torch.Tensor
@@ -496,7 +503,7 @@ class AdditiveCoupling(ChainLayer):
         x1, x2 = self._split(x.detach())
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
         with torch.enable_grad() if params else torch.no_grad():
-            f = self._recompute(x1)
+            f = self._recompute(param_grad_input(x1) if params else x1)
         self._check_shape(x2.shape, f.shape)
         y = self._join(x1, x2 + f.detach())
         if not params:
@@ -530,16 +537,20 @@ class AdditiveCoupling(ChainLayer):
 
     def _f_shape(self, x1: torch.Tensor) -> torch.Size:
         state = {**dict(self.F.named_parameters()), **dict(self.F.named_buffers())}
+        # tie_weights=False: with True, a module F holds twice is swapped twice and left
+        # holding the stand-in (meta) tensors (issue 30)
         try:
             meta = {n: t.to("meta") for n, t in state.items()}
             with torch.no_grad():
-                return torch.func.functional_call(self.F, meta, (x1.to("meta"),)).shape
+                return torch.func.functional_call(
+                    self.F, meta, (x1.to("meta"),), tie_weights=False
+                ).shape
         except Exception:  # F may not support meta tensors: run it for real
             pass
         copies = {**state, **{n: b.clone() for n, b in self.F.named_buffers()}}
         try:
             with torch.no_grad():
-                return torch.func.functional_call(self.F, copies, (x1,)).shape
+                return torch.func.functional_call(self.F, copies, (x1,), tie_weights=False).shape
         except Exception as error:
             raise LayerConditionError(
                 COUPLING_F_FAILED.format(layer=self._describe(), shape=tuple(x1.shape), error=error)
