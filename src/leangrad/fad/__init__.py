@@ -12,12 +12,17 @@ unlike recomputation it adds no work.
   subgraph of a traceable model (section III-B).
 - :func:`nested`: the eager mode, a finite-state machine over tensor-operator
   pairs (NN, NY, YY, YN; section IV) for models fx cannot trace.
+
+fad's own layers (the activations, any :class:`FusedChain`, :class:`Elementwise`) work
+inside both modes: each is one element-wise operator of one source, so a chain runs
+through it (its program whole) and still saves one derivative; alone, it stays the layer
+as written. Under any torch.fx tracer each is one ``call_module`` node.
 """
 
 from ._activations import GELU, Mish, Swish, gelu_program, mish_program, swish_program
 from ._eager import NestedStats, nested
 from ._elementwise import Elementwise, elementwise
-from ._errors import FadDtypeError, FadError, FadOpError, FadTraceError
+from ._errors import FadDtypeError, FadError, FadOpError, FadOptionError, FadTraceError
 from ._nest import Region, fused_chains, nest
 from ._primitives import PRIMITIVES, Dual, Primitive
 from ._program import Builder, FusedChain, Program
@@ -31,6 +36,7 @@ __all__ = [
     "FadDtypeError",
     "FadError",
     "FadOpError",
+    "FadOptionError",
     "FadTraceError",
     "FusedChain",
     "Mish",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from . import _errors as errors
 from ._program import Builder, FusedChain, Program, Ref, program_of
 
 __all__ = ["GELU", "Mish", "Swish", "gelu_program", "mish_program", "swish_program"]
@@ -59,7 +60,7 @@ def gelu_program(approximate: str = "none") -> Program:
         return program_of("gelu-tanh", _gelu_tanh)
     if approximate == "none":
         return program_of("gelu", _gelu_erf)
-    raise ValueError(f"GELU approximate must be 'none' or 'tanh', got {approximate!r}")
+    raise errors.FadOptionError(errors.BAD_APPROXIMATE.format(value=approximate))
 
 
 class Swish(FusedChain):

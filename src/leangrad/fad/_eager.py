@@ -17,6 +17,14 @@ source) or nfad. The four forward states (section IV-A):
   nfad op runs on that. A binary nfad op with two fad inputs attaches both;
   autograd accumulates their contributions at the sources (the "merge").
 
+fad's own layers (:class:`~leangrad.fad.Swish`, ``GELU``, ``Mish``, any
+:class:`~leangrad.fad.FusedChain` or :class:`~leangrad.fad.Elementwise`) are
+element-wise operators with one input too: the mode sees their call
+(``run_fused`` / ``run_elementwise`` dispatch through ``__torch_function__``)
+and runs each as one fad operator, its whole program computing value and
+derivative in one go, so a chain continues through it (NY or YY) and still
+ends in one saved derivative.
+
 Per-tensor FAD data (the paper's STT/FTR) lives in a weak-keyed table, so it
 is freed with the tensor (section IV-B, "resource release"). Each fad tensor
 also carries an autograd node that saves nothing and raises if a gradient
@@ -35,7 +43,7 @@ import functools
 import inspect
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,7 +53,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _errors as errors
-from ._primitives import FLOAT_DTYPES, Call, Dual, lookup, normalize
+from ._elementwise import fused_rule
+from ._primitives import FLOAT_DTYPES, Call, Dual, chain_deriv, lookup, normalize
 
 __all__ = ["NestedStats", "nested"]
 
@@ -76,6 +85,14 @@ class NestedStats:
 
 
 @dataclasses.dataclass
+class _Fate:
+    """Shared by a fad tensor's table entry and its :class:`_Pending` node: did the tensor
+    outlive the block? (So an unattached gradient's message says what really happened.)"""
+
+    outlived: bool = False
+
+
+@dataclasses.dataclass
 class _FadData:
     """A fad tensor's FAD data (the paper's STT/FTR/SCN).
 
@@ -90,6 +107,7 @@ class _FadData:
     anchor: Tensor
     deriv: Tensor | float
     ops: tuple[str, ...]
+    fate: _Fate
     attached: Tensor | None = None
 
 
@@ -120,18 +138,21 @@ class _Anchor(torch.autograd.Function):
 
 class _Pending(torch.autograd.Function):
     """Links a fad tensor to its chain's head; saves nothing; a nonzero gradient reaching
-    it means the tensor was used where the mode could not attach its derivative."""
+    it means the tensor was used where the mode could not attach its derivative: after
+    the block (when the tensor outlived it) or by an operation the mode did not see."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, box: _Box, ops: tuple[str, ...]) -> Tensor:
-        ctx.ops = list(ops)
+    def forward(ctx: Any, anchor: Tensor, box: _Box, ops: tuple[str, ...], fate: _Fate
+                ) -> Tensor:  # fmt: skip
+        ctx.ops, ctx.fate = list(ops), fate
         return box.take()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:
         if bool(grad.any()):  # zeros come from a full overwrite (copy_), which is fine
-            raise errors.FadError(errors.ESCAPED.format(ops=ctx.ops))
-        return None, None, None
+            message = errors.ESCAPED if ctx.fate.outlived else errors.UNSEEN_CONSUMER
+            raise errors.FadError(message.format(ops=ctx.ops))
+        return None, None, None, None
 
 
 class _Attach(torch.autograd.Function):
@@ -206,6 +227,11 @@ class _NestedMode(TorchFunctionMode):
         self.fad: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fad tensor -> _FadData
         self.warned: set[str] = set()
 
+    def close(self) -> None:
+        """The block ended: mark every chain value still alive as having outlived it."""
+        for data in self.fad.values():
+            data.fate.outlived = True
+
     def _note(self, state: str, op: str) -> None:
         self.stats.states[state] += 1
         if self.stats.trace is not None:
@@ -219,6 +245,9 @@ class _NestedMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if not torch.is_grad_enabled():  # nothing is recorded: no chain either
             return func(*args, **kwargs)
+        rule = fused_rule(func, args, kwargs)
+        if rule is not None and (fused := self._fused_op(args[0], *rule)) is not None:
+            return fused
         call = lookup(func)
         if call is not None and (norm := normalize(call, args, kwargs)) is not None:
             out = self._fad_op(call, *norm)
@@ -278,11 +307,43 @@ class _NestedMode(TorchFunctionMode):
             result = call.prim.rule(*duals, **params)
             if target is not None:
                 target.copy_(result.value)
-                self.fad[target] = _FadData(src_ref, version, anchor, result.deriv, ops)
+                fate = self.fad[target].fate  # the same tensor, the same _Pending node
+                self.fad[target] = _FadData(src_ref, version, anchor, result.deriv, ops, fate)
                 return target
-        value = _Pending.apply(anchor, _Box(result.value), ops)
-        self.fad[value] = _FadData(src_ref, version, anchor, result.deriv, ops)
-        return value
+        return self._pending(result.value, _FadData(src_ref, version, anchor, result.deriv,
+                                                    ops, _Fate()))  # fmt: skip
+
+    def _pending(self, value: Tensor, data: _FadData) -> Tensor:
+        """A new fad tensor: ``value`` linked to its chain's head, with its FAD data."""
+        out = _Pending.apply(data.anchor, _Box(value), data.ops, data.fate)
+        self.fad[out] = data
+        return out
+
+    def _fused_op(self, x: Tensor, name: str, rule: Callable[[Tensor], Any]
+                  ) -> tuple[Tensor, ...] | None:  # fmt: skip
+        """NY / YY for one of fad's own layers (a whole program as one operator): values
+        and derivatives by the layer's forward rule, times the chain's derivative so far;
+        ``None`` when ``x`` is no chain value nor a source (the layer then runs as is)."""
+        heads = self._heads((x,))
+        if len(heads) != 1:
+            return None
+        source, version = heads[0]
+        if not self._has_rules(name, (x,)):
+            return None
+        prev: _FadData | None = self.fad.get(x, None)
+        self._note("NY" if prev is None else "YY", name)
+        values, derivs = rule(x)
+        ops: tuple[str, ...]
+        inner: Tensor | float
+        if prev is None:
+            anchor, ops, inner = _Anchor.apply(source), (name,), 1.0
+        else:
+            anchor, ops, inner = prev.anchor, (*prev.ops, name), prev.deriv
+        src_ref = source if isinstance(source, weakref.ref) else weakref.ref(source)
+        with torch.no_grad():
+            datas = [_FadData(src_ref, version, anchor, chain_deriv(d, inner), ops, _Fate())
+                     for d in derivs]  # fmt: skip
+        return tuple(self._pending(v, data) for v, data in zip(values, datas, strict=True))
 
     def _heads(self, operands: tuple[Any, ...]) -> list[tuple[Any, int]]:
         """The distinct sources the operands come from: (tensor, or a dead weak reference to
@@ -362,5 +423,9 @@ def nested(*, trace: bool = False) -> Iterator[NestedStats]:
     next to convolutions and matmuls, visible on tiny tensors).
     """
     stats = NestedStats(trace=[] if trace else None)
-    with _NestedMode(stats):
-        yield stats
+    mode = _NestedMode(stats)
+    try:
+        with mode:
+            yield stats
+    finally:
+        mode.close()

@@ -14,15 +14,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import Tensor, fx, nn
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_unary
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _errors as errors
-from ._primitives import FLOAT_DTYPES, Dual, lookup, normalize, primitive_names
+from ._primitives import FLOAT_DTYPES, Dual, chain_deriv, lookup, normalize, primitive_names
+from ._program import Program, run_fused
+from ._trace import as_leaf
 
-__all__ = ["Elementwise", "elementwise", "op_name"]
+__all__ = ["Elementwise", "FusedRule", "elementwise", "fused_rule", "op_name", "run_elementwise"]
 
 
 def op_name(func: Any) -> str:
@@ -35,11 +37,18 @@ def op_name(func: Any) -> str:
 
 
 class _Tracer(TorchFunctionMode):
-    """Strict forward-mode interpreter: every op touching the chain must be a primitive."""
+    """Strict forward-mode interpreter: every op touching the chain must be a primitive.
 
-    def __init__(self, x: Tensor) -> None:
+    With ``values_only`` (no gradient to record) it makes the same checks but runs each
+    operator as called, computing no derivative: cheaper, and it stays composable with
+    ``torch.func`` transforms (``jvp``, ``vmap``), which the rules' fused backward kernels
+    (``out=`` variants) are not.
+    """
+
+    def __init__(self, x: Tensor, *, values_only: bool = False) -> None:
         super().__init__()
         self.source = x
+        self.values_only = values_only
         # tensor -> derivative, weakly keyed: intermediates die when fn drops them
         self.derivs: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.derivs[x] = 1.0
@@ -56,12 +65,25 @@ class _Tracer(TorchFunctionMode):
         tracked = [t for t in tree_leaves((args, kwargs)) if self.dual_of(t) is not None]
         if not tracked:
             return func(*args, **kwargs)
+        fused = fused_rule(func, args, kwargs)
+        if fused is not None and (d := self.dual_of(args[0])) is not None:
+            # one of fad's own layers, on a chain value: an element-wise op of its own
+            if self.values_only:
+                return self._track(func(*args, **kwargs))
+            values, derivs = fused[1](d.value)
+            for v, dv in zip(values, derivs, strict=True):
+                self.derivs[v] = chain_deriv(dv, d.deriv)
+            return tuple(values)
         call = lookup(func)
         norm = normalize(call, args, kwargs) if call is not None else None
         if call is None or norm is None:
             out = func(*args, **kwargs)
             if not any(isinstance(t, Tensor) for t in tree_leaves(out)):
                 return out  # metadata (shape, dtype, size()): not a computation
+            if call is not None:  # a primitive, called with arguments its rule does not take
+                raise errors.FadOpError(errors.UNSUPPORTED_ARGS.format(
+                    op=op_name(func), args=_show_args(args, kwargs),
+                    params=", ".join(k for k, _ in call.prim.params) or "(none)"))  # fmt: skip
             raise errors.FadOpError(
                 errors.NOT_ELEMENTWISE.format(op=op_name(func), known=primitive_names())
             )
@@ -82,28 +104,94 @@ class _Tracer(TorchFunctionMode):
                     why = f"the other operand's shape {tuple(o.shape)} widens {tuple(shape)}"
                     raise errors.FadOpError(errors.TWO_SOURCES.format(op=name, why=why))
             duals.append(o)
+        target = (operands[-1] if call.reverse else operands[0]) if call.inplace else None
+        if call.inplace and (self.dual_of(target) is None or target is self.source):
+            where = "the function's input" if target is self.source else (
+                "a tensor outside the chain (a constant operand)")  # fmt: skip
+            raise errors.FadOpError(errors.INPLACE_INPUT.format(op=op_name(func), target=where))
+        if self.values_only:
+            return self._track(func(*args, **kwargs))
         result = call.prim.rule(*duals, **params)
-        if call.inplace:
-            target = operands[-1] if call.reverse else operands[0]
-            if self.dual_of(target) is None or target is self.source:
-                raise errors.FadOpError(errors.INPLACE_INPUT.format(op=op_name(func)))
+        if target is not None:
             target.copy_(result.value)
             result = Dual(target, result.deriv)
         self.derivs[result.value] = result.deriv
         return result.value
 
+    def _track(self, out: Any) -> Any:
+        """Values-only mode: mark the op's results as chain values (no derivative)."""
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self.derivs[t] = 0.0
+        return out
 
-def _dual_run(fn: Callable[[Tensor], Any], x: Tensor) -> tuple[list[Tensor], list[Any]]:
+
+def _show_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The arguments of a call, tensors by shape, for a message."""
+
+    def show(a: Any) -> str:
+        return f"tensor{tuple(a.shape)}" if isinstance(a, Tensor) else repr(a)
+
+    return ", ".join([*map(show, args), *(f"{k}={show(v)}" for k, v in kwargs.items())])
+
+
+def _returned(out: Any) -> str:
+    """What a function returned, for :data:`~leangrad.fad._errors.NOT_ONE_TENSOR`."""
+    if isinstance(out, (tuple, list)):
+        if not out:
+            return f"an empty {type(out).__name__}"
+        kinds = sorted({type(o).__name__ for o in out if not isinstance(o, Tensor)})
+        return f"a {type(out).__name__} holding {', '.join(kinds)}"
+    return type(out).__name__
+
+
+FusedRule = tuple[str, Callable[[Tensor], tuple[list[Tensor], list[Tensor | float]]]]
+"""A fad layer's name (for messages and traces) and forward rule ``x -> (values, d/dx)``."""
+
+
+def fused_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+               ) -> FusedRule | None:  # fmt: skip
+    """The name and forward rule of a call of one of fad's own layers
+    (:func:`~leangrad.fad._program.run_fused`, :func:`run_elementwise`), else ``None``.
+
+    Values that are ``x`` itself (an identity chain) come back as copies, so each value is a
+    fresh tensor, as the primitives' are."""
+    if func is not run_fused and func is not run_elementwise:
+        return None
+    if kwargs or len(args) != 2 or not isinstance(args[0], Tensor):
+        return None
+    what = args[1]
+    if func is run_fused and isinstance(what, Program):
+        run: Callable[[Tensor], tuple[list[Tensor], list[Any]]] = what.run_dual
+        name = what.name
+    elif func is run_elementwise and callable(what):
+        run = lambda x: _dual_run(what, x)  # noqa: E731
+        name = f"elementwise({getattr(what, '__name__', type(what).__name__)})"
+    else:
+        return None
+
+    def rule(x: Tensor) -> tuple[list[Tensor], list[Tensor | float]]:
+        with torch.no_grad():
+            values, derivs = run(x)
+        return [v.clone() if v is x else v for v in values], derivs
+
+    return name, rule
+
+
+def _dual_run(fn: Callable[[Tensor], Any], x: Tensor, *, values_only: bool = False
+              ) -> tuple[list[Tensor], list[Any]]:  # fmt: skip
+    """``fn``'s values and their derivatives with respect to ``x`` (derivatives ``0.0``,
+    not computed, with ``values_only``), after checking that ``fn`` is element-wise."""
     if x.dtype not in FLOAT_DTYPES:
         raise errors.FadDtypeError(
             errors.DTYPE_NO_RULE.format(op=getattr(fn, "__name__", fn), dtype=x.dtype)
         )
-    tracer = _Tracer(x)
+    tracer = _Tracer(x, values_only=values_only)
     with tracer:
         out = fn(x)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     if not outs or not all(isinstance(o, Tensor) for o in outs):
-        raise errors.FadOpError(errors.NOT_ONE_TENSOR.format(what=type(out).__name__))
+        raise errors.FadOpError(errors.NOT_ONE_TENSOR.format(what=_returned(out)))
     duals = [tracer.dual_of(o) for o in outs]
     if any(d is None for d in duals):
         raise errors.FadOpError(
@@ -114,9 +202,9 @@ def _dual_run(fn: Callable[[Tensor], Any], x: Tensor) -> tuple[list[Tensor], lis
 
 class _ElementwiseFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Any], n_out: list[int]) -> Any:
+    def forward(ctx: Any, x: Tensor, fn: Callable[[Tensor], Any]) -> Any:
         values, derivs = _dual_run(fn, x)
-        n_out.append(len(values))
+        values = [v.clone() if v is x else v for v in values]  # the input returned as is
         ctx.consts = [None if isinstance(d, Tensor) else float(d) for d in derivs]
         ctx.save_for_backward(*[d for d in derivs if isinstance(d, Tensor)])
         return tuple(values)
@@ -130,7 +218,21 @@ class _ElementwiseFn(torch.autograd.Function):
             if g is not None:
                 term = g * d
                 total = term if total is None else total + term
-        return total, None, None
+        return total, None
+
+
+def run_elementwise(x: Tensor, fn: Callable[[Tensor], Any]) -> tuple[Tensor, ...]:
+    """Run ``fn`` on ``x`` in forward mode; one autograd node saving ``d out / d x``.
+
+    Like :func:`~leangrad.fad._program.run_fused`, the call goes through
+    ``__torch_function__``, so ``fad.nested()`` continues its chain through it.
+    """
+    if has_torch_function_unary(x):
+        return handle_torch_function(run_elementwise, (x,), x, fn)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        values, _ = _dual_run(fn, x, values_only=True)  # same checks and errors as with grad
+        return tuple(values)
+    return tuple(_ElementwiseFn.apply(x, fn))
 
 
 class Elementwise(nn.Module):
@@ -159,16 +261,13 @@ class Elementwise(nn.Module):
         return getattr(self.fn, "__name__", repr(self.fn))
 
     def forward(self, x: Tensor) -> Any:
+        if isinstance(x, fx.Proxy):  # traced: one call_module node (see leangrad.fad._trace)
+            return as_leaf(self, x, outputs=None, inline=self.fn)
         if not isinstance(x, Tensor):
-            raise errors.FadOpError(
-                errors.NOT_A_TENSOR.format(fn=self.extra_repr(), type=type(x).__name__)
-            )
-        if not (torch.is_grad_enabled() and x.requires_grad):
-            values, _ = _dual_run(self.fn, x)  # same checks and errors as with grad
-            return values[0] if len(values) == 1 else tuple(values)
-        n_out: list[int] = []
-        outs = _ElementwiseFn.apply(x, self.fn, n_out)
-        return outs[0] if n_out[0] == 1 else outs
+            layer = f"fad.elementwise({self.extra_repr()})"
+            raise errors.FadOpError(errors.NOT_A_TENSOR.format(layer=layer, type=type(x).__name__))
+        outs = run_elementwise(x, self.fn)
+        return outs[0] if len(outs) == 1 else outs
 
 
 def elementwise(fn: Callable[[Tensor], Any]) -> Elementwise:

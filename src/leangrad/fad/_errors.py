@@ -5,6 +5,7 @@ from __future__ import annotations
 from .._errors import LeangradError
 
 __all__ = [
+    "BAD_APPROXIMATE",
     "DTYPE_NO_RULE",
     "ESCAPED",
     "FALLBACK",
@@ -14,10 +15,14 @@ __all__ = [
     "NOT_ELEMENTWISE",
     "NOT_ONE_TENSOR",
     "TWO_SOURCES",
+    "UNKNOWN_PRIMITIVE",
+    "UNSEEN_CONSUMER",
+    "UNSUPPORTED_ARGS",
     "UNTRACEABLE",
     "FadDtypeError",
     "FadError",
     "FadOpError",
+    "FadOptionError",
     "FadTraceError",
 ]
 
@@ -38,6 +43,10 @@ class FadTraceError(FadError, RuntimeError):
     """``fad.nest`` could not trace the model with torch.fx."""
 
 
+class FadOptionError(FadError, ValueError):
+    """An option of a fad layer outside its allowed values (``GELU(approximate=...)``)."""
+
+
 NOT_ELEMENTWISE = (
     "fad.elementwise: operator {op!r} is not a FAD-compatible element-wise primitive "
     "(paper section III-A); compatible operators are: {known}. Write the function out of "
@@ -49,18 +58,27 @@ TWO_SOURCES = (
     "III-A). Pass the other tensor as a constant without requires_grad and of a shape that "
     "broadcasts to the input's, or keep this operator outside fad.elementwise"
 )
+UNSUPPORTED_ARGS = (
+    "fad.elementwise: operator {op!r} is a FAD primitive, but this call passes arguments its "
+    "forward-mode rule does not take ({args}); call it with the tensor operands and the "
+    "parameters {params} only (e.g. no out=, no rounding_mode=, no inplace=True), or leave "
+    "this part to autograd"
+)
+UNKNOWN_PRIMITIVE = (
+    "fad.Builder.op: {name!r} is not a FAD primitive (paper section III-A); primitives: {known}"
+)
 NOT_A_FUNCTION = (
     "fad.elementwise needs a function of one tensor, got {type}; pass e.g. "
     "fad.elementwise(lambda x: x * torch.sigmoid(x))"
 )
-NOT_A_TENSOR = "fad.elementwise({fn}): the input must be a tensor, got {type}"
+NOT_A_TENSOR = "{layer}: the input must be a tensor, got {type}"
 INPLACE_INPUT = (
-    "fad.elementwise: in-place operator {op!r} writes into the function's input or into a "
-    "tensor outside the chain; use the out-of-place form (e.g. x.mul(2) instead of x.mul_(2))"
+    "fad.elementwise: in-place operator {op!r} writes into {target}; use the out-of-place "
+    "form (e.g. x.mul(2) instead of x.mul_(2))"
 )
 NOT_ONE_TENSOR = (
-    "fad.elementwise: the function must take one tensor and return a tensor or a tuple of "
-    "tensors computed from it; it returned {what}"
+    "fad.elementwise: the function must take one tensor and return a tensor or a non-empty "
+    "tuple of tensors computed from it; it returned {what}"
 )
 DTYPE_NO_RULE = (
     "fad: operator {op!r} has no forward-mode rule for dtype {dtype}; FAD rules exist for "
@@ -77,8 +95,18 @@ FALLBACK = (
     "autograd instead (same gradient, no memory saving)"
 )
 ESCAPED = (
-    "fad.nested: a tensor computed by the nested element-wise chain {ops} was used for a "
-    "gradient after the `with fad.nested()` block ended without passing through a "
-    "non-element-wise operator inside it, so its derivative was never attached; compute the "
-    "loss inside the block"
+    "fad.nested: a tensor computed by the nested element-wise chain {ops} outlived the "
+    "`with fad.nested()` block and a gradient reached it through an operation the mode did "
+    "not see, so its derivative was never attached: either it was used for a gradient after "
+    "the `with fad.nested()` block ended (compute the loss inside the block), or inside the "
+    "block by a custom torch.autograd.Function or code run with torch-function handling "
+    "disabled (pass the value through a PyTorch operator first, e.g. torch.cat([t]))"
 )
+UNSEEN_CONSUMER = (
+    "fad.nested: a tensor computed by the nested element-wise chain {ops} was used inside the "
+    "`with fad.nested()` block by an operation the mode did not see (a custom "
+    "torch.autograd.Function, or code run with torch-function handling disabled), so its "
+    "derivative was never attached; pass the value through a PyTorch operator first "
+    "(e.g. torch.cat([t])), or call that operation outside the block"
+)
+BAD_APPROXIMATE = "GELU approximate must be 'none' or 'tanh', got {value!r}"

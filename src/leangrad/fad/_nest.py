@@ -9,6 +9,15 @@ out-degree M >= 1 (values used outside); each is replaced by one
 derivatives in the forward pass and saves only the derivative per output.
 Everything else is left untouched.
 
+fad's own layers (:class:`~leangrad.fad.Swish` and the other activations, any
+:class:`FusedChain`, :class:`~leangrad.fad.Elementwise`) trace as leaf ``call_module``
+nodes (:mod:`leangrad.fad._trace`). A one-output :class:`FusedChain` is itself an
+element-wise operator of one source: when primitives or other such layers run right
+before or after it, its program joins their chain whole (one derivative saved for all,
+as the eager mode does); alone, it stays the layer the user wrote. An
+:class:`~leangrad.fad.Elementwise` (a Python function) or a many-output chain always
+stays as written. Either way each stays one fused unit.
+
 In-place primitives on values inside a chain are rewritten to their functional
 form (later readers of the written value read the in-place node), which is
 safe because chain values are fresh tensors that alias nothing. A chain that
@@ -19,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, cast
 
 from torch import fx, nn
 
 from . import _errors as errors
 from ._builtin import builtin_of
+from ._elementwise import Elementwise
 from ._primitives import PRIMITIVES, Call, is_const, lookup, lookup_method, normalize
 from ._program import FusedChain, Program, Ref, Step
 
@@ -65,9 +75,40 @@ class Region:
 
 @dataclasses.dataclass
 class _Info:
-    call: Call
+    """A fad-able node: a primitive ``call``, or one of fad's own layers (``program``)."""
+
+    call: Call | None
     operands: tuple[Any, ...]
     params: dict[str, Any]
+    program: Program | None = None
+    fallback: bool = True  # a layer's: warn and run plain autograd on dtypes without rules
+
+    @property
+    def name(self) -> str:
+        if self.program is not None:
+            return self.program.name
+        assert self.call is not None
+        return self.call.prim.name
+
+    @property
+    def inplace(self) -> bool:
+        return self.call is not None and self.call.inplace
+
+    @property
+    def size(self) -> int:
+        """Primitives it runs."""
+        return len(self.program.steps) if self.program is not None else 1
+
+
+def _layer_program(mod: nn.Module, node: fx.Node) -> Program | None:
+    """The program of one of fad's own layers that may join a chain: a one-output
+    :class:`FusedChain` of at least one step, called on one fx value."""
+    if not isinstance(mod, FusedChain) or node.kwargs or len(node.args) != 1:
+        return None
+    program = mod.program
+    if len(program.outputs) != 1 or not program.steps or program.outputs[0] == 0:
+        return None
+    return program if isinstance(node.args[0], fx.Node) else None
 
 
 def _classify(gm: fx.GraphModule, node: fx.Node) -> _Info | None:
@@ -80,6 +121,9 @@ def _classify(gm: fx.GraphModule, node: fx.Node) -> _Info | None:
         call = lookup_method(str(node.target))
     elif node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
+        program = _layer_program(mod, node)
+        if program is not None:
+            return _Info(None, tuple(node.args), {}, program, cast(FusedChain, mod).fallback)
         name = _MODULE_PRIMS.get(type(mod))
         if name is None or getattr(mod, "inplace", False):
             return None
@@ -123,7 +167,11 @@ def nest(model: nn.Module, *, min_ops: int = 2, builtins: bool = True) -> fx.Gra
     """Trace ``model`` and fuse each maximal single-source element-wise chain (section III-B).
 
     Args:
-        model: any module ``torch.fx.symbolic_trace`` can trace.
+        model: any module ``torch.fx.symbolic_trace`` can trace. fad's own layers in it
+            (``fad.Swish()``, any :class:`FusedChain` or :class:`Elementwise`, the model
+            itself being one) stay one fused unit each: as written, or, for a one-output
+            :class:`FusedChain` next to other element-wise operators, its program whole
+            inside their chain (module docstring).
         min_ops: chains with fewer primitives stay with autograd (a lone ``sigmoid``
             saves one tensor either way, and FAD would only add the derivative's cost;
             section IV-B, "NY -> YN").
@@ -138,8 +186,10 @@ def nest(model: nn.Module, *, min_ops: int = 2, builtins: bool = True) -> fx.Gra
     Raises:
         FadTraceError: fx cannot trace the model; the message points to :func:`nested`.
     """
+    # a model that is itself one of fad's layers is traced as the one layer it is
+    root = nn.Sequential(model) if isinstance(model, (FusedChain, Elementwise)) else model
     try:
-        gm = fx.symbolic_trace(model)
+        gm = fx.symbolic_trace(root)
     except Exception as err:  # fx raises many types for untraceable code
         msg = errors.UNTRACEABLE.format(
             model=type(model).__name__, error=f"{type(err).__name__}: {err}"
@@ -150,12 +200,16 @@ def nest(model: nn.Module, *, min_ops: int = 2, builtins: bool = True) -> fx.Gra
     order = {n: i for i, n in enumerate(nodes)}
     infos, ok = _single_source_nodes(gm, nodes, order)
     regions: list[Region] = []
+    folded = False
     for members in _chains(ok, infos, order):
         inside = set(members)
         source = ok[members[0]]
         outputs = [m for m in members if any(u not in inside for u in m.users)]
-        ops = tuple(infos[m].call.prim.name for m in members)
-        skipped = _why_left(gm, nodes, order, members, ok, outputs, min_ops)
+        ops = tuple(infos[m].name for m in members)
+        layers = [m for m in members if infos[m].program is not None]
+        if layers == members and len(members) == 1:
+            continue  # one of fad's own layers alone: already one fused unit, as written
+        skipped = _why_left(gm, nodes, order, members, ok, outputs, min_ops, infos)
         if skipped is not None:
             regions.append(Region(None, source.name, ops, len(outputs), skipped))
             continue
@@ -168,9 +222,15 @@ def nest(model: nn.Module, *, min_ops: int = 2, builtins: bool = True) -> fx.Gra
             regions.append(Region(None, source.name, ops, 1, builtin=kernel.label))
             continue
         _replace(gm, source, members, outputs, ("call_module", name))
-        gm.add_submodule(name, FusedChain(program, fallback=True))
+        # on dtypes without rules a chain falls back to autograd, unless it holds a layer
+        # that raised there (the user's own fad.Swish() ...): then it raises, as that did
+        fallback = all(infos[m].fallback for m in layers)
+        gm.add_submodule(name, FusedChain(program, fallback=fallback))
         regions.append(Region(name, source.name, ops, len(outputs)))
+        folded = folded or bool(layers)
     graph.lint()
+    if folded:  # the layers whose programs joined a chain are no longer called
+        gm.delete_all_unused_submodules()
     gm.recompile()
     gm.fad_regions = regions  # type: ignore[assignment]
     return gm
@@ -192,7 +252,7 @@ def _single_source_nodes(
         srcs = {ok.get(o, o) for o in info.operands if isinstance(o, fx.Node)}
         if len(srcs) != 1:
             continue  # two sources: nfad (paper Fig. 3, node 3)
-        if info.call.inplace:
+        if info.call is not None and info.call.inplace:
             target = info.operands[-1] if info.call.reverse else info.operands[0]
             earlier = [u for u in target.users if order[u] < order[n] and u is not n]
             if target not in ok or not all(u in ok for u in earlier):
@@ -235,12 +295,14 @@ def _why_left(
     ok: dict[fx.Node, fx.Node],
     outputs: list[fx.Node],
     min_ops: int,
+    infos: dict[fx.Node, _Info],
 ) -> str | None:
     """Why a chain stays with autograd, or ``None`` when it is fused."""
     if not outputs:
         return "no value leaves it (dead code)"
-    if len(members) < min_ops:
-        return f"{len(members)} primitive(s) < min_ops={min_ops}"
+    size = sum(infos[m].size for m in members)
+    if size < min_ops:
+        return f"{size} primitive(s) < min_ops={min_ops}"
     inside = set(members)
     lo, hi = order[members[0]], order[members[-1]]
     between = [n for n in nodes[lo:hi] if n not in inside]
@@ -256,17 +318,26 @@ def _program(
     outputs: list[fx.Node],
     infos: dict[fx.Node, _Info],
 ) -> Program:
-    """The chain ``members`` (reading ``source``) as a :class:`Program`."""
-    slot = {source: 0} | {m: i + 1 for i, m in enumerate(members)}
-    steps = tuple(
-        Step(
-            infos[m].call.prim,
-            tuple(Ref(slot[o]) if isinstance(o, fx.Node) else o for o in infos[m].operands),
-            tuple(infos[m].params.items()),
-        )
-        for m in members
-    )
-    return Program(name, steps, tuple(slot[o] for o in outputs))
+    """The chain ``members`` (reading ``source``) as a :class:`Program`; a member that is one
+    of fad's own layers contributes its program's steps, whole."""
+    slot: dict[fx.Node, int] = {source: 0}
+    steps: list[Step] = []
+    for m in members:
+        info = infos[m]
+        if info.program is None:
+            assert info.call is not None
+            operands = tuple(Ref(slot[o]) if isinstance(o, fx.Node) else o for o in info.operands)
+            steps.append(Step(info.call.prim, operands, tuple(info.params.items())))
+            slot[m] = len(steps)
+            continue
+        local = {0: slot[info.operands[0]]}  # the layer's slot 0 is its input's slot here
+        for k, st in enumerate(info.program.steps):
+            operands = tuple(Ref(local[o.index]) if isinstance(o, Ref) else o
+                             for o in st.operands)  # fmt: skip
+            steps.append(Step(st.prim, operands, st.params))
+            local[k + 1] = len(steps)
+        slot[m] = local[info.program.outputs[0]]
+    return Program(name, tuple(steps), tuple(slot[o] for o in outputs))
 
 
 def _replace(

@@ -36,6 +36,7 @@ __all__ = [
     "Call",
     "Dual",
     "Primitive",
+    "chain_deriv",
     "is_const",
     "lookup",
     "lookup_method",
@@ -67,6 +68,13 @@ def _scale(factor: Tensor | float, d: Deriv) -> Deriv:
     if isinstance(d, float) and d == 1.0:
         return factor
     return factor * d
+
+
+def chain_deriv(outer: Deriv, inner: Deriv) -> Deriv:
+    """``outer * inner`` (the chain rule, element-wise), skipping a multiply by exactly 1."""
+    if isinstance(outer, float) and outer == 1.0:
+        return inner
+    return _scale(outer, inner)
 
 
 _aten = torch.ops.aten

@@ -19,10 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
+from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from . import _errors as errors
-from ._primitives import DONATE, FLOAT_DTYPES, PRIMITIVES, Dual, Primitive
+from ._primitives import DONATE, FLOAT_DTYPES, PRIMITIVES, Dual, Primitive, primitive_names
+from ._trace import as_leaf
 
 __all__ = ["Builder", "FusedChain", "Program", "Ref", "Step", "run_fused"]
 
@@ -157,6 +159,10 @@ class Builder:
         self.source = Ref(0)
 
     def op(self, name: str, *operands: Ref | float | int, **params: Any) -> Ref:
+        if name not in PRIMITIVES:
+            raise errors.FadOpError(
+                errors.UNKNOWN_PRIMITIVE.format(name=name, known=primitive_names())
+            )
         self.steps.append(Step(PRIMITIVES[name], tuple(operands), tuple(params.items())))
         return Ref(len(self.steps))
 
@@ -193,7 +199,14 @@ def run_fused(x: Tensor, program: Program) -> tuple[Tensor, ...]:
 
     Without a gradient to record (grad mode off, or ``x`` not requiring grad) it
     runs the plain operators, which is cheaper.
+
+    The call goes through ``__torch_function__``: a mode that sees it (``fad.nested()``,
+    ``fad.elementwise``'s tracer) takes it as one element-wise operator whose forward rule is
+    ``program.run_dual``, so a fused layer continues a chain instead of hiding its input
+    inside an autograd Function the mode cannot see.
     """
+    if has_torch_function_unary(x):
+        return handle_torch_function(run_fused, (x,), x, program)
     if not (torch.is_grad_enabled() and x.requires_grad):
         with torch.no_grad():
             return tuple(program.run_plain(x))
@@ -219,6 +232,13 @@ class FusedChain(nn.Module):
 
     def forward(self, x: Tensor) -> Any:
         outs: Sequence[Tensor]
+        if isinstance(x, fx.Proxy):  # traced: one call_module node (see leangrad.fad._trace)
+            n = len(self.program.outputs)
+            return as_leaf(self, x, outputs=n, inline=lambda p: _one(self.program.run_plain(p)))
+        if not isinstance(x, Tensor):
+            layer = f"fad.{type(self).__name__}({self.program.name})"
+            raise errors.FadOpError(errors.NOT_A_TENSOR.format(layer=layer,
+                                                               type=type(x).__name__))  # fmt: skip
         if x.dtype not in FLOAT_DTYPES:
             if not self.fallback:
                 op = self.program.ops[0] if self.program.ops else self.program.name
@@ -228,7 +248,12 @@ class FusedChain(nn.Module):
             outs = self.program.run_plain(x)
         else:
             outs = run_fused(x, self.program)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return _one(outs)
+
+
+def _one(outs: Sequence[Any]) -> Any:
+    """A layer's result: its one output, or the tuple of them."""
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def program_of(name: str, write: Callable[[Builder], Sequence[Ref]]) -> Program:
