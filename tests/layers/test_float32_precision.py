@@ -148,19 +148,17 @@ CASES = [(4, 0.1, 0), (4, 0.1, 1), (8, 0.1, 3), (8, 0.1, 35), (6, 0.01, 0), (8, 
 
 
 @pytest.mark.parametrize(("depth", "slope", "seed"), CASES)
-def test_float32_gradient_within_5x_autograd_or_warned(depth: int, slope: float, seed: int
+def test_float32_mixed_moonwalk_within_5x_autograd(depth: int, slope: float, seed: int
                                                         ) -> None:  # fmt: skip
     """The documented contract (issue 30's target) on ``submersive_cnn(3, 4, depth, 3)`` at
     256×256: the float32 gradient is within 5x float32 autograd's error, or the step
     warned. Depth 8 is the issue's case (computing every cotangent by vijps: 7e-5 and 4e-4
     at seeds 3 and 35 with slope 0.1, 25 with slope 0.01; float32 autograd ~1e-6)."""
     err, err_auto, caught = _errors(depth, slope, seed)
-    assert len(caught) <= 1
-    if caught:
-        msg = str(caught[0].message)
-        assert "float32" in msg and f"LeakyReLU(negative_slope={slope})" in msg
-    else:
-        assert err <= 5 * max(err_auto, EPS32)
+    # mixed mode keeps Phase II's cotangent at the keep points: no warning is needed, and
+    # the gradient meets the target itself (measured <= 1.9x)
+    assert not caught, [str(c.message) for c in caught]
+    assert err <= 5 * max(err_auto, EPS32)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
