@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test lint install install-dev bench-baselines bench-gpu report clean
+.PHONY: demo test lint install install-dev bench-baselines bench-gpu report clean fuzz
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,17 @@ test: install-dev
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+
+# The engine fuzz test's long profile (issue 30): 2,000 drawn models, every engine against
+# autograd. FUZZ_COLLECT=1 logs every failure and goes on (the summary counts them);
+# FUZZ_COLLECT=0 stops at the first and lets Hypothesis shrink it. Fails on any new failure.
+FUZZ_LOG ?= build/fuzz-log.jsonl
+FUZZ_COLLECT ?= 1
+fuzz: install-dev
+	@mkdir -p $(dir $(FUZZ_LOG)) && rm -f $(FUZZ_LOG)
+	HYPOTHESIS_PROFILE=fuzz FUZZ_LOG=$(FUZZ_LOG) FUZZ_COLLECT=$(FUZZ_COLLECT) \
+	  $(PY) -m pytest -q tests/engines/test_fuzz.py; rc=$$?; \
+	  $(PY) tests/fuzz_models.py summarize $(FUZZ_LOG) || rc=1; exit $$rc
 
 bench-baselines: install
 	$(VENV)/bin/leangrad bench baselines --quick --out results
