@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers._bits import PackedBits, pack_bits, unpack_bits, unpack_nonzero
+from .layers._functorch import plain_ops
 from .rad._relu import BitReLU, LeanAdaptiveAvgPool2d, LeanAvgPool2d
 
 __all__ = [
@@ -58,6 +59,8 @@ class BitLeakyReLU(nn.LeakyReLU):
     """``nn.LeakyReLU`` keeping its derivative as 1 bit per element (exact)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if plain_ops():  # torch.func transforms: the same op, nothing saved anyway
+            return F.leaky_relu(x, self.negative_slope)
         return _BitLeakyReLUFn.apply(x, self.negative_slope)
 
 
@@ -86,6 +89,8 @@ class BitDropout(nn.Dropout):
             return x
         if self.p == 1:
             return torch.zeros_like(x)
+        if plain_ops():  # torch.func transforms: nn.Dropout's call (the engines replay its mask)
+            return F.dropout(x, self.p, True)
         return _BitDropoutFn.apply(x, self.p)
 
 

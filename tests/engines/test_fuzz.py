@@ -36,38 +36,12 @@ from leangrad.engines import Backprop
 
 # --- failures tolerated until their fix lands (the coordinator removes entries) ----------
 
-K = fm.Known
-_FORWARD_MODE = ("forward", "projforward")
-_CUSTOM_FN = frozenset({"act-bits.relu", "act-bits.leaky", "act-rad.relu", "bits-dropout",
-                        "pool", "rad-layer"})  # fmt: skip
-_WRONG = frozenset({"grad-value", "grad-none", "loss", "buffer", "rng", "input-grad"})
-
 KNOWN_FAILURES: list[fm.Known] = [
-    # F1 (/tmp/fuzz_findings.md, NEW): Dropout on a channels-last activation draws its mask
-    # in another layout than autograd under forward / projforward: wrong loss, gradients
-    # and BatchNorm statistics.
-    K("NEW-F1", _FORWARD_MODE, _WRONG, features=frozenset({"dropout", "channels-last"})),
-    # F2 (NEW): moonwalk+fad with dropout in the stem: the stem's draw is not replayed,
-    # silently wrong chain-layer gradients and the RNG off.
-    K("NEW-F2", ("moonwalk+fad",), _WRONG, features=frozenset({"dropout"})),
-    # F3 (NEW): the rad transform re-randomizes rad layers the user already placed
-    # (fraction and generator replaced): the global RNG advances differently.
-    K("NEW-F3", ("rad", "checkpoint+rad", "moonwalk+rad", "fad+rad"), _WRONG,
-      features=frozenset({"rad-layer"})),
-    # F4 (NEW, class-6 kind): leangrad's custom autograd.Functions (bits / rad layers) have
-    # no setup_context, so forward-mode engines fail inside functorch and wrap PyTorch's
-    # error as "the model's forward failed".
-    K("NEW-F4", _FORWARD_MODE, frozenset({"wrapped-torch-error"}), any_features=_CUSTOM_FN,
-      detail="setup_context"),
-    # F5 (NEW, class-6 kind): pure Moonwalk runs the head / a parameter-free stem under
-    # functorch: the same Functions (and fad.elementwise's backward) raise PyTorch errors
-    # unwrapped.
-    K("NEW-F5", ("moonwalk",), frozenset({"non-leangrad-error"}),
-      detail="setup_context|forward AD with"),
-    # F6 (NEW, class-6 kind): rad layers (RandLinear, RandConv2d) under forward-mode engines hit a
-    # data-dependent op inside vmap; wrapped as "the model's forward failed".
-    K("NEW-F6", _FORWARD_MODE, frozenset({"wrapped-torch-error"}),
-      features=frozenset({"rad-layer"}), detail="DataDependentOutput|_local_scalar_dense"),
+    # Empty: F1-F6, the defects this test found beyond issue 30's nine classes (dropout
+    # masks in another layout under forward mode, a random stem under moonwalk+fad, the rad
+    # transform re-randomizing the user's rad layers, leangrad's own autograd.Functions
+    # and rad layers under functorch), are fixed; tests/engines/test_fuzz_findings.py holds
+    # their regression tests and REGRESSIONS below the examples that found them.
 ]
 
 # --- every failure the fuzzer found, kept as a regression example -----------------------

@@ -220,12 +220,22 @@ class StemRun:
 def head_backward(
     engine: str, chain: Chain, x_last: torch.Tensor, loss_fn: LossFn, sink: GradSink
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and the chain output's cotangent h_L (head parameters get their grads)."""
+    """Loss and the chain output's cotangent h_L (head parameters get their grads).
+
+    The head runs on a leaf made from the chain's output; a head that writes its input in
+    place (``nn.Dropout(inplace=True)``, ``nn.ReLU(inplace=True)`` first) gets its own
+    copy instead, as a leaf that requires grad cannot be written in place."""
     xl = x_last.detach().requires_grad_(True)
+    head_in = xl.clone() if _writes_in_place(chain.head) else xl
     with torch.enable_grad():
-        loss = check_loss(loss_fn(run_forward(engine, chain.head, (xl,))))
+        loss = check_loss(loss_fn(run_forward(engine, chain.head, (head_in,))))
     forward_end()
     with sink.hooks(chain, chain.head):
         loss.backward()
     assert xl.grad is not None
     return loss.detach(), xl.grad
+
+
+def _writes_in_place(module: nn.Module) -> bool:
+    """A submodule of ``module`` was built with ``inplace=True`` (dropout, activations)."""
+    return any(getattr(m, "inplace", False) is True for m in module.modules())

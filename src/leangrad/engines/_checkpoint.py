@@ -9,7 +9,10 @@ The blocks come from :func:`leangrad.blocks`: an ``nn.Sequential`` (or a module 
 ``checkpoint_blocks()``) is a sequence of blocks, split into segments; a model written
 the ordinary way (a class with its own ``forward``) is run as written, with each of its
 repeated blocks (a transformer's layers, a ResNet's residual blocks) checkpointed on its
-own — inside a copy of the model that shares its tensors.
+own — inside a copy of the model that shares its tensors. The wrapper around each block
+takes whatever arguments the model's code passes (Hugging Face blocks take
+``attention_mask=...``), returns the block's output unchanged and answers attribute reads
+for the block (``UNet2DModel`` reads ``block.resnets``).
 
 With ``trace=True`` a checkpointed block runs as torch.fx code where that is safe:
 generated code drops each intermediate at its last use, while a Python ``forward`` keeps
@@ -41,13 +44,14 @@ from .. import _errors as errors
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
 from ._blocks import Blocks, blocks
-from ._prepare import PreparedCache, share_copy
+from ._generators import generator_replay
+from ._prepare import PreparedCache, Wrapper, share_copy
 from ._registry import register
 from ._segments import auto_segments, block_sizes
 from ._time_chunks import BAD_TIME_CHUNKS, chunk_recurrent, fused_recurrent, unchunkable
 
 __all__ = ["BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint", "model_blocks",
-           "split_segments", "traced"]  # fmt: skip
+           "split_segments", "trace_block", "traced", "untraceable_signature"]  # fmt: skip
 
 BAD_SEGMENTS = (
     "segments must be a positive int, 'sqrt', 'auto' or None (one per block), got {value!r}"
@@ -75,34 +79,65 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
 
 def traced(block: nn.Module) -> nn.Module:
     """``block`` as torch.fx code, which drops every intermediate at its last use; the
-    block itself where that is not safe:
+    block itself where that is not safe (:func:`trace_block` says why)."""
+    return trace_block(block)[0]
 
-    - fx cannot trace it (data-dependent Python), or it is fx code already;
+
+def trace_block(block: nn.Module) -> tuple[nn.Module, str | None]:
+    """``(module, why not)``: ``block`` as torch.fx code and ``None``, or ``block`` itself
+    and the reason it runs as written:
+
+    - fx cannot trace it (data-dependent Python; every Hugging Face block), or it is fx
+      code already;
     - its ``forward`` takes optional or variadic arguments (a default would be baked in);
     - tracing had a Python side effect — it changed a module attribute that is not a
       tensor (a counter, a cache), a generator a module holds (a layer drawing its own
       seed, as ``leangrad.rad``'s do), or the global RNGs (torch, ``random``, numpy):
       the trace would replay that effect's result forever instead of running it.
 
+    A block that cannot be traced never fails the step: it runs as written, and the other
+    blocks are still traced (``leangrad.explain`` lists which ran how, and why).
+
     The traced module shares the block's submodules, parameters and buffers. What tracing
     reads once — ``self.training``, flags and numbers held by the modules — is the key
     :class:`_Traced` traces under, so a changed flag or mode never runs a stale trace."""
     if isinstance(block, fx.GraphModule):
-        return block
-    try:
-        sig = inspect.signature(block.forward)
-    except (TypeError, ValueError):
-        return block
-    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if any(p.kind not in plain or p.default is not p.empty for p in sig.parameters.values()):
-        return block
+        return block, None
+    if (why := untraceable_signature(block)) is not None:
+        return block, why
     before = _python_state(block)
     try:
         with _undo_side_effects(block) as after:
             gm = fx.symbolic_trace(block)
-    except Exception:  # any Python fx cannot trace: run the block as written
-        return block
-    return gm if after == [before] else block
+    except Exception as err:  # any Python fx cannot trace: run the block as written
+        first = (str(err).strip().splitlines() or [""])[0][:120]
+        return block, f"torch.fx cannot trace it ({type(err).__name__}: {first})"
+    if after != [before]:
+        return block, (
+            "tracing it had a Python side effect (a module attribute, a "
+            "generator or a global RNG changed), which a trace would replay"
+        )
+    return gm, None
+
+
+def untraceable_signature(module: nn.Module) -> str | None:
+    """Why ``torch.fx.symbolic_trace(module)`` would be unsafe from ``module.forward``'s
+    signature alone, or ``None``: an optional argument becomes a placeholder that the
+    trace treats as given (``if attention_mask is not None`` is taken for good, and the
+    default flows into the ops when a caller leaves it out), and variadic ones are not
+    traced — every Hugging Face block and model takes such arguments."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return "its forward has no Python signature fx could trace"
+    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    loose = [p.name for p in sig.parameters.values()
+             if p.kind not in plain or p.default is not p.empty]  # fmt: skip
+    if not loose:
+        return None
+    shown = ", ".join(loose[:4]) + (", ..." if len(loose) > 4 else "")
+    return (f"its forward takes optional or variadic arguments ({shown}), which a trace "
+            "would take as given")  # fmt: skip
 
 
 def _attrs(block: nn.Module) -> tuple[Any, ...]:
@@ -197,7 +232,10 @@ class Checkpoint(Engine):
             :mod:`leangrad.engines._segments`). Every segment but the last is checkpointed: the
             last one's activations are the first the backward pass needs, so
             recomputing them would cost time and save no peak memory
-            (as ``torch.utils.checkpoint.checkpoint_sequential``).
+            (as ``torch.utils.checkpoint.checkpoint_sequential``). A model run as written
+            has every block checkpointed, the last one too: a final norm, the head and
+            the loss come after it, and its saved tensors would sit beside theirs (as
+            ``gradient_checkpointing_enable()`` of Hugging Face models does).
         blocks: names of the blocks to checkpoint (every one of them; see
             :func:`leangrad.blocks`).
         trace: run each checkpointed block as torch.fx code where that is safe
@@ -307,14 +345,16 @@ class Checkpoint(Engine):
 
     def _checkpointed(self, found: Blocks) -> list[str]:
         """Names of the blocks that are recomputed: every segment but the last of a
-        sequence; every block but the last registered one of a model run as written;
-        every block named by ``blocks=``."""
+        sequence (the last one's activations are the first the backward pass needs);
+        every block of a model run as written, and every block named by ``blocks=``."""
         if found.sequential:
             groups = self._groups(len(found.names))
             return [found.names[j] for group in groups[:-1] for j in group]
-        if self.block_names is not None:  # named by the user: every one of them
-            return list(found.names)
-        return list(found.names[:-1])
+        # A model run as written has more after its blocks (a final norm, the head, the
+        # loss), whose saved tensors coexist with the last block's at the end of the
+        # forward: checkpointing that block too lowers the peak (GPT-2, Llama; as
+        # gradient_checkpointing_enable() does), unlike the last segment of a sequence.
+        return list(found.names)
 
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every module of the checkpointed blocks: recomputed during the backward pass."""
@@ -374,7 +414,8 @@ class Checkpoint(Engine):
                 seg = _Segment([mods[j] for j in group])
                 args = xs if i == 0 else (out,)
                 if i < len(groups) - 1:
-                    out = checkpoint(seg, *args, use_reentrant=False)
+                    out = checkpoint(seg, *args, use_reentrant=False,
+                                     context_fn=generator_replay(seg.blocks))  # fmt: skip
                 else:
                     out = seg(*args)
             return out
@@ -396,20 +437,22 @@ class Checkpoint(Engine):
         return new
 
 
-class _Checkpointed(nn.Module):
-    """A block whose activations are recomputed in the backward pass (any arguments),
-    run as its fx trace where that is safe (``trace``; keyword arguments: as written)."""
+class _Checkpointed(Wrapper):
+    """A block whose activations are recomputed in the backward pass (any positional and
+    keyword arguments, its output as it returns it, its attributes readable through the
+    wrapper), run as its fx trace where that is safe (``trace``; called with keyword
+    arguments: as written)."""
 
     def __init__(self, inner: nn.Module, *, trace: bool) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self._traced = _Traced(inner) if trace else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         run = self._traced() if self._traced is not None and not kwargs else self.inner
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        replay = generator_replay([self.inner])  # layers' own generators, rewound
+        return checkpoint(run, *args, use_reentrant=False, context_fn=replay, **kwargs)
 
 
 class _Segment:

@@ -16,6 +16,7 @@ from torch.func import jvp, vmap
 from .. import _errors as errors
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
 from ._contract import RngReplay, forward_end, refuse_non_finite, used_parameters
+from ._dropout import DropoutTape, replayed
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
@@ -60,8 +61,12 @@ class Forward(Engine):
     ) -> StepResult:
         refuse_non_finite(self.label, inputs)
         # Parameters the loss does not use keep .grad None, as under autograd.
-        params = used_parameters(model, inputs, loss_fn, params, self._run, real=True)
-        f = pure_loss(self.label, model, inputs, loss_fn, params)
+        # The real forward records autograd's dropout masks; every chunk replays them.
+        tape = DropoutTape(self.label)
+        params = used_parameters(
+            model, inputs, loss_fn, params, tape.recording(self._run), real=True
+        )
+        f = replayed(tape, pure_loss(self.label, model, inputs, loss_fn, params))
         primals = {n: p.detach() for n, p in params.items()}
         bufs = BatchedBuffers(model)
         rng = RngReplay(inputs)  # every chunk draws autograd's dropout masks

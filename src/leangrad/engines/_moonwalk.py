@@ -83,6 +83,7 @@ from ._chain_run import (
 )
 from ._checkpoint import split_segments
 from ._contract import RngReplay, batch_coupling, forward_end, random_module, used_parameters
+from ._dropout import DropoutTape
 from ._registry import register
 
 __all__ = ["NEEDS_FRAGMENT", "NO_FRAGMENT_RULE", "Moonwalk", "Seed"]
@@ -115,6 +116,7 @@ STEM_CHUNKS_UNUSED = (
     "(v2 section 4.3) needs a mixed-mode chain whose first layer's vijp ignores its input "
     "and a stem that takes no gradient (e.g. parameter-free, or frozen)"
 )
+RANDOM_DRAW = "a random draw (such as F.dropout) that no module type shows"
 AUTO_STEM_CHUNKS = 4
 """``stem_chunks="auto"``: the measured best of the ``moonwalk-v2-cnn`` suite."""
 AUTO_ONE_CHUNK = (
@@ -370,8 +372,11 @@ class Moonwalk(Engine):
         keep = self._precision_keep(layers, inputs)
         warn_vijp_precision(self.label, layers, inputs, kept=keep)  # pure mode: no keeping
         if self.mode == "pure":  # forward mode sees no graph: refuse a model-free loss first
+            # (a real forward: fake tensors fail on a layer's .item(), e.g. rad's seed draw,
+            # and the engine's failure would hide which layer cannot run under forward mode)
             used_parameters(
-                model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs)
+                model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs),
+                real=True,
             )
         seed = self._seed(layers, stem, loss_fn, sink, seed_h1=seed_h1, keep=keep)
         x_last = self._phase_three(layers[seed.start :], seed, sink)
@@ -450,22 +455,41 @@ class Moonwalk(Engine):
         # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
         # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
         with torch.no_grad():
+            x1, chunks, chunk_info = self._x1(stem, layers[0], chunks, chunk_info)
             loss, h1, kept = self._phase_one_two(
-                chain,
-                layers[1:],
-                torch.cat([
-                    run_forward(self.label, layers[0], (stem.on_chunk(a, b),))
-                    for a, b in stem.chunks(chunks)
-                ]),
-                loss_fn,
-                sink,
-                keep=keep,
+                chain, layers[1:], x1, loss_fn, sink, keep=keep
             )  # fmt: skip
         info = {**self._kept_info(kept), **chunk_info}
         x = self._first_layer(stem, layers[0], h1, sink, chunks=chunks)
         state = [x, h1]
         del x, h1  # Phase III owns them now and frees each as soon as it is used
         return Seed(loss=loss, start=1, state=state, kept=kept, info=info)
+
+    def _x1(
+        self, stem: StemRun, layer: ChainLayer, chunks: int, info: dict[str, Any]
+    ) -> tuple[torch.Tensor, int, dict[str, Any]]:
+        """x₁ = f₁(stem(x)), the stem run in ``chunks`` batch chunks; returns x₁ and the
+        chunks and ``info`` that apply. A stem (or first layer) that draws random numbers
+        the module check cannot see — ``F.dropout`` in a forward, a dropout that a
+        transform turned into a traced function (issue 30, fuzz finding F2) — moves the RNG
+        on the first chunk: chunks would draw other masks than autograd's one run, so the
+        stream is rewound and the batch run whole (``"auto"``) or the option refused."""
+        ranges = stem.chunks(chunks)
+        first = run_forward(self.label, layer, (stem.on_chunk(*ranges[0]),))
+        if len(ranges) == 1:
+            return first, chunks, info
+        if _rng_moved(stem):
+            del first
+            if self.stem_chunks != "auto":
+                raise errors.EngineInputError(STEM_CHUNKS_COUPLED.format(
+                    chunks=self.stem_chunks, where="stem or first chain layer",
+                    module=RANDOM_DRAW))  # fmt: skip
+            _rewind(stem)
+            x1 = run_forward(self.label, layer, (stem.on_chunk(0, ranges[-1][1]),))
+            note = AUTO_ONE_CHUNK.format(where="stem or first chain layer", module=RANDOM_DRAW)
+            return x1, 1, {"stem_chunks": 1, "stem_chunks_note": note}
+        rest = [run_forward(self.label, layer, (stem.on_chunk(a, b),)) for a, b in ranges[1:]]
+        return torch.cat([first, *rest]), chunks, info
 
     # -- Phase I + II: h0 through minimal residuals ------------------------------
     def _phase_one_two(
@@ -543,7 +567,11 @@ class Moonwalk(Engine):
         vmap does not support. Without ``per_example``, the head (dropout included) runs
         in every chunk and again for its backward; each run starts from the RNG state of
         the first, so all draw the masks one autograd forward draws: the returned
-        :class:`RngReplay` rewinds the stream before the head's backward."""
+        :class:`RngReplay` rewinds the stream before the head's backward. The masks are
+        recorded on one real forward from x₀ in its own layout and replayed under the
+        transforms (:class:`DropoutTape`): vmap would draw them in another memory layout
+        (issue 30, fuzz finding F1)."""
+        x_own = x0
         x0 = x0.contiguous()
 
         def run_body(x: torch.Tensor) -> torch.Tensor:
@@ -570,8 +598,15 @@ class Moonwalk(Engine):
         def full(x: torch.Tensor) -> torch.Tensor:
             return check_loss(loss_fn(chain.head(run_body(x))), needs_graph=False)
 
+        tape = DropoutTape(self.label)
+        cuda = [x0.device] if x0.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            tape.recording(lambda fn, xs: fn(*xs))(full, (x_own,))
+        del x_own
+
         def along_full(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            value, slope = jvp(full, (x0,), (v.reshape(x0.shape),))[:2]
+            with tape.replaying():
+                value, slope = jvp(full, (x0,), (v.reshape(x0.shape),))[:2]
             return value, slope  # (J, ∂J/∂x₀ · v)
 
         rng = RngReplay([x0])
@@ -645,6 +680,21 @@ class Moonwalk(Engine):
             kept[i] = None
             x = self._apply(layer, x, h, sink)
         return x
+
+
+def _rng_moved(stem: StemRun) -> bool:
+    """Whether the RNG streams moved since ``stem`` was created (something drew)."""
+    if not torch.equal(torch.get_rng_state(), stem.cpu_state):
+        return True
+    return any(not torch.equal(torch.cuda.get_rng_state(d), s)
+               for d, s in zip(stem.devices, stem.cuda_states, strict=True))  # fmt: skip
+
+
+def _rewind(stem: StemRun) -> None:
+    """Put the RNG streams back where they were when ``stem`` was created."""
+    torch.set_rng_state(stem.cpu_state)
+    for d, s in zip(stem.devices, stem.cuda_states, strict=True):
+        torch.cuda.set_rng_state(s, d)
 
 
 def _storage_bytes(kept: list[Any]) -> int:

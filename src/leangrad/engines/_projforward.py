@@ -20,6 +20,7 @@ from torch.func import vmap
 
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
 from ._contract import RngReplay, forward_end, refuse_non_finite, used_parameters
+from ._dropout import DropoutTape, replayed
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 from ._registry import register
 
@@ -112,11 +113,12 @@ class ProjForward(Engine):
         for t in params.values():
             self._generator(t.device)
         refuse_non_finite(self.label, inputs)
-        # Parameters the loss does not use keep .grad None, as under autograd.
-        params = used_parameters(
-            model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs)
-        )
-        f = pure_loss(self.label, model, inputs, loss_fn, params)
+        # Parameters the loss does not use keep .grad None, as under autograd. The real
+        # forward also records autograd's dropout masks, which every chunk replays.
+        tape = DropoutTape(self.label)
+        run = tape.recording(lambda fn, xs: run_forward(self.label, fn, xs))
+        params = used_parameters(model, inputs, loss_fn, params, run, real=True)
+        f = replayed(tape, pure_loss(self.label, model, inputs, loss_fn, params))
         primals = {n: p.detach() for n, p in params.items()}
         bufs = BatchedBuffers(model)
         rng = RngReplay(inputs)  # every chunk draws autograd's dropout masks

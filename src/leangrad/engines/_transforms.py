@@ -9,12 +9,18 @@ autograd (see :mod:`leangrad.engines._compose` for how they combine with engines
 - ``bits``: exact 1-bit masks and pooling that keeps nothing (:mod:`leangrad.bits`).
 
 Each ``apply(module)`` returns a transformed module sharing ``module``'s tensors, and a
-report of what changed and what was left alone, and why.
+report of what changed and what was left alone, and why. The transformed module stands
+where ``module`` stood, so it takes the same positional and keyword arguments, returns
+the same output type (a ``ModelOutput``, a tuple, a dict) and keeps ``module``'s
+attributes (a parent's ``forward`` may read them): rad and bits return ``module``'s own
+copy with layers swapped inside; fad a :class:`~._prepare.Wrapper` running the eager mode
+or the fx pass's code, whose attribute reads reach ``module``.
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import inspect
 import warnings
 from typing import Any, ClassVar, cast
@@ -25,7 +31,8 @@ from torch import nn
 from .. import _errors as errors
 from ._base import Engine
 from ._blocks import blocks as find_blocks
-from ._prepare import share_copy
+from ._checkpoint import untraceable_signature
+from ._prepare import Wrapper, share_copy
 
 __all__ = [
     "BAD_FAD_MODE",
@@ -94,15 +101,21 @@ class RadTransform(Transform):
     def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         from .. import rad
 
-        wrapped = nn.Sequential(share_copy(module))  # randomize swaps children, not the root
-        opts = {**self.options, "seed": None}
+        holder = nn.Sequential(share_copy(module))  # randomize swaps children, not the root
+        # layers the user randomized are the user's estimators, on the user's streams:
+        # they keep their settings and generators (issue 30, fuzz finding F3)
+        before = list(holder.modules())  # held: a replaced module's id must not be reused
+        theirs = {id(m) for m in before}
+        opts = {**self.options, "seed": None, "keep_randomized": True}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the report lists what stayed exact
-            report = rad.randomize(wrapped, **opts)
-        for m in wrapped.modules():
-            if hasattr(m, "generator"):
+            report = rad.randomize(holder, **opts)
+        out = holder[0]  # the copy itself (or its root's replacement): no wrapper
+        for m in out.modules():
+            if hasattr(m, "generator") and id(m) not in theirs:
                 cast(Any, m).generator = self.generator
-        return wrapped, {
+        del before
+        return out, {
             "swapped": {k.removeprefix("0."): v for k, v in report.swapped.items()},
             "left_exact": [k.removeprefix("0.") for k in report.left_exact],
         }
@@ -134,6 +147,15 @@ class FadTransform(Transform):
         from .. import fad
 
         mode, min_ops = self.options["mode"], self.options["min_ops"]
+        if mode != "eager" and (why := untraceable_signature(module)) is not None:
+            # fx would trace it wrong, not fail: the fx pass is not tried
+            if mode == "fx":
+                raise fad.FadTraceError(f"fad mode='fx' on {type(module).__name__}: {why}; "
+                                        "use mode='auto' (the eager mode there)")  # fmt: skip
+            reason = f"{type(module).__name__}: {why}"
+            per_block = self._per_block(module)
+            return per_block if per_block is not None else (
+                _Nested(module), {"used": "eager", "why": reason})  # fmt: skip
         if mode != "eager":
             try:
                 gm = fad.nest(share_copy(module), min_ops=min_ops)
@@ -145,7 +167,8 @@ class FadTransform(Transform):
                 if per_block is not None:
                     return per_block
             else:
-                return gm, _fad_report(gm)
+                # the fx code runs; attribute reads reach the module as written
+                return _FxCode(gm, module), _fad_report(gm)
         else:
             reason = "mode='eager'"
         return _Nested(module), {"used": "eager", "why": reason}
@@ -203,27 +226,87 @@ def _fad_report(gm: Any) -> dict[str, Any]:
 
 
 def _tree_map(fn: Any, out: Any) -> Any:
+    """``out`` with ``fn`` applied to every tensor in it, its containers of the same types:
+    a named tuple stays one, a ``dict`` subclass (``transformers``' ``ModelOutput``,
+    ``diffusers``' ``BaseOutput``) is copied and its items set, so ``out.logits`` still
+    reads what ``out["logits"]`` holds."""
     if isinstance(out, torch.Tensor):
         return fn(out)
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*(_tree_map(fn, o) for o in out))
     if isinstance(out, (tuple, list)):
         return type(out)(_tree_map(fn, o) for o in out)
     if isinstance(out, dict):
-        return {k: _tree_map(fn, v) for k, v in out.items()}
+        items = {k: _tree_map(fn, v) for k, v in out.items()}
+        if type(out) is dict:
+            return items
+        new = copy.copy(out)
+        for k, v in items.items():
+            new[k] = v
+        return new
     return out
 
 
-class _Nested(nn.Module):
-    """Runs a module under ``fad.nested()`` (the eager mode, for untraceable modules)."""
+class _FxCode(Wrapper):
+    """fad's fx code standing in for ``module``: attribute reads reach ``module``, and an
+    output fx's code returns as a plain ``dict`` (it rebuilds every dict it traced as one)
+    is handed back as the type ``module`` returns (a ``ModelOutput``-like dict subclass)."""
 
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
+    def __init__(self, gm: Any, module: nn.Module) -> None:
+        super().__init__(gm, looks_like=module)
+        self.__dict__["_out_type"] = _dict_output_type(gm, module)
 
-    def forward(self, *xs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        kind = self.__dict__["_out_type"]
+        if kind is None or type(out) is not dict:
+            return out
+        try:
+            return kind(**out)
+        except TypeError:
+            return kind(out)
+
+
+def _dict_output_type(gm: Any, module: nn.Module) -> type | None:
+    """The ``dict`` subclass ``module`` returns where its fx code returns a plain dict
+    (found by tracing it once more, recording the output object); ``None`` otherwise."""
+    from torch import fx
+
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if not isinstance(out_node.args[0], dict):
+        return None
+
+    class Recorder(fx.Tracer):
+        depth = 0
+        last: Any = None
+
+        def create_arg(self, a: Any) -> Any:
+            if self.depth == 0:
+                self.last = a  # the last top-level argument is the output
+            self.depth += 1
+            try:
+                return super().create_arg(a)
+            finally:
+                self.depth -= 1
+
+    rec = Recorder()
+    try:
+        rec.trace(module)
+    except Exception:  # fad.nest traced it already; should this fail, keep the dict
+        return None
+    kind = type(rec.last)
+    return kind if isinstance(rec.last, dict) and kind is not dict else None
+
+
+class _Nested(Wrapper):
+    """Runs a module under ``fad.nested()`` (the eager mode, for untraceable modules),
+    with any positional and keyword arguments, its output of the same type."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         from .. import fad
 
         with fad.nested():
-            out = self.inner(*xs)
+            out = self.inner(*args, **kwargs)
             # A chain value leaving the block would reach the loss after the mode ended
             # (its derivative never attached): pass each output tensor through one
             # non-element-wise op inside the block.
@@ -247,9 +330,11 @@ class BitsTransform(Transform):
     def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         from .. import bits
 
-        wrapped = nn.Sequential(share_copy(module))  # the root may itself be a ReLU
-        report = bits.swap(wrapped)
-        return wrapped, {"swapped": {k.removeprefix("0."): v for k, v in report.swapped.items()}}
+        holder = nn.Sequential(share_copy(module))  # the root may itself be a ReLU
+        report = bits.swap(holder)
+        # the copy itself (or its root's replacement), not the holder: the module keeps its
+        # type, attributes, arguments and output for the code that calls it
+        return holder[0], {"swapped": {k.removeprefix("0."): v for k, v in report.swapped.items()}}
 
 
 TRANSFORMS: dict[str, type[Transform]] = {

@@ -153,5 +153,6 @@ class RandConv2d(nn.Conv2d):
                 )  # fmt: skip
             x = x.unsqueeze(0)
         opts = (_pair(self.stride), _pair(self.padding), _pair(self.dilation), self.groups)
-        out = _RandConvFn.apply(x, self.weight, self.bias, opts, spec, draw_seed(self.generator))
+        seed = draw_seed(self.generator, layer=type(self).__name__)
+        out = _RandConvFn.apply(x, self.weight, self.bias, opts, spec, seed)
         return out.squeeze(0) if unbatched else out

@@ -42,6 +42,13 @@ UNSUPPORTED_WARNING = (
     "randomize left {count} layer(s) exact (no randomized version): {names}; "
     "their saved activations are not reduced"
 )
+UNDER_TRANSFORM = (
+    "{layer}: a randomized layer estimates its weight gradient in autograd's backward pass, "
+    "which a torch.func transform (vmap/jvp: the engines forward and projforward, Moonwalk's "
+    "pure mode) never runs, so it would not give the layer's estimate; use an engine that "
+    "runs autograd's backward (backprop, checkpoint, rad, moonwalk mode='mixed'), or the "
+    "exact layer (nn.Linear, nn.Conv2d, ...)"
+)
 UNSTABLE_STEP = (
     "FTCS is unstable: D*dt/dx^2 = {ratio:.6g} > 1/4 (D={D}, dt={dt}, dx={dx}); "
     "take more time steps (dt <= {dt_max:.6g}) or a coarser grid"

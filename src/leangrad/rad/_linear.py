@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers._functorch import plain_ops
 from . import _errors as errors
 from ._sampling import SampleSpec, draw_seed, make_generator
 
@@ -77,10 +78,13 @@ def rand_linear(
 
     Raises:
         RadInputError: ``spec`` is not a :class:`SampleSpec`, ``x``'s last dimension is not
-            the weight's ``in_features``, or mode ``"different"`` gets no batch dimension.
+            the weight's ``in_features``, mode ``"different"`` gets no batch dimension, or
+            it runs under a ``torch.func`` transform (which never runs the estimator).
     """
     if not isinstance(spec, SampleSpec):
         raise errors.RadInputError(errors.NOT_A_SPEC.format(type=type(spec).__name__))
+    if plain_ops():  # its estimator lives in autograd's backward, which transforms never run
+        raise errors.RadInputError(errors.UNDER_TRANSFORM.format(layer=layer))
     features = weight.shape[-1]
     if x.dim() == 0 or x.shape[-1] != features:
         raise errors.RadInputError(errors.BAD_INPUT.format(
@@ -152,7 +156,8 @@ class RandLinear(nn.Linear):
         return f"{super().extra_repr()}, {opts}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = type(self).__name__
         return rand_linear(
-            x, self.weight, self.bias, spec=self.spec, seed=draw_seed(self.generator),
-            layer=type(self).__name__,
+            x, self.weight, self.bias, spec=self.spec, seed=draw_seed(self.generator, layer=name),
+            layer=name,
         )  # fmt: skip

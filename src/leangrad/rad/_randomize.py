@@ -83,6 +83,7 @@ def randomize(
     mode: str = "different",
     replace: bool = False,
     seed: int | None = None,
+    keep_randomized: bool = False,
 ) -> RandomizeReport:
     """Swap ``model``'s supported layers for RAD layers, in place, sharing their weights.
 
@@ -92,7 +93,9 @@ def randomize(
     ``nn.AvgPool2d`` / ``nn.AdaptiveAvgPool2d`` -> pooling that saves nothing.
     Other leaf layers stay exact and are listed in a ``UserWarning`` and the report.
     Layers randomized by an earlier call take this call's settings (``fraction``,
-    ``mode``, ``replace``, ``seed``), so the report always describes what the model does.
+    ``mode``, ``replace``, ``seed``), so the report always describes what the model does —
+    unless ``keep_randomized``: then they keep their own (the ``rad`` engine's choice: a
+    layer the user randomized is the user's estimator, and draws from the user's stream).
 
     Args:
         model: the model to modify (not its root: wrap a bare layer in ``nn.Sequential``).
@@ -102,6 +105,7 @@ def randomize(
         replace: sample with replacement (the paper) instead of without.
         seed: seeds one generator shared by all swapped layers; ``None`` uses torch's
             global RNG.
+        keep_randomized: leave layers randomized before (settings and generator) alone.
 
     Returns:
         A :class:`RandomizeReport`.
@@ -118,7 +122,7 @@ def randomize(
     swapped: dict[str, str] = {}
     left: list[str] = []
     if isinstance(model, _RANDOMIZED):  # a randomized layer as the root: nothing to swap
-        if hasattr(model, "spec"):
+        if hasattr(model, "spec") and not keep_randomized:
             model.spec, model.generator = spec, gen
             swapped["<root>"] = f"{type(model).__name__} (settings replaced)"
         return RandomizeReport(swapped, left, spec.fraction, spec.mode, spec.replace)
@@ -131,7 +135,7 @@ def randomize(
                 setattr(parent, name, new)
                 swapped[full] = f"{type(child).__name__} -> {type(new).__name__}"
             elif isinstance(child, _RANDOMIZED):
-                if hasattr(child, "spec"):  # randomized before: it takes the new settings
+                if hasattr(child, "spec") and not keep_randomized:  # takes the new settings
                     child.spec, child.generator = spec, gen
                     swapped[full] = f"{type(child).__name__} (settings replaced)"
             elif next(child.children(), None) is None:

@@ -86,11 +86,11 @@ class RandRNNCell(nn.RNNCell):
             hx = x.new_zeros(*x.shape[:-1], self.hidden_size)
         name = type(self).__name__
         pre = rand_linear(
-            x, self.weight_ih, self.bias_ih, spec=self.spec, seed=draw_seed(self.generator),
-            layer=name,
+            x, self.weight_ih, self.bias_ih, spec=self.spec,
+            seed=draw_seed(self.generator, layer=name), layer=name,
         ) + rand_linear(
-            hx, self.weight_hh, self.bias_hh, spec=self.spec, seed=draw_seed(self.generator),
-            layer=name,
+            hx, self.weight_hh, self.bias_hh, spec=self.spec,
+            seed=draw_seed(self.generator, layer=name), layer=name,
         )  # fmt: skip
         if self.nonlinearity == "relu":
             return _BitReLUFn.apply(pre)
@@ -190,11 +190,11 @@ class RandGRUCell(nn.GRUCell):
             hx = x.new_zeros(*x.shape[:-1], self.hidden_size)
         name = type(self).__name__
         gi = rand_linear(
-            x, self.weight_ih, self.bias_ih, spec=self.spec, seed=draw_seed(self.generator),
-            layer=name,
+            x, self.weight_ih, self.bias_ih, spec=self.spec,
+            seed=draw_seed(self.generator, layer=name), layer=name,
         )  # fmt: skip
         gh = rand_linear(
-            hx, self.weight_hh, self.bias_hh, spec=self.spec, seed=draw_seed(self.generator),
-            layer=name,
+            hx, self.weight_hh, self.bias_hh, spec=self.spec,
+            seed=draw_seed(self.generator, layer=name), layer=name,
         )  # fmt: skip
         return _GRUGatesFn.apply(gi, gh, hx)

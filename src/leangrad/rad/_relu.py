@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers._bits import PackedBits, pack_bits, unpack_nonzero
+from ..layers._functorch import plain_ops
 from . import _errors as errors
 
 __all__ = ["BitReLU", "LeanAdaptiveAvgPool2d", "LeanAvgPool2d"]
@@ -42,6 +43,7 @@ class BitReLU(nn.Module):
     """``relu(x)`` saving its derivative as a bit-packed mask: ``ceil(numel/8)`` bytes.
 
     Exact (forward and gradient); 32x less saved memory than a float32 activation.
+    Under ``torch.func`` transforms (which save nothing) it is ``torch.relu``.
     """
 
     def __init__(self, inplace: bool = False) -> None:
@@ -49,6 +51,8 @@ class BitReLU(nn.Module):
         del inplace  # the output is always a new tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if plain_ops():  # torch.func transforms: the same op, nothing saved anyway
+            return torch.relu(x)
         return _BitReLUFn.apply(x)
 
 
@@ -104,6 +108,8 @@ class LeanAvgPool2d(nn.AvgPool2d):
             _pair(self.kernel_size), _pair(stride), _pair(self.padding),
             self.ceil_mode, self.count_include_pad, self.divisor_override,
         )  # fmt: skip
+        if plain_ops():  # torch.func transforms: the same op, nothing saved anyway
+            return F.avg_pool2d(x, *opts)
         return _AvgPoolFn.apply(x, opts)
 
 
@@ -112,4 +118,6 @@ class LeanAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_rank(self, x)
+        if plain_ops():  # torch.func transforms: the same op, nothing saved anyway
+            return F.adaptive_avg_pool2d(x, self.output_size)
         return _AdaptiveAvgPoolFn.apply(x, self.output_size)

@@ -28,6 +28,7 @@ import numbers
 
 import torch
 
+from ..layers._functorch import plain_ops
 from . import _errors as errors
 
 __all__ = [
@@ -76,8 +77,15 @@ def make_generator(seed: object) -> torch.Generator | None:
     return torch.Generator().manual_seed(int(seed))
 
 
-def draw_seed(generator: torch.Generator | None) -> int:
-    """A fresh seed for one call, from ``generator`` (or torch's global RNG when ``None``)."""
+def draw_seed(generator: torch.Generator | None, *, layer: str = "a randomized layer") -> int:
+    """A fresh seed for one call, from ``generator`` (or torch's global RNG when ``None``).
+
+    Raises:
+        RadInputError: called under a ``torch.func`` transform (``layer`` names the layer):
+            its estimator lives in autograd's backward, which a transform never runs.
+    """
+    if plain_ops():
+        raise errors.RadInputError(errors.UNDER_TRANSFORM.format(layer=layer))
     return int(torch.randint(_SEED_HIGH, (), generator=generator).item())
 
 
