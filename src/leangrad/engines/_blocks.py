@@ -130,7 +130,7 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
         if split is None:
             raise errors.EngineInputError(NO_BLOCKS.format(model=type(model).__name__))
         return split
-    how = "repeated children of " + ", ".join(hows)
+    how = "repeated children of " + "; ".join(hows)
     found_list = _one_name_per_slot(subs, found_list)
     return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
 
@@ -194,39 +194,113 @@ def _one_name_per_slot(subs: dict[str, nn.Module], names: list[str]) -> list[str
     return out
 
 
+def _count(mods: Sequence[nn.Module]) -> str:
+    """``"2 x ResnetBlock2D + 1 x Attention"``: the types of ``mods``, each with its count."""
+    counts = collections.Counter(type(m).__name__ for m in mods)
+    return " + ".join(f"{n} x {t}" for t, n in counts.items())
+
+
 def _repeated_units(model: nn.Module) -> tuple[list[str], list[str]]:
     """The children of every repeating container in the module tree (the finest repeated
-    units), and how each container was read ("'layers': 4 x Block")."""
+    units; a repeated child that mostly groups ``nn.ModuleList`` s stands for their
+    children: :func:`_grouping`), then every other child of a container that has a type
+    those containers repeat (diffusers' UNet: a down block with one ``ResnetBlock2D``, a
+    mid block with one ``Attention``), and how each container was read
+    (``"'layers': 4 x Block"``: the count of each type among its listed units)."""
     found: list[str] = []
-    hows: list[str] = []
+    rows: dict[str, list[nn.Module]] = {}  # container name -> its units
+    repeated: set[type] = set()
 
-    def units(container: nn.Module, prefix: str) -> list[str]:
+    def units(container: nn.Module, prefix: str) -> None:
         """The finest repeated units: a child that is itself a repeating container (a
         ResNet stage of residual blocks) stands for its own children."""
-        out: list[str] = []
         for c, child in children(container):
             rep = _repeats(child)
             if rep is not None:
-                hows.append(f"'{prefix}{c}': {rep[1]} x {rep[0]}")
-                out += units(child, f"{prefix}{c}.")
+                repeated.add(_most_common_type(child))
+                units(child, f"{prefix}{c}.")
+            elif (lists := _grouping(child)) is not None:
+                for n, lst in lists:
+                    if _repeats(lst) is not None:
+                        repeated.add(_most_common_type(lst))
+                    units(lst, f"{prefix}{c}.{n}.")
             else:
-                out.append(f"{prefix}{c}")
-        return out
+                found.append(f"{prefix}{c}")
+                rows.setdefault(prefix[:-1], []).append(child)
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in children(module):
             full = f"{prefix}{name}"
-            rep = _repeats(child)
-            if rep is not None:
-                start = len(hows)
-                found.extend(units(child, f"{full}."))
-                if len(hows) == start:
-                    hows.append(f"{full!r}: {rep[1]} x {rep[0]}")
+            if _repeats(child) is not None:
+                repeated.add(_most_common_type(child))
+                units(child, f"{full}.")
             else:
                 visit(child, f"{full}.")
 
     visit(model, "")
+    more = _same_types_elsewhere(model, found, repeated)
+    elsewhere: dict[str, list[nn.Module]] = {}
+    for name, m in more:
+        elsewhere.setdefault(name.rpartition(".")[0], []).append(m)
+    order = {n: i for i, n in enumerate(submodules(model))}
+    found = sorted([*found, *(n for n, _ in more)], key=lambda n: order[n])
+
+    def listed(by: dict[str, list[nn.Module]]) -> str:
+        return ", ".join(f"{c!r}: {_count(by[c])}" for c in sorted(by, key=lambda c: order[c]))
+
+    hows = [listed(rows)] if rows else []
+    if elsewhere:
+        hows.append(f"and of the types they repeat, in {listed(elsewhere)}")
     return found, hows
+
+
+def _grouping(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """The ``nn.ModuleList`` children of a module that mostly groups them — at least half
+    its parameters are theirs (diffusers' down, mid and up blocks: ``resnets``,
+    ``attentions``, ``downsamplers``) — whose children are then the units; ``None`` for a
+    module that computes itself (a transformer layer, whose experts live deeper)."""
+    lists: list[tuple[str, nn.Module]] = [
+        (n, c) for n, c in children(module) if isinstance(c, nn.ModuleList) and len(c)
+    ]
+    if not lists:
+        return None
+    total = sum(p.numel() for p in module.parameters())
+    inside = sum(p.numel() for _, c in lists for p in c.parameters())
+    return lists if total and 2 * inside >= total else None
+
+
+def _most_common_type(container: nn.Module) -> type:
+    counts = collections.Counter(type(c) for _, c in children(container))
+    return counts.most_common(1)[0][0]
+
+
+def _same_types_elsewhere(
+    model: nn.Module, found: list[str], types: set[type]
+) -> list[tuple[str, nn.Module]]:
+    """Children of ``nn.ModuleList`` / ``nn.Sequential`` containers, outside and around no
+    found unit, whose type is one a repeating container repeats."""
+    if not types:
+        return []
+    taken = set(found)
+    out: list[tuple[str, nn.Module]] = []
+
+    def overlaps(name: str) -> bool:
+        return any(name.startswith(f"{t}.") or t.startswith(f"{name}.") for t in taken)
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        container = isinstance(module, (nn.ModuleList, nn.Sequential))
+        for name, child in children(module):
+            full = f"{prefix}{name}"
+            if full in taken:
+                continue
+            if container and type(child) in types and not overlaps(full):
+                out.append((full, child))
+                taken.add(full)
+            else:
+                visit(child, f"{full}.")
+
+    visit(model, "")
+    return out
 
 
 def _graph_blocks(model: nn.Module) -> Blocks | None:

@@ -38,8 +38,7 @@ def explain(eng: Engine | str, model: nn.Module) -> Explanation:
         return Explanation(eng.label, (f"cannot run this model: {why}",))
     base = eng.base if isinstance(eng, Composed) else eng
     if isinstance(base, Checkpoint):
-        lines += str(base.blocks(model)).splitlines()
-        lines += _traced_lines(base, model)
+        lines += _block_lines(base, model)
     if isinstance(eng, Composed):
         _, report = eng.prepare(model)
         for t in eng.transforms:
@@ -48,21 +47,41 @@ def explain(eng: Engine | str, model: nn.Module) -> Explanation:
     return Explanation(eng.label, tuple(lines))
 
 
-def _traced_lines(base: Checkpoint, model: nn.Module) -> list[str]:
-    """Which recomputed blocks run as torch.fx code (intermediates die at last use)."""
-    from ._checkpoint import traced
+LAST_SEGMENT = "left plain: the last segment, whose activations the backward needs first"
 
-    if not base.trace:
-        return ["recomputed blocks run as written (trace=False)"]
+
+def _block_lines(base: Checkpoint, model: nn.Module) -> list[str]:
+    """The blocks, each marked checkpointed or left plain (and why); with ``trace=True``,
+    whether each checkpointed block runs as torch.fx code, and why not where it does not."""
+    from ._checkpoint import trace_block
+
     found = base.blocks(model)
-    names = base._checkpointed(found)
-    fx_code = [n for n in names if traced(found.modules[n]) is not found.modules[n]]
-    as_written = [n for n in names if n not in fx_code]
-    out = [f"recomputed as torch.fx code (intermediates freed at last use): "
-           f"{', '.join(fx_code) or 'none'}"]  # fmt: skip
-    if as_written:
-        out.append(f"recomputed as written (untraceable, optional arguments or a Python side "
-                   f"effect): {', '.join(as_written)}")  # fmt: skip
+    text = str(found).splitlines()
+    if not found.names:
+        return text
+    recomputed = set(base._checkpointed(found))
+    status: dict[str, str] = {}
+    traced: list[str] = []
+    written: list[str] = []
+    for name in found.names:
+        if name not in recomputed:
+            status[name] = LAST_SEGMENT
+        elif not base.trace:
+            status[name] = "checkpointed"
+        else:
+            _, why = trace_block(found.modules[name])
+            status[name] = "checkpointed, " + ("as torch.fx code" if why is None
+                                               else f"as written: {why}")  # fmt: skip
+            (traced if why is None else written).append(name)
+    out = [text[0]] + [f"{row}  {status[n]}" for row, n in zip(text[1:], found.names,
+                                                                strict=True)]  # fmt: skip
+    if not base.trace:
+        return [*out, "recomputed blocks run as written (trace=False)"]
+    out.append(f"recomputed as torch.fx code (intermediates freed at last use): "
+               f"{', '.join(traced) or 'none'}")  # fmt: skip
+    if written:
+        out.append(f"recomputed as written (reasons above; a block called with keyword "
+                   f"arguments runs as written too): {', '.join(written)}")  # fmt: skip
     return out
 
 

@@ -14,6 +14,12 @@ Two PyTorch behaviours are worked around here, at their cause:
   weight, split along channels, hands it one), which the CPU kernel refuses ("Expected
   X.is_contiguous"); its forward-mode rule views a channels-last input, which fails too.
   :func:`contiguous_norms` hands it a contiguous copy of its input — the same values.
+- ``F.scaled_dot_product_attention`` on CPU dispatches to a fused flash kernel that has no
+  forward-mode rule ("Trying to use forward AD with
+  _scaled_dot_product_flash_attention_for_cpu"), so every Hugging Face model failed under
+  ``forward`` and ``projforward``. :func:`pure_loss` runs the model under
+  ``sdpa_kernel(SDPBackend.MATH)``: the same attention written in ops that all have one
+  (the same function; the fused kernels differ from it only by rounding).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jvp
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from ._base import LossFn, check_loss, run_forward
@@ -76,7 +83,9 @@ def call_with(
 
 
 class _ContiguousNorms(TorchFunctionMode):
-    """Hands ``group_norm`` a contiguous copy of its input (see :func:`contiguous_norms`)."""
+    """Hands ``group_norm`` a contiguous copy of its input (see :func:`contiguous_norms`),
+    and ``F.embedding`` a weight whose ``padding_idx`` row is constant
+    (:func:`_padding_row_constant`)."""
 
     def __torch_function__(
         self,
@@ -92,7 +101,28 @@ class _ContiguousNorms(TorchFunctionMode):
             and isinstance(args[0], torch.Tensor)
         ):
             args = (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
+        if func is F.embedding:
+            args, kwargs = _padding_row_constant(args, kwargs)
         return func(*args, **kwargs)
+
+
+def _padding_row_constant(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``F.embedding``'s arguments with the ``padding_idx`` row of the weight detached:
+    autograd's embedding backward gives that row nothing from the lookup (PyTorch's
+    documented rule, BERT's ``pad_token_id``), while forward mode would differentiate it
+    like any other row. The values are the same tensor's."""
+    names = ("input", "weight", "padding_idx")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    pad, weight = bound.get("padding_idx"), bound.get("weight")
+    if pad is None or not isinstance(weight, torch.Tensor):
+        return args, kwargs
+    rows = torch.arange(weight.shape[0], device=weight.device)[:, None]
+    pinned = torch.where(rows == pad % weight.shape[0], weight.detach(), weight)
+    if len(args) > 1:
+        return (args[0], pinned, *args[2:]), kwargs
+    return args, {**kwargs, "weight": pinned}
 
 
 @contextlib.contextmanager
@@ -135,12 +165,13 @@ def pure_loss(
     params: dict[str, nn.Parameter],
 ) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]:
     """``f(param_values, buffer_values) -> loss``, a pure function for ``torch.func``; the
-    model runs by :func:`call_with` under :func:`contiguous_norms`."""
+    model runs by :func:`call_with` under :func:`contiguous_norms`, with attention by its
+    math kernel (forward-mode AD has rules for it; module docstring)."""
     frozen = {n: p.detach() for n, p in model.named_parameters() if n not in params}
     slots = slot_names(model)
 
     def run(*xs: torch.Tensor, state: dict[str, torch.Tensor]) -> Any:
-        with contiguous_norms():
+        with contiguous_norms(), sdpa_kernel(SDPBackend.MATH):
             return call_with(model, state, xs, slots=slots)
 
     def f(values: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.Tensor:
