@@ -15,6 +15,11 @@ Per model (ResNet-18-style CNN, GPT, BERT, LSTM and GRU LMs, the GRU LM as a
   time chunks), bfloat16 autocast; ``torch.compile`` default and with
   ``activation_memory_budget``, in a fresh process (:mod:`leangrad.bench._zoo_worker`).
 
+Hugging Face models (``hf_gpt2``, ``hf_llama``, ``hf_bert``, ``hf_unet``: :mod:`leangrad.hf`,
+the ``[hf]`` extra) are opt-in: sized under ``hf_models`` and run only when ``--only`` names
+them, with the libraries' own ``gradient_checkpointing_enable()`` as the PyTorch-side row
+(``hf_checkpointing``).
+
 Columns: tracker peak above parameters and inputs (``.grad`` allocated by the step) and
 its ratio to backprop's; kept bytes (live when the forward phase ended); fresh-process
 peak RSS; median step time of interleaved repeats (1 thread) / backprop's; float32
@@ -30,6 +35,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
@@ -39,7 +45,7 @@ from ..measure._timer import num_threads
 from ._runner import machine_info
 from ._suites import Suite
 from ._zoo_batch import estimable, footprint, max_batch
-from ._zoo_methods import Method, Skipped, build
+from ._zoo_methods import Method, Skipped, build, call
 from ._zoo_report import render
 from ._zoo_rows import (
     Context,
@@ -74,7 +80,8 @@ def run_zoo(
         quick: use the ``quick_*`` settings (small sizes, one model compiled).
         device: ``"cpu"`` only.
         progress: a progress bar naming the model and the step at work.
-        only: run just these models (measured and estimated sizes of each).
+        only: run just these models (measured and estimated sizes of each); the opt-in
+            Hugging Face models (``hf_models``) run only when named here.
         save: called with the records so far after each model, so a stopped run of hours
             keeps the models it finished (``run_suite`` writes them to its file).
 
@@ -101,14 +108,16 @@ def run_zoo(
     ctx = Context(quick, common, settings, suite.repeats(quick))
     models: dict[str, dict[str, Any]] = dict(ctx.get("models", {}))
     estimates: dict[str, dict[str, Any]] = dict(ctx.get("estimate_models", {}))
+    opt_in: dict[str, dict[str, Any]] = dict(ctx.get("hf_models", {}))
     if only is not None:
-        unknown = [n for n in only if n not in models and n not in estimates]
+        unknown = [n for n in only if n not in models and n not in estimates and n not in opt_in]
         if unknown:
             known = ", ".join(dict.fromkeys([*models, *estimates]))
+            extra = f"; opt-in (the [hf] extra): {', '.join(opt_in)}" if opt_in else ""
             raise errors.OptionError(
-                f"zoo suite has no model {', '.join(unknown)}; its models: {known}"
+                f"zoo suite has no model {', '.join(unknown)}; its models: {known}{extra}"
             )
-        models = {k: v for k, v in models.items() if k in only}
+        models = {k: v for k, v in {**models, **opt_in}.items() if k in only}
         estimates = {k: v for k, v in estimates.items() if k in only}
     records: list[dict[str, Any]] = []
     bar = tqdm(
@@ -214,7 +223,8 @@ class _ModelRun:
         self.methods, self.skipped = methods_for(name, self.model, ctx)
         self.engines = {m.label: m.make() for m in self.methods}
         self.model.zero_grad(set_to_none=True)
-        self.loss_fn(self.model(self.x)).backward()
+        with torch.random.fork_rng(devices=[]):  # each profiled step draws these masks too
+            self.loss_fn(call(self.model, self.x)).backward()
         self.ref = {
             n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None
         }

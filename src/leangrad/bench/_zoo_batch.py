@@ -97,7 +97,7 @@ def footprint(
         return wl.model, wl.inputs
 
     def step(model: Any, x: Any) -> None:
-        method.make().backward(model, (x,), held["loss"])
+        method.make().backward(model, x if isinstance(x, tuple) else (x,), held["loss"])
 
     rep = estimate_memory(make, step)
     return Footprint(rep.baseline_bytes, rep.peak_bytes, rep.forward_live_bytes, True)

@@ -15,7 +15,12 @@ PyTorch's side (each marks the end of its forward phase, so its kept bytes are m
 - recurrent LMs (one fused ``nn.LSTM``/``nn.GRU``, no blocks to wrap):
   ``torch checkpoint(rnn)`` around the whole recurrent module, and ``torch time
   chunks(k)``: the sequence cut into ``k`` chunks run one after another with the state
-  carried, each but the last under ``torch.utils.checkpoint``.
+  carried, each but the last under ``torch.utils.checkpoint``;
+- Hugging Face models (:data:`HF_MODELS`, opt-in, from :mod:`leangrad.hf`):
+  ``hf_checkpointing``, the library's own one-liner (transformers'
+  ``model.gradient_checkpointing_enable()``, diffusers' ``enable_gradient_checkpointing()``)
+  then plain backprop; per-block and selective checkpointing are not written out for
+  them (their stems and heads are the libraries' own code).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as errors
-from .. import zoo
+from .. import hf, zoo
 from ..engines import available, engine
 from ..engines._compose import Composed
 from ..engines._transforms import TRANSFORMS
@@ -39,9 +44,20 @@ from ..measure import FORWARD_END, mark
 from ._blocks import _gpt_parts, _resnet_parts
 from ._plan_peers import peers
 
-__all__ = ["Method", "Skipped", "Workload", "build", "leangrad_methods", "pytorch_methods"]
+__all__ = [
+    "HF_CHECKPOINTING",
+    "HF_MODELS",
+    "Method",
+    "Skipped",
+    "Workload",
+    "build",
+    "call",
+    "leangrad_methods",
+    "pytorch_methods",
+]
 
-LossFn = Callable[[torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any], torch.Tensor]
+Inputs = torch.Tensor | tuple[torch.Tensor, ...]
 UNKNOWN_MODEL = "zoo suite: unknown model {name!r} in the suite file; known: {known}"
 _CTOR = {
     "resnet": ("depth", "width"),
@@ -52,32 +68,56 @@ _CTOR = {
     "highway_gru_lm": ("vocab", "embed", "hidden", "layers"),
     "vit": ("image", "patch", "dim", "layers", "heads"),
 }
+HF_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hf_gpt2": ("gpt2", ("vocab", "dim", "layers", "heads", "context")),
+    "hf_llama": ("llama", ("vocab", "dim", "layers", "heads", "kv_heads", "ffn", "context")),
+    "hf_bert": ("bert", ("vocab", "dim", "layers", "heads", "context")),
+    "hf_unet": ("unet", ("image", "widths", "layers_per_block", "groups", "head_dim")),
+}
+"""Opt-in zoo model name -> (:data:`leangrad.hf.MODELS` name, its size keys); needs the
+``[hf]`` extra. Float32, the libraries' defaults (SDPA attention, dropout as configured)."""
+HF_CHECKPOINTING = "hf_checkpointing"
+"""The label of the libraries' own gradient checkpointing row."""
 _TRANSFORM_ORDER = ("fad", "bits", "rad")
 _FORWARD_MODE = ("forward", "projforward")
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A zoo model, its offline batch and loss (seeded: the same for the same size)."""
+    """A zoo model, its offline batch and loss (seeded: the same for the same size).
+    ``inputs``: one tensor, or a tuple (``model(*inputs)``: the UNet's sample and
+    timestep)."""
 
     model: nn.Module
-    inputs: torch.Tensor
+    inputs: Inputs
     loss_fn: LossFn
+
+
+def call(model: Callable[..., Any], inputs: Inputs) -> Any:
+    """``model(inputs)`` for one tensor, ``model(*inputs)`` for a tuple."""
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
 def build(name: str, size: dict[str, Any], *, batch: int | None = None) -> Workload:
     """Zoo model ``name`` at ``size`` (constructor keys plus ``batch`` and, for token
     models, ``length`` or ``context``), with ``batch`` overriding the size's."""
-    if name not in _CTOR:
-        raise errors.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=", ".join(_CTOR)))
+    if name not in _CTOR and name not in HF_MODELS:
+        known = ", ".join([*_CTOR, *HF_MODELS])
+        raise errors.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=known))
+    n = int(size["batch"] if batch is None else batch)
+    length = int(size.get("length", size.get("context", 64)))
+    if name in HF_MODELS:
+        base, keys = HF_MODELS[name]
+        opts = {k: tuple(size[k]) if k == "widths" else size[k] for k in keys if k in size}
+        lib_model: nn.Module = hf.model(base, **opts, seed=0)
+        xs, hf_loss = hf.batch(base, lib_model, n, length=length)
+        return Workload(lib_model, xs, hf_loss)
     kw = {k: size[k] for k in _CTOR[name] if k in size}
     torch.manual_seed(0)
     if name in ("lstm_lm", "gru_lm"):
         model: nn.Module = zoo.rnn_lm(name.removesuffix("_lm"), **kw)
     else:
         model = getattr(zoo, name)(**kw)
-    n = int(size["batch"] if batch is None else batch)
-    length = int(size.get("length", size.get("context", 64)))
     x, loss_fn = zoo.batch(name, model, n, length=length, image=int(size.get("image", 32)))
     return Workload(model, x, loss_fn)
 
@@ -177,6 +217,15 @@ def pytorch_methods(
     """The PyTorch-only rows for ``model`` (module docstring)."""
     methods = [Method("torch bf16 autocast", "pytorch", False, {"torch": "bf16"})]
     skipped: list[Skipped] = []
+    if hf_checkpointing(model) is not None:
+        why = (
+            f"{type(model).__name__} is a library's model: its stem and head are the "
+            "library's code, not written out per block here; its own gradient "
+            "checkpointing (hf_checkpointing) is the PyTorch-side row"
+        )
+        methods.append(Method(HF_CHECKPOINTING, "pytorch", True, {"torch": "hf_checkpointing"}))
+        skipped += [Skipped(lb, "pytorch", why) for lb in ("torch per-block", "torch selective")]
+        return methods, skipped
     if isinstance(model, zoo.RNNLM):
         methods.append(Method("torch checkpoint(rnn)", "pytorch", True, {"torch": "rnn"}))
         methods += [
@@ -231,6 +280,25 @@ _PARTS: dict[type, Callable[[Any, torch.Tensor], Any]] = {
 }
 
 
+def hf_checkpointing(model: nn.Module) -> tuple[str, str] | None:
+    """``(enable, disable)`` method names of a Hugging Face model's own gradient
+    checkpointing (transformers' ``gradient_checkpointing_enable``, spelled
+    ``activation_checkpointing_enable`` from transformers 5.x on, which deprecates the old
+    name; diffusers' ``enable_gradient_checkpointing``), or ``None`` when ``model`` has none
+    or does not support it."""
+    for on, off, flag in (
+        ("activation_checkpointing_enable", "activation_checkpointing_disable",
+         "supports_gradient_checkpointing"),
+        ("gradient_checkpointing_enable", "gradient_checkpointing_disable",
+         "supports_gradient_checkpointing"),
+        ("enable_gradient_checkpointing", "disable_gradient_checkpointing",
+         "_supports_gradient_checkpointing"),
+    ):  # fmt: skip
+        if callable(getattr(model, on, None)) and getattr(model, flag, False):
+            return on, off
+    return None
+
+
 class TorchStep:
     """A PyTorch recipe as an engine-like object; it finds its parts on the model given."""
 
@@ -241,17 +309,28 @@ class TorchStep:
         self.exact = kind != "bf16"
 
     def backward(self, model: nn.Module, inputs: Any, loss_fn: LossFn) -> None:
-        x = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        x = xs[0]
 
-        def marked(out: torch.Tensor) -> torch.Tensor:
+        def marked(out: Any) -> torch.Tensor:
             loss = loss_fn(out)
             mark(FORWARD_END)  # the forward phase ends here: what is live is kept
             return loss
 
         if self.kind == "bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = marked(model(x))
+                loss = marked(model(*xs))
             loss.backward()
+        elif self.kind == "hf_checkpointing":  # switched on for this step only
+            names = hf_checkpointing(model)
+            assert names is not None, f"{type(model).__name__} has no gradient checkpointing"
+            hooks = _hooks(model)
+            getattr(model, names[0])()
+            try:
+                marked(model(*xs)).backward()
+            finally:
+                getattr(model, names[1])()
+                _drop_new_hooks(model, hooks)
         elif self.kind in ("rnn", "chunks"):
             assert isinstance(model, zoo.RNNLM)
             marked(model.head(_rnn_forward(model, x, self.arg))).backward()
@@ -259,6 +338,23 @@ class TorchStep:
             segs = [int(self.arg)] if self.kind == "sequential" and self.arg else []
             steps = peers(_PARTS[type(model)](model, x), marked, segs, optimizer=None)
             steps[self.label]()
+
+
+def _hooks(model: nn.Module) -> dict[int, tuple[set[int], set[int]]]:
+    return {id(m): (set(m._forward_hooks), set(m._forward_pre_hooks)) for m in model.modules()}
+
+
+def _drop_new_hooks(model: nn.Module, before: dict[int, tuple[set[int], set[int]]]) -> None:
+    """Remove the forward hooks a step added: transformers' ``gradient_checkpointing_enable``
+    registers one on the input embedding (``enable_input_require_grads``, for reentrant
+    checkpointing) that its ``disable`` leaves behind, and the hook would follow every
+    other method of the run (engines that run a module more than once refuse it)."""
+    for m in model.modules():
+        fwd, pre = before.get(id(m), (set(), set()))
+        for key in [k for k in m._forward_hooks if k not in fwd]:
+            del m._forward_hooks[key]
+        for key in [k for k in m._forward_pre_hooks if k not in pre]:
+            del m._forward_pre_hooks[key]
 
 
 def _rnn_forward(model: zoo.RNNLM, idx: torch.Tensor, chunks: int | None) -> torch.Tensor:

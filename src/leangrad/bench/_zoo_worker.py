@@ -33,7 +33,7 @@ import torch
 
 from ..measure import compare_grads, time_interleaved
 from ..measure._rss import measure_rss
-from ._zoo_methods import Method, build
+from ._zoo_methods import Inputs, Method, build, call
 
 
 def _warm_rss(step: Callable[[], None]) -> int:
@@ -57,15 +57,15 @@ def _grads(model: torch.nn.Module, step: Callable[[], None]) -> dict[str, torch.
 
 
 def _compile(
-    model: torch.nn.Module, x: torch.Tensor, loss_fn: Any, budget: float | None, repeats: int
+    model: torch.nn.Module, x: Inputs, loss_fn: Any, budget: float | None, repeats: int
 ) -> dict[str, Any]:
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
-    eager = _stepper(model, lambda: loss_fn(model(x)).backward())
+    eager = _stepper(model, lambda: loss_fn(call(model, x)).backward())
     torch._dynamo.reset()
-    compiled_model = torch.compile(model)
-    compiled = _stepper(model, lambda: loss_fn(compiled_model(x)).backward())
+    compiled_model: Any = torch.compile(model)
+    compiled = _stepper(model, lambda: loss_fn(call(compiled_model, x)).backward())
     patch = (
         contextlib.nullcontext()
         if budget is None

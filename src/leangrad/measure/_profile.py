@@ -68,6 +68,22 @@ class StepProfile:
         return self.baseline_bytes + self.peak_bytes
 
 
+def _rng_states(inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The CPU generator's state and that of each CUDA device an input is on."""
+    states = {"cpu": torch.get_rng_state()}
+    for d in {x.device for x in inputs if x.device.type == "cuda"}:
+        states[str(d)] = torch.cuda.get_rng_state(d)
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    for dev, state in states.items():
+        if dev == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, torch.device(dev))
+
+
 @contextlib.contextmanager
 def untouched(model: nn.Module, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
     """Inside the block, steps may write ``.grad``, advance statistics and draw random
@@ -111,7 +127,10 @@ def profile_step(
         model, inputs, loss_fn: as for ``engine.backward``.
         repeats: timed steps (median); 0 measures memory only.
         warmup: untimed steps first (the engine's prepared copies, allocator, caches).
-        reference: gradients to compare with (e.g. backprop's, by parameter name).
+        reference: gradients to compare with (e.g. backprop's, by parameter name). The
+            tracked step starts from the RNG state this call found (the warm-up steps'
+            draws are undone), so a reference computed from that state sees the same
+            dropout masks.
         threads: ``torch.set_num_threads`` while timing (``None`` leaves it).
         prealloc: also measure a step whose ``.grad`` are pre-allocated as zeros
             (``StepProfile.peak_bytes_prealloc``).
@@ -131,11 +150,15 @@ def profile_step(
         engine.backward(model, xs, loss_fn)
 
     with untouched(model, xs):
+        rng = _rng_states(xs)
         for _ in range(warmup):
             step()
         for p in named.values():
             p.grad = None
         gc.collect()
+        # the tracked step draws the random numbers the caller's step would (dropout masks
+        # as a reference computed from the same state), not the warm-up's successors
+        _set_rng_states(rng)
         with MemoryTracker(baseline=(model, *xs, *baseline)) as tracker:
             result = engine.backward(model, xs, loss_fn)
         err = cos = None
