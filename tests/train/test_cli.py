@@ -211,3 +211,19 @@ def test_a_factory_in_the_current_directory_returning_a_model_output(tmp_path) -
     done = _console(tmp_path, *base, "--model", "nomodule:factory", "--out", "c")
     assert done.returncode == 2
     assert "or in the current directory" in done.stderr and "PYTHONPATH" in done.stderr
+
+
+def test_train_budget_plans_among_the_engines_named(tmp_path, capsys) -> None:
+    base = ["train", "--model", "mlp", "--data", "digits", "--max-steps", "1",
+            "--batch-size", "16", "--no-progress", "--no-plots"]  # fmt: skip
+    code = main([*base, "--budget", "2GiB", "--engines", "checkpoint",
+                 "--out", str(tmp_path / "a")])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "plan_engines=checkpoint " in text and "\nchosen: checkpoint — " in text
+    assert main([*base, "--engines", "checkpoint", "--out", str(tmp_path / "b")]) == 2
+    assert "--engines lists the engines a plan may choose from and needs --budget" in (
+        capsys.readouterr().err)
+    assert main([*base, "--budget", "2GiB", "--engines", "nope",
+                 "--out", str(tmp_path / "c")]) == 2  # fmt: skip
+    assert "unknown engine 'nope'" in capsys.readouterr().err

@@ -97,6 +97,9 @@ def add_train_parser(sub: Any) -> None:
     t.add_argument("--budget", default=None, type=cli_types.size,
                    help="plan the step instead of naming an engine: train with the fastest "
                    "exact engine whose memory fits, e.g. 64MiB (see `leangrad plan`)")
+    t.add_argument("--engines", default=None,
+                   help="with --budget: comma-separated engines the plan may choose from, "
+                   "e.g. backprop,checkpoint (default: every one that applies)")
     t.add_argument("--out", default=None, type=cli_types.out_dir,
                    help="run directory (default: leangrad-run, or the --resume directory)")
     t.add_argument("--resume", default=None, metavar="DIR|FILE",
@@ -169,7 +172,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     check_out_dir(out, "--out" if args.out is not None or args.resume is None else "--resume")
     shown = {**s, "out": str(out), "resume": args.resume, "overwrite": args.overwrite,
-             "budget": args.budget, "device": args.device or "auto",
+             "budget": args.budget, "plan_engines": args.engines or (
+                 "all that apply" if args.budget is not None else None),
+             "device": args.device or "auto",
              "threads": torch.get_num_threads(), "keep": args.keep,
              "world_size": os.environ.get("WORLD_SIZE", "1")}  # fmt: skip
     if os.environ.get("RANK", "0") == "0":  # once under torchrun
@@ -178,6 +183,7 @@ def run_train(args: argparse.Namespace) -> int:
         res = fit(
             s.pop("model"), s.pop("data"), **s, out=out, resume=args.resume,
             overwrite=args.overwrite, budget=args.budget,
+            plan_engines=_engine_list(args.engines, needs_budget=args.budget is None),
             keep_checkpoints=args.keep, device=args.device, progress=not args.no_progress,
             plots=not args.no_plots, track_memory_every=args.track_memory_every,
             measure_saving=not args.no_measure_saving,
@@ -277,21 +283,12 @@ def run_plan(args: argparse.Namespace) -> int:
     """Run ``leangrad plan``: exit code 0 with a plan, 1 when nothing fits."""
     import torch
 
-    from .. import engines as _engines
     from .._plan import plan
     from ..bench._report import fmt_bytes
     from ._fit import _loss_fn, _make_optimizer
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
-    names = None
-    if args.engines is not None:
-        names = [n.strip() for n in args.engines.split(",") if n.strip()]
-        if not names:
-            from .._errors import OptionError
-
-            raise OptionError(NO_ENGINES.format(value=args.engines))
-        for n in names:
-            _engines.engine(n)  # an unknown name is an error now, not a row later
+    names = _engine_list(args.engines)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     print(f"leangrad plan: model={args.model} data={args.data} batch_size={args.batch_size} "
@@ -316,3 +313,27 @@ def run_plan(args: argparse.Namespace) -> int:
         print("the optimizer steps per layer in this plan: train it with --step-per-layer "
               "(leangrad.train.PerLayerOptimizer in your own loop)")
     return 0 if result.engine is not None else 1
+
+
+ENGINES_WITHOUT_BUDGET = (
+    "--engines lists the engines a plan may choose from and needs --budget; to train with "
+    "one engine, name it with --engine"
+)
+
+
+def _engine_list(value: str | None, *, needs_budget: bool = False) -> list[str] | None:
+    """``--engines a,b``: the names, each checked now (an unknown one is an error here, not
+    a row of the plan later)."""
+    from .. import engines as _engines
+    from .._errors import OptionError
+
+    if value is None:
+        return None
+    if needs_budget:
+        raise OptionError(ENGINES_WITHOUT_BUDGET)
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise OptionError(NO_ENGINES.format(value=value))
+    for n in names:
+        _engines.engine(n)
+    return names

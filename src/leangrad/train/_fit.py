@@ -25,7 +25,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,7 @@ def fit(
     resume: str | Path | None = None,
     overwrite: bool = False,
     budget: int | str | None = None,
+    plan_engines: Sequence[str] | None = None,
     max_steps: int | None = None,
     device: str | torch.device | None = None,
     dtype: str = "float32",
@@ -232,6 +233,9 @@ def fit(
             ``step_per_layer`` on); the plan's table is printed and the chosen engine is
             stored in the run's config (a resumed run keeps it). Not with
             ``engine_options``.
+        plan_engines: with ``budget``, the engines the plan may choose from (names as
+            for :func:`leangrad.engine`, e.g. ``["backprop", "checkpoint+fad"]``; default:
+            every one that applies), e.g. to leave out one that is slow on the model.
         max_steps: stop after this many steps in total.
         device, dtype: where and in which float type to train (default: CUDA if present).
         test_fraction: share of the data held out for per-epoch test loss/accuracy.
@@ -288,7 +292,8 @@ def fit(
     if isinstance(model, str):
         net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
     if budget is not None and resume is None:
-        cfg = _planned(cfg, net, ds, dev, budget, progress=progress)  # type: ignore[arg-type]
+        cfg = _planned(cfg, net, ds, dev, budget, progress=progress,  # type: ignore[arg-type]
+                       engines=plan_engines)  # fmt: skip
     run = _Run(cfg, net, ds, dev, ctx)  # type: ignore[arg-type]
     if resume is not None:
         run.resume(resume)
@@ -326,7 +331,8 @@ def _check_settings(*, epochs: int, batch_size: int, max_steps: int | None,
 
 
 def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
-             budget: int | str, *, progress: bool) -> TrainConfig:  # fmt: skip
+             budget: int | str, *, progress: bool,
+             engines: Sequence[str] | None = None) -> TrainConfig:  # fmt: skip
     """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed)."""
     from .._plan import plan
     from .._sizes import parse_bytes
@@ -340,7 +346,8 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     x = x.to(dtype) if x.is_floating_point() else x
     make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
     result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
-                  optimizer=make)  # fmt: skip
+                  optimizer=make,
+                  engines=None if engines is None else [(n, {}) for n in engines])  # fmt: skip
     print(result if progress else result.message, flush=True)
     if result.engine is None:
         raise errors.EngineInputError(result.message)
