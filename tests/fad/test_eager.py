@@ -16,6 +16,7 @@ from fad_cases import (
     Acts,
     Branchy,
     DataDependent,
+    Double,
     Head,
     InPlaceModuleBetween,
     ResidualInPlace,
@@ -121,16 +122,6 @@ def test_fad_tensor_escaping_the_block_fails_loudly() -> None:
         y = swish(x * 1)  # the chain's value never meets a non-element-wise op inside
     with pytest.raises(fad.FadError, match=r"used for a gradient after the `with fad.nested\(\)`"):
         y.sum().backward()
-
-
-class Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def,override]
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def,override]
-        return g * 2
 
 
 def test_custom_function_consumer_fails_loudly_not_wrongly() -> None:

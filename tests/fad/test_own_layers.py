@@ -20,7 +20,7 @@ from torch import fx, nn
 
 import leangrad
 import leangrad.fad as fad
-from fad_cases import rel
+from fad_cases import Double, rel
 from leangrad.fad import _errors as E
 from leangrad.measure import saved_tensor_bytes
 
@@ -356,16 +356,6 @@ def test_forward_mode_runs_through_own_layers(name: str, opts: dict[str, object]
 
 
 # -- errors that name what happened ------------------------------------------------------------
-class Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[no-untyped-def,override]
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[no-untyped-def,override]
-        return g * 2
-
-
 def _message(template: str) -> str:
     return template.split("{ops}")[0]
 

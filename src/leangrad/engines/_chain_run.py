@@ -194,12 +194,23 @@ class StemRun:
         """The stem on examples ``a:b`` of the batch (the caller sets the grad mode)."""
         return self.chain.stem(*(x[a:b] for x in self.inputs))
 
+    def rng_moved(self) -> bool:
+        """Whether the RNG streams moved since this run was made (something drew)."""
+        if not torch.equal(torch.get_rng_state(), self.cpu_state):
+            return True
+        return any(not torch.equal(torch.cuda.get_rng_state(d), s)
+                   for d, s in zip(self.devices, self.cuda_states, strict=True))  # fmt: skip
+
+    def rewind(self) -> None:
+        """Put the RNG streams back where they were when this run was made."""
+        torch.set_rng_state(self.cpu_state)
+        for d, s in zip(self.devices, self.cuda_states, strict=True):
+            torch.cuda.set_rng_state(s, d)
+
     def replay(self, *, grad: bool = False) -> torch.Tensor:
         """x₀ again, bit for bit: the stem rerun under the RNG state of its first run."""
         with torch.random.fork_rng(devices=self.devices):
-            torch.set_rng_state(self.cpu_state)
-            for d, s in zip(self.devices, self.cuda_states, strict=True):
-                torch.cuda.set_rng_state(s, d)
+            self.rewind()
             with torch.set_grad_enabled(grad):
                 return self.chain.stem(*self.inputs)
 

@@ -478,13 +478,13 @@ class Moonwalk(Engine):
         first = run_forward(self.label, layer, (stem.on_chunk(*ranges[0]),))
         if len(ranges) == 1:
             return first, chunks, info
-        if _rng_moved(stem):
+        if stem.rng_moved():
             del first
             if self.stem_chunks != "auto":
                 raise errors.EngineInputError(STEM_CHUNKS_COUPLED.format(
                     chunks=self.stem_chunks, where="stem or first chain layer",
                     module=RANDOM_DRAW))  # fmt: skip
-            _rewind(stem)
+            stem.rewind()
             x1 = run_forward(self.label, layer, (stem.on_chunk(0, ranges[-1][1]),))
             note = AUTO_ONE_CHUNK.format(where="stem or first chain layer", module=RANDOM_DRAW)
             return x1, 1, {"stem_chunks": 1, "stem_chunks_note": note}
@@ -680,21 +680,6 @@ class Moonwalk(Engine):
             kept[i] = None
             x = self._apply(layer, x, h, sink)
         return x
-
-
-def _rng_moved(stem: StemRun) -> bool:
-    """Whether the RNG streams moved since ``stem`` was created (something drew)."""
-    if not torch.equal(torch.get_rng_state(), stem.cpu_state):
-        return True
-    return any(not torch.equal(torch.cuda.get_rng_state(d), s)
-               for d, s in zip(stem.devices, stem.cuda_states, strict=True))  # fmt: skip
-
-
-def _rewind(stem: StemRun) -> None:
-    """Put the RNG streams back where they were when ``stem`` was created."""
-    torch.set_rng_state(stem.cpu_state)
-    for d, s in zip(stem.devices, stem.cuda_states, strict=True):
-        torch.cuda.set_rng_state(s, d)
 
 
 def _storage_bytes(kept: list[Any]) -> int:
