@@ -235,6 +235,7 @@ def test_public_api() -> None:
         [
             "Dataset",
             "TextDataset",
+            "TokenTextDataset",
             "available",
             "default_text_paths",
             "digits",
@@ -243,6 +244,7 @@ def test_public_api() -> None:
             "synthetic_classification",
             "synthetic_sequences",
             "text_chars",
+            "text_tokens",
         ]
     )
 

@@ -21,10 +21,12 @@ from .. import _errors as errors
 from ._real import Dataset, digits, mnist5k
 from ._synthetic import synthetic_classification, synthetic_sequences
 from ._text import TextDataset, default_text_paths, text_chars
+from ._tokens import TokenTextDataset, text_data, text_tokens
 
 __all__ = [
     "Dataset",
     "TextDataset",
+    "TokenTextDataset",
     "available",
     "default_text_paths",
     "digits",
@@ -33,6 +35,7 @@ __all__ = [
     "synthetic_classification",
     "synthetic_sequences",
     "text_chars",
+    "text_tokens",
 ]
 
 _REGISTRY: dict[str, Callable[..., Dataset]] = {
@@ -40,7 +43,7 @@ _REGISTRY: dict[str, Callable[..., Dataset]] = {
     "mnist5k": mnist5k,
     "synthetic": functools.partial(synthetic_classification, n=2048),
     "synthetic-seq": functools.partial(synthetic_sequences, n=2048),
-    "text": text_chars,
+    "text": text_data,
 }
 
 
@@ -59,7 +62,9 @@ def load(name: str, **kwargs: Any) -> Dataset:
     Args:
         name: One of ``available()``: ``"digits"``, ``"mnist5k"``, ``"synthetic"``
             (``synthetic_classification``), ``"synthetic-seq"`` (``synthetic_sequences``)
-            or ``"text"`` (character windows of text files on disk, ``text_chars``);
+            or ``"text"`` (windows of text files on disk: of characters, ``text_chars``, or
+            with ``tokenizer="bpe:N"`` or a ``tokenizer.json`` path of tokens,
+            ``text_tokens``);
             the synthetic ones have ``n=2048`` examples unless ``n=`` is given.
         **kwargs: Keyword arguments of the loader, e.g. ``flatten=True`` or ``seed=1``.
 

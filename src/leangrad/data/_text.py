@@ -4,7 +4,8 @@ By default the text is the Python standard library's own sources (every Python
 install has them); any file or directory can be given instead, e.g.
 ``/usr/share/common-licenses``. Examples are non-overlapping windows of
 ``length`` characters; the targets are the same windows shifted by one
-character (next-character prediction).
+character (next-character prediction). For windows of tokens of a real tokenizer
+(a real vocabulary size), see :func:`leangrad.data.text_tokens`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import torch
 
 from ._real import Dataset, check_device, check_int
 
-__all__ = ["TextDataset", "default_text_paths", "text_chars"]
+__all__ = [
+    "TextDataset",
+    "default_text_paths",
+    "read_text",
+    "shown_paths",
+    "text_chars",
+    "text_files",
+]
 
 NO_PATH = "text data: {path} does not exist; give a text file or a directory of text files"
-NO_TEXT = (
-    "text data: no readable text in {paths}; give a text file or a directory of text files"
-)
+NO_TEXT = "text data: no readable text in {paths}; give a text file or a directory of text files"
 TOO_SHORT = (
     "text data: {chars} characters is too short for one window of length {length}; "
     "give more text or a smaller length"
@@ -61,6 +67,38 @@ def _files(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
+def text_files(paths: Sequence[str | Path] | str | Path | None) -> list[Path]:
+    """The files ``paths`` names: files as given, directories read recursively (sorted);
+    ``None``: :func:`default_text_paths`.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    for p in paths or ():
+        if not Path(p).exists():
+            raise FileNotFoundError(NO_PATH.format(path=p))
+    return default_text_paths() if paths is None else _files(paths)
+
+
+def read_text(files: Sequence[Path], *, max_chars: int) -> list[str]:
+    """The text of ``files`` in order (UTF-8, undecodable bytes replaced; unreadable files
+    skipped), one string per file, at most ``max_chars`` characters in all."""
+    parts: list[str] = []
+    total = 0
+    for f in files:
+        if total >= max_chars:
+            break
+        try:
+            text = f.read_bytes().decode("utf-8", errors="replace")
+        except OSError:
+            continue
+        parts.append(text[: max_chars - total])
+        total += len(parts[-1])
+    return [p for p in parts if p]
+
+
 def text_chars(
     paths: Sequence[str | Path] | str | Path | None = None,
     *,
@@ -83,26 +121,10 @@ def text_chars(
     check_int("length", length, least=1)
     check_int("max_chars", max_chars, least=1)
     device = check_device(device)
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    for p in paths or ():
-        if not Path(p).exists():
-            raise FileNotFoundError(NO_PATH.format(path=p))
-    files = default_text_paths() if paths is None else _files(paths)
-    parts: list[str] = []
-    total = 0
-    for f in files:
-        if total >= max_chars:
-            break
-        try:
-            text = f.read_bytes().decode("utf-8", errors="replace")
-        except OSError:
-            continue
-        parts.append(text[: max_chars - total])
-        total += len(parts[-1])
-    text = "".join(parts)
+    files = text_files(paths)
+    text = "".join(read_text(files, max_chars=max_chars))
     if not text:
-        raise ValueError(NO_TEXT.format(paths=[str(p) for p in (paths or files)]))
+        raise ValueError(NO_TEXT.format(paths=shown_paths(paths, files)))
     n = (len(text) - 1) // length
     if n < 1:
         raise ValueError(TOO_SHORT.format(chars=len(text), length=length))
@@ -114,3 +136,12 @@ def text_chars(
     return TextDataset(
         x=x.to(device), y=y.to(device), name="text", num_classes=len(vocab), vocab=vocab
     )
+
+
+def shown_paths(
+    paths: Sequence[str | Path] | str | Path | None, files: Sequence[Path]
+) -> list[str]:
+    """The paths to name in an error: those given, else the files read."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    return [str(p) for p in (paths or files)]

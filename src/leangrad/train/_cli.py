@@ -39,6 +39,17 @@ NO_ENGINES = (
     "--engines {value!r} names no engine; give comma-separated names, e.g. "
     "backprop,checkpoint+fad, or leave --engines out to try every one that applies"
 )
+TOKENIZER_NEEDS_TEXT = (
+    "--tokenizer {tokenizer!r} tokenizes text data, but --data is {data!r}; use --data text "
+    "or text:PATH, or leave --tokenizer out"
+)
+TOKENIZER_HELP = (
+    "with --data text[:PATH]: windows of tokens instead of characters, so the model gets a "
+    "real vocabulary size. bpe:N trains a byte-level BPE of vocabulary N on the text (cached; "
+    "e.g. bpe:50257 as GPT-2, bpe:32000 as Llama); a FILE is a Hugging Face tokenizer.json. "
+    "Needs the tokenizers package (leangrad[hf]). Same as --data-opt tokenizer=SPEC "
+    "(default: characters)"
+)
 RETIRED_MAX_STEP_SECONDS = (
     "`leangrad plan` (formerly advise) has no per-step time limit; drop --max-step-seconds "
     "(to skip slow engines, name the ones to try with --engines)"
@@ -51,6 +62,17 @@ def _seed(raw: str) -> int:
     if value > MAX_SEED:
         raise argparse.ArgumentTypeError(BAD_SEED.format(value=value))
     return value
+
+
+def _with_tokenizer(data: str, options: dict[str, Any], tokenizer: str | None) -> dict[str, Any]:
+    """``--tokenizer SPEC``: the data options with ``tokenizer=SPEC`` (text data only)."""
+    if tokenizer is None:
+        return options
+    if data != "text" and not data.startswith("text:"):
+        from .._errors import OptionError
+
+        raise OptionError(TOKENIZER_NEEDS_TEXT.format(tokenizer=tokenizer, data=data))
+    return {**options, "tokenizer": tokenizer}
 
 
 def _retired_max_step_seconds(raw: str) -> float:
@@ -73,12 +95,14 @@ def add_train_parser(sub: Any) -> None:
         t.add_argument(flag, dest=key, default=None, help=f"{help} (default: {d[key]})", **kw)
 
     opt("--model", "model", "model name or module:factory")
-    opt("--data", "data", "digits, mnist5k, synthetic, synthetic-seq, text[:PATH], module:factory")
+    opt("--data", "data", "digits, mnist5k, synthetic, synthetic-seq, text[:PATH] (characters, "
+        "or tokens with --tokenizer), module:factory")
     opt("--engine", "engine", "engine name (see leangrad.available())")
     for flag, key in (("--engine-opt", "engine_options"), ("--model-opt", "model_options"),
                       ("--data-opt", "data_options")):  # fmt: skip
         t.add_argument(flag, dest=key, action="append", default=None, metavar="KEY=VALUE",
                        help="keyword option, repeatable (default: none)")  # fmt: skip
+    t.add_argument("--tokenizer", default=None, metavar="bpe:N|FILE", help=TOKENIZER_HELP)
     opt("--epochs", "epochs", "passes over the training split", type=cli_types.positive_int)
     opt("--batch-size", "batch_size", "examples per step (per process under torchrun)",
         type=cli_types.positive_int)  # fmt: skip
@@ -137,6 +161,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     for key in _OPTS:
         given = getattr(args, key)
         out[key] = parse_options(given) if given is not None else saved.get(key, {})
+    out["data_options"] = _with_tokenizer(out["data"], out["data_options"], args.tokenizer)
     return out
 
 
@@ -255,6 +280,7 @@ def add_plan_parser(sub: Any) -> None:
                    metavar="KEY=VALUE", help="model option, repeatable")  # fmt: skip
     a.add_argument("--data-opt", dest="data_options", action="append", default=None,
                    metavar="KEY=VALUE", help="data option, repeatable (e.g. shape=3,32,32)")
+    a.add_argument("--tokenizer", default=None, metavar="bpe:N|FILE", help=TOKENIZER_HELP)
     a.add_argument(
         "--batch-size", type=cli_types.positive_int, default=64, help="examples per step"
     )
@@ -296,7 +322,7 @@ def run_plan(args: argparse.Namespace) -> int:
           f"engines={args.engines or 'all that apply'} repeats={args.repeats} device={dev} "
           f"dtype={args.dtype} inexact={args.inexact} optimizer={args.optimizer}",
           flush=True)  # fmt: skip
-    data_opts = parse_options(args.data_options)
+    data_opts = _with_tokenizer(args.data, parse_options(args.data_options), args.tokenizer)
     info = data_info(args.data, load_data(args.data, **data_opts))
     torch.manual_seed(0)
     model = build_model(args.model, info, **parse_options(args.model_options))

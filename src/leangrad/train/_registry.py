@@ -24,7 +24,7 @@ from torch import nn
 from .. import _errors as errors
 from .. import data as _data
 from .. import models as _models
-from ..data._text import text_chars
+from ..data._tokens import text_data
 
 __all__ = [
     "DataInfo",
@@ -206,7 +206,8 @@ def load_data(spec: str, **options: Any) -> _data.Dataset:
 
     Args:
         spec: the data spec.
-        **options: keyword arguments of the loader (e.g. ``length=32`` for text).
+        **options: keyword arguments of the loader (e.g. ``length=32`` for text, or
+            ``tokenizer="bpe:50257"`` for token windows: :func:`leangrad.data.text_tokens`).
 
     Raises:
         UnknownNameError: an unknown name, or a spec that does not import.
@@ -229,7 +230,7 @@ def load_data(spec: str, **options: Any) -> _data.Dataset:
 def _load(spec: str, **options: Any) -> _data.Dataset:
     if spec == "text" or spec.startswith("text:"):
         path = spec.partition(":")[2] or None
-        return text_chars(path, **options)
+        return text_data(path, **options)
     if ":" in spec:
         factory = _import(spec, "data")
         _check_call(spec, "data", "--data-opt", factory, options)
