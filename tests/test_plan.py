@@ -276,3 +276,41 @@ def test_plan_raises_when_backprop_itself_fails() -> None:
 
     with pytest.raises(AttributeError, match="logits"):
         leangrad.plan(model, x, bad_loss, budget=2**30, repeats=1)
+
+
+def test_plan_offers_the_loss_without_logits_where_they_dominate() -> None:
+    """A GPT whose vocabulary dwarfs its width: only cross-entropy that never computes the
+    logits fits ¼ of backprop's step peak; the plan finds it, and the chosen step is exact.
+    A model without a vocabulary-sized output is not offered it."""
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=8192, dim=16, layers=2, heads=2, context=32)
+    x = torch.randint(0, 8192, (4, 32))
+    y = torch.randint(0, 8192, (4, 32))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    names = [n for n, _ in candidates(model)]
+    assert "chunked_ce" in names and "checkpoint+chunked_ce" in names
+    assert not any("chunked_ce" in n for n, _ in candidates(zoo.gpt(vocab=64, dim=16)))
+    bp = profile_step(leangrad.engine("backprop"), model, (x,), loss_fn, repeats=0)
+    plan = leangrad.plan(model, (x,), loss_fn, budget=bp.baseline_bytes + bp.peak_bytes // 4,
+                         repeats=1)  # fmt: skip
+    assert plan.engine is not None and "chunked_ce" in plan.engine.label, str(plan)
+    fitting = [c.label for c in plan.table if c.verdict.startswith(("fits", "chosen"))]
+    assert fitting and all("chunked_ce" in label for label in fitting)
+    want = grads_of_backprop(model, x, loss_fn)
+    model.zero_grad(set_to_none=True)
+    plan.engine.backward(model, (x,), loss_fn)
+    for n, p in model.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6)
+
+
+def grads_of_backprop(model: torch.nn.Module, x: torch.Tensor,
+                      loss_fn: object) -> dict[str, torch.Tensor]:  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(x)).backward()  # type: ignore[operator]
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out

@@ -9,7 +9,7 @@ Quick use::
     optimizer.step()
 """
 
-from . import bits, data, engines, fad, hf, highway, layers, measure, models, rad, train, zoo
+from . import bits, data, engines, fad, hf, highway, layers, loss, measure, models, rad, train, zoo
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
 from ._plan import Plan, plan
 from .engines import Blocks, Engine, StepResult, available, blocks, engine, explain
@@ -41,6 +41,7 @@ __all__ = [
     "hf",
     "highway",
     "layers",
+    "loss",
     "measure",
     "models",
     "plan",

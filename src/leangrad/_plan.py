@@ -2,7 +2,9 @@
 
 The planner tries the ways of computing a step that apply to the model — plain backprop,
 checkpointing its blocks (per block, ``"auto"`` and ``"sqrt"`` segments for a sequence;
-fused ``nn.LSTM``/``nn.GRU``/``nn.RNN`` modules in 2 to 16 time chunks),
+fused ``nn.LSTM``/``nn.GRU``/``nn.RNN`` modules in 2 to 16 time chunks), cross-entropy that
+never computes the logits where the model ends in a vocabulary-sized ``nn.Linear``
+(``chunked_ce``, alone and under checkpointing: :mod:`leangrad.loss`),
 nested forward-AD of its custom activation chains and the exact 1-bit masks of
 :mod:`leangrad.bits`, alone and under checkpointing, Moonwalk
 and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=False``,
@@ -136,12 +138,18 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
     from .engines._time_chunks import fused_recurrent
     from .highway import HighwayNet
     from .layers import Chain
+    from .loss import Head, final_linear
 
     out: list[tuple[str, dict[str, Any]]] = [("backprop", {}), ("fad", {}), ("bits", {})]
     try:
         found = blocks(model)
     except errors.LeangradError:
         found = None
+    if isinstance(final_linear(model), Head):  # logits worth never computing
+        out.append(("chunked_ce", {}))
+        if found is not None:
+            out.append(("checkpoint+chunked_ce", {"segments": "auto"} if found.sequential
+                        else {}))  # fmt: skip
     if found is not None:
         if found.sequential:
             out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),

@@ -157,13 +157,16 @@ class Skipped:
 def engine_names(*, max_transforms: int = len(_TRANSFORM_ORDER)) -> list[str]:
     """Every registered engine and every base + transforms composition with at most
     ``max_transforms`` transforms (forward-mode bases take none: they keep nothing for a
-    backward pass, so compose refuses them)."""
+    backward pass, so compose refuses them), and ``chunked_ce`` alone and under
+    ``checkpoint`` (idle, so skipped, where the model has no vocabulary-sized output)."""
     bases = [n for n in available() if n not in TRANSFORMS]
     out = list(bases)
     for base in (b for b in bases if b not in _FORWARD_MODE):
         for k in range(1, min(max_transforms, len(_TRANSFORM_ORDER)) + 1):
             for combo in itertools.combinations(_TRANSFORM_ORDER, k):
                 out.append("+".join(combo if base == "backprop" else (base, *combo)))
+    # the loss without its logits, under the bases that leave the loss to autograd
+    out += ["chunked_ce", "checkpoint+chunked_ce"]
     return out
 
 

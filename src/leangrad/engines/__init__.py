@@ -8,7 +8,7 @@ from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._blocks import Blocks, blocks
 from ._checkpoint import Checkpoint
-from ._compose import Bits, Composed, Fad, Rad
+from ._compose import Bits, ChunkedCE, Composed, Fad, Rad
 from ._explain import Explanation, explain
 from ._forward import Forward
 from ._highway import Highway
@@ -23,6 +23,7 @@ __all__ = [
     "Bits",
     "Blocks",
     "Checkpoint",
+    "ChunkedCE",
     "Composed",
     "Engine",
     "Explanation",

@@ -21,6 +21,7 @@ never modified. Where the transforms apply depends on the base engine: the whole
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
 from typing import Any
@@ -37,13 +38,14 @@ from ._registry import register
 from ._transforms import (
     TRANSFORMS,
     BitsTransform,
+    ChunkedCETransform,
     FadTransform,
     RadTransform,
     Transform,
     kw_options,
 )
 
-__all__ = ["IDLE", "INCOMPATIBLE", "Bits", "Composed", "Fad", "Rad", "compose"]
+__all__ = ["IDLE", "INCOMPATIBLE", "Bits", "ChunkedCE", "Composed", "Fad", "Rad", "compose"]
 
 INCOMPATIBLE = "engine {pair!r} cannot work: {why}"
 IDLE = ("{names} change(s) nothing on this model, so {label} is its base engine again "
@@ -56,6 +58,10 @@ TWICE = "{name!r} names the transform {transform!r} twice; apply each transform 
 AMBIGUOUS = (
     "engine {name!r}: option {option!r} belongs to {owners}; write it as one of "
     "{spelled} to say which"
+)
+STEP_BASES = (
+    "{name} works under {bases}, which leave the model's output layer and the loss to "
+    "plain autograd; {base} runs them itself"
 )
 EAGER_WITH_RAD = (
     "fad falls back to its eager mode on the {part} ({reason}), and the eager mode cannot "
@@ -81,11 +87,14 @@ class Composed(Engine):
         self.exact = base.exact and all(t.exact for t in transforms)  # type: ignore[misc]
         self.input_gradients = base.input_gradients  # type: ignore[misc]
         for t in transforms:
+            pair = f"{base.name}+{t.name}"
             if base.name in ("forward", "projforward"):
-                pair = f"{base.name}+{t.name}"
                 raise errors.EngineInputError(
                     INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why)
                 )
+            if t.scope == "step" and base.name not in getattr(t, "bases", (base.name,)):
+                raise errors.EngineInputError(INCOMPATIBLE.format(pair=pair, why=STEP_BASES.format(
+                    name=t.name, bases=" and ".join(getattr(t, "bases", ())), base=base.name)))
         # Generators the transforms own, as an attribute: training checkpoints save them.
         owned = {t.name: getattr(t, "generator", None) for t in transforms}
         self.generators: dict[str, torch.Generator] = {
@@ -150,11 +159,24 @@ class Composed(Engine):
         return prepared, report
 
     def _build(self, model: nn.Module) -> tuple[nn.Module, dict[str, Any], Engine]:
-        """``(prepared model, report, the engine that runs it)``."""
+        """``(prepared model, report, the engine that runs it)``; step transforms
+        (``scope == "step"``) report on the model as a whole, under the name ``"model"``."""
+        prepared, report, runner = self._build_modules(model)
+        step = [t for t in self.transforms if t.scope == "step"]
+        if step:
+            recomputed: tuple[str, ...] = ()
+            if isinstance(self.base, Checkpoint):
+                recomputed = tuple(self.base.blocks(model).names)
+            for t in step:
+                report[t.name]["model"] = t.inspect(model, blocks=recomputed)
+        return prepared, report, runner
+
+    def _build_modules(self, model: nn.Module) -> tuple[nn.Module, dict[str, Any], Engine]:
         report: dict[str, Any] = {t.name: {} for t in self.transforms}
+        module_transforms = [t for t in self.transforms if t.scope == "module"]
 
         def transform(part: str, module: nn.Module) -> nn.Module:
-            for t in self.transforms:
+            for t in module_transforms:
                 module, what = t.apply(module)
                 report[t.name][part] = what
                 if "eager" in what.get("used", "") and "rad" in report:
@@ -206,9 +228,13 @@ class Composed(Engine):
             assert on_grad is not None
             on_grad(names.get(id(p), name), p)
 
-        res = runner.backward(
-            prepared, inputs, loss_fn, on_grad=handed if on_grad is not None else None
-        )
+        with contextlib.ExitStack() as around:
+            for t in self.transforms:
+                if t.scope == "step":
+                    around.enter_context(t.during(model, report[t.name]["model"]))
+            res = runner.backward(
+                prepared, inputs, loss_fn, on_grad=handed if on_grad is not None else None
+            )
         return StepResult(loss=res.loss, engine=self.label, info={**res.info, **report})
 
 
@@ -335,3 +361,31 @@ class Bits(Composed):
         return "bits"
 
 
+
+
+@register("chunked_ce")
+class ChunkedCE(Composed):
+    """``backprop`` with a loss that never holds its logits (:class:`ChunkedCETransform`,
+    :mod:`leangrad.loss`): the model's final ``nn.Linear`` hands ``F.cross_entropy`` its
+    input and weight, and the loss and its gradients are computed in chunks of rows.
+
+    Exact. Trade-off: a language model's ``(N, T, V)`` logits, their log-softmax and their
+    gradient (most of the step's peak at a real vocabulary) shrink to one chunk; the loss's
+    matmuls are autograd's count (mean or sum reduction). Spelled ``checkpoint+chunked_ce``
+    under checkpointing. The loss must hand the logits straight to ``F.cross_entropy``
+    (views of their leading dimensions allowed), else :class:`leangrad.loss.LogitsReadError`
+    names what read them.
+    """
+
+    exact = True
+
+    def __init__(self, *, chunk_size: int | None = None) -> None:
+        from ._backprop import Backprop
+
+        t = ChunkedCETransform(chunk_size=chunk_size)
+        super().__init__(Backprop(), [t])
+        self.options = dict(t.options)
+
+    @property
+    def label(self) -> str:
+        return self.transforms[0].label

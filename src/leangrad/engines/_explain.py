@@ -96,7 +96,8 @@ def _explain_part(name: str, part: str, what: dict[str, Any]) -> list[str]:
         return out
     swapped = what.get("swapped", {})
     if not swapped:
-        return [f"{name} on {part}: nothing to swap"]
+        why = what.get("why")
+        return [f"{name} on {part}: nothing to swap" + (f" ({why})" if why else "")]
     out = [f"{name} on {part}: swapped {len(swapped)}"]
     out += [f"  {k}: {v}" for k, v in swapped.items()]
     out += [f"  left exact: {k} (no randomized version)" for k in what.get("left_exact", [])]

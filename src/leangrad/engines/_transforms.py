@@ -6,7 +6,10 @@ autograd (see :mod:`leangrad.engines._compose` for how they combine with engines
 - ``fad``: nested forward-mode AD of element-wise chains (one derivative per chain
   instead of its intermediates; exact), by the ``torch.fx`` pass ``fad.nest`` with the
   eager ``fad.nested()`` mode as the automatic fallback for untraceable modules;
-- ``bits``: exact 1-bit masks and pooling that keeps nothing (:mod:`leangrad.bits`).
+- ``bits``: exact 1-bit masks and pooling that keeps nothing (:mod:`leangrad.bits`);
+- ``chunked_ce``: the loss's logits are never computed — the model's final linear layer
+  hands ``F.cross_entropy`` its input and weight, and the loss runs in chunks of rows
+  (:mod:`leangrad.loss`; exact). It acts on the step, not on modules (``scope = "step"``).
 
 Each ``apply(module)`` returns a transformed module sharing ``module``'s tensors, and a
 report of what changed and what was left alone, and why. The transformed module stands
@@ -20,6 +23,7 @@ or the fx pass's code, whose attribute reads reach ``module``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import inspect
 import warnings
@@ -38,6 +42,7 @@ __all__ = [
     "BAD_FAD_MODE",
     "TRANSFORMS",
     "BitsTransform",
+    "ChunkedCETransform",
     "FadTransform",
     "RadTransform",
     "Transform",
@@ -54,6 +59,9 @@ class Transform(abc.ABC):
     name: ClassVar[str]
     exact: ClassVar[bool]
     forward_mode_why: ClassVar[str] = ""
+    scope: ClassVar[str] = "module"
+    """``"module"``: :meth:`apply` swaps modules in the parts the base engine leaves to
+    autograd; ``"step"``: the transform acts around the whole step (:meth:`during`)."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -65,6 +73,15 @@ class Transform(abc.ABC):
     @abc.abstractmethod
     def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         """A transformed module sharing ``module``'s tensors, and a report of what changed."""
+
+    def inspect(self, model: nn.Module, *, blocks: tuple[str, ...]) -> dict[str, Any]:
+        """A step transform's report on ``model`` (``blocks``: the names the base engine
+        recomputes as a whole); ``"swapped"`` non-empty when it changes something."""
+        return {}
+
+    def during(self, model: nn.Module, report: dict[str, Any]) -> Any:
+        """A step transform's context around the step (``report``: :meth:`inspect`'s)."""
+        return contextlib.nullcontext()
 
 
 class RadTransform(Transform):
@@ -337,10 +354,64 @@ class BitsTransform(Transform):
         return holder[0], {"swapped": {k.removeprefix("0."): v for k, v in report.swapped.items()}}
 
 
+class ChunkedCETransform(Transform):
+    """Cross-entropy without the logits (:mod:`leangrad.loss`): during the step the model's
+    final linear layer (:func:`leangrad.loss.final_linear`, an ``nn.Linear`` with a
+    vocabulary-sized output outside the recomputed blocks) returns
+    :class:`~leangrad.loss.LazyLogits`, and the loss's ``F.cross_entropy`` on them runs
+    in chunks of ``chunk_size`` rows. Exact. A loss that reads the logits otherwise raises
+    :class:`~leangrad.loss.LogitsReadError` naming what read them.
+
+    Args:
+        chunk_size: rows per chunk (default: about 8 MiB of float32 logits).
+
+    Anchors: Cut Cross-Entropy (Wijmans et al., ICLR 2025); torchtune's chunked loss.
+    """
+
+    name = "chunked_ce"
+    exact = True
+    scope = "step"
+    forward_mode_why = (
+        "forward mode differentiates the loss with jvps, and the chunked loss has only a "
+        "backward rule"
+    )
+    bases: ClassVar[tuple[str, ...]] = ("backprop", "checkpoint")
+    """Base engines that leave the model's output layer and the loss to plain autograd."""
+
+    def __init__(self, *, chunk_size: int | None = None) -> None:
+        if chunk_size is not None:
+            Engine._positive_int("chunk_size", chunk_size)
+        super().__init__(chunk_size=chunk_size)
+
+    def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        return module, {}  # the step is changed, not the modules
+
+    def inspect(self, model: nn.Module, *, blocks: tuple[str, ...]) -> dict[str, Any]:
+        from ..loss import CHUNK_BYTES, CHUNKS, final_linear
+
+        head = final_linear(model, outside=blocks)
+        if isinstance(head, str):
+            return {"left": [head], "why": head}
+        size = self.options["chunk_size"]
+        chunks = (f"{size} rows" if size is not None else
+                  f"at least {CHUNKS}, of at most {CHUNK_BYTES // 2**20} MiB of logits each")
+        return {"swapped": {head.name: f"logits never computed: cross-entropy in chunks "
+                                       f"({chunks})"}, "head": head}  # fmt: skip
+
+    def during(self, model: nn.Module, report: dict[str, Any]) -> Any:
+        from ..loss import chunked_logits
+
+        head = report.get("head")
+        if head is None:
+            return contextlib.nullcontext()
+        return chunked_logits(head, chunk_size=self.options["chunk_size"])
+
+
 TRANSFORMS: dict[str, type[Transform]] = {
     "rad": RadTransform,
     "fad": FadTransform,
     "bits": BitsTransform,
+    "chunked_ce": ChunkedCETransform,
 }
 
 
