@@ -232,3 +232,80 @@ def test_hf_chunk_size_and_explain(model_name: str) -> None:
     text = str(leangrad.explain(eng, model))
     assert f"{HEADS[model_name]}: logits never computed" in text, text
     _check(eng, model, x, loss_fn, HF_TOL[model_name])
+
+
+# --- a tied input embedding adds into the loss's weight gradient ------------------------
+
+V_TIED, D_TIED = 4096, 8
+
+
+class _Tied(nn.Module):
+    """An embedding and an output layer sharing one matrix (GPT-2, BERT), the embedding
+    used ``uses`` times, with a padding row."""
+
+    def __init__(self, *, uses: int = 1, tied: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V_TIED, D_TIED, padding_idx=3)
+        self.mix = nn.Linear(D_TIED, D_TIED)
+        self.head = nn.Linear(D_TIED, V_TIED, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.uses = uses
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = sum(self.emb(idx.roll(k, 1)) for k in range(self.uses))
+        return self.head(torch.tanh(self.mix(h)))
+
+
+def _tied_problem(uses: int, tied: bool = True,
+                  dtype: torch.dtype = torch.float64) -> Problem:  # fmt: skip
+    torch.manual_seed(0)
+    model = _Tied(uses=uses, tied=tied).to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, V_TIED, (4, 16), generator=gen)
+    idx[0, :3] = 3  # the padding row: its gradient stays zero under autograd
+    y = torch.randint(0, V_TIED, (4, 16), generator=gen)
+    return model, (idx,), lambda out: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("uses", [1, 2])
+@pytest.mark.parametrize("name", ["chunked_ce", "checkpoint+chunked_ce"])
+def test_tied_embedding_is_exact(name: str, uses: int) -> None:
+    model, x, loss_fn = _tied_problem(uses)
+    _check(leangrad.engine(name), model, x, loss_fn)
+
+
+def test_tied_embedding_adds_to_an_existing_grad() -> None:
+    """Gradient accumulation: a second step adds to the ``.grad`` of the first, as
+    autograd does."""
+    model, x, loss_fn = _tied_problem(1)
+    eng = leangrad.engine("chunked_ce")
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(*x)).backward()
+    loss_fn(model(*x)).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    eng.backward(model, x, loss_fn)
+    eng.backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-10
+
+
+def test_tied_embedding_frozen_weight_keeps_none() -> None:
+    model, x, loss_fn = _tied_problem(1)
+    model.emb.weight.requires_grad_(False)
+    _check(leangrad.engine("chunked_ce"), model, x, loss_fn)
+    leangrad.engine("chunked_ce").backward(model, x, loss_fn)
+    assert model.emb.weight.grad is None and model.mix.weight.grad is not None
+
+
+def test_tied_embedding_holds_one_weight_gradient() -> None:
+    """Autograd holds three ``(V, D)`` tensors to sum a tied weight's two gradients; the
+    chunked loss and its tied embedding hold no more than an untied model's two."""
+    peaks = {}
+    for tied in (False, True):
+        model, x, loss_fn = _tied_problem(1, tied=tied, dtype=torch.float32)
+        peaks[tied] = profile_step(leangrad.engine("chunked_ce"), model, x, loss_fn,
+                                   repeats=0).peak_bytes  # fmt: skip
+    per_matrix = V_TIED * D_TIED * 4
+    assert peaks[True] <= peaks[False] + per_matrix // 4, peaks

@@ -28,7 +28,7 @@ import torch
 
 from .. import _errors as errors
 
-__all__ = ["CHUNKS", "CHUNK_BYTES", "chunk_rows", "linear_cross_entropy"]
+__all__ = ["CHUNKS", "CHUNK_BYTES", "GradSink", "chunk_rows", "linear_cross_entropy"]
 
 CHUNK_BYTES = 8 * 2**20
 """Most bytes of one chunk's logits (float32) when ``chunk_size`` is not given."""
@@ -99,11 +99,34 @@ def linear_cross_entropy(
         raise errors.EngineInputError(BAD_SHAPES.format(
             hidden=tuple(hidden.shape), weight=tuple(weight.shape),
             target=tuple(target.shape)))  # fmt: skip
+    return _apply(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
+                  chunk_size, None)  # fmt: skip
+
+
+class GradSink:
+    """Where the loss leaves the weight's gradient it hands to autograd, so that a tied
+    embedding's backward (:mod:`._lazy`) adds its rows into that tensor instead of
+    returning a second ``(V, D)`` gradient for autograd to sum (which holds three at once).
+
+    Attributes:
+        weight_grad: the weight gradient the loss returned, until the last pending
+            embedding backward has added into it.
+        pending: embedding forwards whose backward has not run yet.
+    """
+
+    def __init__(self) -> None:
+        self.weight_grad: torch.Tensor | None = None
+        self.pending = 0
+
+
+def _apply(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+           bias: torch.Tensor | None, ignore_index: int, reduction: str, smoothing: float,
+           chunk_size: int | None, sink: GradSink | None) -> torch.Tensor:  # fmt: skip
     rows = chunk_rows(weight.shape[0], rows=target.numel(), chunk_size=chunk_size)
     grads_now = reduction != "none" and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))  # fmt: skip
     out: torch.Tensor = _LinearCrossEntropy.apply(
-        hidden, weight, bias, target, ignore_index, reduction, label_smoothing, rows, grads_now
+        hidden, weight, bias, target, ignore_index, reduction, smoothing, rows, grads_now, sink
     )
     return out
 
@@ -131,7 +154,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         target: torch.Tensor, ignore_index: int, reduction: str, smoothing: float, rows: int,
-        grads_now: bool,
+        grads_now: bool, sink: GradSink | None,
     ) -> torch.Tensor:  # fmt: skip
         h = hidden.reshape(-1, hidden.shape[-1])
         t_all = target.reshape(-1)
@@ -180,7 +203,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             loss = (per.sum() / count).to(hidden.dtype)
         ctx.shape, ctx.rows, ctx.smoothing, ctx.reduction = hidden.shape, rows, smoothing, reduction
-        ctx.has_bias, ctx.grads_now = bias is not None, grads_now
+        ctx.has_bias, ctx.grads_now, ctx.sink = bias is not None, grads_now, sink
         if grads_now:
             ctx.pre = (gh, gw, gb)
         else:
@@ -191,7 +214,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        none = (None,) * 6
+        none = (None,) * 7
         if ctx.grads_now:
             if ctx.pre is None:
                 raise RuntimeError(TWICE)
@@ -201,6 +224,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for g in (gh, gw, gb):
                 if g is not None:
                     g.mul_(grad.to(g.dtype))
+            _leave(ctx.sink, gw)
             return (None if gh is None else gh.reshape(ctx.shape), gw, gb, *none)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         h = hidden.reshape(-1, hidden.shape[-1])
@@ -228,4 +252,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if gb is not None:
                 gb.add_(dz.sum(0))
             del softmax, dz
+        _leave(ctx.sink, gw)
         return (None if gh is None else gh.reshape(ctx.shape), gw, gb, *none)
+
+
+def _leave(sink: GradSink | None, gw: torch.Tensor | None) -> None:
+    """Tell a tied embedding where the weight's gradient is (only while one is pending)."""
+    if sink is not None and gw is not None and sink.pending > 0:
+        sink.weight_grad = gw
