@@ -13,6 +13,7 @@ from torch import nn
 
 from leangrad import Chain, models
 from leangrad.layers import AdditiveCoupling, FragmentalConv2d, LeakyReLU, SpaceToDepth, Tanh
+from leangrad.loss import per_example
 
 __all__ = [
     "MODEL_KINDS",
@@ -81,8 +82,11 @@ class Problem:
     inputs: tuple[torch.Tensor, ...]
     targets: torch.Tensor
 
-    def loss_fn(self, out: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out, self.targets)
+    @property
+    def loss_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Cross-entropy over the examples, declared per example (every engine calls it
+        as ``loss_fn(out)``; ``accumulate`` also splits the targets with the inputs)."""
+        return per_example(F.cross_entropy, self.targets)
 
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:

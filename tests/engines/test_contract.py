@@ -28,6 +28,7 @@ from leangrad import models
 from leangrad.engines import engine_class
 from leangrad.highway import GRULayer, HighwayNet
 from leangrad.layers import AdditiveCoupling, LeakyReLU, SpaceToDepth, Tanh
+from leangrad.loss import per_example
 
 DT = torch.float64
 TOL = 1e-10
@@ -63,6 +64,12 @@ def _generic() -> tuple[nn.Module, tuple[int, ...]]:
         nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Dropout(0.3),
         nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3),
     )  # fmt: skip
+    return m, (5, 4)
+
+
+def _plain() -> tuple[nn.Module, tuple[int, ...]]:
+    """No layer couples the examples or draws: what gradient accumulation takes."""
+    m = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3))
     return m, (5, 4)
 
 
@@ -110,6 +117,7 @@ def _highway() -> tuple[nn.Module, tuple[int, ...]]:
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[int, ...]]]] = {
     "generic": _generic,
+    "plain": _plain,
     "subcnn": _subcnn,
     "subcnn_paramfree_stem": _subcnn_paramfree_stem,
     "revchain": _revchain,
@@ -126,7 +134,9 @@ def _build(kind: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor, Callable]
     x = torch.randn(*shape, dtype=DT)
     n_out = x.shape[0] * (x.shape[1] if kind == "highway" else 1)
     y = torch.randint(0, 3, (n_out,))
-    return model, x, lambda out: F.cross_entropy(out, y)
+    if kind == "highway":  # time-major: rows of the output are not the batch's examples
+        return model, x, lambda out: F.cross_entropy(out, y)
+    return model, x, per_example(F.cross_entropy, y)
 
 
 # Compositions (base engine + transforms) keep the same contract.
@@ -142,6 +152,7 @@ COMBOS: list[tuple[str, dict[str, object]]] = [
     ("checkpoint+bits", {"segments": 2}),
     ("moonwalk+bits", {}),
     ("fad+bits", {}),
+    ("checkpoint+accumulate", {"micro_batches": 3}),
 ]
 
 
@@ -244,6 +255,9 @@ def test_loss_independent_of_the_model_raises(
 ) -> None:
     """The same error, for every engine, and nothing written to any .grad or buffer."""
     model, x, _ = _build(kind)
+    if kind != "highway":  # declared per example, as _build's losses are
+        fn = loss_fn
+        loss_fn = per_example(lambda out, _: fn(out), torch.zeros(x.shape[0]))
     bufs = {n: b.clone() for n, b in model.named_buffers()}
     with pytest.raises(E.EngineInputError, match=re.escape(E.LOSS_NO_GRAD)):
         leangrad.engine(name, **opts).backward(model, x, loss_fn)

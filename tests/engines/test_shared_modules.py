@@ -68,6 +68,8 @@ ENGINES: list[tuple[str, dict[str, Any]]] = [
     ("checkpoint+fad", {}),
     ("moonwalk+fad", {}),
     ("revbackprop+fad", {}),
+    ("chunked_ce", {}),
+    ("accumulate", {}),  # refused here: these cases' losses are not declared per example
 ]
 
 

@@ -44,7 +44,7 @@ def test_unknown_names_exit_2_listing_known(tmp_path, capsys) -> None:
     assert main(["train", "--model", "nope", "--out", str(tmp_path), "--no-progress"]) == 2
     assert "known models: gru_lm, mlp, resnet, revnet, submersive_cnn" in capsys.readouterr().err
     assert main(["train", "--engine", "nope", "--out", str(tmp_path), "--no-progress"]) == 2
-    assert "unknown engine 'nope'; known engines: backprop" in capsys.readouterr().err
+    assert "unknown engine 'nope'; known engines: accumulate, backprop" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["plan", "advise"])  # advise: the same command

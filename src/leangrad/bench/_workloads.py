@@ -32,8 +32,18 @@ class Workload:
     targets: torch.Tensor
     config: dict[str, Any]
 
-    def loss_fn(self, output: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output, self.targets)
+    @property
+    def loss_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Cross-entropy over the targets: declared per example
+        (:func:`leangrad.loss.per_example`) where the targets hold one row per example of
+        the inputs, so ``accumulate`` can split them; a plain function otherwise."""
+        from ..loss import per_example
+
+        xs = self.inputs
+        if xs and xs[0].dim() and self.targets.dim() and xs[0].shape[0] == self.targets.shape[0]:
+            return per_example(F.cross_entropy, self.targets)
+        targets = self.targets
+        return lambda output: F.cross_entropy(output, targets)
 
     @property
     def num_params(self) -> int:

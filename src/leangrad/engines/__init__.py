@@ -8,7 +8,7 @@ from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._blocks import Blocks, blocks
 from ._checkpoint import Checkpoint
-from ._compose import Bits, ChunkedCE, Composed, Fad, Rad
+from ._compose import Accumulate, Bits, ChunkedCE, Composed, Fad, Rad
 from ._explain import Explanation, explain
 from ._forward import Forward
 from ._highway import Highway
@@ -19,6 +19,7 @@ from ._revbackprop import RevBackprop
 from ._transforms import Transform
 
 __all__ = [
+    "Accumulate",
     "Backprop",
     "Bits",
     "Blocks",

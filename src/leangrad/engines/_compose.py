@@ -37,15 +37,18 @@ from ._prepare import PreparedCache, share_copy
 from ._registry import register
 from ._transforms import (
     TRANSFORMS,
+    AccumulateTransform,
     BitsTransform,
     ChunkedCETransform,
     FadTransform,
     RadTransform,
+    StepRun,
     Transform,
     kw_options,
 )
 
-__all__ = ["IDLE", "INCOMPATIBLE", "Bits", "ChunkedCE", "Composed", "Fad", "Rad", "compose"]
+__all__ = ["IDLE", "INCOMPATIBLE", "Accumulate", "Bits", "ChunkedCE", "Composed", "Fad", "Rad",
+           "compose"]  # fmt: skip
 
 INCOMPATIBLE = "engine {pair!r} cannot work: {why}"
 IDLE = ("{names} change(s) nothing on this model, so {label} is its base engine again "
@@ -228,13 +231,18 @@ class Composed(Engine):
             assert on_grad is not None
             on_grad(names.get(id(p), name), p)
 
+        def once(xs: tuple[torch.Tensor, ...], lf: LossFn, og: OnGrad | None) -> StepResult:
+            return runner.backward(prepared, xs, lf, on_grad=handed if og is not None else None)
+
+        run: StepRun = once
+
+        step = [t for t in self.transforms if t.scope == "step"]
+        for t in step:  # e.g. accumulate: the step as micro-batches
+            run = t.wrap(run, report[t.name]["model"])
         with contextlib.ExitStack() as around:
-            for t in self.transforms:
-                if t.scope == "step":
-                    around.enter_context(t.during(model, report[t.name]["model"]))
-            res = runner.backward(
-                prepared, inputs, loss_fn, on_grad=handed if on_grad is not None else None
-            )
+            for t in step:  # e.g. chunked_ce: a mode around the whole step
+                around.enter_context(t.during(model, report[t.name]["model"]))
+            res = run(inputs, loss_fn, on_grad)
         return StepResult(loss=res.loss, engine=self.label, info={**res.info, **report})
 
 
@@ -383,6 +391,32 @@ class ChunkedCE(Composed):
         from ._backprop import Backprop
 
         t = ChunkedCETransform(chunk_size=chunk_size)
+        super().__init__(Backprop(), [t])
+        self.options = dict(t.options)
+
+    @property
+    def label(self) -> str:
+        return self.transforms[0].label
+
+
+@register("accumulate")
+class Accumulate(Composed):
+    """``backprop`` over micro-batches, their gradients added in ``.grad`` — gradient
+    accumulation (:class:`AccumulateTransform`). Spelled ``checkpoint+accumulate`` with
+    per-block checkpointing inside each micro-batch.
+
+    Exact where no layer couples the examples and the loss is declared a mean or sum over
+    them (:func:`leangrad.loss.per_example`). Trade-off: about 1/k of the activations for k
+    forward and backward passes of smaller batches (little extra time where each
+    micro-batch still fills the machine).
+    """
+
+    exact = True
+
+    def __init__(self, *, micro_batches: int = 2) -> None:
+        from ._backprop import Backprop
+
+        t = AccumulateTransform(micro_batches=micro_batches)
         super().__init__(Backprop(), [t])
         self.options = dict(t.options)
 

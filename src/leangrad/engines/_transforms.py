@@ -27,6 +27,7 @@ import contextlib
 import copy
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 import torch
@@ -41,6 +42,7 @@ from ._prepare import Wrapper, share_copy
 __all__ = [
     "BAD_FAD_MODE",
     "TRANSFORMS",
+    "AccumulateTransform",
     "BitsTransform",
     "ChunkedCETransform",
     "FadTransform",
@@ -51,6 +53,8 @@ __all__ = [
 ]
 
 BAD_FAD_MODE = "fad mode must be 'auto', 'fx' or 'eager', got {value!r}"
+StepRun = Callable[[tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor], Any], Any]
+"""``run(inputs, loss_fn, on_grad) -> StepResult``: one step of the base engine."""
 
 
 class Transform(abc.ABC):
@@ -82,6 +86,11 @@ class Transform(abc.ABC):
     def during(self, model: nn.Module, report: dict[str, Any]) -> Any:
         """A step transform's context around the step (``report``: :meth:`inspect`'s)."""
         return contextlib.nullcontext()
+
+    def wrap(self, run: StepRun, report: dict[str, Any]) -> StepRun:
+        """A step transform's way of running the step: ``run(inputs, loss_fn, on_grad)``
+        runs it once, as the base engine does (default: as is)."""
+        return run
 
 
 class RadTransform(Transform):
@@ -407,11 +416,131 @@ class ChunkedCETransform(Transform):
         return chunked_logits(head, chunk_size=self.options["chunk_size"])
 
 
+BATCH_COUPLED = (
+    "{name} ({kind}) couples the examples of a batch in training mode (its statistics are "
+    "the batch's), so micro-batches would not compute the whole batch's gradient; put it "
+    "in eval mode, use GroupNorm/LayerNorm, or leave out accumulate"
+)
+RANDOM_LAYER = (
+    "{name} ({kind}, p={p}) draws its masks per forward: micro-batches would draw other "
+    "masks than one forward of the whole batch (another gradient than autograd's); set "
+    "p=0 or eval mode for it, or leave out accumulate"
+)
+NEEDS_PER_EXAMPLE = (
+    "accumulate splits the batch into micro-batches, and so must split the targets your "
+    "loss_fn closes over: declare the loss with leangrad.loss.per_example(fn, *targets) "
+    "(fn(out, *targets) a mean or sum over examples), got {type}"
+)
+MICRO_ROWS = (
+    "accumulate: input {index} has {rows} rows along dimension 0 and the loss's targets "
+    "{batch}; every input holds one row per example"
+)
+
+
+class AccumulateTransform(Transform):
+    """Gradient accumulation: the step runs the batch as ``micro_batches`` micro-batches,
+    one after another, each through the base engine, and their gradients add up in
+    ``.grad`` — what a practitioner writes by hand first, at about 1/k of the activations.
+
+    Exact where no layer couples the examples (training-mode BatchNorm does: refused) and
+    the loss is a mean or sum over examples, declared with
+    :func:`leangrad.loss.per_example` (the targets are split with the inputs). Layers that
+    draw random masks (``nn.Dropout`` with p > 0 in training) are refused: micro-batches
+    draw other masks than one whole-batch forward, as are fused RNNs with dropout between
+    layers; dropout called as a function inside a module's ``forward`` (``F.dropout``,
+    attention's ``dropout_p``) cannot be seen and must be off. ``on_grad`` is called once
+    per parameter, after the last micro-batch.
+
+    Args:
+        micro_batches: how many micro-batches (sizes differ by at most one; a batch with
+            fewer examples, e.g. an epoch's last, runs one example per micro-batch).
+    """
+
+    name = "accumulate"
+    exact = True
+    scope = "step"
+    forward_mode_why = (
+        "forward mode engines differentiate with jvps and keep nothing between micro-batches "
+        "that accumulation would save"
+    )
+    bases: ClassVar[tuple[str, ...]] = ("backprop", "checkpoint")
+
+    def __init__(self, *, micro_batches: int = 2) -> None:
+        Engine._positive_int("micro_batches", micro_batches)
+        super().__init__(micro_batches=micro_batches)
+
+    def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+        return module, {}
+
+    def inspect(self, model: nn.Module, *, blocks: tuple[str, ...]) -> dict[str, Any]:
+        if (why := batch_coupling(model)) is not None:
+            raise errors.EngineInputError(why)
+        k = self.options["micro_batches"]
+        if k == 1:
+            return {"left": ["one micro-batch: the step as it is"], "why": "micro_batches=1"}
+        return {"swapped": {"batch": f"{k} micro-batches, gradients accumulated in .grad"}}
+
+    def wrap(self, run: StepRun, report: dict[str, Any]) -> StepRun:
+        k = self.options["micro_batches"]
+
+        def micro(xs: tuple[torch.Tensor, ...], loss_fn: Any, on_grad: Any) -> Any:
+            from ..loss import PerExample
+            from ._base import StepResult
+
+            if not isinstance(loss_fn, PerExample):
+                raise errors.EngineInputError(NEEDS_PER_EXAMPLE.format(
+                    type=type(loss_fn).__name__))  # fmt: skip
+            n = loss_fn.batch
+            for i, x in enumerate(xs):
+                if x.dim() == 0 or x.shape[0] != n:
+                    rows = x.shape[0] if x.dim() else 0
+                    raise errors.EngineInputError(MICRO_ROWS.format(index=i, rows=rows, batch=n))
+            m = min(k, n)  # a short last batch of an epoch: one example per micro-batch
+            edges = [n * i // m for i in range(m + 1)]
+            total: torch.Tensor | None = None
+            res: Any = None
+            for i in range(m):
+                a, b = edges[i], edges[i + 1]
+                last = i == m - 1
+                res = run(tuple(x[a:b] for x in xs), loss_fn.rows(a, b),
+                          on_grad if last else None)  # fmt: skip
+                total = res.loss if total is None else total + res.loss
+            assert total is not None
+            return StepResult(loss=total, engine=res.engine,
+                              info={**res.info, "micro_batches": m})  # fmt: skip
+
+        return micro
+
+
+def batch_coupling(model: nn.Module) -> str | None:
+    """Why micro-batches of ``model`` would not add up to the whole batch's gradient
+    (a training-mode layer whose output depends on the other examples, or one that draws
+    random masks), or ``None``."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    for name, m in model.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, _BatchNorm) or (isinstance(m, _InstanceNorm)
+                                         and m.track_running_stats):  # fmt: skip
+            return BATCH_COUPLED.format(name=repr(name or "the model"), kind=type(m).__name__)
+        if isinstance(m, _DropoutNd) and m.p > 0:
+            return RANDOM_LAYER.format(name=repr(name or "the model"), kind=type(m).__name__,
+                                       p=m.p)  # fmt: skip
+        if isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1:
+            return RANDOM_LAYER.format(name=repr(name or "the model"), kind=type(m).__name__,
+                                       p=m.dropout)  # fmt: skip
+    return None
+
+
 TRANSFORMS: dict[str, type[Transform]] = {
     "rad": RadTransform,
     "fad": FadTransform,
     "bits": BitsTransform,
     "chunked_ce": ChunkedCETransform,
+    "accumulate": AccumulateTransform,
 }
 
 

@@ -35,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
+from .._plan import Plan
 from .._sizes import fmt_bytes
 from ..data import Dataset
 from ..engines import Engine
@@ -65,6 +66,14 @@ BUDGET_AND_ENGINE = (
     "budget= chooses the engine and its options; do not also give engine options "
     "({options}): drop --engine-opt, or drop --budget and name the engine"
 )
+PLAN_AND_BUDGET = (
+    "plan= trains with a saved plan's engine and budget= plans one now; give one of them"
+)
+PLAN_AND_ENGINE = (
+    "plan= chooses the engine and its options; do not also give engine options ({options}): "
+    "drop --engine-opt, or drop --plan and name the engine"
+)
+PLAN_FITS_NOTHING = "{path}: the plan chose no engine ({message}); plan again with a larger budget"
 NON_FINITE_STATE = (
     "weights or optimizer state are not finite after the update of step {step}: NaN/Inf in "
     "{names} (the loss before that update was {loss}); training stopped and this step was "
@@ -98,13 +107,17 @@ def logits_of(out: Any) -> torch.Tensor:
 
 
 def _loss_fn(y: torch.Tensor) -> Callable[[Any], torch.Tensor]:
-    """Cross-entropy over classes (N, C) or over every position of sequences (N, T, V)."""
+    """Cross-entropy over classes (N, C) or over every position of sequences (N, T, V),
+    declared a mean over examples (every example has as many positions), so a plan may
+    accumulate gradients over micro-batches (:func:`leangrad.loss.per_example`)."""
+    from ..loss import per_example
 
-    def loss_fn(out: Any) -> torch.Tensor:
-        logits = logits_of(out)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return per_example(_cross_entropy, y)
 
-    return loss_fn
+
+def _cross_entropy(out: Any, y: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(out)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 @torch.no_grad()
@@ -192,6 +205,7 @@ def fit(
     overwrite: bool = False,
     budget: int | str | None = None,
     plan_engines: Sequence[str] | None = None,
+    plan: Plan | str | Path | None = None,
     max_steps: int | None = None,
     device: str | torch.device | None = None,
     dtype: str = "float32",
@@ -236,6 +250,14 @@ def fit(
         plan_engines: with ``budget``, the engines the plan may choose from (names as
             for :func:`leangrad.engine`, e.g. ``["backprop", "checkpoint+fad"]``; default:
             every one that applies), e.g. to leave out one that is slow on the model.
+        plan: train with a plan's engine instead of naming one: a :class:`leangrad.Plan`
+            or the path of one it saved (``Plan.save``, ``leangrad plan --save``). It must
+            have been made for this model (class and parameters, in ``dtype``), a batch of
+            ``batch_size`` of this data, and this device type, else it is refused
+            (``EngineInputError``); a per-layer plan turns ``step_per_layer`` on. The
+            engine is stored in the run's config with the plan's path (a resumed run keeps
+            the engine and does not read the plan again). Not with ``budget`` or
+            ``engine_options``.
         max_steps: stop after this many steps in total.
         device, dtype: where and in which float type to train (default: CUDA if present).
         test_fraction: share of the data held out for per-epoch test loss/accuracy.
@@ -272,6 +294,8 @@ def fit(
                     lr=lr)  # fmt: skip
     if resume is not None and overwrite:
         raise snapshot.RunDirectoryError(snapshot.RESUME_AND_OVERWRITE)
+    if plan is not None and budget is not None and resume is None:
+        raise errors.OptionError(PLAN_AND_BUDGET)
     dev = _device(device)
     ctx = distributed.init_distributed(dev)
     if out is not None:
@@ -285,6 +309,7 @@ def fit(
         step_per_layer=step_per_layer, checkpoint_every=checkpoint_every,
         max_steps=max_steps, dtype=dtype, test_fraction=test_fraction,
         world_size=ctx.world_size,
+        plan=None if plan is None else "<Plan>" if isinstance(plan, Plan) else str(plan),
     )  # fmt: skip
     torch.manual_seed(seed)
     ds = load_data(data, **cfg.data_options) if isinstance(data, str) else data
@@ -294,6 +319,8 @@ def fit(
     if budget is not None and resume is None:
         cfg = _planned(cfg, net, ds, dev, budget, progress=progress,  # type: ignore[arg-type]
                        engines=plan_engines)  # fmt: skip
+    if plan is not None and resume is None:
+        cfg = _from_plan(cfg, net, ds, dev, plan)  # type: ignore[arg-type]
     run = _Run(cfg, net, ds, dev, ctx)  # type: ignore[arg-type]
     if resume is not None:
         run.resume(resume)
@@ -355,6 +382,32 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     per_layer = cfg.step_per_layer or result.per_layer
     return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options),
                                step_per_layer=per_layer)  # fmt: skip
+
+
+def _from_plan(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
+               plan: Plan | str | Path) -> TrainConfig:  # fmt: skip
+    """``cfg`` with the engine of a saved plan, once it is checked to be made for this
+    model (in the run's dtype, on ``dev``) and a batch of this data (printed)."""
+    from .._plan_io import check_made_for, chosen_row
+
+    if cfg.engine_options:
+        raise errors.OptionError(PLAN_AND_ENGINE.format(options=cfg.engine_options))
+    dtype = getattr(torch, cfg.dtype)
+    net.to(device=dev, dtype=dtype)  # as the run will hold it
+    x = ds.x[: cfg.batch_size].to(dev)
+    x = x.to(dtype) if x.is_floating_point() else x
+    source = cfg.plan or "the plan"
+    if isinstance(plan, Plan):
+        check_made_for(plan.made_for, model=net, inputs=x, source=source)
+    else:
+        plan = Plan.load(plan, model=net, inputs=x)
+    row = chosen_row(plan)
+    if plan.engine is None or row is None:
+        raise errors.EngineInputError(PLAN_FITS_NOTHING.format(path=source,
+                                                               message=plan.message))  # fmt: skip
+    print(f"plan {source}: {plan.message}", flush=True)
+    return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options),
+                               step_per_layer=cfg.step_per_layer or plan.per_layer)  # fmt: skip
 
 
 def _claim_run_dir(out: Path, *, resume: str | Path | None, overwrite: bool,

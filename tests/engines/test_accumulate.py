@@ -1,0 +1,204 @@
+"""Gradient accumulation (``accumulate``, issue 31 item 0): micro-batches whose gradients
+add up to the whole batch's — exact against autograd where the loss is declared a mean or
+sum over examples (:func:`leangrad.loss.per_example`) and no layer couples them; refused,
+naming why, everywhere else. Nothing here asserts a time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import leangrad
+from leangrad import zoo
+from leangrad._errors import EngineInputError
+from leangrad._plan import candidates
+from leangrad.loss import PerExample, per_example
+from leangrad.measure import compare_grads, profile_step
+
+ENGINES = ("accumulate", "checkpoint+accumulate")
+
+
+def _gpt(batch: int = 5, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, torch.Tensor,
+                                                                     PerExample]:  # fmt: skip
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=64, dim=16, layers=2, heads=2, context=8).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (batch, 8), generator=gen)
+    y = torch.randint(0, 64, (batch, 8), generator=gen)
+    return model, x, per_example(lambda out, t: zoo.GPT.loss(out, t), y)
+
+
+def _reference(model: nn.Module, xs: tuple[torch.Tensor, ...],
+               loss_fn: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(*xs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("name", ENGINES)
+def test_exact_against_autograd_with_uneven_micro_batches(name: str, k: int) -> None:
+    model, x, loss_fn = _gpt(batch=5)
+    ref_loss, ref = _reference(model, (x,), loss_fn)
+    res = leangrad.engine(name, micro_batches=k).backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref)
+    assert compare_grads(got, ref).max_rel_err <= 1e-10
+    torch.testing.assert_close(res.loss, ref_loss, rtol=1e-12, atol=0)
+    assert res.info["micro_batches"] == k
+
+
+def test_sum_reduction_and_several_inputs_and_targets() -> None:
+    """Two inputs, two targets, a summed loss; input gradients as autograd's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.net(a * b)
+
+    model = Two()
+    a = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (7,))
+    w = torch.rand(7, dtype=torch.float64)
+    loss_fn = per_example(
+        lambda out, t, s: (F.cross_entropy(out, t, reduction="none") * s).sum(), y, w,
+        reduction="sum")  # fmt: skip
+    ref_loss, ref = _reference(model, (a, b), loss_fn)
+    a_ref = a.grad.clone()  # type: ignore[union-attr]
+    a.grad = None
+    res = leangrad.engine("accumulate", micro_batches=3).backward(model, (a, b), loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-10
+    torch.testing.assert_close(a.grad, a_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(res.loss, ref_loss, rtol=1e-12, atol=0)
+
+
+def test_adds_to_an_existing_grad_and_calls_on_grad_once_with_the_whole_gradient() -> None:
+    model, x, loss_fn = _gpt(batch=4)
+    _, ref = _reference(model, (x,), loss_fn)
+    seen: dict[str, torch.Tensor] = {}
+
+    def on_grad(name: str, p: nn.Parameter) -> None:
+        assert name not in seen, f"on_grad twice for {name}"
+        assert p.grad is not None
+        seen[name] = p.grad.clone()
+
+    leangrad.engine("checkpoint+accumulate", micro_batches=4).backward(model, x, loss_fn,
+                                                                     on_grad=on_grad)  # fmt: skip
+    assert set(seen) == set(ref)
+    assert compare_grads(seen, ref).max_rel_err <= 1e-10
+    # a second step adds to .grad, as loss.backward() does
+    leangrad.engine("accumulate", micro_batches=2).backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, {n: 2 * g for n, g in ref.items()}).max_rel_err <= 1e-10
+
+
+def test_with_chunked_cross_entropy_inside_each_micro_batch() -> None:
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=2048, dim=16, layers=2, heads=2, context=8).double()
+    x = torch.randint(0, 2048, (4, 8))
+    loss_fn = per_example(lambda out, t: zoo.GPT.loss(out, t), torch.randint(0, 2048, (4, 8)))
+    _, ref = _reference(model, (x,), loss_fn)
+    eng = leangrad.engine("checkpoint+chunked_ce+accumulate", micro_batches=2)
+    eng.backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-10
+
+
+def test_peak_falls_with_micro_batches() -> None:
+    model, x, loss_fn = _gpt(batch=16, dtype=torch.float32)
+    peaks = {k: profile_step(leangrad.engine("accumulate", micro_batches=k), model, x, loss_fn,
+                             repeats=0).peak_bytes for k in (1, 4)}  # fmt: skip
+    assert peaks[4] < 0.6 * peaks[1], peaks
+
+
+def test_refuses_batchnorm_in_training_and_names_it() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    eng = leangrad.engine("accumulate")
+    why = eng.supports(model)
+    assert why is not None and "'1' (BatchNorm1d) couples the examples" in why
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    with pytest.raises(EngineInputError, match="BatchNorm1d"):
+        eng.backward(model, x, per_example(F.cross_entropy, y))
+    model.eval()  # running statistics: no coupling
+    assert eng.supports(model) is None
+
+
+def test_refuses_dropout_that_draws() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 2))
+    why = leangrad.engine("accumulate").supports(model)
+    assert why is not None and "Dropout" in why and "p=0.1" in why
+    model[1].p = 0.0
+    assert leangrad.engine("accumulate").supports(model) is None
+
+
+def test_refuses_a_loss_not_declared_per_example() -> None:
+    model, x, loss_fn = _gpt(batch=4)
+    y = loss_fn.targets[0]
+    with pytest.raises(EngineInputError, match=r"leangrad\.loss\.per_example"):
+        leangrad.engine("accumulate").backward(model, x, lambda out: zoo.GPT.loss(out, y))
+
+
+def test_a_short_batch_runs_one_example_per_micro_batch_and_rows_must_match() -> None:
+    model, x, loss_fn = _gpt(batch=3)
+    _, ref = _reference(model, (x,), loss_fn)
+    res = leangrad.engine("accumulate", micro_batches=4).backward(model, x, loss_fn)
+    assert res.info["micro_batches"] == 3
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-10
+    with pytest.raises(EngineInputError, match="input 0 has 2 rows"):
+        leangrad.engine("accumulate").backward(model, x[:2], loss_fn)
+
+
+@pytest.mark.parametrize("base", ["forward", "projforward", "moonwalk", "revbackprop",
+                                  "highway"])  # fmt: skip
+def test_bases_that_do_not_take_it_refuse(base: str) -> None:
+    with pytest.raises(EngineInputError, match=f"'{base}\\+accumulate' cannot work"):
+        leangrad.engine(f"{base}+accumulate")
+
+
+def test_bad_options_and_declarations() -> None:
+    with pytest.raises(ValueError):
+        leangrad.engine("accumulate", micro_batches=0)
+    with pytest.raises(ValueError):
+        per_example(F.cross_entropy, torch.zeros(3), reduction="none")
+    with pytest.raises(EngineInputError, match="give the targets"):
+        per_example(F.cross_entropy)
+    with pytest.raises(EngineInputError, match="target 1 has 2 rows"):
+        per_example(F.cross_entropy, torch.zeros(3), torch.zeros(2))
+
+
+def test_plan_offers_it_only_where_exact() -> None:
+    model, _, loss_fn = _gpt(batch=8, dtype=torch.float32)
+    names = [(n, o.get("micro_batches")) for n, o in candidates(model, loss_fn=loss_fn)]
+    assert ("accumulate", 8) in names and ("checkpoint+accumulate", 2) in names
+    plain = [n for n, _ in candidates(model, loss_fn=lambda out: loss_fn(out))]
+    assert not any("accumulate" in n for n in plain)
+    coupled = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    assert not any("accumulate" in n for n, _ in candidates(
+        coupled, loss_fn=per_example(F.mse_loss, torch.zeros(8, 4))))  # fmt: skip
+
+
+def test_plan_chooses_it_at_a_budget_only_micro_batches_meet() -> None:
+    model, x, loss_fn = _gpt(batch=16, dtype=torch.float32)
+    bp = profile_step(leangrad.engine("backprop"), model, x, loss_fn, repeats=0)
+    plan = leangrad.plan(model, x, loss_fn, budget=bp.baseline_bytes + bp.peak_bytes // 4,
+                         repeats=1)  # fmt: skip
+    assert plan.engine is not None and "accumulate" in plan.engine.label, str(plan)
+    _, ref = _reference(model, (x,), loss_fn)
+    plan.engine.backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-5
