@@ -4,7 +4,10 @@ The planner tries the ways of computing a step that apply to the model — plain
 checkpointing its blocks (per block, ``"auto"`` and ``"sqrt"`` segments for a sequence;
 fused ``nn.LSTM``/``nn.GRU``/``nn.RNN`` modules in 2 to 16 time chunks), cross-entropy that
 never computes the logits where the model ends in a vocabulary-sized ``nn.Linear``
-(``chunked_ce``, alone and under checkpointing: :mod:`leangrad.loss`),
+(``chunked_ce``, alone and under checkpointing: :mod:`leangrad.loss`), gradient
+accumulation over micro-batches where the loss is declared a mean over examples
+(:func:`leangrad.loss.per_example`) and no layer couples them (``accumulate``, alone and
+under checkpointing; each candidate's time is for the whole batch),
 nested forward-AD of its custom activation chains and the exact 1-bit masks of
 :mod:`leangrad.bits`, alone and under checkpointing, Moonwalk
 and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=False``,
@@ -26,7 +29,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -106,6 +112,10 @@ class Plan:
             then ``plan.engine.backward(model, x, loss_fn, on_grad=opt.on_grad)`` and
             ``opt.finish()``, with no ``optimizer.step()`` after it.
         estimate: the chosen peak is a fake-tensor estimate and it was not timed.
+        wall_seconds: how long planning took, all measurements included.
+        made_for: what the plan was measured on (the model's class and parameters, the
+            inputs' shapes and dtypes, the device type, the torch and leangrad versions):
+            :meth:`load` refuses another model or batch shape.
     """
 
     engine: Engine | None
@@ -118,6 +128,37 @@ class Plan:
     remeasured_peak_bytes: int | None = None
     per_layer: bool = False
     estimate: bool = False
+    wall_seconds: float | None = None
+    made_for: dict[str, Any] | None = None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan to ``path`` as JSON: the chosen engine (as
+        ``leangrad.engine(name, **options)`` makes it), the table, budget, message and
+        measurements, and what it was made for. Returns the path.
+
+        Raises:
+            OptionError: an engine option that JSON cannot hold (plan files hold numbers,
+                strings, booleans, None, lists, tuples and dicts).
+        """
+        from ._plan_io import save_plan
+
+        return save_plan(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, model: nn.Module | None = None,
+             inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Plan:  # fmt: skip
+        """Read a plan :meth:`save` wrote and rebuild its engine (``None`` where nothing
+        fitted). Given ``model`` and/or ``inputs``, check the plan was made for them.
+
+        Raises:
+            EngineInputError: another model (class or parameters), another batch shape or
+                input dtype, or another device type than the plan was made for: one line
+                naming what differs. Another torch or leangrad version only warns.
+            OptionError: the file is not a plan file, or of a newer format.
+        """
+        from ._plan_io import load_plan
+
+        return load_plan(path, model=model, inputs=inputs)
 
     def __str__(self) -> str:
         from .bench._report import fmt_bytes
@@ -129,11 +170,19 @@ class Plan:
             peak = ("~" if c.estimate else "") + fmt_bytes(c.peak_bytes)
             lines.append(f"{c.label:{width}s}  {'yes' if c.exact else 'no':5s}  "
                          f"{peak:>10s}  {secs:>8s}  {c.verdict}")  # fmt: skip
-        return "\n".join([*lines, self.message])
+        lines.append(self.message)
+        if self.wall_seconds is not None:
+            lines.append(f"planned in {self.wall_seconds:.1f} s ({len(self.table)} candidates)")
+        return "\n".join(lines)
 
 
-def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[str, Any]]]:
-    """The ``(engine name, options)`` the planner tries on ``model``."""
+def candidates(model: nn.Module, *, exact: bool = True,
+               loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               ) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
+    """The ``(engine name, options)`` the planner tries on ``model`` (with ``loss_fn``
+    declared a mean over examples, :func:`leangrad.loss.per_example`: gradient
+    accumulation over 2, 4 and 8 micro-batches too, alone and under checkpointing, where
+    no layer couples the examples)."""
     from .engines._blocks import blocks
     from .engines._time_chunks import fused_recurrent
     from .highway import HighwayNet
@@ -172,6 +221,7 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
             n = len(found.names)
             for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):
                 out.append(("checkpoint", {"blocks": list(found.names[:m])}))
+    out += _micro_batches(model, loss_fn, blocks_found=found is not None)
     if fused_recurrent(model):  # one op each, no block inside: checkpointed along time
         out += [("checkpoint", {"time_chunks": k}) for k in (2, 4, 8, 16)]
     if isinstance(model, Chain):
@@ -184,6 +234,26 @@ def candidates(model: nn.Module, *, exact: bool = True) -> list[tuple[str, dict[
                 out.append(("checkpoint+rad", {"fraction": f}))
         if isinstance(model, HighwayNet):
             out += [("highway", {"k": 0}), ("highway", {"k": 2})]
+    return out
+
+
+MICRO_BATCHES = (2, 4, 8)
+"""Micro-batch counts the planner tries (those up to the batch's examples)."""
+
+
+def _micro_batches(model: nn.Module, loss_fn: Callable[[Any], torch.Tensor] | None, *,
+                   blocks_found: bool) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
+    """Gradient accumulation candidates, where they are exact: a loss declared per example
+    and no layer coupling the examples or drawing masks."""
+    from .engines._transforms import batch_coupling
+    from .loss import PerExample
+
+    if not isinstance(loss_fn, PerExample) or batch_coupling(model) is not None:
+        return []
+    ks = [k for k in MICRO_BATCHES if k <= loss_fn.batch]
+    out: list[tuple[str, dict[str, Any]]] = [("accumulate", {"micro_batches": k}) for k in ks]
+    if blocks_found:
+        out += [("checkpoint+accumulate", {"micro_batches": k}) for k in ks]
     return out
 
 
@@ -206,7 +276,7 @@ def plan(
     engines: Sequence[tuple[str, dict[str, Any]]] | None = None,
     repeats: int = 3,
     allocate_limit: int | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | bool | None = None,
 ) -> Plan:
     """Find the fastest engine whose measured peak fits ``budget`` bytes.
 
@@ -229,7 +299,8 @@ def plan(
             estimate is above it, every candidate is estimated, not run (default: the
             device's free memory, :func:`leangrad._sizes.free_bytes`). A candidate that
             runs out of memory is estimated too.
-        progress: called with a short message before each measurement.
+        progress: called with a short message before each measurement; ``True`` shows a
+            progress bar over the candidates on stderr instead (then the timing phase).
 
     Returns:
         A :class:`Plan`; printing it prints the table. The model, its gradients, buffers
@@ -242,7 +313,11 @@ def plan(
                                   or value < least):  # fmt: skip
             raise ValueError(BAD_SETTING.format(name=key, want=f"an int >= {least}",
                                                 value=value))  # fmt: skip
+    from ._plan_io import Progress, fingerprint
+
+    start = time.perf_counter()
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    made_for = fingerprint(model, xs)  # what Plan.load checks a model and batch against
     device = xs[0].device if xs else next(model.parameters()).device
     limit = allocate_limit if allocate_limit is not None else free_bytes(device)
     if optimizer is not None:
@@ -251,17 +326,24 @@ def plan(
         except Exception as err:  # any reason a module cannot be copied
             raise errors.EngineInputError(NOT_COPYABLE.format(why=err)) from err
     tried: list[Tried] = []
-    first = list(engines) if engines is not None else candidates(model, exact=exact)
-    ctx = Context(model, xs, loss_fn, budget, exact, optimizer, progress,
+    first = list(engines) if engines is not None else candidates(model, exact=exact,
+                                                                 loss_fn=loss_fn)  # fmt: skip
+    shown = Progress(progress, total=len(first) + 1)  # each candidate, then the timing
+    ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
                    too_big(model, xs, loss_fn, limit))  # fmt: skip
-    measure(first, ctx, tried)
+    for candidate in first:  # one at a time: the bar advances per candidate
+        measure([candidate], ctx, tried)
+        shown.advance()
     if engines is None and not any(t.fits for t in tried):
-        measure(last_resorts(model), ctx, tried)
+        rest = last_resorts(model)
+        shown.grow(len(rest))
+        for candidate in rest:
+            measure([candidate], ctx, tried)
+            shown.advance()
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     times: dict[str, float] = {}
     if fitting:
-        if progress is not None:
-            progress(f"timing {len(fitting)} candidates side by side")
+        shown(f"timing {len(fitting)} candidates side by side")
         steps = {label: _step(e, model, xs, loss_fn) for label, e in fitting.items()}
         with untouched(model, xs):
             timed = time_interleaved(steps, repeats=repeats, warmup=1)
@@ -269,8 +351,7 @@ def plan(
             best = min(times.values())
             close = {lb: steps[lb] for lb, t in times.items() if t <= (1 + CLOSE) * best}
             if len(close) > 1:  # near-equal: a longer second round decides between them
-                if progress is not None:
-                    progress(f"timing the {len(close)} within {CLOSE:.0%} of the fastest again")
+                shown(f"timing the {len(close)} within {CLOSE:.0%} of the fastest again")
                 again = time_interleaved(close, repeats=max(5, 2 * repeats), warmup=0)
                 times.update({label: t.median for label, t in again.items()})
     chosen = min(times, key=lambda k: times[k]) if times else None
@@ -278,8 +359,12 @@ def plan(
         chosen = next((t.label for t in tried if t.fits and t.estimate), None)
         fitting = {t.label: t.engine for t in tried if t.label == chosen}
     table = tuple(_candidate(t, times.get(t.label), chosen) for t in tried)
-    return _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
-                   loss_fn)  # fmt: skip
+    result = _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
+                     loss_fn)  # fmt: skip
+    shown.advance()
+    shown.close()
+    return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
+                               made_for=made_for)  # fmt: skip
 
 
 def _candidate(t: Tried, seconds: float | None, chosen: str | None) -> Candidate:

@@ -5,8 +5,8 @@ leangrad demo [--out DIR]
 leangrad bench --list
 leangrad bench SUITE [--quick] [--out DIR] [--no-rss] [--threads 1,cores]
 leangrad report DIR [--headline]
-leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE] ...
-leangrad plan --model NAME --batch-size B --budget 2GiB      (alias: advise)
+leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE | --plan FILE] ...
+leangrad plan --model NAME --batch-size B --budget 2GiB [--save FILE]      (alias: advise)
 
 Every user error prints one line, ``leangrad: error: ...``, naming the option and the
 fix, and exits with code 2; the checks on outputs (a file where a directory is wanted)

@@ -50,6 +50,18 @@ TOKENIZER_HELP = (
     "Needs the tokenizers package (leangrad[hf]). Same as --data-opt tokenizer=SPEC "
     "(default: characters)"
 )
+PLAN_AND_BUDGET = (
+    "--plan trains with a saved plan's engine and --budget plans one now; give one of them"
+)
+PLAN_AND_ENGINE = (
+    "--plan chooses the engine ({engine!r} given with --engine); drop --engine, or drop --plan"
+)
+PLAN_AND_RESUME = (
+    "--resume keeps the checkpoint's engine (a planned one included) and reads no plan; "
+    "drop --plan"
+)
+NO_PLAN_FILE = "--plan {path}: no such file; give the file `leangrad plan --save` wrote"
+SAVE_IS_DIR = "--save {path}: is a directory; name the JSON file to write, e.g. plan.json"
 RETIRED_MAX_STEP_SECONDS = (
     "`leangrad plan` (formerly advise) has no per-step time limit; drop --max-step-seconds "
     "(to skip slow engines, name the ones to try with --engines)"
@@ -124,6 +136,9 @@ def add_train_parser(sub: Any) -> None:
     t.add_argument("--engines", default=None,
                    help="with --budget: comma-separated engines the plan may choose from, "
                    "e.g. backprop,checkpoint (default: every one that applies)")
+    t.add_argument("--plan", default=None, metavar="FILE",
+                   help="train with the engine of a plan saved by `leangrad plan --save` "
+                   "(refused if made for another model, batch shape or device)")
     t.add_argument("--out", default=None, type=cli_types.out_dir,
                    help="run directory (default: leangrad-run, or the --resume directory)")
     t.add_argument("--resume", default=None, metavar="DIR|FILE",
@@ -162,6 +177,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         given = getattr(args, key)
         out[key] = parse_options(given) if given is not None else saved.get(key, {})
     out["data_options"] = _with_tokenizer(out["data"], out["data_options"], args.tokenizer)
+    out["plan"] = args.plan if args.plan is not None else saved.get("plan")  # a record
     return out
 
 
@@ -187,16 +203,18 @@ def run_train(args: argparse.Namespace) -> int:
         from ._snapshot import RESUME_AND_OVERWRITE, RunDirectoryError
 
         raise RunDirectoryError(RESUME_AND_OVERWRITE)
+    _check_plan_options(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     s = _settings(args)
-    if s["engine_options"] and args.budget is None:
+    if s["engine_options"] and args.budget is None and args.plan is None:
         _check_engine_options(s["engine"], s["engine_options"])
     out = _run_dir(args)
     from ..cli import check_out_dir
 
     check_out_dir(out, "--out" if args.out is not None or args.resume is None else "--resume")
-    shown = {**s, "out": str(out), "resume": args.resume, "overwrite": args.overwrite,
+    planned = {"engine": "from the plan"} if args.plan is not None else {}
+    shown = {**s, **planned, "out": str(out), "resume": args.resume, "overwrite": args.overwrite,
              "budget": args.budget, "plan_engines": args.engines or (
                  "all that apply" if args.budget is not None else None),
              "device": args.device or "auto",
@@ -218,6 +236,22 @@ def run_train(args: argparse.Namespace) -> int:
         return 3
     _summary(res)
     return 130 if res.stopped == "interrupted" else 0
+
+
+def _check_plan_options(args: argparse.Namespace) -> None:
+    """``--plan`` names the engine: not with --budget, --engine or --resume."""
+    from .._errors import OptionError
+
+    if args.plan is None:
+        return
+    if args.budget is not None:
+        raise OptionError(PLAN_AND_BUDGET)
+    if args.engine is not None:
+        raise OptionError(PLAN_AND_ENGINE.format(engine=args.engine))
+    if args.resume is not None:
+        raise OptionError(PLAN_AND_RESUME)
+    if not Path(args.plan).is_file():
+        raise OptionError(NO_PLAN_FILE.format(path=args.plan))
 
 
 def _check_engine_options(name: str, options: dict[str, Any]) -> None:
@@ -302,7 +336,11 @@ def add_plan_parser(sub: Any) -> None:
                    "is also tried with the optimizer stepped per layer (train with "
                    "--step-per-layer when that is chosen)")
     a.add_argument("--lr", type=cli_types.positive_float, default=0.01, help="with --optimizer")
-    a.add_argument("--no-progress", action="store_true", help="say nothing while measuring")
+    a.add_argument("--save", default=None, metavar="FILE",
+                   help="write the plan to FILE as JSON, for `leangrad train --plan FILE` "
+                   "or leangrad.Plan.load (also when nothing fits)")
+    a.add_argument("--no-progress", action="store_true",
+                   help="no progress bar while measuring")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -315,30 +353,46 @@ def run_plan(args: argparse.Namespace) -> int:
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
     names = _engine_list(args.engines)
+    if args.save is not None:
+        _check_save(Path(args.save))
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype)
     print(f"leangrad plan: model={args.model} data={args.data} batch_size={args.batch_size} "
           f"budget={fmt_bytes(args.budget)} ({args.budget} bytes) "
           f"engines={args.engines or 'all that apply'} repeats={args.repeats} device={dev} "
-          f"dtype={args.dtype} inexact={args.inexact} optimizer={args.optimizer}",
-          flush=True)  # fmt: skip
+          f"dtype={args.dtype} inexact={args.inexact} optimizer={args.optimizer} "
+          f"save={args.save}", flush=True)  # fmt: skip
     data_opts = _with_tokenizer(args.data, parse_options(args.data_options), args.tokenizer)
     info = data_info(args.data, load_data(args.data, **data_opts))
     torch.manual_seed(0)
     model = build_model(args.model, info, **parse_options(args.model_options))
     model = model.to(device=dev, dtype=dtype)
     x, y = example_batch(info, args.batch_size, device=dev, dtype=dtype)
-    say = None if args.no_progress else (lambda msg: print(f"  {msg}", file=sys.stderr))
     result = plan(model, x, _loss_fn(y), budget=args.budget, exact=not args.inexact,
                   engines=[(n, {}) for n in names] if names else None,
                   optimizer=None if args.optimizer == "none" else
                   _make_optimizer(args.optimizer, args.lr),
-                  repeats=args.repeats, progress=say)  # fmt: skip
+                  repeats=args.repeats, progress=not args.no_progress)  # fmt: skip
     print(result)
+    if args.save is not None:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {result.save(args.save)} (train with it: leangrad train --plan "
+              f"{args.save}, with the same model, data, batch size and dtype)")  # fmt: skip
     if result.per_layer:
         print("the optimizer steps per layer in this plan: train it with --step-per-layer "
               "(leangrad.train.PerLayerOptimizer in your own loop)")
     return 0 if result.engine is not None else 1
+
+
+def _check_save(path: Path) -> None:
+    """``--save FILE``: writable before any work (a directory, or a missing or read-only
+    folder, is refused now, not after minutes of measuring)."""
+    from .._errors import OptionError
+    from ..cli import check_out_dir
+
+    if path.is_dir():
+        raise OptionError(SAVE_IS_DIR.format(path=path))
+    check_out_dir(path.parent, "--save")
 
 
 ENGINES_WITHOUT_BUDGET = (

@@ -61,6 +61,9 @@ class TrainConfig:
     dtype: str
     test_fraction: float
     world_size: int
+    plan: str | None = None
+    """The saved plan the engine came from (``fit(plan=...)``, ``train --plan``): a record,
+    not read again on resume (the engine and its options above are)."""
 
 
 @dataclasses.dataclass(frozen=True)
