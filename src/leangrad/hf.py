@@ -299,7 +299,14 @@ def batch(
     - ``"unet"``: ``(sample, timestep)``, images of the model's size and integer timesteps
       below 1,000; the loss is the mean squared error of ``out.sample`` against a random
       target (the noise a denoiser predicts).
+
+    The language models' and the UNet's losses are means over examples of equal weight
+    (``length - 1`` predicted tokens, or one image's elements, each), declared with
+    :func:`leangrad.loss.per_example` so gradient accumulation may split them into
+    micro-batches; BERT's is not (see the comment in the code).
     """
+    from .loss import per_example
+
     if name not in MODELS:
         raise errors.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=", ".join(MODELS)))
     gen = torch.Generator().manual_seed(seed)
@@ -311,7 +318,7 @@ def batch(
         sample = torch.randn(size, ch, res, res, generator=gen).to(p.dtype)
         steps = torch.randint(0, TIMESTEPS, (size,), generator=gen)
         target = torch.randn(size, int(config.out_channels), res, res, generator=gen).to(p.dtype)
-        return (sample, steps), lambda out: F.mse_loss(out.sample, target)
+        return (sample, steps), per_example(_sample_mse, target)
     vocab = int(config.vocab_size)
     idx = torch.randint(0, vocab, (size, length), generator=gen)
     if name == "bert":
@@ -319,6 +326,19 @@ def batch(
         mask[torch.arange(size), torch.randint(0, length, (size,), generator=gen)] = True
         labels = idx[mask]
         masked = idx.masked_fill(mask, min(103, vocab - 1))  # BERT's [MASK] id
+        # Not per_example: the mean runs over the masked positions of the whole batch, and
+        # rows hold different numbers of them, so rows weigh unequally (a micro-batch's
+        # share is its count of masked positions, not its count of rows).
         return (masked,), lambda out: F.cross_entropy(out.logits[mask], labels)
-    tgt = idx[:, 1:].reshape(-1)
-    return (idx,), lambda out: F.cross_entropy(out.logits[:, :-1].flatten(0, 1), tgt)
+    return (idx,), per_example(_next_token_ce, idx[:, 1:])
+
+
+def _next_token_ce(out: Any, tgt: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``out.logits`` ``(N, T, V)`` against ``tgt``, the
+    inputs shifted by one, ``(N, T - 1)``."""
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), tgt.reshape(-1))
+
+
+def _sample_mse(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of ``out.sample`` against ``target``, over every element."""
+    return F.mse_loss(out.sample, target)

@@ -352,20 +352,32 @@ def batch(name: str, model: nn.Module, size: int, *, length: int = 64, image: in
     Images: ``(size, 3, image, image)`` from a seeded generator, 10 classes. Tokens:
     ``(size, length)`` ids below the model's vocabulary; the loss is next-token
     cross-entropy for language models, the sequence class for BERT.
+
+    Every loss is a mean over examples of equal weight (images and BERT: one class per
+    example; language models: cross-entropy over all tokens, ``length`` per example), so
+    each is declared with :func:`leangrad.loss.per_example`: an ordinary ``loss_fn`` that
+    gradient accumulation (the ``accumulate`` engine) may also split into micro-batches.
     """
+    from .loss import per_example
+
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
     gen = torch.Generator().manual_seed(seed)
     if MODELS[name] == "images":
         x = torch.randn(size, 3, image, image, generator=gen)
         y = torch.randint(0, 10, (size,), generator=gen)
-        return x, lambda out: F.cross_entropy(out, y)
+        return x, per_example(F.cross_entropy, y)
     emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
     idx = torch.randint(0, emb.num_embeddings, (size, length), generator=gen)
     if name == "bert":
         head = model.get_submodule("head")
         assert isinstance(head, nn.Linear), "the zoo's BERT ends in a linear head"
         cls = torch.randint(0, head.out_features, (size,), generator=gen)
-        return idx, lambda out: F.cross_entropy(out, cls)
+        return idx, per_example(F.cross_entropy, cls)
     tgt = torch.randint(0, emb.num_embeddings, (size, length), generator=gen)
-    return idx, lambda out: F.cross_entropy(out.flatten(0, 1), tgt.flatten())
+    return idx, per_example(_token_ce, tgt)
+
+
+def _token_ce(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every token of ``(N, T, V)`` logits against ``(N, T)`` ids."""
+    return F.cross_entropy(out.flatten(0, 1), tgt.flatten())

@@ -13,7 +13,13 @@ Per model (ResNet-18-style CNN, GPT, BERT, LSTM and GRU LMs, the GRU LM as a
 - PyTorch (:mod:`leangrad.bench._zoo_methods`): per-block, selective and
   ``checkpoint_sequential`` checkpointing (recurrent LMs: the recurrent module whole, or
   time chunks), bfloat16 autocast; ``torch.compile`` default and with
-  ``activation_memory_budget``, in a fresh process (:mod:`leangrad.bench._zoo_worker`).
+  ``activation_memory_budget``, in a fresh process (:mod:`leangrad.bench._zoo_worker`);
+- gradient accumulation over k micro-batches (the suite's ``micro_batches``), on both
+  sides: leangrad's ``accumulate`` and ``checkpoint+accumulate`` engines, and the loop a
+  PyTorch user writes by hand, alone and with per-block checkpointing inside each
+  micro-batch — only where exact (the loss a :func:`leangrad.loss.per_example` mean, no
+  BatchNorm or dropout coupling the examples), else skipped with the reason. Every row's
+  time is that of one effective step: the whole batch's gradient.
 
 Hugging Face models (``hf_gpt2``, ``hf_llama``, ``hf_bert``, ``hf_unet``: :mod:`leangrad.hf`,
 the ``[hf]`` extra) are opt-in: sized under ``hf_models`` and run only when ``--only`` names
@@ -220,7 +226,7 @@ class _ModelRun:
         wl = build(name, size)
         self.model, self.x, self.loss_fn = wl.model, wl.inputs, wl.loss_fn
         self.ctx, self.say = ctx, say
-        self.methods, self.skipped = methods_for(name, self.model, ctx)
+        self.methods, self.skipped = methods_for(name, self.model, ctx, loss_fn=self.loss_fn)
         self.engines = {m.label: m.make() for m in self.methods}
         self.model.zero_grad(set_to_none=True)
         with torch.random.fork_rng(devices=[]):  # each profiled step draws these masks too

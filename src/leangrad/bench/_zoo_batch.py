@@ -14,11 +14,20 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from ..engines._transforms import AccumulateTransform
 from ..measure import estimate_memory, profile_step
 from ._search import bisect_last_fit
 from ._zoo_methods import Method, build
 
-__all__ = ["NOT_ESTIMABLE", "BatchSearch", "Footprint", "estimable", "footprint", "max_batch"]
+__all__ = [
+    "NOT_ESTIMABLE",
+    "BatchSearch",
+    "Footprint",
+    "estimable",
+    "footprint",
+    "max_batch",
+    "micro_batches",
+]
 
 NOT_ESTIMABLE = (
     "not estimated on fake tensors: {engine}'s forward-mode AD (vmap of jvps) reads values, "
@@ -76,12 +85,29 @@ def estimable(method: Method) -> str | None:
     return None
 
 
+def micro_batches(method: Method) -> int:
+    """How many micro-batches ``method`` splits the batch into (1: it does not)."""
+    spec = method.spec
+    if "engine" in spec:
+        if "accumulate" not in spec["engine"].split("+"):
+            return 1
+        default = AccumulateTransform().options["micro_batches"]
+        return int(spec.get("options", {}).get("micro_batches", default))
+    return int(spec.get("arg") or 1) if "accumulate" in str(spec.get("torch")) else 1
+
+
 def footprint(
     name: str, size: dict[str, Any], method: Method, batch: int, *, estimate: bool
 ) -> Footprint:
     """Memory of ``method``'s step on zoo model ``name`` at ``batch``: on fake tensors when
     ``estimate`` (a method that is not :func:`estimable` raises ``ValueError`` saying why),
-    otherwise a warm-up step, then the tracked one."""
+    otherwise a warm-up step, then the tracked one.
+
+    A batch below the method's :func:`micro_batches` k (gradient accumulation has no step
+    with fewer examples than micro-batches) is measured at k: the total stays
+    non-decreasing in the batch, as :func:`max_batch` needs, and a search finds 0 where
+    not even k examples fit."""
+    batch = max(batch, micro_batches(method))
     why = estimable(method)
     if estimate and why is not None:
         raise ValueError(why)

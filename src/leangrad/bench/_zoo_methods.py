@@ -20,15 +20,32 @@ PyTorch's side (each marks the end of its forward phase, so its kept bytes are m
   ``hf_checkpointing``, the library's own one-liner (transformers'
   ``model.gradient_checkpointing_enable()``, diffusers' ``enable_gradient_checkpointing()``)
   then plain backprop; per-block and selective checkpointing are not written out for
-  them (their stems and heads are the libraries' own code).
+  them (their stems and heads are the libraries' own code);
+- gradient accumulation, what a practitioner writes first (``micro_batches`` in the suite
+  file, each k up to the batch): ``torch accumulate(k)``, the loop ``for`` each of k
+  micro-batches (rows ``n*i//k`` to ``n*(i+1)//k``, sizes differing by at most one, as in
+  leangrad's ``accumulate`` engine) ``loss_fn.rows(a, b)(model(x[a:b])).backward()``, the
+  gradients adding up in ``.grad``; ``torch accumulate(k) + per-block``, the same with
+  ``torch per-block`` inside each micro-batch (Hugging Face models: ``hf_checkpointing +
+  accumulate(k)``, the library's own checkpointing on for all k). Offered only where it
+  is exact: the loss is declared a mean over examples (:func:`leangrad.loss.per_example`)
+  and no layer couples the examples or draws random masks
+  (:func:`leangrad.engines._transforms.batch_coupling`: training-mode BatchNorm, dropout);
+  elsewhere skipped with the reason. A row's time is that of the whole batch's step (all
+  k micro-batches), like every other row's. Its kept bytes are those live when the
+  *first* micro-batch's loss is computed (the first mark wins, as for leangrad's
+  ``accumulate`` engine): each later micro-batch keeps about as much, its predecessor's
+  activations freed by its own backward (only ``.grad``, allocated by the first backward,
+  stays beside them, and the peak counts it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,14 +56,18 @@ from .. import _errors as errors
 from .. import hf, zoo
 from ..engines import available, engine
 from ..engines._compose import Composed
-from ..engines._transforms import TRANSFORMS
+from ..engines._transforms import TRANSFORMS, AccumulateTransform, batch_coupling
+from ..loss import PerExample
 from ..measure import FORWARD_END, mark
 from ._blocks import _gpt_parts, _resnet_parts
 from ._plan_peers import peers
 
 __all__ = [
+    "ACCUMULATE_ENGINES",
     "HF_CHECKPOINTING",
     "HF_MODELS",
+    "NOT_PER_EXAMPLE",
+    "TOO_FEW_EXAMPLES",
     "Method",
     "Skipped",
     "Workload",
@@ -78,6 +99,18 @@ HF_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
 ``[hf]`` extra. Float32, the libraries' defaults (SDPA attention, dropout as configured)."""
 HF_CHECKPOINTING = "hf_checkpointing"
 """The label of the libraries' own gradient checkpointing row."""
+ACCUMULATE_ENGINES = ("accumulate", "checkpoint+accumulate")
+"""leangrad's gradient accumulation rows, one per micro-batch count of the suite file."""
+NOT_PER_EXAMPLE = (
+    "the loss is not declared a mean over examples (leangrad.loss.per_example; e.g. a "
+    "masked LM's mean over its masked positions, which differ per row), so micro-batches "
+    "cannot be weighted to add up to the whole batch's gradient"
+)
+TOO_FEW_EXAMPLES = "{k} micro-batches but the batch has {batch} examples"
+NO_BLOCKS_TO_WRAP = (
+    "no per-block torch.utils.checkpoint written out for {model}; torch accumulate({k}) "
+    "is its accumulation row"
+)
 _TRANSFORM_ORDER = ("fad", "bits", "rad")
 _FORWARD_MODE = ("forward", "projforward")
 
@@ -158,7 +191,8 @@ def engine_names(*, max_transforms: int = len(_TRANSFORM_ORDER)) -> list[str]:
     """Every registered engine and every base + transforms composition with at most
     ``max_transforms`` transforms (forward-mode bases take none: they keep nothing for a
     backward pass, so compose refuses them), and ``chunked_ce`` alone and under
-    ``checkpoint`` (idle, so skipped, where the model has no vocabulary-sized output)."""
+    ``checkpoint`` (idle, so skipped, where the model has no vocabulary-sized output), and
+    gradient accumulation (:data:`ACCUMULATE_ENGINES`) alone and under ``checkpoint``."""
     bases = [n for n in available() if n not in TRANSFORMS]
     out = list(bases)
     for base in (b for b in bases if b not in _FORWARD_MODE):
@@ -167,6 +201,7 @@ def engine_names(*, max_transforms: int = len(_TRANSFORM_ORDER)) -> list[str]:
                 out.append("+".join(combo if base == "backprop" else (base, *combo)))
     # the loss without its logits, under the bases that leave the loss to autograd
     out += ["chunked_ce", "checkpoint+chunked_ce"]
+    out += list(ACCUMULATE_ENGINES)
     return out
 
 
@@ -177,10 +212,18 @@ def leangrad_methods(
     skip: dict[str, str],
     forward_max_params: int,
     max_transforms: int = len(_TRANSFORM_ORDER),
+    micro_batches: list[int] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> tuple[list[Method], list[Skipped]]:
     """The leangrad rows for ``model``: every name of :func:`engine_names` whose engine
     ``supports`` it, with ``options[name]`` (or, for a composition, the options of its
-    parts); the others as :class:`Skipped` with the reason."""
+    parts); the others as :class:`Skipped` with the reason.
+
+    :data:`ACCUMULATE_ENGINES` give one row per count in ``micro_batches`` (labelled
+    ``accumulate(micro_batches=k)``; ``None`` or empty: one row with their options), each
+    skipped where not exact: the engine refuses the model (a layer couples the examples),
+    or ``loss_fn`` (when given) is not a :class:`leangrad.loss.PerExample` or has fewer
+    examples than ``k``."""
     methods: list[Method] = []
     skipped: list[Skipped] = []
     n_params = sum(p.numel() for p in model.parameters())
@@ -195,29 +238,80 @@ def leangrad_methods(
                 f"one jvp per parameter: {n_params:,} parameters, above the suite's "
                 f"forward_max_params={forward_max_params:,}"
             )
-        eng = None
-        if why is None:
-            try:
-                eng = engine(name, **opts)
-                why = eng.supports(model)
-                if why is None and isinstance(eng, Composed):  # not offered under its name
-                    why = eng.idle_reason(model)
-            except Exception as err:  # a bug in supports() is a finding, not a crash
-                why = f"supports() raised {type(err).__name__}: {err}"
-        label = eng.label if eng is not None else name
-        if why is not None:
-            skipped.append(Skipped(label, "leangrad", why))
-            continue
-        assert eng is not None
-        side = "reference" if name == "backprop" else "leangrad"
-        methods.append(Method(label, side, bool(eng.exact), {"engine": name, "options": opts}))
+        variants: list[tuple[str | None, dict[str, Any]]] = [(None, opts)]
+        if name in ACCUMULATE_ENGINES and micro_batches:
+            variants = [(f"{name}(micro_batches={k})", {**opts, "micro_batches": k})
+                        for k in micro_batches]  # fmt: skip
+        for label, o in variants:
+            row = _leangrad_row(model, name, o, why=why, label=label, loss_fn=loss_fn)
+            if isinstance(row, Method):
+                methods.append(row)
+            else:
+                skipped.append(row)
     return methods, skipped
 
 
+def _leangrad_row(
+    model: nn.Module,
+    name: str,
+    opts: dict[str, Any],
+    *,
+    why: str | None,
+    label: str | None,
+    loss_fn: LossFn | None,
+) -> Method | Skipped:
+    """One leangrad row of :func:`leangrad_methods` (``why``: a reason found already;
+    ``label``: the row's, else the engine's)."""
+    eng = None
+    if why is None:
+        try:
+            eng = engine(name, **opts)
+            why = eng.supports(model)
+            if why is None and isinstance(eng, Composed):  # not offered under its name
+                why = eng.idle_reason(model)
+        except Exception as err:  # a bug in supports() is a finding, not a crash
+            why = f"supports() raised {type(err).__name__}: {err}"
+    if why is None and name in ACCUMULATE_ENGINES and loss_fn is not None:
+        k = opts.get("micro_batches", AccumulateTransform().options["micro_batches"])
+        why = _accumulate_loss_why(loss_fn, int(k))
+    label = label or (eng.label if eng is not None else name)
+    if why is not None:
+        return Skipped(label, "leangrad", why)
+    assert eng is not None
+    side = "reference" if name == "backprop" else "leangrad"
+    return Method(label, side, bool(eng.exact), {"engine": name, "options": opts})
+
+
+def _accumulate_loss_why(loss_fn: LossFn | None, k: int) -> str | None:
+    """Why ``k`` micro-batches of ``loss_fn``'s batch would not be exact, or ``None``."""
+    if not isinstance(loss_fn, PerExample):
+        return NOT_PER_EXAMPLE
+    if k > loss_fn.batch:
+        return TOO_FEW_EXAMPLES.format(k=k, batch=loss_fn.batch)
+    return None
+
+
 def pytorch_methods(
+    model: nn.Module,
+    *,
+    segments: list[int],
+    chunks: list[int],
+    micro_batches: list[int] | None = None,
+    loss_fn: LossFn | None = None,
+) -> tuple[list[Method], list[Skipped]]:
+    """The PyTorch-only rows for ``model`` (module docstring): checkpointing and autocast,
+    then gradient accumulation over each of ``micro_batches`` (none: no such rows), exact
+    only for a ``loss_fn`` declared per example on a model whose layers do not couple the
+    examples (else skipped, with the reason)."""
+    methods, skipped = _checkpoint_methods(model, segments=segments, chunks=chunks)
+    acc, acc_skipped = _accumulate_methods(model, list(micro_batches or []), loss_fn)
+    return methods + acc, skipped + acc_skipped
+
+
+def _checkpoint_methods(
     model: nn.Module, *, segments: list[int], chunks: list[int]
 ) -> tuple[list[Method], list[Skipped]]:
-    """The PyTorch-only rows for ``model`` (module docstring)."""
+    """bf16 autocast and PyTorch's checkpointing recipes for ``model``."""
     methods = [Method("torch bf16 autocast", "pytorch", False, {"torch": "bf16"})]
     skipped: list[Skipped] = []
     if hf_checkpointing(model) is not None:
@@ -255,6 +349,32 @@ def pytorch_methods(
             methods.append(Method(label, "pytorch", True, {"torch": "sequential", "arg": s}))
         else:
             skipped.append(Skipped(label, "pytorch", f"{s} segments >= {n_blocks} blocks"))
+    return methods, skipped
+
+
+def _accumulate_methods(
+    model: nn.Module, micro_batches: list[int], loss_fn: LossFn | None
+) -> tuple[list[Method], list[Skipped]]:
+    """``torch accumulate(k)`` and, with checkpointing inside each micro-batch, ``torch
+    accumulate(k) + per-block`` (Hugging Face models: ``hf_checkpointing +
+    accumulate(k)``) for each ``k``, or why not."""
+    methods: list[Method] = []
+    skipped: list[Skipped] = []
+    lib = hf_checkpointing(model) is not None
+    coupled = batch_coupling(model)
+    for k in micro_batches:
+        plain = (f"torch accumulate({k})", "accumulate")
+        ck = ((f"{HF_CHECKPOINTING} + accumulate({k})", "hf_checkpointing+accumulate") if lib
+              else (f"torch accumulate({k}) + per-block", "accumulate+per-block"))  # fmt: skip
+        why = coupled or _accumulate_loss_why(loss_fn, k)
+        for label, kind in (plain, ck):
+            if why is not None:
+                skipped.append(Skipped(label, "pytorch", why))
+            elif kind == "accumulate+per-block" and type(model) not in _PARTS:
+                name = type(model).__name__
+                skipped.append(Skipped(label, "pytorch", NO_BLOCKS_TO_WRAP.format(model=name, k=k)))
+            else:
+                methods.append(Method(label, "pytorch", True, {"torch": kind, "arg": k}))
     return methods, skipped
 
 
@@ -315,25 +435,16 @@ class TorchStep:
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         x = xs[0]
 
-        def marked(out: Any) -> torch.Tensor:
-            loss = loss_fn(out)
-            mark(FORWARD_END)  # the forward phase ends here: what is live is kept
-            return loss
-
-        if self.kind == "bf16":
+        marked = _marked(loss_fn)
+        if self.kind in _ACCUMULATE_KINDS:
+            self._accumulate(model, xs, loss_fn)
+        elif self.kind == "bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = marked(model(*xs))
             loss.backward()
         elif self.kind == "hf_checkpointing":  # switched on for this step only
-            names = hf_checkpointing(model)
-            assert names is not None, f"{type(model).__name__} has no gradient checkpointing"
-            hooks = _hooks(model)
-            getattr(model, names[0])()
-            try:
+            with _library_checkpointing(model):
                 marked(model(*xs)).backward()
-            finally:
-                getattr(model, names[1])()
-                _drop_new_hooks(model, hooks)
         elif self.kind in ("rnn", "chunks"):
             assert isinstance(model, zoo.RNNLM)
             marked(model.head(_rnn_forward(model, x, self.arg))).backward()
@@ -341,6 +452,58 @@ class TorchStep:
             segs = [int(self.arg)] if self.kind == "sequential" and self.arg else []
             steps = peers(_PARTS[type(model)](model, x), marked, segs, optimizer=None)
             steps[self.label]()
+
+    def _accumulate(self, model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: Any) -> None:
+        """The practitioner's loop: each micro-batch's weighted loss, backward, gradients
+        adding up in ``.grad`` (``torch per-block`` or the library's own checkpointing
+        inside each micro-batch, by ``kind``)."""
+        if not isinstance(loss_fn, PerExample):
+            raise errors.EngineInputError(NOT_PER_EXAMPLE)
+        n, k = loss_fn.batch, int(self.arg or 1)
+        if k > n:
+            raise errors.EngineInputError(TOO_FEW_EXAMPLES.format(k=k, batch=n))
+        edges = [n * i // k for i in range(k + 1)]
+        around = (_library_checkpointing(model) if self.kind == "hf_checkpointing+accumulate"
+                  else contextlib.nullcontext())  # fmt: skip
+        with around:
+            for a, b in itertools.pairwise(edges):
+                part = _marked(loss_fn.rows(a, b))  # the first micro-batch's mark wins
+                if self.kind == "accumulate+per-block":
+                    steps = peers(_PARTS[type(model)](model, xs[0][a:b]), part, [],
+                                  optimizer=None)  # fmt: skip
+                    steps["torch per-block"]()
+                else:
+                    part(call(model, tuple(x[a:b] for x in xs))).backward()
+
+
+_ACCUMULATE_KINDS = ("accumulate", "accumulate+per-block", "hf_checkpointing+accumulate")
+
+
+def _marked(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` that marks the end of the forward phase once it has the loss (a
+    tracker keeps the first mark: what is live then is kept for the backward pass)."""
+
+    def marked(out: Any) -> torch.Tensor:
+        loss = loss_fn(out)
+        mark(FORWARD_END)  # the forward phase ends here: what is live is kept
+        return loss
+
+    return marked
+
+
+@contextlib.contextmanager
+def _library_checkpointing(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model's own gradient checkpointing, on for the block only (the
+    hooks its enable leaves behind removed: :func:`_drop_new_hooks`)."""
+    names = hf_checkpointing(model)
+    assert names is not None, f"{type(model).__name__} has no gradient checkpointing"
+    hooks = _hooks(model)
+    getattr(model, names[0])()
+    try:
+        yield
+    finally:
+        getattr(model, names[1])()
+        _drop_new_hooks(model, hooks)
 
 
 def _hooks(model: nn.Module) -> dict[int, tuple[set[int], set[int]]]:

@@ -86,9 +86,11 @@ def headline_table(
 ) -> str:
     """Per model, the fastest exact leangrad option whose peak is at most 0.5× and 0.25×
     backprop's, beside the fastest exact PyTorch-only option at the same bound (per-block,
-    selective or sequential checkpointing, time chunks, torch.compile), each with its peak
-    and time as ratios to backprop's. bf16 autocast and estimators (rad, projforward,
-    highway below k = L − 1) are not exact and not candidates; estimate rows are left out.
+    selective or sequential checkpointing, time chunks, gradient accumulation alone or with
+    checkpointing, torch.compile), each with its peak and time as ratios to backprop's
+    (accumulation's time: all its micro-batches, one step of the whole batch). bf16
+    autocast and estimators (rad, projforward, highway below k = L − 1) are not exact and
+    not candidates; estimate rows are left out.
 
     The README's opening table is ``leangrad report results --headline``
     (:func:`zoo_headline`).
@@ -157,7 +159,9 @@ def render(
         "ordinary way. Peak: tracker, above parameters and inputs, `.grad` allocated by the "
         "step (torch.compile: fresh-process RSS, × eager backprop's RSS in its process). "
         "Kept: live when the forward phase ended. RSS: fresh-process peak above the RSS "
-        "before the step. Time: medians of interleaved repeats, 1 thread, × backprop. Error "
+        "before the step. Time: medians of interleaved repeats, 1 thread, × backprop, for one "
+        "step of the whole batch (accumulate rows: all k micro-batches; their kept bytes: "
+        "at the end of the first micro-batch's forward). Error "
         "and cosine: float32 gradient vs backprop's. Max batch: the largest batch whose step "
         "fits backprop's total (parameters, inputs and peak) at the base batch.",
         "",

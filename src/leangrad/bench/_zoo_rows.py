@@ -84,15 +84,21 @@ def record(
     return rec
 
 
-def methods_for(name: str, model: nn.Module, ctx: Context) -> tuple[list[Method], list[Skipped]]:
+def methods_for(
+    name: str, model: nn.Module, ctx: Context, *, loss_fn: Any = None
+) -> tuple[list[Method], list[Skipped]]:
     """leangrad's and PyTorch's methods for zoo model ``name`` (``no_pytorch`` names models
-    without PyTorch rows, with the reason)."""
+    without PyTorch rows, with the reason); gradient accumulation over each of the suite's
+    ``micro_batches`` on both sides, where ``loss_fn`` (the workload's) makes it exact."""
+    micro_batches = [int(v) for v in ctx.get("micro_batches", [])]
     lg, lg_skip = leangrad_methods(
         model,
         options=dict(ctx.get("engine_options", {})),
         skip=dict(ctx.get("skip", {})),
         forward_max_params=int(ctx.get("forward_max_params", 20_000)),
         max_transforms=int(ctx.get("max_transforms", 3)),
+        micro_batches=micro_batches,
+        loss_fn=loss_fn,
     )
     chunks = [int(v) for v in ctx.get("chunks", [4])]
     if fused_recurrent(model):  # leangrad's time chunks beside PyTorch's (same k)
@@ -108,6 +114,8 @@ def methods_for(name: str, model: nn.Module, ctx: Context) -> tuple[list[Method]
         model,
         segments=[int(v) for v in ctx.get("segments", [2, 4])],
         chunks=chunks,
+        micro_batches=micro_batches,
+        loss_fn=loss_fn,
     )
     return lg + pt, lg_skip + pt_skip
 
@@ -200,8 +208,9 @@ def estimate_records(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        model = build(name, size).model
-        methods, skipped = methods_for(name, model, ctx)
+        wl = build(name, size)
+        model = wl.model
+        methods, skipped = methods_for(name, model, ctx, loss_fn=wl.loss_fn)
     fixed = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients
     base, series = int(size["batch"]), f"{name} (estimate)"
     skipped += [Skipped(m.label, m.side, why) for m in methods if (why := estimable(m))]
