@@ -84,7 +84,7 @@ def _cell(r: dict[str, Any] | None) -> str:
 def headline_table(
     records: list[dict[str, Any]], *, fractions: Sequence[float] = (0.5, 0.25)
 ) -> str:
-    """Per model, the fastest exact leangrad option whose peak is at most 0.5× and 0.25×
+    """Per model, the fastest exact leangrad option whose peak is at most 0.5×, 0.25× and 0.125×
     backprop's, beside the fastest exact PyTorch-only option at the same bound (per-block,
     selective or sequential checkpointing, time chunks, gradient accumulation alone or with
     checkpointing, torch.compile), each with its peak and time as ratios to backprop's
@@ -144,8 +144,17 @@ def zoo_headline(directory: str | Path) -> str:
     dates = sorted({str(r.get("created", ""))[:10] for r in measured})
     return (
         f"`leangrad bench zoo` ({sizes}; {cpu}, {machine.get('torch', 'torch')}, "
-        f"1 thread; {', '.join(dates)})\n\n{headline_table(records)}"
+        f"1 thread; {', '.join(dates)})\n\n"
+        f"{headline_table(records, fractions=planned_fractions(records))}"
     )
+
+
+def planned_fractions(records: list[dict[str, Any]]) -> tuple[float, ...]:
+    """The bounds the run planned at (its ``plan(≤f×)`` rows), largest first; 0.5 and 0.25
+    where it planned at none."""
+    found = {float(m.group(1)) for r in records
+             if (m := re.fullmatch(r"plan\(≤([0-9.]+)×\)", str(r.get("engine", ""))))}  # fmt: skip
+    return tuple(sorted(found, reverse=True)) or (0.5, 0.25)
 
 
 def render(
@@ -167,7 +176,7 @@ def render(
         "",
         "Fastest exact option within a fraction of backprop's peak:",
         "",
-        headline_table(records),
+        headline_table(records, fractions=planned_fractions(records)),
         "",
     ]
     for series in dict.fromkeys(r["series"] for r in records):
