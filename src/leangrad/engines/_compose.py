@@ -95,9 +95,9 @@ class Composed(Engine):
                 raise errors.EngineInputError(
                     INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why)
                 )
-            if t.scope == "step" and base.name not in getattr(t, "bases", (base.name,)):
+            if t.bases is not None and base.name not in t.bases:
                 raise errors.EngineInputError(INCOMPATIBLE.format(pair=pair, why=STEP_BASES.format(
-                    name=t.name, bases=" and ".join(getattr(t, "bases", ())), base=base.name)))
+                    name=t.name, bases=" and ".join(t.bases), base=base.name)))
         # Generators the transforms own, as an attribute: training checkpoints save them.
         owned = {t.name: getattr(t, "generator", None) for t in transforms}
         self.generators: dict[str, torch.Generator] = {

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .. import _errors as errors
-from ._base import Engine
+from ._base import Engine, StepResult
 from ._blocks import blocks as find_blocks
 from ._checkpoint import untraceable_signature
 from ._prepare import Wrapper, share_copy
@@ -66,6 +66,8 @@ class Transform(abc.ABC):
     scope: ClassVar[str] = "module"
     """``"module"``: :meth:`apply` swaps modules in the parts the base engine leaves to
     autograd; ``"step"``: the transform acts around the whole step (:meth:`during`)."""
+    bases: ClassVar[tuple[str, ...] | None] = None
+    """The base engines a step transform works under (``None``: every one)."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -384,8 +386,7 @@ class ChunkedCETransform(Transform):
         "forward mode differentiates the loss with jvps, and the chunked loss has only a "
         "backward rule"
     )
-    bases: ClassVar[tuple[str, ...]] = ("backprop", "checkpoint")
-    """Base engines that leave the model's output layer and the loss to plain autograd."""
+    bases = ("backprop", "checkpoint")  # they leave the output layer and loss to autograd
 
     def __init__(self, *, chunk_size: int | None = None) -> None:
         if chunk_size is not None:
@@ -463,7 +464,7 @@ class AccumulateTransform(Transform):
         "forward mode engines differentiate with jvps and keep nothing between micro-batches "
         "that accumulation would save"
     )
-    bases: ClassVar[tuple[str, ...]] = ("backprop", "checkpoint")
+    bases = ("backprop", "checkpoint")
 
     def __init__(self, *, micro_batches: int = 2) -> None:
         Engine._positive_int("micro_batches", micro_batches)
@@ -485,7 +486,6 @@ class AccumulateTransform(Transform):
 
         def micro(xs: tuple[torch.Tensor, ...], loss_fn: Any, on_grad: Any) -> Any:
             from ..loss import PerExample
-            from ._base import StepResult
 
             if not isinstance(loss_fn, PerExample):
                 raise errors.EngineInputError(NEEDS_PER_EXAMPLE.format(

@@ -149,6 +149,18 @@ def _dlogits_(p: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, scale: torc
     return p.mul_(scale.masked_fill(~valid, 0.0)[:, None].to(p.dtype))  # 0, not inf * 0
 
 
+def _add_grads(dz: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, gh: torch.Tensor | None,
+               gw: torch.Tensor | None, gb: torch.Tensor | None) -> None:  # fmt: skip
+    """One chunk's share of the gradients from its ``dz`` = d(loss)/d(logits): its rows of
+    the hidden states' gradient written into ``gh``, the weight's and bias's added."""
+    if gh is not None:
+        torch.mm(dz, weight, out=gh)
+    if gw is not None:
+        gw.addmm_(dz.t(), h)
+    if gb is not None:
+        gb.add_(dz.sum(0))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -189,12 +201,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads_now:
                 softmax = z.div_(total[:, None])
                 dz = _dlogits_(softmax, safe, valid, scale[s:e], smoothing).to(h.dtype)
-                if gh is not None:
-                    torch.mm(dz, weight, out=gh[s:e])
-                if gw is not None:
-                    gw.addmm_(dz.t(), h[s:e])
-                if gb is not None:
-                    gb.add_(dz.sum(0))
+                _add_grads(dz, h[s:e], weight, None if gh is None else gh[s:e], gw, gb)
             del z
         if reduction == "none":
             loss = per.reshape(target.shape).to(hidden.dtype)
@@ -245,12 +252,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             softmax = _logits(h[s:e], weight, bias).sub_(lse[s:e, None]).exp_()
             dz = _dlogits_(softmax, safe_all[s:e], valid_all[s:e], scale_all[s:e],
                            ctx.smoothing).to(h.dtype)  # fmt: skip
-            if gh is not None:
-                torch.mm(dz, weight, out=gh[s:e])
-            if gw is not None:
-                gw.addmm_(dz.t(), h[s:e])
-            if gb is not None:
-                gb.add_(dz.sum(0))
+            _add_grads(dz, h[s:e], weight, None if gh is None else gh[s:e], gw, gb)
             del softmax, dz
         _leave(ctx.sink, gw)
         return (None if gh is None else gh.reshape(ctx.shape), gw, gb, *none)
