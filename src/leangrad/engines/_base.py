@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeAlias
@@ -91,7 +92,7 @@ class Engine(abc.ABC):
     @property
     def label(self) -> str:
         """The name with its non-default options, e.g. ``checkpoint(segments=4)``."""
-        params = inspect.signature(type(self).__init__).parameters
+        params = _init_parameters(type(self))
         shown = {
             k: v
             for k, v in self.options.items()
@@ -204,6 +205,12 @@ class Engine(abc.ABC):
 
     def _result(self, loss: torch.Tensor, **info: Any) -> StepResult:
         return StepResult(loss=loss.detach(), engine=self.label, info=info)
+
+
+@functools.cache
+def _init_parameters(cls: type[Engine]) -> Mapping[str, inspect.Parameter]:
+    """``cls.__init__``'s parameters (read once per class: a label is made per step)."""
+    return inspect.signature(cls.__init__).parameters
 
 
 class GradAnnouncer:

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from .. import _errors as errors
-from ._base import Engine, LossFn, OnGrad, StepResult
+from ._base import Engine, LossFn, OnGrad, StepResult, trainable_parameters
 from ._blocks import blocks as find_blocks
+from ._contract import BufferGuard
 from ._checkpoint import Checkpoint
 from ._prepare import PreparedCache, share_copy
 from ._registry import register
@@ -231,8 +232,19 @@ class Composed(Engine):
             assert on_grad is not None
             on_grad(names.get(id(p), name), p)
 
+        checked: dict[str, nn.Parameter] = {}
+
         def once(xs: tuple[torch.Tensor, ...], lf: LossFn, og: OnGrad | None) -> StepResult:
-            return runner.backward(prepared, xs, lf, on_grad=handed if og is not None else None)
+            hand = handed if og is not None else None
+            if not checked:  # the first run (of k micro-batches) validates, as any step
+                checked.update(trainable_parameters(prepared))
+                return runner.backward(prepared, xs, lf, on_grad=hand)
+            # later micro-batches: same model, same kinds of inputs; the per-call checks
+            # cost ~10% of a small micro-batch's time (profiled), so only the buffers'
+            # guard is kept
+            guard = BufferGuard(prepared) if runner.reruns else contextlib.nullcontext()
+            with guard:
+                return runner._backward(prepared, xs, lf, checked, hand)
 
         run: StepRun = once
 
