@@ -221,6 +221,8 @@ def candidates(model: nn.Module, *, exact: bool = True,
             n = len(found.names)
             for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):
                 out.append(("checkpoint", {"blocks": list(found.names[:m])}))
+    if found is not None:
+        out += _fragments(model, found, loss_fn)
     out += _micro_batches(model, loss_fn, blocks_found=found is not None)
     if fused_recurrent(model):  # one op each, no block inside: checkpointed along time
         out += [("checkpoint", {"time_chunks": k}) for k in (2, 4, 8, 16)]
@@ -239,6 +241,28 @@ def candidates(model: nn.Module, *, exact: bool = True,
 
 MICRO_BATCHES = (2, 4, 8)
 """Micro-batch counts the planner tries (those up to the batch's examples)."""
+
+
+FRAGMENTS = (2, 4, 8)
+"""Fragment counts the planner tries for checkpointed blocks (those up to the batch's
+examples, where the loss says how many)."""
+
+
+def _fragments(model: nn.Module, found: Any,
+               loss_fn: Callable[[Any], torch.Tensor] | None) -> list[tuple[str, dict[str, Any]]]:
+    """Checkpointing with blocks recomputed in fragments of the batch, where some block
+    can be split (:func:`leangrad.engines._fragments.static_reason`); under the loss head's
+    chunked cross-entropy too where there is one."""
+    from .engines._fragments import static_reason
+    from .loss import Head, PerExample, final_linear
+
+    if all(static_reason([found.modules[n]]) is not None for n in found.names):
+        return []
+    ks = [k for k in FRAGMENTS if not isinstance(loss_fn, PerExample) or k <= loss_fn.batch]
+    out: list[tuple[str, dict[str, Any]]] = [("checkpoint", {"fragments": k}) for k in ks]
+    if isinstance(final_linear(model), Head):
+        out += [("checkpoint+chunked_ce", {"fragments": k}) for k in ks]
+    return out
 
 
 def _micro_batches(model: nn.Module, loss_fn: Callable[[Any], torch.Tensor] | None, *,

@@ -107,6 +107,8 @@ def methods_for(
             if eng.supports(model) is None:
                 spec = {"engine": "checkpoint", "options": {"time_chunks": k}}
                 lg.append(Method(eng.label, "leangrad", True, spec))
+    fr, fr_skip = _fragment_methods(model, [int(v) for v in ctx.get("fragments", [])])
+    lg, lg_skip = lg + fr, lg_skip + fr_skip
     no_pytorch = ctx.get("no_pytorch", {})
     if name in no_pytorch:
         return lg, [*lg_skip, Skipped("PyTorch rows", "pytorch", no_pytorch[name])]
@@ -118,6 +120,35 @@ def methods_for(
         loss_fn=loss_fn,
     )
     return lg + pt, lg_skip + pt_skip
+
+
+def _fragment_methods(model: nn.Module,
+                      counts: list[int]) -> tuple[list[Method], list[Skipped]]:  # fmt: skip
+    """Checkpointing with each block recomputed in ``k`` fragments of the batch (each of
+    ``counts``), alone and under chunked cross-entropy; skipped, with the reason, where no
+    block can be split or the composition changes nothing."""
+    from ..engines._compose import Composed
+    from ..engines._fragments import static_reason
+
+    methods: list[Method] = []
+    skipped: list[Skipped] = []
+    for k in counts:
+        for name in ("checkpoint", "checkpoint+chunked_ce"):
+            eng = engine(name, fragments=k)
+            why = eng.supports(model)
+            if why is None and isinstance(eng, Composed):
+                why = eng.idle_reason(model)
+            if why is None:
+                found = (eng.base if isinstance(eng, Composed) else eng).blocks(model)  # type: ignore[attr-defined]
+                reasons = [static_reason([found.modules[n]]) for n in found.names]
+                if all(r is not None for r in reasons):
+                    why = f"no block can be split: {reasons[0]}"
+            if why is not None:
+                skipped.append(Skipped(eng.label, "leangrad", why))
+                continue
+            spec = {"engine": name, "options": {"fragments": k}}
+            methods.append(Method(eng.label, "leangrad", True, spec))
+    return methods, skipped
 
 
 def fresh_process(

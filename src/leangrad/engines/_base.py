@@ -90,6 +90,13 @@ class Engine(abc.ABC):
         self.options: dict[str, Any] = options
 
     @property
+    def probes(self) -> bool:
+        """``True`` when the engine's first step on a model does extra work later steps
+        skip (``checkpoint(fragments=...)`` probes each block once): a measurement warms it
+        up first (:func:`leangrad.measure.estimate_step`)."""
+        return False
+
+    @property
     def label(self) -> str:
         """The name with its non-default options, e.g. ``checkpoint(segments=4)``."""
         params = _init_parameters(type(self))

@@ -44,6 +44,7 @@ from .. import _errors as errors
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
 from ._blocks import Blocks, blocks
+from ._fragments import BAD_FRAGMENTS, Fragmenter
 from ._generators import generator_replay
 from ._prepare import PreparedCache, Wrapper, share_copy
 from ._registry import register
@@ -249,6 +250,19 @@ class Checkpoint(Engine):
             recurrent module is one op with no block boundary inside it, so this is the only
             way to checkpoint it. Where the module tree repeats nothing, the chunks are the
             only blocks (no fx split). ``None`` (the default) runs such modules whole.
+        fragments: run each checkpointed block's forward and recomputation in this many
+            pieces of the batch, one after another (:mod:`leangrad.engines._fragments`;
+            Moonwalk v2's fragmental checkpointing): about ``1/fragments`` of a block's
+            internals are alive during its backward instead of all of them. A block that
+            couples its examples (training-mode BatchNorm, dropout) or fails the first
+            call's probe runs whole; :func:`leangrad.explain` and the step's
+            ``info["whole"]`` say which and why. ``None`` (the default): every block whole.
+        sequence_fragments: inside each checkpointed block, run each child module with at
+            least two parametrized layers that works position by position (an MLP; the
+            first call's probe decides: attention mixes positions and runs whole) in this
+            many pieces of its second (sequence) dimension, forward and recomputation
+            alike: for a small batch of long sequences, where ``fragments`` has nothing to
+            cut. Composes with ``fragments``.
 
     Trade-off: one extra forward pass of the checkpointed segments; exact
     gradients (RNG state is restored for dropout). BatchNorm running statistics
@@ -267,6 +281,8 @@ class Checkpoint(Engine):
         blocks: Sequence[str] | None = None,
         trace: bool = False,
         time_chunks: int | None = None,
+        fragments: int | None = None,
+        sequence_fragments: int | None = None,
     ) -> None:
         ok = segments is None or segments in ("sqrt", "auto")
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
@@ -282,15 +298,28 @@ class Checkpoint(Engine):
             raise ValueError(BAD_TIME_CHUNKS.format(value=time_chunks))
         if time_chunks is not None and segments is not None:
             raise ValueError(CHUNKS_AND_SEGMENTS)
-        super().__init__(segments=segments, blocks=blocks, trace=trace, time_chunks=time_chunks)
+        for value in (fragments, sequence_fragments):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 2):  # fmt: skip
+                raise ValueError(BAD_FRAGMENTS.format(value=value))
+        super().__init__(segments=segments, blocks=blocks, trace=trace, time_chunks=time_chunks,
+                         fragments=fragments, sequence_fragments=sequence_fragments)  # fmt: skip
         self.segments = segments
         self.trace = trace
         self.time_chunks = time_chunks
+        self.fragments = fragments
+        self.sequence_fragments = sequence_fragments
         self.block_names = None if blocks is None else list(blocks)
         self._found: PreparedCache[Blocks] = PreparedCache()
         self._wrapped: PreparedCache[nn.Module] = PreparedCache()
         self._auto: PreparedCache[dict[Any, list[range]]] = PreparedCache()
         self._traces: PreparedCache[list[_Traced]] = PreparedCache()
+        self._fragmenters: PreparedCache[dict[tuple[int, ...], Fragmenter]] = PreparedCache()
+        self._by_position: PreparedCache[list[nn.Module]] = PreparedCache()
+
+    @property
+    def probes(self) -> bool:
+        return self.fragments is not None or self.sequence_fragments is not None
 
     def blocks(self, model: nn.Module) -> Blocks:
         """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`);
@@ -388,12 +417,23 @@ class Checkpoint(Engine):
             loss = forward_loss(self.label, wrapped, inputs, loss_fn)
             with grad_hooks(params, on_grad):
                 loss.backward()
-            info = {"blocks": len(found), "checkpointed": len(self._checkpointed(found))}
+            info: dict[str, Any] = {"blocks": len(found),
+                                    "checkpointed": len(self._checkpointed(found))}  # fmt: skip
             if self.time_chunks is not None:
                 info["time_chunked"] = len(self._chunked(model, found))
+            if self.fragments is not None:
+                info["whole"] = {n: m.fragmenter.last for n, m in wrapped.named_modules()
+                                 if isinstance(m, _Checkpointed) and m.fragmenter is not None
+                                 and m.fragmenter.last is not None}  # fmt: skip
             return self._result(loss, **info)
         mods: list[Any] = [found.modules[n] for n in found.names]
         groups = self._groups(len(mods))
+        if self.sequence_fragments is not None:  # copies of the recomputed blocks
+            k = self.sequence_fragments
+            cut = {j for group in groups[:-1] for j in group}
+            copies = self._by_position.get(model, lambda _m: [
+                by_position(b, k) if j in cut else b for j, b in enumerate(mods)])  # fmt: skip
+            mods = list(copies)
         if self.segments == "auto":  # boundaries from measured block sizes, once per shape
             by_shape = self._auto.get(model, lambda _m: {})
             key = tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
@@ -405,6 +445,9 @@ class Checkpoint(Engine):
             last = set(groups[-1])
             mods = [b if j in last else traces[j]() for j, b in enumerate(mods)]
 
+        frags = self._fragmenters.get(model, lambda _m: {})
+        whole: dict[str, str] = {}
+
         def run(xs: tuple[torch.Tensor, ...]) -> object:
             # The first block takes the engine's inputs unpacked; every later block
             # takes the previous output whole (a tuple stays one argument), as
@@ -413,17 +456,31 @@ class Checkpoint(Engine):
             for i, group in enumerate(groups):
                 seg = _Segment([mods[j] for j in group])
                 args = xs if i == 0 else (out,)
-                if i < len(groups) - 1:
-                    out = checkpoint(seg, *args, use_reentrant=False,
-                                     context_fn=generator_replay(seg.blocks))  # fmt: skip
-                else:
+                if i == len(groups) - 1:
                     out = seg(*args)
+                    continue
+
+                def plain(*a: Any, seg: _Segment = seg) -> Any:
+                    return checkpoint(seg, *a, use_reentrant=False,
+                                      context_fn=generator_replay(seg.blocks))  # fmt: skip
+
+                if self.fragments is None:
+                    out = plain(*args)
+                    continue
+                key = tuple(id(b) for b in seg.blocks)
+                frag = frags.get(key)
+                if frag is None:
+                    frag = frags[key] = Fragmenter(seg.blocks, fragments=self.fragments)
+                out = frag(seg, plain, *args)
+                if frag.last is not None:
+                    whole[",".join(found.names[j] for j in group)] = frag.last
             return out
 
         loss = forward_loss(self.label, lambda *xs: run(xs), inputs, loss_fn)
         with grad_hooks(params, on_grad):
             loss.backward()
-        return self._result(loss, segments=len(groups))
+        more: dict[str, Any] = {"whole": whole} if self.fragments is not None else {}
+        return self._result(loss, segments=len(groups), **more)
 
     def _wrap(self, model: nn.Module, found: Blocks) -> nn.Module:
         """A copy of ``model`` (or of the fx split that stands for it) sharing its tensors,
@@ -431,7 +488,11 @@ class Checkpoint(Engine):
         new = share_copy(found.runner if found.runner is not None else model)
         checkpointed = self._checkpointed(found)
         for name in checkpointed:
-            new.set_submodule(name, _Checkpointed(new.get_submodule(name), trace=self.trace))
+            block = new.get_submodule(name)
+            if self.sequence_fragments is not None:
+                block = by_position(block, self.sequence_fragments)
+            new.set_submodule(name, _Checkpointed(block, trace=self.trace,
+                                                  fragments=self.fragments))  # fmt: skip
         if self.time_chunks is not None:
             chunk_recurrent(new, self.time_chunks, skip=tuple(checkpointed))
         return new
@@ -443,16 +504,52 @@ class _Checkpointed(Wrapper):
     wrapper), run as its fx trace where that is safe (``trace``; called with keyword
     arguments: as written)."""
 
-    def __init__(self, inner: nn.Module, *, trace: bool) -> None:
+    def __init__(self, inner: nn.Module, *, trace: bool, fragments: int | None = None) -> None:
         super().__init__(inner)
         self._traced = _Traced(inner) if trace else None
+        self.__dict__["fragmenter"] = (None if fragments is None
+                                       else Fragmenter([inner], fragments=fragments))  # fmt: skip
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
         run = self._traced() if self._traced is not None and not kwargs else self.inner
         replay = generator_replay([self.inner])  # layers' own generators, rewound
-        return checkpoint(run, *args, use_reentrant=False, context_fn=replay, **kwargs)
+
+        def plain(*a: Any, **kw: Any) -> Any:
+            return checkpoint(run, *a, use_reentrant=False, context_fn=replay, **kw)
+
+        frag: Fragmenter | None = self.__dict__["fragmenter"]
+        if frag is None:
+            return plain(*args, **kwargs)
+        return frag(run, plain, *args, **kwargs)
+
+
+def by_position(block: nn.Module, fragments: int) -> nn.Module:
+    """A copy of ``block`` (sharing its tensors) whose children with at least two
+    parametrized layers run in ``fragments`` pieces of the sequence where the probe finds
+    them position-wise (:class:`_ByPosition`); ``block`` itself when it has none."""
+    picked = [n for n, c in block.named_children()
+              if sum(1 for m in c.modules() if m._parameters) >= 2]  # fmt: skip
+    if not picked:
+        return block
+    new = share_copy(block)
+    for n in picked:
+        new.set_submodule(n, _ByPosition(new.get_submodule(n), fragments=fragments))
+    return new
+
+
+class _ByPosition(Wrapper):
+    """A child of a checkpointed block run in pieces of its sequence (dimension 1), where
+    the first call's probe finds it position-wise; as written where not."""
+
+    def __init__(self, inner: nn.Module, *, fragments: int) -> None:
+        super().__init__(inner)
+        self.__dict__["fragmenter"] = Fragmenter([inner], fragments=fragments, dim=1)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        frag: Fragmenter = self.__dict__["fragmenter"]
+        return frag(self.inner, self.inner, *args, **kwargs)
 
 
 class _Segment:

@@ -32,8 +32,8 @@ from torch import nn
 from .. import _errors as errors
 from ._base import Engine, LossFn, OnGrad, StepResult, trainable_parameters
 from ._blocks import blocks as find_blocks
-from ._contract import BufferGuard
 from ._checkpoint import Checkpoint
+from ._contract import BufferGuard
 from ._prepare import PreparedCache, share_copy
 from ._registry import register
 from ._transforms import (
@@ -111,6 +111,10 @@ class Composed(Engine):
     @property
     def label(self) -> str:
         return "+".join([self.base.label, *(t.label for t in self.transforms)])
+
+    @property
+    def probes(self) -> bool:
+        return self.base.probes
 
     def state_dict(self) -> dict[str, Any]:
         """The base engine's state and the states of the transforms' own generators."""
@@ -202,7 +206,9 @@ class Composed(Engine):
             new = share_copy(found.runner if found.runner is not None else model)
             for name in found.names:
                 new.set_submodule(name, transform(name, new.get_submodule(name)))
-            runner = Checkpoint(blocks=list(found.names), trace=base.trace, time_chunks=chunks)
+            runner = Checkpoint(blocks=list(found.names), trace=base.trace, time_chunks=chunks,
+                                fragments=base.fragments,
+                                sequence_fragments=base.sequence_fragments)  # fmt: skip
             return new, report, runner
         if base.name in ("moonwalk", "revbackprop", "highway"):
             stem, head = getattr(model, "stem", None), getattr(model, "head", None)

@@ -54,6 +54,7 @@ def _block_lines(base: Checkpoint, model: nn.Module) -> list[str]:
     """The blocks, each marked checkpointed or left plain (and why); with ``trace=True``,
     whether each checkpointed block runs as torch.fx code, and why not where it does not."""
     from ._checkpoint import trace_block
+    from ._fragments import static_reason
 
     found = base.blocks(model)
     text = str(found).splitlines()
@@ -73,6 +74,12 @@ def _block_lines(base: Checkpoint, model: nn.Module) -> list[str]:
             status[name] = "checkpointed, " + ("as torch.fx code" if why is None
                                                else f"as written: {why}")  # fmt: skip
             (traced if why is None else written).append(name)
+    if base.fragments is not None:
+        for name in recomputed:
+            why = static_reason([found.modules[name]])
+            status[name] += (f", in {base.fragments} fragments of the batch (a probe on the "
+                             "first step may still run it whole)" if why is None
+                             else f", whole: {why}")  # fmt: skip
     out = [text[0]] + [f"{row}  {status[n]}" for row, n in zip(text[1:], found.names,
                                                                 strict=True)]  # fmt: skip
     if not base.trace:

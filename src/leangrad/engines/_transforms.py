@@ -419,13 +419,13 @@ class ChunkedCETransform(Transform):
 
 BATCH_COUPLED = (
     "{name} ({kind}) couples the examples of a batch in training mode (its statistics are "
-    "the batch's), so micro-batches would not compute the whole batch's gradient; put it "
-    "in eval mode, use GroupNorm/LayerNorm, or leave out accumulate"
+    "the batch's), so {pieces} would not compute the whole batch's gradient; put it "
+    "in eval mode, use GroupNorm/LayerNorm, or leave out {option}"
 )
 RANDOM_LAYER = (
-    "{name} ({kind}, p={p}) draws its masks per forward: micro-batches would draw other "
+    "{name} ({kind}, p={p}) draws its masks per forward: {pieces} would draw other "
     "masks than one forward of the whole batch (another gradient than autograd's); set "
-    "p=0 or eval mode for it, or leave out accumulate"
+    "p=0 or eval mode for it, or leave out {option}"
 )
 NEEDS_PER_EXAMPLE = (
     "accumulate splits the batch into micro-batches, and so must split the targets your "
@@ -512,10 +512,12 @@ class AccumulateTransform(Transform):
         return micro
 
 
-def batch_coupling(model: nn.Module) -> str | None:
-    """Why micro-batches of ``model`` would not add up to the whole batch's gradient
-    (a training-mode layer whose output depends on the other examples, or one that draws
-    random masks), or ``None``."""
+def batch_coupling(model: nn.Module, *, pieces: str = "micro-batches",
+                   option: str = "accumulate", root: str = "the model") -> str | None:  # fmt: skip
+    """Why ``pieces`` of the batch run through ``model`` one after another would not add up
+    to the whole batch's gradient (a training-mode layer whose output depends on the other
+    examples, or one that draws random masks), or ``None``; the message's fix is to leave
+    out ``option``."""
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
     from torch.nn.modules.instancenorm import _InstanceNorm
@@ -523,15 +525,16 @@ def batch_coupling(model: nn.Module) -> str | None:
     for name, m in model.named_modules():
         if not m.training:
             continue
+        where = repr(name) if name else root
         if isinstance(m, _BatchNorm) or (isinstance(m, _InstanceNorm)
                                          and m.track_running_stats):  # fmt: skip
-            return BATCH_COUPLED.format(name=repr(name or "the model"), kind=type(m).__name__)
-        if isinstance(m, _DropoutNd) and m.p > 0:
-            return RANDOM_LAYER.format(name=repr(name or "the model"), kind=type(m).__name__,
-                                       p=m.p)  # fmt: skip
-        if isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1:
-            return RANDOM_LAYER.format(name=repr(name or "the model"), kind=type(m).__name__,
-                                       p=m.dropout)  # fmt: skip
+            return BATCH_COUPLED.format(name=where, kind=type(m).__name__, pieces=pieces,
+                                        option=option)  # fmt: skip
+        p = m.p if isinstance(m, _DropoutNd) else (
+            m.dropout if isinstance(m, nn.RNNBase) and m.num_layers > 1 else 0)  # fmt: skip
+        if p > 0:
+            return RANDOM_LAYER.format(name=where, kind=type(m).__name__, p=p, pieces=pieces,
+                                       option=option)  # fmt: skip
     return None
 
 

@@ -133,6 +133,10 @@ def estimate_step(
     fake_loss_fn = _with_fake_tensors(loss_fn, mode)
     with mode:
         try:
+            if getattr(engine, "probes", False):  # its first step differs: warm it up
+                engine.backward(fake_model, fake_xs, fake_loss_fn)
+                for p in fake_model.parameters():
+                    p.grad = None
             with MemoryTracker(baseline=(fake_model, *fake_xs, *fake_extra),
                                estimate=True) as tracker:  # fmt: skip
                 result = engine.backward(fake_model, fake_xs, fake_loss_fn)

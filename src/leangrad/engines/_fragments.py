@@ -1,0 +1,415 @@
+"""Fragmented recomputation along the batch (issue 31, item 1).
+
+Moonwalk v2's fragmental checkpointing keeps fragments and rebuilds the rest piecewise
+during the backward pass (``../shared/papers``, Moonwalk v2, section on fragmental
+checkpointing). Applied to the blocks people train: a checkpointed block keeps only its
+inputs during the forward pass, and PyTorch's ``checkpoint`` recomputes the *whole* block
+for its backward, so one block's internals over the whole batch are alive at once — the
+floor of per-block checkpointing. Where a block does not couple the examples of its batch
+(no training-mode BatchNorm, no random draws), its forward and its recomputation run in
+``k`` fragments of the batch, one after another; each fragment's recomputation and
+backward finish before the next starts, so about ``1/k`` of the block's internals are
+alive. The parameters' gradients add up over the fragments and reach autograd once, as
+one gradient per parameter from the block: post-accumulate hooks fire once, and a
+parameter shared with other blocks accumulates as under ``loss.backward()``.
+
+Which tensors are split: every tensor argument whose first dimension is the batch (the
+size of the first tensor argument's); the others (a causal mask of shape ``(1, 1, T, T)``,
+rotary tables) go whole to every fragment. Before its first use per kind of call, a block
+is *probed* on two examples: run on both at once and on each alone, the results must agree
+(a block that mixes examples, or an argument mistaken for a batch, shows here), every
+output must be batch-shaped, its graph may reach no parameter outside the block (a
+weight read from another module: its gradient would be lost), and no buffer may change (it
+would change once per fragment). A block that fails runs whole, as plain checkpointing
+does, with the reason kept for :func:`leangrad.explain` and the step's info.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils import _pytree as pytree
+
+from ._generators import layer_generators
+
+__all__ = ["BAD_FRAGMENTS", "Fragmenter", "fragment_edges", "static_reason"]
+
+BAD_FRAGMENTS = "fragments must be an int >= 2 or None (recompute blocks whole), got {value!r}"
+NOT_SPLIT = "{what}: runs whole"
+MIXES = (
+    "it mixes the examples of its batch (run on two examples at once and on each alone, "
+    "the outputs differ by {diff:.3g})"
+)
+OUTSIDE = (
+    "its graph reaches {count} parameter(s) that are not the block's (a weight read from "
+    "another module), whose gradient fragments could not hand on"
+)
+BUFFERS = "it changes buffer(s) {names} in its forward, which fragments would do k times"
+NOT_BATCH = "output {index} has no batch dimension (shape {shape}), so it cannot be split"
+FAILED = "running it on one example failed ({error})"
+DIM_NAMES = {0: "example", 1: "position"}
+GENERATORS = "its layers draw from generators of their own, which fragments would draw k times"
+
+
+def static_reason(modules: Sequence[nn.Module]) -> str | None:
+    """Why ``modules`` cannot run in fragments of the batch, seen from their types alone
+    (training-mode BatchNorm, dropout, layers holding their own generators), or ``None``."""
+    from ._transforms import batch_coupling
+
+    for module in modules:
+        why = batch_coupling(module, pieces="fragments", option="fragments=", root="the block")
+        if why is not None:
+            return why
+    if layer_generators(modules):
+        return GENERATORS
+    return None
+
+
+def fragment_edges(rows: int, fragments: int) -> list[tuple[int, int]]:
+    """``fragments`` contiguous ranges of ``range(rows)`` whose sizes differ by at most one
+    (one row each where there are fewer rows than fragments)."""
+    m = max(1, min(fragments, rows))
+    bounds = [rows * i // m for i in range(m + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(m)]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2
+    return 1e-4
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call of a fragmented block: what to run, how its arguments split, and how its
+    outputs were laid out (filled by the forward)."""
+
+    fn: Callable[..., Any]
+    spec: pytree.TreeSpec
+    leaves: list[Any]  # the arguments' leaves; tensors replaced by their index in `tensors`
+    split: list[bool]  # per tensor argument: cut along the batch?
+    edges: list[tuple[int, int]]
+    n_tensors: int
+    dim: int = 0  # the dimension cut: 0 the batch, 1 the sequence (batch-first)
+    params: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    out_dims: tuple[int, ...] = ()  # per output tensor: its batch dimension (the probe's)
+    out_spec: pytree.TreeSpec | None = None
+    out_leaves: list[Any] | None = None  # non-tensor output leaves; tensors: _TENSOR
+
+    def args(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves = [tensors[v.index] if isinstance(v, _Slot) else v for v in self.leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+    def piece(self, tensors: Sequence[torch.Tensor], a: int, b: int) -> list[torch.Tensor]:
+        d = self.dim
+        return [t.narrow(d, a, b - a) if s else t
+                for t, s in zip(tensors, self.split, strict=True)]  # fmt: skip
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        args, kwargs = self.args(tensors)
+        out_leaves, out_spec = pytree.tree_flatten(self.fn(*args, **kwargs))
+        if self.out_spec is None:
+            self.out_spec = out_spec
+            self.out_leaves = [_TENSOR if isinstance(v, torch.Tensor) else v
+                               for v in out_leaves]  # fmt: skip
+        return [v for v in out_leaves if isinstance(v, torch.Tensor)]
+
+    def output(self, outs: Sequence[torch.Tensor]) -> Any:
+        assert self.out_spec is not None and self.out_leaves is not None
+        it = iter(outs)
+        leaves = [next(it) if v is _TENSOR else v for v in self.out_leaves]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+_TENSOR = object()  # marks where a tensor stood among a call's output leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+class _Fragmented(torch.autograd.Function):
+    """The block's forward in fragments (nothing saved but its inputs); its backward
+    recomputes and differentiates one fragment at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:
+        inputs = tensors[: call.n_tensors]
+        ctx.call = call
+        ctx.autocast = _autocast_now(inputs)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)
+        out: list[torch.Tensor] = []
+        for a, b in call.edges:
+            part = call.run(call.piece(inputs, a, b))
+            if not out:
+                rows = call.edges[-1][1]
+                out = [p.new_empty((*p.shape[:d], rows, *p.shape[d + 1:]))
+                       for p, d in zip(part, call.out_dims, strict=True)]  # fmt: skip
+            for o, p, d in zip(out, part, call.out_dims, strict=True):
+                o.narrow(d, a, b - a).copy_(p)
+            del part
+        ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        call: _Call = ctx.call
+        inputs = list(ctx.saved_tensors)
+        needs = ctx.needs_input_grad[1:]
+        n = call.n_tensors
+        params = call.params
+        whole = [t.detach().requires_grad_(need) if not s and need else t
+                 for t, s, need in zip(inputs, call.split, needs[:n], strict=True)]  # fmt: skip
+        grads_in: list[torch.Tensor | None] = [None] * n
+        grads_p: list[torch.Tensor | None] = [None] * len(params)
+        owned: set[int] = set()  # sums this backward allocated (safe to add into)
+        for a, b in call.edges:
+            with torch.enable_grad(), _autocast(ctx.autocast):
+                part = [t.narrow(call.dim, a, b - a).detach().requires_grad_(need) if s else w
+                        for t, w, s, need in zip(inputs, whole, call.split, needs[:n],
+                                                 strict=True)]  # fmt: skip
+                outs = call.run(part)
+                pairs = [(o, g.narrow(d, a, b - a))
+                         for o, g, d in zip(outs, grads, call.out_dims, strict=True)
+                         if g is not None and o.requires_grad]  # fmt: skip
+            wrt = [(i, t) for i, t in enumerate(part) if needs[i] and t.requires_grad]
+            wrt_p = [(j, p) for j, p in enumerate(params) if needs[n + j]]
+            if not pairs or not (wrt or wrt_p):
+                continue
+            got = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt + wrt_p],
+                                      [g for _, g in pairs], allow_unused=True)  # fmt: skip
+            del outs, pairs
+            for (i, _), g in zip(wrt, got[: len(wrt)], strict=True):
+                if g is None:
+                    continue
+                if call.split[i]:
+                    full = grads_in[i]
+                    if full is None:
+                        full = grads_in[i] = torch.zeros_like(inputs[i])
+                    full.narrow(call.dim, a, b - a).copy_(g)
+                else:
+                    have = grads_in[i]
+                    grads_in[i] = g if have is None else have + g
+            for (j, _), g in zip(wrt_p, got[len(wrt):], strict=True):
+                if g is not None:
+                    have = grads_p[j]
+                    if have is None:  # may be a view of the output's gradient: not ours
+                        grads_p[j] = g
+                    elif j in owned:
+                        have.add_(g)
+                    else:
+                        grads_p[j] = have + g
+                        owned.add(j)
+        return (None, *grads_in, *grads_p)
+
+
+def _autocast_now(inputs: Sequence[torch.Tensor]) -> tuple[str, torch.dtype] | None:
+    """The autocast the forward ran under (device type, dtype), for the recomputation:
+    a custom Function's backward runs outside it."""
+    kinds = {t.device.type for t in inputs} | {"cpu"}
+    for kind in sorted(kinds):
+        if torch.is_autocast_enabled(kind):
+            return kind, torch.get_autocast_dtype(kind)
+    return None
+
+
+def _autocast(state: tuple[str, torch.dtype] | None) -> Any:
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(state[0], dtype=state[1])
+
+
+class Fragmenter:
+    """Runs one checkpointed block (or segment of blocks) in ``fragments`` pieces of the
+    batch where it can (module docstring), and says why not where it cannot.
+
+    Args:
+        modules: the block's modules (their parameters get the gradients).
+        fragments: how many pieces of the batch.
+        dim: the dimension cut: 0, the batch; 1, the sequence of batch-first token-wise
+            modules (an MLP, a norm: what the probe finds position by position).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], *, fragments: int, dim: int = 0) -> None:
+        self.modules = list(modules)
+        self.fragments = fragments
+        self.dim = dim
+        self.static = static_reason(self.modules)
+        self._probed: dict[Any, tuple[str | None, tuple[int, ...]]] = {}
+        self.last: str | None = self.static
+        """Why the last call ran whole (``None``: it ran in fragments)."""
+
+    def __call__(self, fn: Callable[..., Any], whole: Callable[..., Any], *args: Any,
+                 **kwargs: Any) -> Any:  # fmt: skip
+        """``fn(*args, **kwargs)`` in fragments, or ``whole(*args, **kwargs)`` (plain
+        checkpointing) where the block cannot be split."""
+        if self.static is not None or not torch.is_grad_enabled():
+            return whole(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        dim = self.dim
+        batched = [t for t in tensors if t.dim() > dim]
+        if not batched or batched[0].shape[dim] < 2:
+            self.last = f"one {DIM_NAMES[dim]}: nothing to split"
+            return whole(*args, **kwargs)
+        rows = batched[0].shape[dim]
+        split = [t.dim() > dim and t.shape[dim] == rows for t in tensors]
+        slots: list[Any] = []
+        count = 0
+        for v in leaves:
+            if isinstance(v, torch.Tensor):
+                slots.append(_Slot(count))
+                count += 1
+            else:
+                slots.append(v)
+        params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
+        params = list({id(p): p for p in params}.values())
+        edges = fragment_edges(rows, self.fragments)
+        call = _Call(fn=fn, spec=spec, leaves=slots, split=split, edges=edges,
+                     n_tensors=len(tensors), dim=dim)  # fmt: skip
+        key = (tuple((_shape_but(t.shape, dim if s else None), t.dtype, t.device, s,
+                      t.requires_grad)
+                     for t, s in zip(tensors, split, strict=True)), repr(spec),
+               tuple(repr(v) for v in slots if not isinstance(v, _Slot)),
+               any(is_fake(t) for t in tensors))  # fmt: skip
+        verdict = self._probed.get(key)
+        if verdict is None:
+            pair = _differing_rows(tensors, split, dim)
+            verdict = self._probe(call, tensors, params, pair=pair or 1)
+            if pair is not None:  # all examples equal: this batch cannot show mixing
+                self._probed[key] = verdict
+        self.last, call.out_dims = verdict
+        if self.last is not None:
+            return whole(*args, **kwargs)
+        return call.output(_apply(call, tensors, params))
+
+    def _probe(self, call: _Call, tensors: list[torch.Tensor], params: list[nn.Parameter], *,
+               pair: int) -> tuple[str | None, tuple[int, ...]]:  # fmt: skip
+        """Why this call cannot run in fragments (module docstring), or ``None`` and each
+        output's batch dimension (where two examples give 2 and one gives 1: an LSTM's
+        ``(h, c)`` have it second). The probe's two examples are the first and the
+        ``pair``-th (one that differs from the first: equal ones would hide mixing)."""
+        d = call.dim
+        tensors = [torch.cat([t.narrow(d, 0, 1), t.narrow(d, pair, 1)], d) if s else t
+                   for t, s in zip(tensors, call.split, strict=True)]  # fmt: skip
+        buffers = [(n, b) for m in self.modules for n, b in m.named_buffers()]
+        saved = [(b, b._version, b.detach().clone()) for _, b in buffers]
+        probe = _Call(fn=call.fn, spec=call.spec, leaves=call.leaves, split=call.split,
+                      edges=[(0, 2)], n_tensors=call.n_tensors, dim=call.dim)  # fmt: skip
+        devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        try:
+            # own saved-tensor hooks: inside a checkpointed block's forward, torch's
+            # checkpoint would count the probe's saved tensors, which its recomputation
+            # (probed already) does not save again
+            with torch.random.fork_rng(devices=devices, device_type="cuda"), \
+                    torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                with torch.enable_grad():
+                    fresh = [t.detach().requires_grad_(t.requires_grad)
+                             for t in probe.piece(tensors, 0, 1)]  # fmt: skip
+                    one = probe.run(fresh)
+                    outside = _outside_leaves(one, {id(t) for t in fresh}, params)
+                with torch.no_grad():
+                    other = probe.run(probe.piece(tensors, 1, 2))
+                    both = probe.run(probe.piece(tensors, 0, 2))
+        except Exception as err:  # the block cannot run on a piece: run it whole
+            first = (str(err).strip().splitlines() or [""])[0][:120]
+            return FAILED.format(error=f"{type(err).__name__}: {first}"), ()
+        finally:
+            changed = [n for (n, _), (b, v, _) in zip(buffers, saved, strict=True)
+                       if b._version != v]  # fmt: skip
+            with torch.no_grad():
+                for b, _, value in saved:
+                    b.copy_(value)
+        if changed:
+            return BUFFERS.format(names=", ".join(changed[:3])), ()
+        if outside:
+            return OUTSIDE.format(count=outside), ()
+        dims: list[int] = []
+        for i, (b, x, y) in enumerate(zip(both, one, other, strict=True)):
+            at = _batch_dim(b.shape, x.shape)
+            if at is None:
+                return NOT_BATCH.format(index=i, shape=tuple(b.shape)), ()
+            dims.append(at)
+            if is_fake(b):  # a memory estimate on fake tensors: shapes only, no values
+                continue
+            apart = torch.cat([x.detach(), y], dim=at)
+            if not b.is_floating_point():
+                if not torch.equal(b, apart):
+                    return MIXES.format(diff=float("nan")), ()
+                continue
+            diff = float((b - apart).abs().max())
+            scale = float(b.abs().max()) + 1e-30
+            if not diff <= _tolerance(b.dtype) * scale:  # NaN differences fail too
+                return MIXES.format(diff=diff), ()
+        return None, tuple(dims)
+
+
+def _differing_rows(tensors: Sequence[torch.Tensor], split: Sequence[bool],
+                    dim: int) -> int | None:  # fmt: skip
+    """The first index along ``dim`` whose slice of the split tensors differs from the
+    first's (1 on fake tensors, whose values are unknown); ``None`` when all are equal."""
+    cut = [t for t, s in zip(tensors, split, strict=True) if s]
+    if any(is_fake(t) for t in cut):
+        return 1
+    rows = cut[0].shape[dim]
+    same = torch.ones(rows, dtype=torch.bool, device=cut[0].device)
+    for t in cut:
+        moved = t.detach().movedim(dim, 0).reshape(rows, -1)
+        same &= (moved == moved[:1]).all(dim=1)
+    differ = (~same).nonzero()
+    return int(differ[0, 0]) if differ.numel() else None
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _shape_but(shape: torch.Size, dim: int | None) -> tuple[int, ...]:
+    return tuple(v for i, v in enumerate(shape) if i != dim)
+
+
+def _batch_dim(two: torch.Size, one: torch.Size) -> int | None:
+    """The dimension that is 2 on two examples and 1 on one, all others equal."""
+    if len(two) != len(one):
+        return None
+    for d, (p, q) in enumerate(zip(two, one, strict=True)):
+        if p == 2 and q == 1 and two[:d] == one[:d] and two[d + 1:] == one[d + 1:]:
+            return d
+    return None
+
+
+def _apply(call: _Call, tensors: list[torch.Tensor], params: list[nn.Parameter]) -> Any:
+    call.params = params
+    return _Fragmented.apply(call, *tensors, *params)
+
+
+def _outside_leaves(outs: Sequence[torch.Tensor], fresh: set[int],
+                    params: Sequence[nn.Parameter]) -> int:  # fmt: skip
+    """How many leaves that require grad ``outs``' graph reaches besides the block's
+    parameters and the probe's own inputs (ids in ``fresh``)."""
+    known = {id(p) for p in params} | fresh
+    seen: set[int] = set()
+    stack: list[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
+    outside = 0
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None:
+            outside += id(var) not in known
+            continue
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return outside
