@@ -251,17 +251,35 @@ examples, where the loss says how many)."""
 def _fragments(model: nn.Module, found: Any,
                loss_fn: Callable[[Any], torch.Tensor] | None) -> list[tuple[str, dict[str, Any]]]:
     """Checkpointing with blocks recomputed in fragments of the batch, where some block
-    can be split (:func:`leangrad.engines._fragments.static_reason`); under the loss head's
+    can be split (:func:`leangrad.engines._fragments.split_reason`); under the loss head's
     chunked cross-entropy too where there is one."""
-    from .engines._fragments import static_reason
+    from .engines._fragments import split_reason
     from .loss import Head, PerExample, final_linear
 
-    if all(static_reason([found.modules[n]]) is not None for n in found.names):
+    if all(split_reason([found.modules[n]]) is not None for n in found.names):
         return []
     ks = [k for k in FRAGMENTS if not isinstance(loss_fn, PerExample) or k <= loss_fn.batch]
     out: list[tuple[str, dict[str, Any]]] = [("checkpoint", {"fragments": k}) for k in ks]
     if isinstance(final_linear(model), Head):
         out += [("checkpoint+chunked_ce", {"fragments": k}) for k in ks]
+    if stem := stem_modules(model, found):  # a ResNet's stem: conv, norm, at full size
+        every = [*stem, *found.names]
+        out += [("checkpoint", {"blocks": every})]
+        out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
+    return out
+
+
+def stem_modules(model: nn.Module, found: Any) -> list[str]:
+    """Top-level children of a model run as written that hold no block and at least two
+    parametrized layers (a CNN's stem: conv and norm at the highest resolution), which
+    checkpointing beside the blocks can recompute too."""
+    if found.sequential or found.runner is not None:
+        return []
+    out = []
+    for name, child in model.named_children():
+        holds = any(b == name or b.startswith(f"{name}.") for b in found.names)
+        if not holds and sum(1 for m in child.modules() if m._parameters) >= 2:
+            out.append(name)
     return out
 
 

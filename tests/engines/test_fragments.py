@@ -241,8 +241,9 @@ def test_sequential_of_mlp_blocks_are_exact_and_recomputed_in_pieces(
     recomputed = blocks[:3] if segments is None else blocks[:2]  # the last segment is plain
     pieces = _sizes(7, k)
     for block in recomputed:
-        # autograd's forward (7), then the engine's probe and two passes of fragments
-        assert block.seen == [7, 1, 1, 2, *pieces, *pieces], block.seen
+        # autograd's forward (7), then the engine's probe (both, then each alone) and two
+            # passes of fragments
+        assert block.seen == [7, 2, 1, 1, *pieces, *pieces], block.seen
     for block in blocks[len(recomputed) :]:
         assert block.seen == [7, 7]  # autograd's forward, then the engine's, whole
     if segments is None:
@@ -325,29 +326,102 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.clone() for n, b in model.named_buffers()}
 
 
-def test_batchnorm_in_training_runs_whole_with_running_stats_as_autograd() -> None:
+def _resnet_batch(dtype: torch.dtype = torch.float64, batch: int = 5
+                  ) -> tuple[nn.Module, torch.Tensor, LossFn]:  # fmt: skip
     torch.manual_seed(0)
-    model = zoo.resnet(10, width=4).double()
+    model = zoo.resnet(10, width=4).to(dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(5, 3, 8, 8, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 10, (5,), generator=gen)
+    x = torch.randn(batch, 3, 8, 8, generator=gen).to(dtype)
+    y = torch.randint(0, 10, (batch,), generator=gen)
 
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y)
 
+    return model, x, loss_fn
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_batchnorm_blocks_run_in_fragments_exactly_with_running_stats_as_autograd(
+        k: int, spy: _Spy) -> None:  # fmt: skip
+    """Training-mode BatchNorm: the forward keeps each call's statistics, fragments are
+    recomputed with them frozen and the backward's whole-batch sums gathered in passes
+    (_fragments_bn); the running statistics advance once, as under autograd."""
+    model, x, loss_fn = _resnet_batch()
     start = copy.deepcopy(model.state_dict())
     _, ref = _reference(model, (x,), loss_fn)
     ref_buffers = _buffers(model)
     model.load_state_dict(start)
-    res = leangrad.engine("checkpoint", fragments=2).backward(model, x, loss_fn)
+    res = leangrad.engine("checkpoint", fragments=k).backward(model, x, loss_fn)
     assert compare_grads(_grads(model), ref).max_rel_err <= 1e-10
-    whole = res.info["whole"]
-    assert set(whole) == {"stages.0", "stages.1", "stages.2", "stages.3"}
-    assert all("BatchNorm2d" in why and "fragments=" in why for why in whole.values())
+    assert res.info["whole"] == {}
+    assert spy.edges  # the blocks really ran in pieces
     after = _buffers(model)
     assert after["stem.1.num_batches_tracked"] == 1  # advanced once, as under autograd
     for n, b in ref_buffers.items():
         torch.testing.assert_close(after[n], b, rtol=1e-12, atol=0, msg=n)
+
+
+def test_batchnorm_fragments_in_float32_and_with_input_gradients() -> None:
+    model, x, loss_fn = _resnet_batch(torch.float32, batch=6)
+    x.requires_grad_(True)
+    _, ref = _reference(model, (x,), loss_fn)
+    assert x.grad is not None
+    ref_x = x.grad.clone()
+    x.grad = None
+    leangrad.engine("checkpoint", fragments=3).backward(model, x, loss_fn)
+    assert compare_grads(_grads(model), ref).max_rel_err <= 1e-4
+    torch.testing.assert_close(x.grad, ref_x, rtol=1e-4, atol=1e-6)
+
+
+class BnMlp(nn.Module):
+    """Linear, BatchNorm1d (options varied), ReLU, Linear, BatchNorm1d: two BatchNorms in
+    series, on ``(N, C)`` inputs (no spatial dimensions)."""
+
+    def __init__(self, dim: int, **bn: Any) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.n1, self.n2 = nn.BatchNorm1d(dim, **bn), nn.BatchNorm1d(dim, **bn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.n2(self.b(torch.relu(self.n1(self.a(x)))))
+
+
+@pytest.mark.parametrize("bn", [{}, {"momentum": None}, {"affine": False},
+                                {"track_running_stats": False}])  # fmt: skip
+def test_batchnorm1d_options_in_fragments(bn: dict[str, Any]) -> None:
+    model, x, loss_fn = _sequential(BnMlp(8, **bn).double(), batch=7)
+    start = copy.deepcopy(model.state_dict())
+    _, ref = _reference(model, (x,), loss_fn)
+    ref_buffers = _buffers(model)
+    model.load_state_dict(start)
+    res = leangrad.engine("checkpoint", fragments=3).backward(model, x, loss_fn)
+    assert compare_grads(_grads(model), ref).max_rel_err <= 1e-10
+    assert res.info["whole"] == {}
+    after = _buffers(model)
+    for n, b in ref_buffers.items():
+        torch.testing.assert_close(after[n], b, rtol=1e-12, atol=0, msg=n)
+
+
+def test_batchnorm_beside_dropout_runs_whole() -> None:
+    block = Residual(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2),
+                                   nn.Linear(8, 8)))  # fmt: skip
+    model, x, loss_fn = _sequential(block, batch=7)
+    res = _check(model, (x,), loss_fn, seed=2, fragments=2)
+    assert "Dropout" in res.info["whole"]["1"]
+
+
+def test_batchnorm_fragments_lower_the_peak() -> None:
+    torch.manual_seed(0)
+    model = zoo.resnet(10, width=8)
+    x = torch.randn(16, 3, 16, 16)
+    y = torch.randint(0, 10, (16,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    plain = profile_step(leangrad.engine("checkpoint"), model, x, loss_fn, repeats=0)
+    cut = profile_step(leangrad.engine("checkpoint", fragments=4), model, x, loss_fn, repeats=0)
+    assert cut.peak_bytes <= 0.9 * plain.peak_bytes
 
 
 def test_dropout_block_runs_whole_and_the_others_in_fragments(spy: _Spy) -> None:
@@ -630,14 +704,15 @@ def test_label() -> None:
 
 
 def test_explain_names_fragmented_and_whole_blocks() -> None:
-    model, _, _ = _sequential(nn.BatchNorm1d(8), batch=5)
+    model, _, _ = _sequential(nn.BatchNorm1d(8), nn.Dropout(0.1), batch=5)
     lines = leangrad.explain(leangrad.engine("checkpoint", fragments=2), model).lines
-    rows = {line.split()[0]: line for line in lines[1:5]}  # block name -> its line
-    assert set(rows) == {"0", "1", "2", "3"}
-    for name in ("0", "2"):
+    rows = {line.split()[0]: line for line in lines[1:6]}  # block name -> its line
+    assert set(rows) == {"0", "1", "2", "3", "4"}
+    for name in ("0", "3"):
         assert "in 2 fragments of the batch" in rows[name]
-    assert "whole:" in rows["1"] and "(BatchNorm1d) couples the examples" in rows["1"]
-    assert "fragments" not in rows["3"]  # the plain last segment
+    assert "in 2 fragments" in rows["1"] and "BatchNorm: its statistics frozen" in rows["1"]
+    assert "whole:" in rows["2"] and "(Dropout, p=0.1)" in rows["2"]
+    assert "fragments" not in rows["4"]  # the plain last segment
 
 
 # ---------------------------------------------------------------------------------------
@@ -795,13 +870,14 @@ def test_a_block_returning_none_beside_its_output() -> None:
 def test_sequence_fragments_are_exact_and_leave_attention_whole(opts: dict[str, int]) -> None:
     """``sequence_fragments``: the token-wise children of each block (the MLP) run in pieces
     of the sequence; attention mixes positions, so its probe runs it whole."""
-    from leangrad.engines._checkpoint import _ByPosition
+    from leangrad.engines._checkpoint import Checkpoint, _ByPosition
 
     torch.manual_seed(0)
     model = zoo.gpt(vocab=32, dim=16, layers=2, heads=2, context=16).double()
     x, loss_fn = zoo.batch("gpt", model, 2, length=11)
     _check(model, (x,), loss_fn, **opts)
     eng = leangrad.engine("checkpoint", **opts)
+    assert isinstance(eng, Checkpoint)
     eng.backward(model, x, loss_fn)
     wrapped = eng._wrapped.get(model, lambda m: m)  # the prepared copy the step ran
     split = [m.fragmenter.last for m in wrapped.modules() if isinstance(m, _ByPosition)]

@@ -525,12 +525,19 @@ class _Checkpointed(Wrapper):
         return frag(run, plain, *args, **kwargs)
 
 
+def position_children(block: nn.Module) -> list[str]:
+    """The children of ``block`` worth cutting along the sequence: those with at least two
+    parametrized layers (an MLP, an attention module: the probe tells which work position
+    by position); a lone linear or norm keeps nothing inside to save."""
+    return [n for n, c in block.named_children()
+            if sum(1 for m in c.modules() if m._parameters) >= 2]  # fmt: skip
+
+
 def by_position(block: nn.Module, fragments: int) -> nn.Module:
     """A copy of ``block`` (sharing its tensors) whose children with at least two
     parametrized layers run in ``fragments`` pieces of the sequence where the probe finds
     them position-wise (:class:`_ByPosition`); ``block`` itself when it has none."""
-    picked = [n for n, c in block.named_children()
-              if sum(1 for m in c.modules() if m._parameters) >= 2]  # fmt: skip
+    picked = position_children(block)
     if not picked:
         return block
     new = share_copy(block)

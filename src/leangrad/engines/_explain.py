@@ -53,8 +53,8 @@ LAST_SEGMENT = "left plain: the last segment, whose activations the backward nee
 def _block_lines(base: Checkpoint, model: nn.Module) -> list[str]:
     """The blocks, each marked checkpointed or left plain (and why); with ``trace=True``,
     whether each checkpointed block runs as torch.fx code, and why not where it does not."""
-    from ._checkpoint import trace_block
-    from ._fragments import static_reason
+    from ._checkpoint import position_children, trace_block
+    from ._fragments import split_reason, static_reason
 
     found = base.blocks(model)
     text = str(found).splitlines()
@@ -76,10 +76,24 @@ def _block_lines(base: Checkpoint, model: nn.Module) -> list[str]:
             (traced if why is None else written).append(name)
     if base.fragments is not None:
         for name in recomputed:
-            why = static_reason([found.modules[name]])
-            status[name] += (f", in {base.fragments} fragments of the batch (a probe on the "
-                             "first step may still run it whole)" if why is None
-                             else f", whole: {why}")  # fmt: skip
+            block = [found.modules[name]]
+            why = split_reason(block)
+            if why is not None:
+                status[name] += f", whole: {why}"
+                continue
+            status[name] += f", in {base.fragments} fragments of the batch"
+            if static_reason(block) is not None:  # BatchNorm: frozen statistics
+                status[name] += (" (training-mode BatchNorm: its statistics frozen, its "
+                                 "backward's batch sums gathered in extra passes)")  # fmt: skip
+    if base.sequence_fragments is not None:
+        for name in recomputed:
+            kids = position_children(found.modules[name])
+            status[name] += (f"; {', '.join(kids)} in {base.sequence_fragments} pieces of the "
+                             "sequence where position-wise" if kids
+                             else "; no child to cut along the sequence")  # fmt: skip
+    if base.fragments is not None or base.sequence_fragments is not None:
+        status = {n: v + (" (the first step's probe may still run a piece whole)"
+                          if n in recomputed else "") for n, v in status.items()}  # fmt: skip
     out = [text[0]] + [f"{row}  {status[n]}" for row, n in zip(text[1:], found.names,
                                                                 strict=True)]  # fmt: skip
     if not base.trace:

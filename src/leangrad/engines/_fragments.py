@@ -36,9 +36,20 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
+from ._fragments_bn import (
+    BnStats,
+    bn_buffers,
+    capture_stats,
+    dependencies,
+    frozen_stats,
+    gather_sums,
+    is_bn_only,
+    schedule,
+)
 from ._generators import layer_generators
 
-__all__ = ["BAD_FRAGMENTS", "Fragmenter", "fragment_edges", "static_reason"]
+__all__ = ["BAD_FRAGMENTS", "Fragmenter", "fragment_edges", "frozen_batchnorm", "split_reason",
+           "static_reason"]
 
 BAD_FRAGMENTS = "fragments must be an int >= 2 or None (recompute blocks whole), got {value!r}"
 NOT_SPLIT = "{what}: runs whole"
@@ -57,18 +68,36 @@ DIM_NAMES = {0: "example", 1: "position"}
 GENERATORS = "its layers draw from generators of their own, which fragments would draw k times"
 
 
-def static_reason(modules: Sequence[nn.Module]) -> str | None:
+def static_reason(modules: Sequence[nn.Module], *, batchnorm: bool = False) -> str | None:
     """Why ``modules`` cannot run in fragments of the batch, seen from their types alone
-    (training-mode BatchNorm, dropout, layers holding their own generators), or ``None``."""
+    (training-mode BatchNorm unless ``batchnorm``, dropout, layers holding their own
+    generators), or ``None``."""
     from ._transforms import batch_coupling
 
     for module in modules:
-        why = batch_coupling(module, pieces="fragments", option="fragments=", root="the block")
+        why = batch_coupling(module, pieces="fragments", option="fragments=", root="the block",
+                             skip_batchnorm=batchnorm)  # fmt: skip
         if why is not None:
             return why
     if layer_generators(modules):
         return GENERATORS
     return None
+
+
+def frozen_batchnorm(modules: Sequence[nn.Module]) -> bool:
+    """Whether what couples the examples in ``modules`` is training-mode BatchNorm alone,
+    which runs in fragments with its statistics frozen (:mod:`._fragments_bn`)."""
+    return is_bn_only(modules) and static_reason(modules, batchnorm=True) is None
+
+
+def split_reason(modules: Sequence[nn.Module]) -> str | None:
+    """Why ``modules`` cannot run in fragments of the batch, from their types alone (the
+    first call's probe may still find a reason), or ``None``: training-mode BatchNorm runs
+    in fragments with frozen statistics."""
+    why = static_reason(modules)
+    if why is None or frozen_batchnorm(modules):
+        return None
+    return static_reason(modules, batchnorm=True) or why  # what besides BatchNorm, if any
 
 
 def fragment_edges(rows: int, fragments: int) -> list[tuple[int, int]]:
@@ -99,6 +128,7 @@ class _Call:
     edges: list[tuple[int, int]]
     n_tensors: int
     dim: int = 0  # the dimension cut: 0 the batch, 1 the sequence (batch-first)
+    bn: bool = False  # training-mode BatchNorm inside: forward whole, statistics frozen
     params: list[nn.Parameter] = dataclasses.field(default_factory=list)
     out_dims: tuple[int, ...] = ()  # per output tensor: its batch dimension (the probe's)
     out_spec: pytree.TreeSpec | None = None
@@ -149,54 +179,115 @@ class _Fragmented(torch.autograd.Function):
         ctx.autocast = _autocast_now(inputs)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs)
-        out: list[torch.Tensor] = []
-        for a, b in call.edges:
-            part = call.run(call.piece(inputs, a, b))
-            if not out:
-                rows = call.edges[-1][1]
-                out = [p.new_empty((*p.shape[:d], rows, *p.shape[d + 1:]))
-                       for p, d in zip(part, call.out_dims, strict=True)]  # fmt: skip
-            for o, p, d in zip(out, part, call.out_dims, strict=True):
-                o.narrow(d, a, b - a).copy_(p)
-            del part
+        ctx.stats = None
+        if call.bn:  # whole, keeping each BatchNorm's statistics (_fragments_bn)
+            with capture_stats() as mode:
+                out = call.run(inputs)
+            ctx.stats = mode.stats
+        else:
+            out = []
+            for a, b in call.edges:
+                part = call.run(call.piece(inputs, a, b))
+                if not out:
+                    rows = call.edges[-1][1]
+                    out = [p.new_empty((*p.shape[:d], rows, *p.shape[d + 1:]))
+                           for p, d in zip(part, call.out_dims, strict=True)]  # fmt: skip
+                for o, p, d in zip(out, part, call.out_dims, strict=True):
+                    o.narrow(d, a, b - a).copy_(p)
+                del part
         ctx.mark_non_differentiable(*[o for o in out if not o.is_floating_point()])
         return tuple(out)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
-        inputs = list(ctx.saved_tensors)
-        needs = ctx.needs_input_grad[1:]
+        run = _Recompute(call, list(ctx.saved_tensors), grads, ctx.needs_input_grad[1:],
+                         ctx.autocast, ctx.stats)  # fmt: skip
+        if ctx.stats is not None:
+            run.gather_batchnorm_sums()
+        return (None, *run.differentiate())
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+class _Recompute:
+    """A fragmented block's backward: its fragments recomputed one at a time, under the
+    forward's autocast and (with BatchNorm) its frozen statistics."""
+
+    def __init__(self, call: _Call, inputs: list[torch.Tensor],
+                 grads: Sequence[torch.Tensor | None], needs: Sequence[bool],
+                 autocast: tuple[str, torch.dtype] | None,
+                 stats: list[BnStats] | None) -> None:  # fmt: skip
+        self.call, self.inputs, self.grads, self.needs = call, inputs, grads, needs
+        self.autocast, self.stats = autocast, stats
         n = call.n_tensors
+        self.whole = [t.detach().requires_grad_(need) if not s and need else t
+                      for t, s, need in zip(inputs, call.split, needs[:n],
+                                            strict=True)]  # fmt: skip
+
+    def fragment(self, a: int, b: int) -> tuple[list[torch.Tensor], list[Pair], list[Any]]:
+        """Recompute rows ``a:b``: ``(inputs, (output, its gradient) pairs, BatchNorm
+        calls)``."""
+        call, n = self.call, self.call.n_tensors
+        mode: Any = contextlib.nullcontext() if self.stats is None else frozen_stats(self.stats)
+        with torch.enable_grad(), _autocast(self.autocast), mode:
+            part = [t.narrow(call.dim, a, b - a).detach().requires_grad_(need) if s else w
+                    for t, w, s, need in zip(self.inputs, self.whole, call.split,
+                                             self.needs[:n], strict=True)]  # fmt: skip
+            outs = call.run(part)
+            pairs = [(o, g.narrow(d, a, b - a))
+                     for o, g, d in zip(outs, self.grads, call.out_dims, strict=True)
+                     if g is not None and o.requires_grad]  # fmt: skip
+        seen = [] if self.stats is None else mode.seen
+        return part, pairs, seen
+
+    def gather_batchnorm_sums(self) -> None:
+        """Passes over the fragments that gather every BatchNorm call's whole-batch sums,
+        in the order their dependencies allow (:func:`schedule`)."""
+        assert self.stats is not None
+        for st in self.stats:
+            st.sums = None
+        order: list[list[int]] | None = None
+        for _ in range(len(self.stats) + 1):
+            for a, b in self.call.edges:
+                _, pairs, seen = self.fragment(a, b)
+                if order is None:
+                    order = schedule(dependencies(seen))
+                if not order:
+                    return
+                gather_sums(self.stats, order[0], seen, [o for o, _ in pairs],
+                            [g for _, g in pairs])  # fmt: skip
+                del pairs, seen
+            assert order is not None
+            order = order[1:]
+            if not order:
+                return
+
+    def differentiate(self) -> list[torch.Tensor | None]:
+        """The last pass: every fragment differentiated; input gradients assembled,
+        parameter gradients summed."""
+        call, needs, n = self.call, self.needs, self.call.n_tensors
         params = call.params
-        whole = [t.detach().requires_grad_(need) if not s and need else t
-                 for t, s, need in zip(inputs, call.split, needs[:n], strict=True)]  # fmt: skip
         grads_in: list[torch.Tensor | None] = [None] * n
         grads_p: list[torch.Tensor | None] = [None] * len(params)
         owned: set[int] = set()  # sums this backward allocated (safe to add into)
         for a, b in call.edges:
-            with torch.enable_grad(), _autocast(ctx.autocast):
-                part = [t.narrow(call.dim, a, b - a).detach().requires_grad_(need) if s else w
-                        for t, w, s, need in zip(inputs, whole, call.split, needs[:n],
-                                                 strict=True)]  # fmt: skip
-                outs = call.run(part)
-                pairs = [(o, g.narrow(d, a, b - a))
-                         for o, g, d in zip(outs, grads, call.out_dims, strict=True)
-                         if g is not None and o.requires_grad]  # fmt: skip
+            part, pairs, _ = self.fragment(a, b)
             wrt = [(i, t) for i, t in enumerate(part) if needs[i] and t.requires_grad]
             wrt_p = [(j, p) for j, p in enumerate(params) if needs[n + j]]
             if not pairs or not (wrt or wrt_p):
                 continue
             got = torch.autograd.grad([o for o, _ in pairs], [t for _, t in wrt + wrt_p],
                                       [g for _, g in pairs], allow_unused=True)  # fmt: skip
-            del outs, pairs
+            del pairs
             for (i, _), g in zip(wrt, got[: len(wrt)], strict=True):
                 if g is None:
                     continue
                 if call.split[i]:
                     full = grads_in[i]
                     if full is None:
-                        full = grads_in[i] = torch.zeros_like(inputs[i])
+                        full = grads_in[i] = torch.zeros_like(self.inputs[i])
                     full.narrow(call.dim, a, b - a).copy_(g)
                 else:
                     have = grads_in[i]
@@ -211,7 +302,7 @@ class _Fragmented(torch.autograd.Function):
                     else:
                         grads_p[j] = have + g
                         owned.add(j)
-        return (None, *grads_in, *grads_p)
+        return [*grads_in, *grads_p]
 
 
 def _autocast_now(inputs: Sequence[torch.Tensor]) -> tuple[str, torch.dtype] | None:
@@ -245,7 +336,9 @@ class Fragmenter:
         self.modules = list(modules)
         self.fragments = fragments
         self.dim = dim
-        self.static = static_reason(self.modules)
+        self.bn = dim == 0 and static_reason(self.modules) is not None and frozen_batchnorm(
+            self.modules)  # fmt: skip
+        self.static = static_reason(self.modules) if dim else split_reason(self.modules)
         self._probed: dict[Any, tuple[str | None, tuple[int, ...]]] = {}
         self.last: str | None = self.static
         """Why the last call ran whole (``None``: it ran in fragments)."""
@@ -277,7 +370,7 @@ class Fragmenter:
         params = list({id(p): p for p in params}.values())
         edges = fragment_edges(rows, self.fragments)
         call = _Call(fn=fn, spec=spec, leaves=slots, split=split, edges=edges,
-                     n_tensors=len(tensors), dim=dim)  # fmt: skip
+                     n_tensors=len(tensors), dim=dim, bn=self.bn)  # fmt: skip
         key = (tuple((_shape_but(t.shape, dim if s else None), t.dtype, t.device, s,
                       t.requires_grad)
                      for t, s in zip(tensors, split, strict=True)), repr(spec),
@@ -305,8 +398,10 @@ class Fragmenter:
                    for t, s in zip(tensors, call.split, strict=True)]  # fmt: skip
         buffers = [(n, b) for m in self.modules for n, b in m.named_buffers()]
         saved = [(b, b._version, b.detach().clone()) for _, b in buffers]
+        own = bn_buffers(self.modules) if call.bn else set()  # they advance in the forward
         probe = _Call(fn=call.fn, spec=call.spec, leaves=call.leaves, split=call.split,
-                      edges=[(0, 2)], n_tensors=call.n_tensors, dim=call.dim)  # fmt: skip
+                      edges=[(0, 2)], n_tensors=call.n_tensors, dim=call.dim,
+                      bn=call.bn)  # fmt: skip
         devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
         try:
             # own saved-tensor hooks: inside a checkpointed block's forward, torch's
@@ -314,20 +409,28 @@ class Fragmenter:
             # (probed already) does not save again
             with torch.random.fork_rng(devices=devices, device_type="cuda"), \
                     torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                with torch.enable_grad():
+                # both examples at once (under BatchNorm: its statistics kept), then each
+                # alone (under BatchNorm: with the two's statistics frozen)
+                capture: Any = capture_stats() if call.bn else contextlib.nullcontext()
+                with torch.no_grad(), capture:
+                    both = probe.run(probe.piece(tensors, 0, 2))
+
+                def frozen() -> Any:
+                    return frozen_stats(capture.stats) if call.bn else contextlib.nullcontext()
+
+                with torch.enable_grad(), frozen():
                     fresh = [t.detach().requires_grad_(t.requires_grad)
                              for t in probe.piece(tensors, 0, 1)]  # fmt: skip
                     one = probe.run(fresh)
                     outside = _outside_leaves(one, {id(t) for t in fresh}, params)
-                with torch.no_grad():
+                with torch.no_grad(), frozen():
                     other = probe.run(probe.piece(tensors, 1, 2))
-                    both = probe.run(probe.piece(tensors, 0, 2))
         except Exception as err:  # the block cannot run on a piece: run it whole
             first = (str(err).strip().splitlines() or [""])[0][:120]
             return FAILED.format(error=f"{type(err).__name__}: {first}"), ()
         finally:
             changed = [n for (n, _), (b, v, _) in zip(buffers, saved, strict=True)
-                       if b._version != v]  # fmt: skip
+                       if b._version != v and id(b) not in own]  # fmt: skip
             with torch.no_grad():
                 for b, _, value in saved:
                     b.copy_(value)

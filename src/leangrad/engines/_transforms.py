@@ -513,11 +513,13 @@ class AccumulateTransform(Transform):
 
 
 def batch_coupling(model: nn.Module, *, pieces: str = "micro-batches",
-                   option: str = "accumulate", root: str = "the model") -> str | None:  # fmt: skip
+                   option: str = "accumulate", root: str = "the model",
+                   skip_batchnorm: bool = False) -> str | None:  # fmt: skip
     """Why ``pieces`` of the batch run through ``model`` one after another would not add up
     to the whole batch's gradient (a training-mode layer whose output depends on the other
     examples, or one that draws random masks), or ``None``; the message's fix is to leave
-    out ``option``."""
+    out ``option``. ``skip_batchnorm``: BatchNorm layers are not counted (the caller
+    handles them)."""
     from torch.nn.modules.batchnorm import _BatchNorm
     from torch.nn.modules.dropout import _DropoutNd
     from torch.nn.modules.instancenorm import _InstanceNorm
@@ -526,6 +528,8 @@ def batch_coupling(model: nn.Module, *, pieces: str = "micro-batches",
         if not m.training:
             continue
         where = repr(name) if name else root
+        if isinstance(m, _BatchNorm) and skip_batchnorm:
+            continue
         if isinstance(m, _BatchNorm) or (isinstance(m, _InstanceNorm)
                                          and m.track_running_stats):  # fmt: skip
             return BATCH_COUPLED.format(name=where, kind=type(m).__name__, pieces=pieces,
