@@ -18,36 +18,58 @@ stem, repeated blocks, a head — the form a practitioner's model has, not a lea
   ``GRULayer``, same equations and gate order as ``nn.GRU``, one step at a time).
 - :func:`vit`: a ViT-tiny-style vision transformer (Dosovitskiy et al. 2021): patch
   embedding, a class token, pre-LN encoder blocks, a linear head.
+- :func:`llama`: a Llama-style decoder (Touvron et al. 2023): token embedding, ``layers``
+  x (RMSNorm → causal self-attention with rotary position embeddings (Su et al. 2021)
+  through ``F.scaled_dot_product_attention`` → residual, RMSNorm → SwiGLU MLP (Shazeer
+  2020) → residual), final RMSNorm, an untied ``lm_head``; no biases.
+- :func:`unet`: a diffusion-style U-Net (Ronneberger et al. 2015; Ho et al. 2020's
+  denoiser): conv stem, a down path of ``ResBlock`` (GroupNorm, SiLU, 3x3 conv, twice,
+  residual) and, at low resolution, ``AttnBlock`` (self-attention over the feature map's
+  positions) with stride-2 downsampling, a middle ResBlock-AttnBlock-ResBlock, an up path
+  taking the down path's skips (concatenated) with nearest upsampling, an output conv to
+  the input's channels. No timestep embedding: ``forward(x)`` predicts the noise.
 
 :data:`MODELS` names each with a matching offline batch (:func:`batch`): images from a
-seeded generator, tokens from a seeded generator.
+seeded generator, tokens from a seeded generator (``gpt_50k`` is :func:`gpt` at GPT-2's
+50,257-token vocabulary, sized by the caller), noisy images and their noise for the U-Net.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "BERT",
     "GPT",
     "MODELS",
     "RNNLM",
+    "AttnBlock",
     "BasicBlock",
     "EncoderBlock",
     "GPTBlock",
+    "Llama",
+    "LlamaBlock",
+    "ResBlock",
     "ResNet",
+    "UNet",
+    "UNetStage",
+    "Upsample",
     "ViT",
     "batch",
     "bert",
     "gpt",
     "highway_gru_lm",
+    "llama",
     "resnet",
     "rnn_lm",
+    "unet",
     "vit",
 ]
 
@@ -330,6 +352,255 @@ def vit(*, image: int = 32, patch: int = 4, in_channels: int = 3, dim: int = 192
                heads=heads, classes=classes)  # fmt: skip
 
 
+def _rope(context: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding tables ``(cos, sin)``, each ``(context, head_dim)``: the
+    angle of position ``t`` and frequency ``i`` is ``t * base**(-2i / head_dim)``, each
+    frequency listed twice (once per half of the head, as :func:`_rotate_half` pairs them)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` over the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([-x2, x1], -1)
+
+
+class LlamaBlock(nn.Module):
+    """A Llama decoder layer: pre-RMSNorm causal self-attention with rotary position
+    embeddings (q and k rotated; ``F.scaled_dot_product_attention``), then pre-RMSNorm
+    SwiGLU MLP (``down(silu(gate(x)) * up(x))``), each residual, no biases. The rotary
+    tables are this block's own buffers, so it is called as ``block(x)``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, dim: int, heads: int, hidden: int, context: int) -> None:
+        super().__init__()
+        if dim % heads or (dim // heads) % 2:
+            raise ValueError(
+                f"dim ({dim}) must be divisible by heads ({heads}) into an even head size"
+            )
+        self.heads = heads
+        self.attn_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        cos, sin = _rope(context, dim // heads)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        cos, sin = self.cos[:t].to(q.dtype), self.sin[:t].to(q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """A Llama-style language model; input token ids ``(N, T)``, output logits
+    ``(N, T, vocab)`` (use :meth:`loss` or flatten for cross-entropy)."""
+
+    def __init__(self, *, vocab: int = 32000, dim: int = 128, layers: int = 4, heads: int = 4,
+                 context: int = 128, hidden: int | None = None) -> None:  # fmt: skip
+        super().__init__()
+        hidden = _swiglu_hidden(dim) if hidden is None else hidden
+        self.context = context
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(LlamaBlock(dim, heads, hidden, context) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        torch._assert(idx.shape[1] <= self.context, "the sequence is longer than the context")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy over every position."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _swiglu_hidden(dim: int, multiple: int = 8) -> int:
+    """Llama's SwiGLU width: 2/3 of a 4x MLP (``8/3 * dim``), rounded up to ``multiple``."""
+    return multiple * math.ceil(8 * dim / 3 / multiple)
+
+
+def llama(*, vocab: int = 32000, dim: int = 128, layers: int = 4, heads: int = 4,
+          context: int = 128, hidden: int | None = None) -> Llama:  # fmt: skip
+    """A Llama-style decoder (Touvron et al. 2023): pre-RMSNorm, rotary position embeddings,
+    SwiGLU MLP (``hidden`` defaults to ``8/3 * dim`` rounded up to a multiple of 8), no
+    biases, an untied ``lm_head``. Llama-2 7B is ``dim=4096, layers=32, heads=32,
+    hidden=11008, context=4096``."""
+    return Llama(vocab=vocab, dim=dim, layers=layers, heads=heads, context=context,
+                 hidden=hidden)  # fmt: skip
+
+
+class ResBlock(nn.Module):
+    """A diffusion U-Net residual block: GroupNorm, SiLU, 3x3 conv, GroupNorm, SiLU, 3x3
+    conv, plus the input (through a 1x1 conv when the channel count changes)."""
+
+    def __init__(self, c_in: int, c_out: int, groups: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, 1, 1)
+        self.norm2 = nn.GroupNorm(groups, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1)
+        self.skip: nn.Module = nn.Identity() if c_in == c_out else nn.Conv2d(c_in, c_out, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + self.skip(x)
+
+
+class AttnBlock(nn.Module):
+    """Multi-head self-attention over the ``H * W`` positions of a feature map (GroupNorm,
+    1x1 q/k/v projection, ``F.scaled_dot_product_attention``, 1x1 output projection),
+    residual."""
+
+    def __init__(self, channels: int, groups: int, head_dim: int) -> None:
+        super().__init__()
+        if channels % head_dim:
+            raise ValueError(f"channels ({channels}) must be divisible by head_dim ({head_dim})")
+        self.heads = channels // head_dim
+        self.norm = nn.GroupNorm(groups, channels)
+        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
+        self.proj = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, 3, self.heads, c // self.heads, h * w)
+        q, k, v = qkv.transpose(-2, -1).unbind(1)  # each (b, heads, h * w, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(out.transpose(-2, -1).reshape(b, c, h, w))
+
+
+class Upsample(nn.Module):
+    """Nearest-neighbour 2x upsampling, then a 3x3 conv."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class UNetStage(nn.Module):
+    """One resolution of a :class:`UNet`: its ``blocks`` (a :class:`ResBlock`, then an
+    :class:`AttnBlock` where attention is on) and ``resample`` (a stride-2 conv down, an
+    :class:`Upsample` up, ``nn.Identity`` at the path's end). The U-Net's own ``forward``
+    runs them (the skips and per-block checkpointing live there)."""
+
+    blocks: nn.ModuleList
+    resample: nn.Module
+
+    def __init__(self, blocks: list[nn.Module], resample: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.resample = resample
+
+
+class UNet(nn.Module):
+    """A diffusion-style U-Net predicting noise; input and output ``(N, in_channels, image,
+    image)``. No timestep embedding (``forward(x)`` only): the layers and skips of a
+    denoiser, without its conditioning.
+
+    Attributes:
+        checkpointing: run every :class:`ResBlock` and :class:`AttnBlock` under
+            ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` while grad mode
+            is on (what diffusers' ``enable_gradient_checkpointing()`` switches on).
+    """
+
+    checkpointing: bool = False
+
+    def __init__(self, *, image: int = 64, in_channels: int = 3,
+                 widths: Sequence[int] = (32, 64, 128), groups: int = 8,
+                 attention_at: Sequence[int] = (128,), head_dim: int = 32) -> None:  # fmt: skip
+        super().__init__()
+        widths = tuple(int(w) for w in widths)
+        if not widths or any(w % groups for w in widths):
+            raise ValueError(f"widths {widths} must be non-empty and divisible by groups "
+                             f"({groups})")  # fmt: skip
+        if image % 2 ** (len(widths) - 1):
+            raise ValueError(f"image ({image}) must be divisible by 2**(len(widths) - 1) = "
+                             f"{2 ** (len(widths) - 1)}")  # fmt: skip
+        attend = {int(w) for w in attention_at}
+        last = len(widths) - 1
+        self.checkpointing = False
+        self.stem = nn.Conv2d(in_channels, widths[0], 3, 1, 1)
+        c = widths[0]
+        down: list[UNetStage] = []
+        for i, w in enumerate(widths):
+            blocks: list[nn.Module] = [ResBlock(c, w, groups)]
+            blocks += [AttnBlock(w, groups, head_dim)] if w in attend else []
+            resample: nn.Module = nn.Conv2d(w, w, 3, 2, 1) if i < last else nn.Identity()
+            down.append(UNetStage(blocks, resample))
+            c = w
+        self.down = nn.ModuleList(down)
+        self.mid = nn.ModuleList([ResBlock(c, c, groups), AttnBlock(c, groups, head_dim),
+                                  ResBlock(c, c, groups)])  # fmt: skip
+        up: list[UNetStage] = []
+        for i in reversed(range(len(widths))):
+            w = widths[i]
+            blocks = [ResBlock(c + w, w, groups)]  # the down path's skip concatenated
+            blocks += [AttnBlock(w, groups, head_dim)] if w in attend else []
+            up.append(UNetStage(blocks, Upsample(w) if i > 0 else nn.Identity()))
+            c = w
+        self.up = nn.ModuleList(up)
+        self.out = nn.Sequential(nn.GroupNorm(groups, c), nn.SiLU(),
+                                 nn.Conv2d(c, in_channels, 3, 1, 1))  # fmt: skip
+
+    def _block(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, h, use_reentrant=False)
+        return block(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        skips: list[torch.Tensor] = []
+        for stage in cast("list[UNetStage]", self.down):
+            for block in stage.blocks:
+                h = self._block(block, h)
+            skips.append(h)
+            h = stage.resample(h)
+        for block in self.mid:
+            h = self._block(block, h)
+        for stage in cast("list[UNetStage]", self.up):
+            h = torch.cat([h, skips.pop()], 1)
+            for block in stage.blocks:
+                h = self._block(block, h)
+            h = stage.resample(h)
+        return self.out(h)
+
+
+def unet(*, image: int = 64, in_channels: int = 3, widths: Sequence[int] = (32, 64, 128),
+         groups: int = 8, attention_at: Sequence[int] = (128,),
+         head_dim: int = 32) -> UNet:  # fmt: skip
+    """A diffusion U-Net (Ho et al. 2020's DDPM layout, one residual block per resolution):
+    a resolution per width, halved between them; attention at the widths in
+    ``attention_at`` (the low resolutions) and in the middle; no timestep embedding."""
+    return UNet(image=image, in_channels=in_channels, widths=widths, groups=groups,
+                attention_at=attention_at, head_dim=head_dim)  # fmt: skip
+
+
 MODELS: dict[str, str] = {
     "resnet": "images",
     "gpt": "tokens",
@@ -338,6 +609,9 @@ MODELS: dict[str, str] = {
     "gru_lm": "tokens",
     "highway_gru_lm": "tokens",
     "vit": "images",
+    "llama": "tokens",
+    "gpt_50k": "tokens",
+    "unet": "denoise",
 }
 """Zoo model name -> the kind of data it takes (see :func:`batch`)."""
 
@@ -351,18 +625,29 @@ def batch(name: str, model: nn.Module, size: int, *, length: int = 64, image: in
 
     Images: ``(size, 3, image, image)`` from a seeded generator, 10 classes. Tokens:
     ``(size, length)`` ids below the model's vocabulary; the loss is next-token
-    cross-entropy for language models, the sequence class for BERT.
+    cross-entropy for language models, the sequence class for BERT. Denoise (the U-Net):
+    ``(size, in_channels, image, image)`` noisy images and a target of the same shape (the
+    noise to predict), both standard normal in the model's dtype; the loss is their mean
+    squared error.
 
     Every loss is a mean over examples of equal weight (images and BERT: one class per
-    example; language models: cross-entropy over all tokens, ``length`` per example), so
-    each is declared with :func:`leangrad.loss.per_example`: an ordinary ``loss_fn`` that
-    gradient accumulation (the ``accumulate`` engine) may also split into micro-batches.
+    example; language models: cross-entropy over all tokens, ``length`` per example; the
+    U-Net: the squared error over all elements, as many per example), so each is declared
+    with :func:`leangrad.loss.per_example`: an ordinary ``loss_fn`` that gradient
+    accumulation (the ``accumulate`` engine) may also split into micro-batches.
     """
     from .loss import per_example
 
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
     gen = torch.Generator().manual_seed(seed)
+    if MODELS[name] == "denoise":
+        stem = model.get_submodule("stem")
+        assert isinstance(stem, nn.Conv2d), "the zoo's U-Net starts with a conv stem"
+        shape = (size, stem.in_channels, image, image)
+        x = torch.randn(shape, generator=gen).to(stem.weight.dtype)
+        noise = torch.randn(shape, generator=gen).to(stem.weight.dtype)
+        return x, per_example(F.mse_loss, noise)
     if MODELS[name] == "images":
         x = torch.randn(size, 3, image, image, generator=gen)
         y = torch.randint(0, 10, (size,), generator=gen)

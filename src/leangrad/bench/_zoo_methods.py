@@ -10,7 +10,10 @@ PyTorch's side (each marks the end of its forward phase, so its kept bytes are m
 
 - ``torch per-block``, ``torch selective``, ``checkpoint_sequential(s)``: the ``plan``
   suite's peers (:func:`leangrad.bench._plan_peers.peers`) over the model's stem, blocks
-  and head, written out per zoo class;
+  and head, written out per zoo class; the U-Net (skip connections: not a sequence of
+  blocks) has ``torch per-block`` only, through its own ``checkpointing`` flag (every
+  ``ResBlock`` and ``AttnBlock`` under ``torch.utils.checkpoint``, as diffusers'
+  ``enable_gradient_checkpointing()`` does), switched on for the step;
 - ``torch bf16 autocast``: forward and loss under ``torch.autocast("cpu", bfloat16)``;
 - recurrent LMs (one fused ``nn.LSTM``/``nn.GRU``, no blocks to wrap):
   ``torch checkpoint(rnn)`` around the whole recurrent module, and ``torch time
@@ -88,6 +91,9 @@ _CTOR = {
     "gru_lm": ("vocab", "embed", "hidden", "layers"),
     "highway_gru_lm": ("vocab", "embed", "hidden", "layers"),
     "vit": ("image", "patch", "dim", "layers", "heads"),
+    "llama": ("vocab", "dim", "layers", "heads", "context", "hidden"),
+    "gpt_50k": ("vocab", "dim", "layers", "heads", "context"),
+    "unet": ("image", "in_channels", "widths", "groups", "attention_at", "head_dim"),
 }
 HF_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hf_gpt2": ("gpt2", ("vocab", "dim", "layers", "heads", "context")),
@@ -107,6 +113,15 @@ NOT_PER_EXAMPLE = (
     "cannot be weighted to add up to the whole batch's gradient"
 )
 TOO_FEW_EXAMPLES = "{k} micro-batches but the batch has {batch} examples"
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {"gpt_50k": zoo.gpt}
+"""Zoo model names built by another name's constructor (``gpt_50k``: the zoo's GPT at a
+real vocabulary)."""
+NOT_A_SEQUENCE = (
+    "{model} is not a stem, a sequence of blocks and a head (skip connections join its down "
+    "and up paths), so the recipes written over that sequence (checkpoint_sequential, "
+    "selective checkpointing) are not written out for it; its torch per-block row "
+    "checkpoints every block through the model's own checkpointing flag"
+)
 NO_BLOCKS_TO_WRAP = (
     "no per-block torch.utils.checkpoint written out for {model}; torch accumulate({k}) "
     "is its accumulation row"
@@ -150,7 +165,8 @@ def build(name: str, size: dict[str, Any], *, batch: int | None = None) -> Workl
     if name in ("lstm_lm", "gru_lm"):
         model: nn.Module = zoo.rnn_lm(name.removesuffix("_lm"), **kw)
     else:
-        model = getattr(zoo, name)(**kw)
+        ctor: Callable[..., nn.Module] = _BUILDERS.get(name) or getattr(zoo, name)
+        model = ctor(**kw)
     x, loss_fn = zoo.batch(name, model, n, length=length, image=int(size.get("image", 32)))
     return Workload(model, x, loss_fn)
 
@@ -335,6 +351,11 @@ def _checkpoint_methods(
         )
         skipped += [Skipped(lb, "pytorch", why) for lb in ("torch per-block", "torch selective")]
         return methods, skipped
+    if isinstance(model, zoo.UNet):  # its own flag checkpoints every block
+        methods.append(Method("torch per-block", "pytorch", True, {"torch": "per-block"}))
+        why = NOT_A_SEQUENCE.format(model=type(model).__name__)
+        labels = ["torch selective", *(f"checkpoint_sequential({s})" for s in segments)]
+        return methods, [*skipped, *(Skipped(lb, "pytorch", why) for lb in labels)]
     if type(model) not in _PARTS:
         why = f"{type(model).__name__} is not a zoo model with stem, blocks and head written out"
         return [], [Skipped("torch per-block", "pytorch", why)]
@@ -370,7 +391,7 @@ def _accumulate_methods(
         for label, kind in (plain, ck):
             if why is not None:
                 skipped.append(Skipped(label, "pytorch", why))
-            elif kind == "accumulate+per-block" and type(model) not in _PARTS:
+            elif kind == "accumulate+per-block" and not _per_block(model):
                 name = type(model).__name__
                 skipped.append(Skipped(label, "pytorch", NO_BLOCKS_TO_WRAP.format(model=name, k=k)))
             else:
@@ -387,6 +408,11 @@ def _bert_parts(model: zoo.BERT, idx: torch.Tensor) -> tuple[Any, list[nn.Module
     )
 
 
+def _llama_parts(model: zoo.Llama, idx: torch.Tensor) -> tuple[Any, list[nn.Module], Any]:
+    return (lambda: model.embed(idx), list(model.blocks),
+            lambda h: model.lm_head(model.norm(h)))  # fmt: skip
+
+
 def _vit_parts(model: zoo.ViT, x: torch.Tensor) -> tuple[Any, list[nn.Module], Any]:
     def stem() -> torch.Tensor:
         h = model.patch(x).flatten(2).transpose(1, 2)
@@ -400,7 +426,27 @@ _PARTS: dict[type, Callable[[Any, torch.Tensor], Any]] = {
     zoo.ResNet: _resnet_parts,
     zoo.BERT: _bert_parts,
     zoo.ViT: _vit_parts,
+    zoo.Llama: _llama_parts,
 }
+
+
+def _per_block(model: nn.Module) -> bool:
+    """Whether ``torch per-block`` is written out for ``model``: by its parts
+    (:data:`_PARTS`) or, for the U-Net, its own checkpointing flag."""
+    return type(model) in _PARTS or isinstance(model, zoo.UNet)
+
+
+@contextlib.contextmanager
+def _unet_checkpointing(model: zoo.UNet) -> Iterator[None]:
+    """The U-Net's own per-block checkpointing, on inside the ``with`` only. Every block is
+    checkpointed, the last one too (``torch per-block`` over a sequence leaves the last
+    block plain: its recomputation would follow at once)."""
+    before = model.checkpointing
+    model.checkpointing = True
+    try:
+        yield
+    finally:
+        model.checkpointing = before
 
 
 def hf_checkpointing(model: nn.Module) -> tuple[str, str] | None:
@@ -448,6 +494,10 @@ class TorchStep:
         elif self.kind in ("rnn", "chunks"):
             assert isinstance(model, zoo.RNNLM)
             marked(model.head(_rnn_forward(model, x, self.arg))).backward()
+        elif isinstance(model, zoo.UNet):
+            assert self.kind == "per-block", f"{self.kind} is not written out for the U-Net"
+            with _unet_checkpointing(model):
+                marked(model(x)).backward()
         else:
             segs = [int(self.arg)] if self.kind == "sequential" and self.arg else []
             steps = peers(_PARTS[type(model)](model, x), marked, segs, optimizer=None)
@@ -463,12 +513,17 @@ class TorchStep:
         if k > n:
             raise errors.EngineInputError(TOO_FEW_EXAMPLES.format(k=k, batch=n))
         edges = [n * i // k for i in range(k + 1)]
-        around = (_library_checkpointing(model) if self.kind == "hf_checkpointing+accumulate"
-                  else contextlib.nullcontext())  # fmt: skip
+        unet = isinstance(model, zoo.UNet) and self.kind == "accumulate+per-block"
+        around: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.kind == "hf_checkpointing+accumulate":
+            around = _library_checkpointing(model)
+        elif unet:  # the U-Net's own flag: every block checkpointed in each micro-batch
+            assert isinstance(model, zoo.UNet)
+            around = _unet_checkpointing(model)
         with around:
             for a, b in itertools.pairwise(edges):
                 part = _marked(loss_fn.rows(a, b))  # the first micro-batch's mark wins
-                if self.kind == "accumulate+per-block":
+                if self.kind == "accumulate+per-block" and not unet:
                     steps = peers(_PARTS[type(model)](model, xs[0][a:b]), part, [],
                                   optimizer=None)  # fmt: skip
                     steps["torch per-block"]()

@@ -128,7 +128,7 @@ def _fragment_methods(model: nn.Module,
     ``counts``), alone and under chunked cross-entropy; skipped, with the reason, where no
     block can be split or the composition changes nothing."""
     from ..engines._compose import Composed
-    from ..engines._fragments import static_reason
+    from ..engines._fragments import split_reason
 
     methods: list[Method] = []
     skipped: list[Skipped] = []
@@ -140,7 +140,7 @@ def _fragment_methods(model: nn.Module,
                 why = eng.idle_reason(model)
             if why is None:
                 found = (eng.base if isinstance(eng, Composed) else eng).blocks(model)  # type: ignore[attr-defined]
-                reasons = [static_reason([found.modules[n]]) for n in found.names]
+                reasons = [split_reason([found.modules[n]]) for n in found.names]
                 if all(r is not None for r in reasons):
                     why = f"no block can be split: {reasons[0]}"
             if why is not None:
