@@ -319,6 +319,7 @@ def plan(
     repeats: int = 3,
     allocate_limit: int | None = None,
     progress: Callable[[str], None] | bool | None = None,
+    autocast: torch.dtype | None = None,
 ) -> Plan:
     """Find the fastest engine whose measured peak fits ``budget`` bytes.
 
@@ -343,6 +344,11 @@ def plan(
             runs out of memory is estimated too.
         progress: called with a short message before each measurement; ``True`` shows a
             progress bar over the candidates on stderr instead (then the timing phase).
+        autocast: plan the step as it will run, under ``torch.autocast`` with this dtype
+            (e.g. ``torch.bfloat16``) on the inputs' device: every candidate is measured
+            and timed under it, exact meaning "equal to autograd under the same
+            autocast"; engines not checked under autocast are rows saying so. Run the
+            chosen engine under the same autocast (``leangrad train --precision bf16``).
 
     Returns:
         A :class:`Plan`; printing it prints the table. The model, its gradients, buffers
@@ -355,10 +361,41 @@ def plan(
                                   or value < least):  # fmt: skip
             raise ValueError(BAD_SETTING.format(name=key, want=f"an int >= {least}",
                                                 value=value))  # fmt: skip
+    if autocast is not None and not (isinstance(autocast, torch.dtype)
+                                     and autocast.is_floating_point):  # fmt: skip
+        raise ValueError(BAD_SETTING.format(name="autocast", want="a floating torch.dtype "
+                                            "(torch.bfloat16, torch.float16)", value=autocast))
+    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    device = xs[0].device if xs else next(model.parameters()).device
+    if autocast is None:
+        return _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
+                     engines=engines, repeats=repeats, allocate_limit=allocate_limit,
+                     progress=progress)  # fmt: skip
+    with torch.autocast(device.type, dtype=autocast):
+        found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
+                      engines=engines, repeats=repeats, allocate_limit=allocate_limit,
+                      progress=progress)  # fmt: skip
+    made_for = {**(found.made_for or {}), "autocast": str(autocast).removeprefix("torch.")}
+    return dataclasses.replace(found, made_for=made_for)
+
+
+def _plan(
+    model: nn.Module,
+    xs: tuple[torch.Tensor, ...],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    budget: int,
+    exact: bool,
+    optimizer: MakeOptimizer | None,
+    engines: Sequence[tuple[str, dict[str, Any]]] | None,
+    repeats: int,
+    allocate_limit: int | None,
+    progress: Callable[[str], None] | bool | None,
+) -> Plan:
+    """:func:`plan`'s search, its arguments checked (under the caller's autocast)."""
     from ._plan_io import Progress, fingerprint
 
     start = time.perf_counter()
-    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     made_for = fingerprint(model, xs)  # what Plan.load checks a model and batch against
     device = xs[0].device if xs else next(model.parameters()).device
     limit = allocate_limit if allocate_limit is not None else free_bytes(device)

@@ -22,6 +22,7 @@ class Backprop(Engine):
     """
 
     exact = True
+    autocast = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ __all__ = [
     "StepResult",
     "accumulate_grad",
     "as_input_tuple",
+    "autocast_on",
     "check_loss",
     "run_forward",
     "trainable_parameters",
@@ -45,6 +46,11 @@ The callback may step an optimizer on that parameter alone and set
 handed over exactly once per step (:class:`GradAnnouncer`).
 """
 
+NO_AUTOCAST = (
+    "engine {engine!r} does not run under torch.autocast (on for {device}): {why}; run "
+    "the step in full precision, or use backprop, checkpoint (any options), chunked_ce or "
+    "accumulate, which do"
+)
 ON_GRAD_TWICE = (
     "internal error in engine {engine!r}: on_grad for {name!r} a second time in one "
     "step, so its first call carried a partial gradient; please report this (the engine "
@@ -81,6 +87,10 @@ class Engine(abc.ABC):
     input_gradients: ClassVar[bool] = True
     """``True`` when inputs with ``requires_grad=True`` get their ``.grad`` as under
     autograd; engines that cannot compute them raise instead of leaving them ``None``."""
+    autocast: ClassVar[bool] = False
+    """``True`` when the engine is checked to compute, under ``torch.autocast``, what
+    autograd computes under the same autocast (tests/engines/test_autocast.py); the others
+    refuse a step under autocast, naming why (:meth:`autocast_why`)."""
     reruns: ClassVar[bool] = False
     """``True`` when the engine runs part of the model again after the forward phase
     (recomputation, replays): buffers are then guarded so that running statistics
@@ -128,6 +138,13 @@ class Engine(abc.ABC):
                 "another engine? Resume with the engine the run was started with"
             )
 
+    def autocast_why(self) -> str | None:
+        """Why this engine's step cannot run under ``torch.autocast`` (``None``: it can)."""
+        if self.autocast:
+            return None
+        return (f"{self.name}'s own backward rules are not checked under reduced precision "
+                "(they run outside autocast, or mix dtypes)")  # fmt: skip
+
     def supports(self, model: nn.Module) -> str | None:
         """``None`` if this engine can differentiate ``model``, else the reason it cannot.
 
@@ -160,6 +177,9 @@ class Engine(abc.ABC):
         xs = as_input_tuple(inputs)
         params = trainable_parameters(model)
         _check_inputs(xs, params)
+        if (kind := autocast_on(xs)) is not None and (why := self.autocast_why()) is not None:
+            raise errors.EngineInputError(NO_AUTOCAST.format(engine=self.label, device=kind,
+                                                             why=why))  # fmt: skip
         check_batch(xs, model)
         if not self.input_gradients:
             refuse_input_grads(self.label, xs)
@@ -271,6 +291,15 @@ class GradAnnouncer:
         pending, self._pending = self._pending, {}
         for name, param in pending.values():
             self.on_grad(name, param)
+
+
+def autocast_on(xs: tuple[torch.Tensor, ...]) -> str | None:
+    """The device type ``torch.autocast`` is on for (the inputs' devices and the CPU), or
+    ``None``."""
+    for kind in sorted({x.device.type for x in xs} | {"cpu"}):
+        if torch.is_autocast_enabled(kind):
+            return kind
+    return None
 
 
 def as_input_tuple(inputs: Inputs) -> tuple[torch.Tensor, ...]:

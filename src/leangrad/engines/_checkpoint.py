@@ -272,6 +272,7 @@ class Checkpoint(Engine):
     """
 
     exact = True
+    autocast = True
     reruns = True
 
     def __init__(

@@ -116,6 +116,16 @@ class Composed(Engine):
     def probes(self) -> bool:
         return self.base.probes
 
+    def autocast_why(self) -> str | None:
+        """The base engine's reason, else the first transform not checked under autocast."""
+        if (why := self.base.autocast_why()) is not None:
+            return why
+        for t in self.transforms:
+            if not t.autocast:
+                return (f"transform {t.name}'s own backward rules are not checked under "
+                        "reduced precision")  # fmt: skip
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """The base engine's state and the states of the transforms' own generators."""
         gens = {n: g.get_state() for n, g in self.generators.items()}

@@ -64,6 +64,8 @@ class Transform(abc.ABC):
     exact: ClassVar[bool]
     forward_mode_why: ClassVar[str] = ""
     scope: ClassVar[str] = "module"
+    autocast: ClassVar[bool] = False
+    """Checked under ``torch.autocast`` (as :attr:`Engine.autocast`)."""
     """``"module"``: :meth:`apply` swaps modules in the parts the base engine leaves to
     autograd; ``"step"``: the transform acts around the whole step (:meth:`during`)."""
     bases: ClassVar[tuple[str, ...] | None] = None
@@ -382,6 +384,7 @@ class ChunkedCETransform(Transform):
     name = "chunked_ce"
     exact = True
     scope = "step"
+    autocast = True
     forward_mode_why = (
         "forward mode differentiates the loss with jvps, and the chunked loss has only a "
         "backward rule"
@@ -460,6 +463,7 @@ class AccumulateTransform(Transform):
     name = "accumulate"
     exact = True
     scope = "step"
+    autocast = True
     forward_mode_why = (
         "forward mode engines differentiate with jvps and keep nothing between micro-batches "
         "that accumulation would save"

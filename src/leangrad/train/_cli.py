@@ -26,11 +26,13 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "checkpoint_every": None,
     "max_steps": None,
     "dtype": "float32",
+    "precision": "float32",
     "test_fraction": 0.2,
 }
 """Defaults of the settings a resumed run takes from its checkpoint instead."""
 
 _OPTS = ("engine_options", "model_options", "data_options")
+PRECISION_CHOICES = ("float32", "bf16", "fp16")
 MAX_SEED = 2**63 - 1
 """Largest seed: torch's generators take 64 bits, and epoch ``e`` reshuffles with seed + e."""
 BAD_SEED = "must be at most 2**63 - 1, got {value}; pick a smaller seed"
@@ -128,6 +130,8 @@ def add_train_parser(sub: Any) -> None:
         type=cli_types.positive_int)  # fmt: skip
     opt("--max-steps", "max_steps", "stop after N steps in total", type=cli_types.positive_int)
     opt("--dtype", "dtype", "float32 or float64", choices=("float32", "float64"))
+    opt("--precision", "precision", "float32, or bf16/fp16: each step under torch.autocast "
+        "(engines not checked under it refuse, naming why)", choices=PRECISION_CHOICES)
     opt("--test-fraction", "test_fraction", "held-out share for test accuracy, in [0, 1)",
         type=cli_types.fraction)  # fmt: skip
     t.add_argument("--budget", default=None, type=cli_types.size,
@@ -329,6 +333,9 @@ def add_plan_parser(sub: Any) -> None:
     a.add_argument("--device", default=None, type=cli_types.device,
                    help="cpu or cuda (default: cuda if present)")
     a.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    a.add_argument("--precision", default="float32", choices=PRECISION_CHOICES,
+                   help="plan the step under torch.autocast with bf16 or fp16 (as "
+                   "`leangrad train --precision` runs it)")
     a.add_argument("--inexact", action="store_true",
                    help="also consider estimating engines (rad, highway)")
     a.add_argument("--optimizer", choices=("none", "sgd", "adam"), default="none",
@@ -349,7 +356,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from .._plan import plan
     from ..bench._report import fmt_bytes
-    from ._fit import _loss_fn, _make_optimizer
+    from ._fit import _loss_fn, _make_optimizer, autocast_dtype
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
     names = _engine_list(args.engines)
@@ -360,7 +367,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"leangrad plan: model={args.model} data={args.data} batch_size={args.batch_size} "
           f"budget={fmt_bytes(args.budget)} ({args.budget} bytes) "
           f"engines={args.engines or 'all that apply'} repeats={args.repeats} device={dev} "
-          f"dtype={args.dtype} inexact={args.inexact} optimizer={args.optimizer} "
+          f"dtype={args.dtype} precision={args.precision} inexact={args.inexact} "
+          f"optimizer={args.optimizer} "
           f"save={args.save}", flush=True)  # fmt: skip
     data_opts = _with_tokenizer(args.data, parse_options(args.data_options), args.tokenizer)
     info = data_info(args.data, load_data(args.data, **data_opts))
@@ -372,7 +380,8 @@ def run_plan(args: argparse.Namespace) -> int:
                   engines=[(n, {}) for n in names] if names else None,
                   optimizer=None if args.optimizer == "none" else
                   _make_optimizer(args.optimizer, args.lr),
-                  repeats=args.repeats, progress=not args.no_progress)  # fmt: skip
+                  repeats=args.repeats, progress=not args.no_progress,
+                  autocast=autocast_dtype(args.precision))  # fmt: skip
     print(result)
     if args.save is not None:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,10 @@ BATCH_TOO_BIG = (
 )
 BAD_OPTIMIZER = "optimizer must be 'adam' or 'sgd', got {value!r}"
 
+PRECISIONS = {"float32": None, "bf16": "bfloat16", "fp16": "float16"}
+"""``--precision`` -> the autocast dtype's name (``None``: no autocast)."""
+BAD_PRECISION = "precision must be one of {names}, got {value!r}"
+
 EXACT_KEYS = ("model", "model_options", "data", "data_options", "engine", "engine_options",
               "batch_size", "lr", "optimizer", "seed", "step_per_layer", "dtype",
               "test_fraction", "world_size")  # fmt: skip
@@ -61,6 +65,9 @@ class TrainConfig:
     dtype: str
     test_fraction: float
     world_size: int
+    precision: str = "float32"
+    """``"float32"`` (the parameters' own dtype), or ``"bf16"``/``"fp16"``: each step runs
+    under ``torch.autocast`` with that dtype (:data:`PRECISIONS`)."""
     plan: str | None = None
     """The saved plan the engine came from (``fit(plan=...)``, ``train --plan``): a record,
     not read again on resume (the engine and its options above are)."""

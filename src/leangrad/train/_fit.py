@@ -209,6 +209,7 @@ def fit(
     max_steps: int | None = None,
     device: str | torch.device | None = None,
     dtype: str = "float32",
+    precision: str = "float32",
     test_fraction: float = 0.2,
     track_memory_every: int = 50,
     progress: bool = True,
@@ -260,6 +261,9 @@ def fit(
             ``engine_options``.
         max_steps: stop after this many steps in total.
         device, dtype: where and in which float type to train (default: CUDA if present).
+        precision: ``"float32"`` (no autocast), ``"bf16"`` or ``"fp16"``: every step runs
+            under ``torch.autocast`` with that dtype, and ``budget=`` plans under it;
+            engines not checked under autocast refuse, naming why.
         test_fraction: share of the data held out for per-epoch test loss/accuracy.
         track_memory_every: measure a step's peak memory with the tracker every this
             many steps (0: never).
@@ -292,6 +296,7 @@ def fit(
                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                     track_memory_every=track_memory_every, test_fraction=test_fraction,
                     lr=lr)  # fmt: skip
+    autocast_dtype(precision)  # a bad precision is refused before any work
     if resume is not None and overwrite:
         raise snapshot.RunDirectoryError(snapshot.RESUME_AND_OVERWRITE)
     if plan is not None and budget is not None and resume is None:
@@ -307,7 +312,7 @@ def fit(
         model_options=dict(model_options or {}), data_options=dict(data_options or {}),
         epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, seed=seed,
         step_per_layer=step_per_layer, checkpoint_every=checkpoint_every,
-        max_steps=max_steps, dtype=dtype, test_fraction=test_fraction,
+        max_steps=max_steps, dtype=dtype, precision=precision, test_fraction=test_fraction,
         world_size=ctx.world_size,
         plan=None if plan is None else "<Plan>" if isinstance(plan, Plan) else str(plan),
     )  # fmt: skip
@@ -357,6 +362,17 @@ def _check_settings(*, epochs: int, batch_size: int, max_steps: int | None,
         )
 
 
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` (``None`` for float32), or a one-line refusal."""
+    from ._config import BAD_PRECISION, PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise errors.OptionError(BAD_PRECISION.format(names=", ".join(PRECISIONS),
+                                                      value=precision))  # fmt: skip
+    name = PRECISIONS[precision]
+    return None if name is None else getattr(torch, name)
+
+
 def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
              budget: int | str, *, progress: bool,
              engines: Sequence[str] | None = None) -> TrainConfig:  # fmt: skip
@@ -373,7 +389,7 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     x = x.to(dtype) if x.is_floating_point() else x
     make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
     result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
-                  optimizer=make,
+                  optimizer=make, autocast=autocast_dtype(cfg.precision),
                   engines=None if engines is None else [(n, {}) for n in engines])  # fmt: skip
     print(result if progress else result.message, flush=True)
     if result.engine is None:
@@ -581,7 +597,8 @@ class _Run:
         with tracker:
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
-            res = self.engine.backward(self.net, x, loss_fn, on_grad=on_grad)
+            with self.autocast():
+                res = self.engine.backward(self.net, x, loss_fn, on_grad=on_grad)
             if on_grad is not None:  # gradients the engine did not hand over
                 for n, p in self.params.items():
                     if p.grad is not None:
@@ -594,6 +611,13 @@ class _Run:
             rep = tracker.report
             self.peak = max(self.peak or 0, rep.baseline_bytes + rep.peak_bytes)
         return float(distributed.mean_scalar(res.loss, self.ctx))
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's ``torch.autocast`` (``precision``), or nothing."""
+        dtype = autocast_dtype(self.cfg.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dev.type, dtype=dtype)
 
     def _non_finite(self, loss: float) -> NonFiniteLossError:
         if self.metrics is not None:
