@@ -1,0 +1,76 @@
+"""Full-size zoo measurements of fragments beside PyTorch's best exact options (issue 31).
+
+Run alone: ``python results/issue31/full_size.py gpt`` (or ``resnet``); writes
+``/tmp/full_MODEL.json``, gathered into ``results/issue31/full-size.json``. Tracker peaks
+one by one, then times as interleaved medians of 3 after a warm-up round, 1 thread.
+"""
+
+import json
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+from leangrad import blocks, engine
+from leangrad.bench._zoo_methods import Method, build
+from leangrad.measure import profile_step, time_interleaved
+
+
+def torch_row(kind: str, k: int | None = None) -> object:
+    return Method(kind, "pytorch", True, {"torch": kind, "arg": k}).make()
+
+
+def main(name: str) -> None:
+    torch.manual_seed(0)
+    suite = Path("src/leangrad/bench/suites/zoo.toml")
+    size = dict(tomllib.loads(suite.read_text())["settings"]["models"][name])
+    w = build(name, size)
+    m, x, lf = w.model, w.inputs, w.loss_fn
+    names = list(blocks(m).names)
+    rows: dict[str, object] = {"backprop": engine("backprop"),
+                               "torch per-block": torch_row("per-block"),
+                               "checkpoint": engine("checkpoint")}  # fmt: skip
+    if name == "resnet":  # BatchNorm: no micro-batches; the stem recomputed too
+        every = ["stem", *names]
+        rows["checkpoint(stem+blocks)"] = engine("checkpoint", blocks=every)
+        for k in (4, 8):
+            rows[f"checkpoint(stem+blocks,fragments={k})"] = engine(
+                "checkpoint", blocks=every, fragments=k)  # fmt: skip
+    else:
+        for k in (4, 8):
+            rows[f"torch accumulate({k}) + per-block"] = torch_row("accumulate+per-block", k)
+            rows[f"checkpoint(fragments={k})"] = engine("checkpoint", fragments=k)
+            rows[f"checkpoint+accumulate({k})"] = engine("checkpoint+accumulate",
+                                                         micro_batches=k)  # fmt: skip
+    peaks = {}
+    for label, e in rows.items():
+        start = time.time()
+        peaks[label] = profile_step(e, m, x, lf, repeats=0).peak_bytes
+        print(f"{label:40s} peak {peaks[label] / 2**20:8.1f} MiB "
+              f"({peaks[label] / peaks['backprop']:.3f}x) [{time.time() - start:.0f}s]",
+              flush=True)  # fmt: skip
+
+    def step(e: object) -> object:
+        def run() -> None:
+            m.zero_grad(set_to_none=True)
+            e.backward(m, x, lf)  # type: ignore[attr-defined]
+
+        return run
+
+    times = time_interleaved({k: step(e) for k, e in rows.items()},  # type: ignore[misc]
+                             repeats=3, warmup=1, reference="backprop")  # fmt: skip
+    out = {}
+    for label in rows:
+        t = times[label]
+        print(f"{label:40s} peak {peaks[label] / peaks['backprop']:.3f}x  time {t.ratio:.2f}x "
+              f"({t.median:.2f} s)", flush=True)  # fmt: skip
+        out[label] = {"peak_bytes": peaks[label], "peak_ratio": peaks[label] / peaks["backprop"],
+                      "seconds": t.median, "time_ratio": t.ratio}  # fmt: skip
+    result = {"model": name, "size": size, "rows": out}
+    Path(f"/tmp/full_{name}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
