@@ -120,6 +120,7 @@ def gpt2(
     heads: int = 12,
     context: int = 1024,
     attn: str = "sdpa",
+    dropout: float = 0.1,
     dtype: torch.dtype | None = None,
     seed: int | None = 0,
 ) -> Any:
@@ -129,6 +130,10 @@ def gpt2(
         vocab, dim, layers, heads, context: ``vocab_size``, ``n_embd``, ``n_layer``,
             ``n_head``, ``n_positions``.
         attn: ``"sdpa"`` or ``"eager"`` (module docstring).
+        dropout: GPT-2's three dropout probabilities (embeddings, residuals, attention;
+            0.1 as released). With dropout in training, attention cannot take SDPA's fused
+            kernels that keep no ``(T, T)`` scores, and fragments of the batch are refused
+            (each would draw other masks); many fine-tuning recipes set it to 0.
         dtype: cast the parameters (``None``: torch's default dtype).
         seed: initialise under this seed (``None``: the global stream).
     """
@@ -139,6 +144,7 @@ def gpt2(
     config = tf.GPT2Config(
         vocab_size=vocab, n_embd=dim, n_layer=layers, n_head=heads, n_positions=context,
         bos_token_id=special, eos_token_id=special, use_cache=False, attn_implementation=attn,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
     with _built(seed, dtype):
         return _finish(tf.GPT2LMHeadModel(config), dtype)

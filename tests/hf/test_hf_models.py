@@ -209,3 +209,19 @@ def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "diffusers", None)  # an import of it now fails
     with pytest.raises(ImportError, match=r"pip install 'leangrad\[hf\]'"):
         hf.unet(**hf.TINY["unet"])
+
+
+def test_gpt2_dropout_option_sets_all_three_probabilities() -> None:
+    """``dropout=`` is GPT-2's three dropout probabilities (0.1 as released, the default);
+    at 0 the blocks hold no training-mode dropout, so fragments of the batch may split them."""
+    from leangrad.engines._fragments import split_reason
+
+    released = hf.gpt2(**hf.TINY["gpt2"])
+    assert (released.config.resid_pdrop, released.config.embd_pdrop,
+            released.config.attn_pdrop) == (0.1, 0.1, 0.1)  # fmt: skip
+    model = hf.gpt2(**hf.TINY["gpt2"], dropout=0.0)
+    cfg = model.config
+    assert (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) == (0.0, 0.0, 0.0)
+    model.train()
+    assert split_reason([model.transformer.h[0]]) is None
+    assert "Dropout" in (split_reason([released.train().transformer.h[0]]) or "")
