@@ -304,6 +304,9 @@ ZOO = {
     "gru_lm": lambda: zoo.rnn_lm("gru", vocab=16, embed=6, hidden=8),
     "highway_gru_lm": lambda: zoo.highway_gru_lm(vocab=16, embed=6, hidden=8),
     "vit": lambda: zoo.vit(image=8, patch=4, dim=8, layers=2, heads=2),
+    "llama": lambda: zoo.llama(vocab=16, dim=8, layers=2, heads=2, context=8),
+    "unet": lambda: zoo.unet(image=8, widths=(4, 8), groups=2, attention_at=(8,), head_dim=4),
+    "gpt_50k": lambda: zoo.gpt(vocab=50257, dim=8, layers=2, heads=2, context=8),
 }
 
 
