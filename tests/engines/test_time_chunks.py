@@ -220,6 +220,10 @@ def test_plan_checkpoints_a_fused_lstm_along_time() -> None:
     p = leangrad.plan(model, idx, loss_fn, budget=bp.baseline_bytes + bp.peak_bytes // 2,
                       repeats=1)  # fmt: skip
     chosen = next(c for c in p.table if c.verdict == "chosen")
-    assert chosen.name == "checkpoint" and chosen.options.get("time_chunks") in (2, 4, 8, 16)
+    # fragments of the batch fit too (and may be faster): which wins is a timing
+    chosen_how = chosen.options.get("time_chunks") or chosen.options.get("fragments")
+    assert chosen.name == "checkpoint" and chosen_how is not None
+    chunked = [c for c in p.table if c.options.get("time_chunks") in (2, 4, 8, 16)]
+    assert chunked and any(c.verdict in ("fits", "chosen") for c in chunked)
     # the fx split's block names are not the model's: no candidate names them
     assert not any("submod_" in c.label for c in p.table)
