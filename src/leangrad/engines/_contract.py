@@ -22,7 +22,7 @@ This module holds the shared machinery:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "BufferGuard",
     "batch_coupling",
     "forward_end",
+    "graph_nodes",
     "random_module",
     "refuse_hooks",
     "used_parameters",
@@ -235,18 +236,25 @@ def _graph_leaves(loss: Any, names: dict[int, str]) -> set[str]:
 
     loss = check_loss(loss)
     found: set[str] = set()
-    stack = [loss.grad_fn]
+    for node in graph_nodes([loss.grad_fn]):
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) in names:
+            found.add(names[id(var)])
+    return found
+
+
+def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
+    """Every autograd node reachable from ``roots`` (``grad_fn`` objects; ``None`` skipped),
+    each once; a leaf's ``AccumulateGrad`` node carries it as ``.variable``."""
+    stack = list(roots)
     seen: set[int] = set()
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        var = getattr(node, "variable", None)
-        if var is not None and id(var) in names:
-            found.add(names[id(var)])
+        yield node
         stack.extend(nxt for nxt, _ in node.next_functions)
-    return found
 
 
 def _fake_leaves(

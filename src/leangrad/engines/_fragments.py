@@ -36,6 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
+from ._contract import graph_nodes
 from ._fragments_bn import (
     BnStats,
     bn_buffers,
@@ -502,17 +503,5 @@ def _outside_leaves(outs: Sequence[torch.Tensor], fresh: set[int],
     """How many leaves that require grad ``outs``' graph reaches besides the block's
     parameters and the probe's own inputs (ids in ``fresh``)."""
     known = {id(p) for p in params} | fresh
-    seen: set[int] = set()
-    stack: list[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
-    outside = 0
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        var = getattr(node, "variable", None)
-        if var is not None:
-            outside += id(var) not in known
-            continue
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return outside
+    leaves = (getattr(n, "variable", None) for n in graph_nodes(o.grad_fn for o in outs))
+    return sum(1 for v in leaves if v is not None and id(v) not in known)

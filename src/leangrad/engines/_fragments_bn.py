@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ._contract import graph_nodes
+
 __all__ = ["BnStats", "bn_buffers", "capture_stats", "dependencies", "frozen_stats", "gather_sums",
            "is_bn_only", "schedule"]
 
@@ -83,14 +85,9 @@ def _reduced(x: torch.Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
 
 
-class capture_stats(TorchFunctionMode):
-    """Run under it, every training-mode ``F.batch_norm`` runs as PyTorch's own kernel
-    (``torch.native_batch_norm``: the same output, running statistics updated once) and
-    its statistics are appended to :attr:`stats`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stats: list[BnStats] = []
+class _BatchNormMode(TorchFunctionMode):
+    """Hands every training-mode ``F.batch_norm`` call, its arguments bound by name, to
+    :meth:`batch_norm`; every other call runs as it is."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
@@ -100,6 +97,22 @@ class capture_stats(TorchFunctionMode):
         b = _bound(args, kwargs).arguments
         if not b["training"]:
             return func(*args, **kwargs)
+        return self.batch_norm(b)
+
+    def batch_norm(self, b: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class capture_stats(_BatchNormMode):
+    """Run under it, every training-mode ``F.batch_norm`` runs as PyTorch's own kernel
+    (``torch.native_batch_norm``: the same output, running statistics updated once) and
+    its statistics are appended to :attr:`stats`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: list[BnStats] = []
+
+    def batch_norm(self, b: dict[str, Any]) -> torch.Tensor:
         x = b["input"]
         out, mean, invstd = torch.native_batch_norm(
             x, b["weight"], b["bias"], b["running_mean"], b["running_var"], True,
@@ -108,7 +121,7 @@ class capture_stats(TorchFunctionMode):
         return out
 
 
-class frozen_stats(TorchFunctionMode):
+class frozen_stats(_BatchNormMode):
     """Run under it, the ``i``-th training-mode ``F.batch_norm`` call normalises with
     ``stats[i]`` (:class:`_FrozenBN`) and updates no running statistic; :attr:`seen` keeps
     each call's ``(input, output)`` for :func:`gather_sums`."""
@@ -118,14 +131,7 @@ class frozen_stats(TorchFunctionMode):
         self.stats = stats
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
-        kwargs = kwargs or {}
-        if func is not F.batch_norm:
-            return func(*args, **kwargs)
-        b = _bound(args, kwargs).arguments
-        if not b["training"]:
-            return func(*args, **kwargs)
+    def batch_norm(self, b: dict[str, Any]) -> torch.Tensor:
         i = len(self.seen)
         if i >= len(self.stats):
             raise RuntimeError(
@@ -188,17 +194,10 @@ def dependencies(seen: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[set[
     for j, (_, out) in enumerate(seen):
         if out.grad_fn is None:
             continue
-        stack: list[Any] = [n for n, _ in out.grad_fn.next_functions]
-        visited: set[int] = set()
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in visited:
-                continue
-            visited.add(id(node))
+        for node in graph_nodes(n for n, _ in out.grad_fn.next_functions):
             i = index.get(id(node))
             if i is not None:
                 deps[i].add(j)
-            stack.extend(n for n, _ in node.next_functions)
     return deps
 
 
