@@ -1,8 +1,9 @@
 """Full-size zoo measurements of fragments beside PyTorch's best exact options (issue 31).
 
-Run alone: ``python results/issue31/full_size.py gpt`` (or ``resnet``); writes
-``/tmp/full_MODEL.json``, gathered into ``results/issue31/full-size.json``. Tracker peaks
-one by one, then times as interleaved medians of 3 after a warm-up round, 1 thread.
+Run alone: ``python results/issue31/full_size.py gpt [cuda]`` (or ``resnet``); writes
+``/tmp/full_MODEL[_cuda].json``, gathered into ``results/issue31/full-size.json``. Tracker
+peaks one by one (on CUDA: the caching allocator's), then times as interleaved medians of 3
+after a warm-up round, 1 thread.
 """
 
 import json
@@ -22,11 +23,11 @@ def torch_row(kind: str, k: int | None = None) -> object:
     return Method(kind, "pytorch", True, {"torch": kind, "arg": k}).make()
 
 
-def main(name: str) -> None:
+def main(name: str, device: str = "cpu") -> None:
     torch.manual_seed(0)
     suite = Path("src/leangrad/bench/suites/zoo.toml")
     size = dict(tomllib.loads(suite.read_text())["settings"]["models"][name])
-    w = build(name, size)
+    w = build(name, size, device=device)
     m, x, lf = w.model, w.inputs, w.loss_fn
     names = list(blocks(m).names)
     rows: dict[str, object] = {"backprop": engine("backprop"),
@@ -68,9 +69,12 @@ def main(name: str) -> None:
               f"({t.median:.2f} s)", flush=True)  # fmt: skip
         out[label] = {"peak_bytes": peaks[label], "peak_ratio": peaks[label] / peaks["backprop"],
                       "seconds": t.median, "time_ratio": t.ratio}  # fmt: skip
-    result = {"model": name, "size": size, "rows": out}
-    Path(f"/tmp/full_{name}.json").write_text(json.dumps(result, indent=1))
+    gpu = torch.cuda.get_device_name() if device != "cpu" else None
+    result = {"model": name, "size": size, "device": device, "gpu": gpu, "torch": torch.__version__,
+              "rows": out}  # fmt: skip
+    tail = "" if device == "cpu" else f"_{device}"
+    Path(f"/tmp/full_{name}{tail}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -321,21 +321,24 @@ def batch(
     if name == "unet":
         res = int(config.sample_size)
         ch = int(config.in_channels)
-        sample = torch.randn(size, ch, res, res, generator=gen).to(p.dtype)
-        steps = torch.randint(0, TIMESTEPS, (size,), generator=gen)
-        target = torch.randn(size, int(config.out_channels), res, res, generator=gen).to(p.dtype)
+        sample = torch.randn(size, ch, res, res, generator=gen).to(p.device, p.dtype)
+        steps = torch.randint(0, TIMESTEPS, (size,), generator=gen).to(p.device)
+        out_ch = int(config.out_channels)
+        target = torch.randn(size, out_ch, res, res, generator=gen).to(p.device, p.dtype)
         return (sample, steps), per_example(_sample_mse, target)
     vocab = int(config.vocab_size)
     idx = torch.randint(0, vocab, (size, length), generator=gen)
     if name == "bert":
         mask = torch.rand(size, length, generator=gen) < MASK_FRACTION
         mask[torch.arange(size), torch.randint(0, length, (size,), generator=gen)] = True
-        labels = idx[mask]
-        masked = idx.masked_fill(mask, min(103, vocab - 1))  # BERT's [MASK] id
+        labels = idx[mask].to(p.device)
+        masked = idx.masked_fill(mask, min(103, vocab - 1)).to(p.device)  # BERT's [MASK] id
+        mask = mask.to(p.device)
         # Not per_example: the mean runs over the masked positions of the whole batch, and
         # rows hold different numbers of them, so rows weigh unequally (a micro-batch's
         # share is its count of masked positions, not its count of rows).
         return (masked,), lambda out: F.cross_entropy(out.logits[mask], labels)
+    idx = idx.to(p.device)
     return (idx,), per_example(_next_token_ce, idx[:, 1:])
 
 

@@ -628,7 +628,8 @@ def batch(name: str, model: nn.Module, size: int, *, length: int = 64, image: in
     cross-entropy for language models, the sequence class for BERT. Denoise (the U-Net):
     ``(size, in_channels, image, image)`` noisy images and a target of the same shape (the
     noise to predict), both standard normal in the model's dtype; the loss is their mean
-    squared error.
+    squared error. Everything is drawn on the CPU (the same numbers on every device) and
+    placed on the model's device.
 
     Every loss is a mean over examples of equal weight (images and BERT: one class per
     example; language models: cross-entropy over all tokens, ``length`` per example; the
@@ -641,25 +642,26 @@ def batch(name: str, model: nn.Module, size: int, *, length: int = 64, image: in
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
     gen = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
     if MODELS[name] == "denoise":
         stem = model.get_submodule("stem")
         assert isinstance(stem, nn.Conv2d), "the zoo's U-Net starts with a conv stem"
         shape = (size, stem.in_channels, image, image)
-        x = torch.randn(shape, generator=gen).to(stem.weight.dtype)
-        noise = torch.randn(shape, generator=gen).to(stem.weight.dtype)
+        x = torch.randn(shape, generator=gen).to(dev, stem.weight.dtype)
+        noise = torch.randn(shape, generator=gen).to(dev, stem.weight.dtype)
         return x, per_example(F.mse_loss, noise)
     if MODELS[name] == "images":
-        x = torch.randn(size, 3, image, image, generator=gen)
-        y = torch.randint(0, 10, (size,), generator=gen)
+        x = torch.randn(size, 3, image, image, generator=gen).to(dev)
+        y = torch.randint(0, 10, (size,), generator=gen).to(dev)
         return x, per_example(F.cross_entropy, y)
     emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
-    idx = torch.randint(0, emb.num_embeddings, (size, length), generator=gen)
+    idx = torch.randint(0, emb.num_embeddings, (size, length), generator=gen).to(dev)
     if name == "bert":
         head = model.get_submodule("head")
         assert isinstance(head, nn.Linear), "the zoo's BERT ends in a linear head"
-        cls = torch.randint(0, head.out_features, (size,), generator=gen)
+        cls = torch.randint(0, head.out_features, (size,), generator=gen).to(dev)
         return idx, per_example(F.cross_entropy, cls)
-    tgt = torch.randint(0, emb.num_embeddings, (size, length), generator=gen)
+    tgt = torch.randint(0, emb.num_embeddings, (size, length), generator=gen).to(dev)
     return idx, per_example(_token_ce, tgt)
 
 

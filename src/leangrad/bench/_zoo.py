@@ -64,6 +64,12 @@ from ._zoo_rows import (
 
 __all__ = ["ESTIMATE_TOLERANCE", "render", "run_zoo"]
 
+BAD_DEVICE = "the zoo suite runs on cpu or cuda, got device={device!r}"
+NO_CUDA = (
+    "--device cuda: torch.cuda.is_available() is False here (torch {version}); run on a "
+    "machine with a GPU and a CUDA build of torch, or use --device cpu"
+)
+
 ESTIMATE_TOLERANCE = 0.01
 """Fake-tensor estimates drive a method's max-batch search where, at the base batch, they are
 within this fraction of the tracker's total."""
@@ -84,7 +90,11 @@ def run_zoo(
     Args:
         suite: the parsed ``zoo.toml`` (sizes and settings as data).
         quick: use the ``quick_*`` settings (small sizes, one model compiled).
-        device: ``"cpu"`` only.
+        device: ``"cpu"`` or ``"cuda"``: where the models run. On CUDA the tracker reads the
+            CUDA allocator (peaks above what was allocated before the step), compile's peak
+            too, and no fresh-process RSS is taken; max-batch searches by fake-tensor
+            estimates where those are within :data:`ESTIMATE_TOLERANCE` of the allocator at the
+            base batch, else by real steps on the GPU.
         progress: a progress bar naming the model and the step at work.
         only: run just these models (measured and estimated sizes of each); the opt-in
             Hugging Face models (``hf_models``) run only when named here.
@@ -97,11 +107,17 @@ def run_zoo(
         ``machine``, ``created`` and the suite's own fields (module docstring).
 
     Raises:
-        ValueError: a device other than ``"cpu"``.
-        OptionError: ``only`` names a model the suite does not have.
+        OptionError: ``only`` names a model the suite does not have, or ``device`` is
+            neither cpu nor an available cuda.
     """
-    if device != "cpu":
-        raise ValueError(f"the zoo suite runs on cpu in this version, got device={device!r}")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = "?"
+    if kind not in ("cpu", "cuda"):
+        raise errors.OptionError(BAD_DEVICE.format(device=device))
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise errors.OptionError(NO_CUDA.format(version=torch.__version__))
     settings = {k: suite.setting(k, quick) for k in suite.settings if not k.startswith("quick_")}
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     common = {
@@ -111,7 +127,7 @@ def run_zoo(
         "sweep": "method",
         "created": created,
     }
-    ctx = Context(quick, common, settings, suite.repeats(quick))
+    ctx = Context(quick, common, settings, suite.repeats(quick), device=str(device))
     models: dict[str, dict[str, Any]] = dict(ctx.get("models", {}))
     estimates: dict[str, dict[str, Any]] = dict(ctx.get("estimate_models", {}))
     opt_in: dict[str, dict[str, Any]] = dict(ctx.get("hf_models", {}))
@@ -174,8 +190,9 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
         say(f"max batch of {m.label}")
         prof = run.prof[m.label]
         batches[m.label] = _max_batch(
-            name, size, m, prof, bp.total_bytes, factor, fixed, relative=relative
-        )
+            name, size, m, prof, bp.total_bytes, factor, fixed, relative=relative,
+            device=run.ctx.device,
+        )  # fmt: skip
     say("fresh-process RSS and torch.compile")
     worker = fresh_process(name, size, ok, run.prof, ctx)
     rss = worker["rss"]
@@ -223,13 +240,14 @@ class _ModelRun:
     def __init__(
         self, name: str, size: dict[str, Any], ctx: Context, say: Callable[[str], None]
     ) -> None:
-        wl = build(name, size)
+        wl = build(name, size, device=ctx.device)
         self.model, self.x, self.loss_fn = wl.model, wl.inputs, wl.loss_fn
         self.ctx, self.say = ctx, say
         self.methods, self.skipped = methods_for(name, self.model, ctx, loss_fn=self.loss_fn)
         self.engines = {m.label: m.make() for m in self.methods}
         self.model.zero_grad(set_to_none=True)
-        with torch.random.fork_rng(devices=[]):  # each profiled step draws these masks too
+        cuda = [ctx.device] if torch.device(ctx.device).type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # each profiled step draws these masks too
             self.loss_fn(call(self.model, self.x)).backward()
         self.ref = {
             n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None
@@ -291,6 +309,7 @@ def _max_batch(
     fixed: int,
     *,
     relative: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The max-batch fields of a record: searched on fake-tensor estimates where the estimate
     at the base batch is within :data:`ESTIMATE_TOLERANCE` of the tracker, else with the
@@ -308,7 +327,7 @@ def _max_batch(
     use_estimate = ratio is not None and abs(ratio - 1) <= ESTIMATE_TOLERANCE
     at_base = est if est is not None and use_estimate else prof.total_bytes
     search = max_batch(
-        lambda b: footprint(name, size, m, b, estimate=use_estimate).total,
+        lambda b: footprint(name, size, m, b, estimate=use_estimate, device=device).total,
         budget,
         start=base,
         limit=factor * base,

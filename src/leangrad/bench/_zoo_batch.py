@@ -97,11 +97,18 @@ def micro_batches(method: Method) -> int:
 
 
 def footprint(
-    name: str, size: dict[str, Any], method: Method, batch: int, *, estimate: bool
+    name: str,
+    size: dict[str, Any],
+    method: Method,
+    batch: int,
+    *,
+    estimate: bool,
+    device: str = "cpu",
 ) -> Footprint:
     """Memory of ``method``'s step on zoo model ``name`` at ``batch``: on fake tensors when
     ``estimate`` (a method that is not :func:`estimable` raises ``ValueError`` saying why),
-    otherwise a warm-up step, then the tracked one.
+    otherwise a warm-up step, then the tracked one on ``device`` (estimates are of the
+    CPU's allocations: the same tensors, without the CUDA allocator's rounding).
 
     A batch below the method's :func:`micro_batches` k (gradient accumulation has no step
     with fewer examples than micro-batches) is measured at k: the total stays
@@ -112,7 +119,7 @@ def footprint(
     if estimate and why is not None:
         raise ValueError(why)
     if not estimate:
-        wl = build(name, size, batch=batch)
+        wl = build(name, size, batch=batch, device=device)
         prof = profile_step(method.make(), wl.model, wl.inputs, wl.loss_fn, repeats=0)
         return Footprint(prof.baseline_bytes, prof.peak_bytes, prof.kept_bytes, False)
     held: dict[str, Any] = {}

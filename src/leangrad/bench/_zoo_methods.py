@@ -14,7 +14,8 @@ PyTorch's side (each marks the end of its forward phase, so its kept bytes are m
   blocks) has ``torch per-block`` only, through its own ``checkpointing`` flag (every
   ``ResBlock`` and ``AttnBlock`` under ``torch.utils.checkpoint``, as diffusers'
   ``enable_gradient_checkpointing()`` does), switched on for the step;
-- ``torch bf16 autocast``: forward and loss under ``torch.autocast("cpu", bfloat16)``;
+- ``torch bf16 autocast``: forward and loss under ``torch.autocast(<the input's device
+  type>, bfloat16)``;
 - recurrent LMs (one fused ``nn.LSTM``/``nn.GRU``, no blocks to wrap):
   ``torch checkpoint(rnn)`` around the whole recurrent module, and ``torch time
   chunks(k)``: the sequence cut into ``k`` chunks run one after another with the state
@@ -146,9 +147,13 @@ def call(model: Callable[..., Any], inputs: Inputs) -> Any:
     return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
-def build(name: str, size: dict[str, Any], *, batch: int | None = None) -> Workload:
+def build(
+    name: str, size: dict[str, Any], *, batch: int | None = None, device: str = "cpu"
+) -> Workload:
     """Zoo model ``name`` at ``size`` (constructor keys plus ``batch`` and, for token
-    models, ``length`` or ``context``), with ``batch`` overriding the size's."""
+    models, ``length`` or ``context``), with ``batch`` overriding the size's, on
+    ``device`` (built on the CPU from the same seed, then moved: the same weights and
+    batch on every device)."""
     if name not in _CTOR and name not in HF_MODELS:
         known = ", ".join([*_CTOR, *HF_MODELS])
         raise errors.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=known))
@@ -158,6 +163,8 @@ def build(name: str, size: dict[str, Any], *, batch: int | None = None) -> Workl
         base, keys = HF_MODELS[name]
         opts = {k: tuple(size[k]) if k == "widths" else size[k] for k in keys if k in size}
         lib_model: nn.Module = hf.model(base, **opts, seed=0)
+        if torch.device(device).type != "cpu":
+            lib_model.to(device)
         xs, hf_loss = hf.batch(base, lib_model, n, length=length)
         return Workload(lib_model, xs, hf_loss)
     kw = {k: size[k] for k in _CTOR[name] if k in size}
@@ -167,6 +174,8 @@ def build(name: str, size: dict[str, Any], *, batch: int | None = None) -> Workl
     else:
         ctor: Callable[..., nn.Module] = _BUILDERS.get(name) or getattr(zoo, name)
         model = ctor(**kw)
+    if torch.device(device).type != "cpu":  # (fake tensors, built under a mode, stay put)
+        model.to(device)
     x, loss_fn = zoo.batch(name, model, n, length=length, image=int(size.get("image", 32)))
     return Workload(model, x, loss_fn)
 
@@ -485,7 +494,7 @@ class TorchStep:
         if self.kind in _ACCUMULATE_KINDS:
             self._accumulate(model, xs, loss_fn)
         elif self.kind == "bf16":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(x.device.type, dtype=torch.bfloat16):
                 loss = marked(model(*xs))
             loss.backward()
         elif self.kind == "hf_checkpointing":  # switched on for this step only

@@ -49,6 +49,7 @@ class Context:
     common: dict[str, Any]
     settings: dict[str, Any]
     repeats: int
+    device: str = "cpu"
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.settings.get(key)
@@ -64,6 +65,7 @@ def record(
         "model": name,
         **size,
         "dtype": "float32",
+        "device": ctx.device,
         "threads": 1,
         "step": "gradients (backward), no optimizer",
     }
@@ -158,10 +160,14 @@ def fresh_process(
 
     RSS of the rows ``rss_rows`` names: ``"all"``, or ``"key"`` (backprop, the plans, bf16
     and each side's exact row with the lowest tracker peak); torch.compile for the models in
-    ``compile_models``, at each of ``compile_budgets``.
+    ``compile_models``, at each of ``compile_budgets``. On CUDA no RSS (the host's resident
+    set says nothing of the GPU's memory; the tracker reads the CUDA allocator) and compile's
+    peak is the CUDA allocator's, which sees inductor's buffers too.
     """
     rows = ok
-    if ctx.get("rss_rows", "key") == "key":
+    if ctx.device != "cpu":
+        rows = []
+    elif ctx.get("rss_rows", "key") == "key":
         keep = {"backprop", "torch bf16 autocast"} | {m.label for m in ok if m.side == "plan"}
         for side in ("leangrad", "pytorch"):
             exact = [m for m in ok if m.side == side and m.exact]
@@ -175,6 +181,7 @@ def fresh_process(
         "model": name,
         "size": size,
         "repeats": ctx.repeats,
+        "device": ctx.device,
         "methods": [dataclasses.asdict(m) for m in rows],
         "compile": [None if b == "default" else float(b) for b in budgets],
     }
@@ -191,7 +198,8 @@ def compile_records(
     ctx: Context, name: str, size: dict[str, Any], compiled: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """One record per torch.compile setting the worker ran (peak and time as ratios to eager
-    backprop's in the worker's process)."""
+    backprop's in the worker's process; the peak is RSS on the CPU, the CUDA allocator's
+    peak above the step's start on CUDA)."""
     out = []
     for key, c in compiled.items():
         label = (
@@ -202,6 +210,14 @@ def compile_records(
         if "failed" in c:
             out.append(record(ctx, name, size, label, "compile", failed=c["failed"]))
             continue
+        cuda = "cuda_peak" in c
+        peaks = (
+            {"peak_source": "cuda", "peak_ratio": c["cuda_peak"] / c["cuda_peak_eager"],
+             "peak_bytes": c["cuda_peak"]}
+            if cuda
+            else {"peak_source": "rss", "peak_ratio": c["rss"] / c["rss_eager"],
+                  "rss_peak_bytes": c["rss"], "rss_backprop_bytes": c["rss_eager"]}
+        )  # fmt: skip
         out.append(
             record(
                 ctx,
@@ -210,10 +226,7 @@ def compile_records(
                 label,
                 "compile",
                 exact=True,
-                peak_source="rss",
-                peak_ratio=c["rss"] / c["rss_eager"],
-                rss_peak_bytes=c["rss"],
-                rss_backprop_bytes=c["rss_eager"],
+                **peaks,
                 seconds_median=c["t"],
                 time_ratio=c["t"] / c["t_eager"],
                 grad_max_rel_err=c["grad_max_rel_err"],

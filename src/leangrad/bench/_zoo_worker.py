@@ -13,7 +13,9 @@ resident set follows live memory), one thread.
   empty temporary directory as inductor's cache, so no earlier compile is reused), the
   gradient against eager backprop's in this process, the peak RSS of a compiled step and
   of an eager one, and both steps' medians of interleaved repeats. Inductor's buffers are
-  invisible to the tracker, so RSS is the only measure of compile's memory.
+  invisible to the tracker, so RSS is the only measure of compile's memory on the CPU; on
+  CUDA (``"device"``) every buffer comes from the caching allocator, so the peak is its
+  ``max_memory_allocated`` during a step above what was allocated when it began.
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def _warm_rss(step: Callable[[], None]) -> int:
     step()  # warm-up: prepared copies, allocator, compiled code
     step()
     return measure_rss(step).peak_above
+
+
+def _warm_cuda(step: Callable[[], None], device: torch.device) -> int:
+    step()  # warm-up, as for RSS
+    step()
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device)) - start
 
 
 def _stepper(model: torch.nn.Module, run: Callable[[], None]) -> Callable[[], None]:
@@ -76,12 +89,12 @@ def _compile(
         got = _grads(model, compiled)
         out: dict[str, Any] = {"compile_s": time.perf_counter() - start}
         cmp = compare_grads(got, _grads(model, eager))
-        out.update(
-            grad_max_rel_err=cmp.max_rel_err,
-            grad_cosine=cmp.cosine,
-            rss_eager=_warm_rss(eager),
-            rss=_warm_rss(compiled),
-        )
+        out.update(grad_max_rel_err=cmp.max_rel_err, grad_cosine=cmp.cosine)
+        dev = next(model.parameters()).device
+        if dev.type == "cuda":
+            out.update(cuda_peak_eager=_warm_cuda(eager, dev), cuda_peak=_warm_cuda(compiled, dev))
+        else:
+            out.update(rss_eager=_warm_rss(eager), rss=_warm_rss(compiled))
         t = time_interleaved({"eager": eager, "compiled": compiled}, repeats=repeats, warmup=1)
     out.update(t_eager=t["eager"].median, t=t["compiled"].median)
     return out
@@ -90,7 +103,7 @@ def _compile(
 def main() -> None:
     payload = json.loads(sys.stdin.read())
     torch.set_num_threads(1)
-    wl = build(payload["model"], payload["size"])
+    wl = build(payload["model"], payload["size"], device=payload.get("device", "cpu"))
     model, x, loss_fn = wl.model, wl.inputs, wl.loss_fn
     rss: dict[str, int] = {}
     for m in payload.get("methods", []):
