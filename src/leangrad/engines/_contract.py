@@ -247,12 +247,15 @@ def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
     """Every autograd node reachable from ``roots`` (``grad_fn`` objects; ``None`` skipped),
     each once; a leaf's ``AccumulateGrad`` node carries it as ``.variable``."""
     stack = list(roots)
-    seen: set[int] = set()
+    # the nodes themselves are kept until the walk ends: a C++ node's Python wrapper may be
+    # made afresh on each access and freed after, and a freed wrapper's id can be reused by
+    # the next one — keyed by id alone, a walk could then skip nodes it never saw
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         yield node
         stack.extend(nxt for nxt, _ in node.next_functions)
 

@@ -42,6 +42,7 @@ __all__ = ["BnStats", "bn_buffers", "capture_stats", "dependencies", "frozen_sta
            "is_bn_only", "schedule"]
 
 _BN_SIGNATURE = inspect.signature(F.batch_norm)
+_CALL = "leangrad_batchnorm_call"  # a recomputed BatchNorm call's index, in its node's metadata
 
 
 def is_bn_only(modules: Sequence[nn.Module]) -> bool:
@@ -189,13 +190,15 @@ def dependencies(seen: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[set[
     """Per BatchNorm call, the calls after it on its way to the block's output (whose sums
     its own output gradient needs): ``deps[i]`` holds ``j`` when call ``i``'s output feeds
     call ``j``'s input."""
-    index = {id(out.grad_fn): i for i, (_, out) in enumerate(seen) if out.grad_fn is not None}
+    for i, (_, out) in enumerate(seen):  # marked on the C++ node: wrappers may differ
+        if out.grad_fn is not None:
+            out.grad_fn.metadata[_CALL] = i
     deps: list[set[int]] = [set() for _ in seen]
     for j, (_, out) in enumerate(seen):
         if out.grad_fn is None:
             continue
         for node in graph_nodes(n for n, _ in out.grad_fn.next_functions):
-            i = index.get(id(node))
+            i = node.metadata.get(_CALL)
             if i is not None:
                 deps[i].add(j)
     return deps
