@@ -189,10 +189,13 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     for m in ok:
         say(f"max batch of {m.label}")
         prof = run.prof[m.label]
-        batches[m.label] = _max_batch(
-            name, size, m, prof, bp.total_bytes, factor, fixed, relative=relative,
-            device=run.ctx.device,
-        )  # fmt: skip
+        try:
+            batches[m.label] = _max_batch(
+                name, size, m, prof, bp.total_bytes, factor, fixed, relative=relative,
+                device=run.ctx.device,
+            )  # fmt: skip
+        except Exception as err:  # a method failing at another batch is a finding, not a crash
+            batches[m.label] = {"max_batch_failed": f"{type(err).__name__}: {str(err)[:300]}"}
     say("fresh-process RSS and torch.compile")
     worker = fresh_process(name, size, ok, run.prof, ctx)
     rss = worker["rss"]
