@@ -192,16 +192,23 @@ def dependencies(seen: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[set[
     call ``j``'s input."""
     for i, (_, out) in enumerate(seen):  # marked on the C++ node: wrappers may differ
         if out.grad_fn is not None:
-            out.grad_fn.metadata[_CALL] = i
+            _metadata(out.grad_fn)[_CALL] = i
     deps: list[set[int]] = [set() for _ in seen]
     for j, (_, out) in enumerate(seen):
         if out.grad_fn is None:
             continue
         for node in graph_nodes(n for n, _ in out.grad_fn.next_functions):
-            i = node.metadata.get(_CALL)
+            i = _metadata(node).get(_CALL)
             if i is not None:
                 deps[i].add(j)
     return deps
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    """A graph node's metadata dict, kept on the C++ node (torch's stubs call it a method; it
+    is a property)."""
+    meta: dict[str, Any] = node.metadata
+    return meta
 
 
 def gather_sums(stats: Sequence[BnStats], wanted: Sequence[int],
