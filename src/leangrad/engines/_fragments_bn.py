@@ -198,9 +198,9 @@ def dependencies(seen: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[set[
         if out.grad_fn is None:
             continue
         for node in graph_nodes(n for n, _ in out.grad_fn.next_functions):
-            i = _metadata(node).get(_CALL)
-            if i is not None:
-                deps[i].add(j)
+            call = _metadata(node).get(_CALL)
+            if call is not None:
+                deps[call].add(j)
     return deps
 
 
