@@ -221,6 +221,19 @@ def test_cli_demo_prints_the_table(
     (planned,) = [r for r in every if r.get("kind") == "plan_half"]
     assert planned["choice"] is not None
     assert planned["plan_total_bytes"] <= planned["budget_bytes"] < planned["backprop_total_bytes"]
+    # PyTorch's exact recipes at the same budget: every one measured and exact, every one that
+    # fits timed, and the figure's PyTorch bar is the fastest of those
+    options = planned["pytorch"]
+    assert {"torch per-block", "torch accumulate(2)"} <= {o["label"] for o in options}
+    assert not [o["failed"] for o in options if o.get("failed")]
+    assert all(o["grad_max_rel_err"] < 1e-4 for o in options)
+    for o in options:
+        assert o["fits"] == (o["total_bytes"] <= planned["budget_bytes"])
+        assert (o["time_ratio"] is not None) == o["fits"]
+    fitting = [o for o in options if o["fits"]]
+    assert fitting, "accumulation with per-block checkpointing fits half of backprop's peak"
+    assert planned["pytorch_best"] == min(fitting, key=lambda o: o["time_ratio"])
+    assert f"PyTorch's best exact option: {planned['pytorch_best']['label']}: " in text
     records = [r for r in every if r.get("kind") is None]
     assert {r["series"] for r in records} == set(small)
     ran = {(r["series"], r["engine"]) for r in records if not r["skipped"]}
@@ -232,6 +245,25 @@ def test_cli_demo_prints_the_table(
             assert r["grad_max_rel_err"] < 1e-4, (r["series"], r["engine"])
     for png in ("demo.png", "demo-plan.png", "demo-engines.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_best_pytorch_is_the_fastest_timed_option_within_the_budget() -> None:
+    """The plan figure's PyTorch bar: a faster option over the budget, or one not timed,
+    never wins; with none fitting there is none."""
+    from leangrad.bench._demo_headline import best_pytorch
+
+    mib = 2**20
+    options = [
+        {"label": "torch selective", "total_bytes": 60 * mib, "time_ratio": 0.9},
+        {"label": "torch per-block", "total_bytes": 22 * mib, "time_ratio": 1.09},
+        {"label": "torch accumulate(4)", "total_bytes": 26 * mib, "time_ratio": 0.87},
+        {"label": "torch accumulate(8)", "total_bytes": 19 * mib, "time_ratio": None},
+        {"label": "checkpoint_sequential(3)", "total_bytes": 37 * mib, "time_ratio": 1.0},
+    ]
+    assert best_pytorch(options, 37 * mib)["label"] == "torch accumulate(4)"  # type: ignore[index]
+    assert best_pytorch(options, 25 * mib)["label"] == "torch per-block"  # type: ignore[index]
+    assert best_pytorch(options, 20 * mib) is None
+    assert best_pytorch([], 37 * mib) is None
 
 
 def test_only_reruns_some_series_and_merges_them(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from leangrad.bench import RECORD_FIELDS, load_suite
 from leangrad.bench._zoo import run_zoo
 from leangrad.bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
 from leangrad.bench._zoo_methods import Method, build, leangrad_methods, pytorch_methods
-from leangrad.bench._zoo_report import best_within, headline_table, render
+from leangrad.bench._zoo_report import best_within, headline_table, largest_batch, render
 from leangrad.cli import main
 
 GPT = {"vocab": 32, "dim": 24, "layers": 4, "heads": 2, "context": 32, "batch": 8}
@@ -275,7 +275,53 @@ def test_headline_table_picks_the_fastest_exact_row_within_each_bound() -> None:
         "1.60×",
         "nothing fits",
         "—",
+        "—",  # no max-batch fields: backprop's batch, then neither side's largest
+        "—",
+        "—",
     ]
+
+
+def test_headline_shows_the_largest_batch_each_side_reaches_in_backprops_memory() -> None:
+    """Beside backprop's batch, the largest ``max_batch`` of an exact measured row on each
+    side, with its option: estimates, inexact and skipped rows never count; a capped
+    search shows ``≥N`` and wins a tie; among equal batches the faster row is named;
+    torch.compile (no max batch searched) is passed over."""
+
+    def rec(engine: str, side: str, batch: int | None, time: float, **kw: Any) -> dict[str, Any]:
+        return _rec("m", engine, side, 0.5, time, base_batch=8, max_batch=batch, **kw)
+
+    rs = [
+        rec("backprop", "reference", 8, 1.0),
+        rec("checkpoint", "leangrad", 40, 1.3),
+        rec("checkpoint+accumulate(micro_batches=4)", "leangrad", 96, 1.9),
+        rec("plan(≤0.125×)", "plan", 96, 1.7, choice="checkpoint+accumulate(micro_batches=4)"),
+        rec("rad", "leangrad", 500, 0.9, exact=False),
+        rec("gone", "leangrad", 500, 0.9, skipped="n/a"),
+        rec("est", "leangrad", 500, 0.9, estimate=True),
+        rec("torch per-block", "pytorch", 40, 1.2),
+        rec("torch accumulate(4) + per-block", "pytorch", 88, 2.2),
+        rec("torch accumulate(8)", "pytorch", 88, 1.4, max_batch_capped=True),
+        rec("torch.compile", "compile", None, 0.7, max_batch_method="not measured: compile"),
+    ]
+    assert largest_batch(rs, "m", ("leangrad", "plan"))["engine"] == "plan(≤0.125×)"  # type: ignore[index]
+    assert largest_batch(rs, "m", ("pytorch", "compile"))["engine"] == "torch accumulate(8)"  # type: ignore[index]
+    assert largest_batch(rs, "m", ("compile",)) is None
+    table = headline_table(rs, fractions=(0.5,)).splitlines()
+    assert table[0].endswith(
+        "| backprop batch | max batch in backprop's memory: leangrad (option) | PyTorch (option) |"
+    )
+    cells = [c.strip() for c in table[2].split("|")[1:-1]]
+    assert len(cells) == len(table[0].split("|")) - 2
+    assert cells[-3:] == [
+        "8",
+        "96 (plan(≤0.125×) → checkpoint+accumulate(micro_batches=4))",
+        "≥88 (torch accumulate(8))",
+    ]
+    # a tracker search to within 1/relative shows its bracket [max_batch, fails)
+    rs[7].update(max_batch=120, max_batch_relative=16, max_batch_fails=128)
+    assert headline_table(rs, fractions=(0.5,)).splitlines()[2].endswith(
+        "| 120–127 (torch per-block) |"
+    )
 
 
 def test_report_renders_every_model_and_the_headline(records: list[dict[str, Any]]) -> None:

@@ -1,6 +1,7 @@
 """``leangrad demo``: the headline — the deepest network each engine trains in one budget,
-a zoo GPT planned to half its memory (:mod:`leangrad.bench._demo_headline`) — then every
-engine on small models on real digits, one table that fits 100 columns."""
+a zoo GPT planned to half its memory beside PyTorch's best exact option at that budget
+(:mod:`leangrad.bench._demo_headline`) — then every engine on small models on real
+digits, one table that fits 100 columns."""
 
 from __future__ import annotations
 
@@ -137,8 +138,9 @@ def run_demo(
     stream: TextIO | None = None,
 ) -> list[dict[str, Any]]:
     """The headline (deepest network per engine in one budget; a zoo GPT planned to half
-    its memory), then every engine on the demo workloads; print the tables; write
-    ``demo.json``, ``demo.png`` (depth), ``demo-plan.png`` and ``demo-engines.png``."""
+    its memory, beside PyTorch's best exact option at the same budget), then every engine on
+    the demo workloads; print the tables; write ``demo.json``, ``demo.png`` (depth),
+    ``demo-plan.png`` (plan vs PyTorch: memory and time) and ``demo-engines.png``."""
     from . import _demo_headline as headline
 
     out = Path(out)

@@ -7,12 +7,17 @@
    (:func:`leangrad.bench._fragmental.deepest_fitting`).
 2. **A zoo model planned to half its memory** — the GPT-2-style transformer of
    :mod:`leangrad.zoo`, ``leangrad.plan(budget=parameters + inputs + ½ × backprop's step
-   peak)``, its choice timed against backprop side by side.
+   peak)``, its choice timed against backprop and against PyTorch's best exact option at
+   the same budget (:func:`best_pytorch`: the fastest of the ``zoo`` suite's PyTorch-only
+   exact recipes — ``torch.utils.checkpoint`` per block, selective checkpointing,
+   ``checkpoint_sequential``, gradient accumulation alone and with per-block
+   checkpointing — whose step fits), side by side.
 """
 
 from __future__ import annotations
 
 import functools
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,9 +29,11 @@ from ..measure import profile_step, time_interleaved
 from ._fragmental import _probe, deepest_fitting
 from ._report import fmt_bytes
 from ._runner import EngineSpec
+from ._zoo_methods import Method, pytorch_methods
 
-__all__ = ["DEPTH_BUDGET", "DEPTH_CONFIG", "DEPTH_ENGINES", "PLAN_SIZE", "deepest",
-           "format_depth", "format_plan", "plan_half", "plot_depth", "plot_plan"]  # fmt: skip
+__all__ = ["DEPTH_BUDGET", "DEPTH_CONFIG", "DEPTH_ENGINES", "PLAN_SIZE", "PYTORCH_OPTIONS",
+           "best_pytorch", "deepest", "format_depth", "format_plan", "plan_half",
+           "plot_depth", "plot_plan", "pytorch_options"]  # fmt: skip
 
 DEPTH_CONFIG: dict[str, Any] = {
     "model": "frag1d", "stem": "conv", "in_channels": 3, "channels": 32, "length": 128,
@@ -50,6 +57,12 @@ _LEGEND = ("checkpoint: ⌈√L⌉ segments · moonwalk: keeps whole cotangents 
 PLAN_SIZE: dict[str, int] = {"dim": 128, "layers": 6, "heads": 4, "context": 128,
                              "vocab": 256, "batch": 8}  # fmt: skip
 """The zoo GPT the demo plans to half its memory."""
+PYTORCH_OPTIONS: dict[str, list[int]] = {"segments": [2, 3], "micro_batches": [2, 4, 8]}
+"""PyTorch's exact recipes tried beside the plan (the ``zoo`` suite's, :func:`pytorch_methods`):
+per-block and selective checkpointing, ``checkpoint_sequential`` with these segments, and
+gradient accumulation over these micro-batch counts, alone and with per-block checkpointing."""
+NO_COMPILE = ("torch.compile is not tried here: its memory is seen only by a fresh process's "
+              "RSS (the zoo suite's table has it)")  # fmt: skip
 
 
 def _probe_depth(spec: EngineSpec, depth: int) -> Any:
@@ -73,7 +86,9 @@ def deepest(*, progress: Any = None) -> list[dict[str, Any]]:
 
 
 def plan_half(*, repeats: int = 3, progress: Any = None) -> dict[str, Any]:
-    """Plan the zoo GPT to half of backprop's step memory; time the choice against backprop."""
+    """Plan the zoo GPT to half of backprop's step memory; measure PyTorch's exact options at
+    the same budget (:func:`pytorch_options`); time the plan's choice and every PyTorch
+    option that fits against backprop, interleaved (:func:`best_pytorch` picks the fastest)."""
     import leangrad
 
     torch.manual_seed(0)
@@ -86,26 +101,73 @@ def plan_half(*, repeats: int = 3, progress: Any = None) -> dict[str, Any]:
     if progress is not None:
         progress("plan the GPT to half its memory")
     p = leangrad.plan(model, idx, loss_fn, budget=budget, repeats=repeats)
+    if progress is not None:
+        progress("PyTorch's exact options at the same budget")
+    options = pytorch_options(model, idx, loss_fn, budget=budget)
     rec: dict[str, Any] = {"model": "gpt", "size": PLAN_SIZE, "budget_bytes": budget,
                            "backprop_total_bytes": ref.total_bytes,
                            "choice": None if p.engine is None else p.engine.label,
                            "plan_total_bytes": p.peak_bytes, "time_ratio": None,
-                           "message": p.message}  # fmt: skip
+                           "message": p.message, "pytorch": options,
+                           "pytorch_best": None, "pytorch_note": NO_COMPILE}  # fmt: skip
+
+    def step(e: Any) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            e.backward(model, idx, loss_fn)
+
+        return run
+
+    steps = {"backprop": step(leangrad.engine("backprop"))}
     if p.engine is not None:
-        eng = p.engine
-
-        def step(e: Any) -> Callable[[], None]:
-            def run() -> None:
-                model.zero_grad(set_to_none=True)
-                e.backward(model, idx, loss_fn)
-
-            return run
-
-        t = time_interleaved({"backprop": step(leangrad.engine("backprop")), "plan": step(eng)},
-                             repeats=repeats, warmup=1, reference="backprop")  # fmt: skip
-        rec["time_ratio"] = t["plan"].ratio
-        model.zero_grad(set_to_none=True)
+        steps["plan"] = step(p.engine)
+    steps.update({o["label"]: step(Method(o["label"], "pytorch", True, o["spec"]).make())
+                  for o in options if o["fits"]})  # fmt: skip
+    t = time_interleaved(steps, repeats=repeats, warmup=1, reference="backprop")
+    rec["time_ratio"] = t["plan"].ratio if "plan" in t else None
+    for o in options:
+        o["time_ratio"] = t[o["label"]].ratio if o["label"] in t else None
+    rec["pytorch_best"] = best_pytorch(options, budget)
+    model.zero_grad(set_to_none=True)
     return rec
+
+
+def pytorch_options(
+    model: torch.nn.Module, idx: torch.Tensor, loss_fn: Any, *, budget: int
+) -> list[dict[str, Any]]:
+    """Every exact PyTorch-only recipe of :data:`PYTORCH_OPTIONS` for ``model``: its step's
+    total memory (parameters, inputs and the tracker's peak, as the plan's budget counts
+    it), whether that fits ``budget``, its gradient's error against backprop's and its
+    ``spec`` (:class:`Method`'s, to rebuild it); ``time_ratio`` is filled in by the caller.
+    A recipe that raises is a row with ``failed`` (the error) that does not fit."""
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(idx)).backward()
+    reference = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    model.zero_grad(set_to_none=True)
+    methods, _ = pytorch_methods(model, segments=PYTORCH_OPTIONS["segments"], chunks=[],
+                                 micro_batches=PYTORCH_OPTIONS["micro_batches"],
+                                 loss_fn=loss_fn)  # fmt: skip
+    out = []
+    for m in (m for m in methods if m.exact):
+        row: dict[str, Any] = {"label": m.label, "spec": m.spec, "total_bytes": None,
+                               "fits": False, "grad_max_rel_err": None, "time_ratio": None}
+        try:
+            prof = profile_step(m.make(), model, idx, loss_fn, repeats=0, reference=reference)
+        except Exception as err:  # a recipe failing on the model is shown, not fatal
+            row["failed"] = f"{type(err).__name__}: {str(err)[:200]}"
+        else:
+            row.update(total_bytes=prof.total_bytes, fits=prof.total_bytes <= budget,
+                       grad_max_rel_err=prof.grad_max_rel_err)  # fmt: skip
+        out.append(row)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def best_pytorch(options: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+    """The fastest timed PyTorch option whose step fits ``budget`` bytes (``None``: none)."""
+    fit = [o for o in options if o.get("total_bytes") is not None
+           and o["total_bytes"] <= budget and o.get("time_ratio") is not None]  # fmt: skip
+    return min(fit, key=lambda o: o["time_ratio"]) if fit else None
 
 
 def format_depth(records: list[dict[str, Any]]) -> str:
@@ -122,8 +184,13 @@ def format_depth(records: list[dict[str, Any]]) -> str:
 
 
 def format_plan(rec: dict[str, Any]) -> str:
-    """The plan summary, under 100 columns."""
+    """The plan summary beside PyTorch's best exact option, under 100 columns."""
     ratio = "—" if rec["time_ratio"] is None else f"{rec['time_ratio']:.2f}× backprop's time"
+    best = rec.get("pytorch_best")
+    tried = len(rec.get("pytorch", []))
+    torch_line = (f"  PyTorch's best exact option: none of {tried} fits" if best is None else
+                  f"  PyTorch's best exact option: {best['label']}: "
+                  f"{fmt_bytes(best['total_bytes'])}, {best['time_ratio']:.2f}× backprop's time")
     return "\n".join([
         f"GPT-2-style transformer (zoo.gpt, {rec['size']['layers']} layers, d="
         f"{rec['size']['dim']}, T={rec['size']['context']}, batch {rec['size']['batch']}) "
@@ -132,6 +199,7 @@ def format_plan(rec: dict[str, Any]) -> str:
         f"{fmt_bytes(rec['budget_bytes'])}",
         f"  leangrad.plan chose {_short(rec['choice'])}: "
         f"{fmt_bytes(rec['plan_total_bytes'])}, {ratio}",
+        torch_line,
     ])  # fmt: skip
 
 
@@ -161,31 +229,59 @@ def plot_depth(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+_GRAY, _ORANGE, _GREEN = "tab:gray", "tab:orange", "tab:green"
+
+
 def plot_plan(rec: dict[str, Any], path: Path) -> None:
-    """One message: the planned step fits half the memory, at this time cost."""
+    """One message, on one slide: at the same budget (half of backprop's step memory),
+    leangrad's plan beside PyTorch's best exact option — memory on the left, time on the
+    right, backprop for scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     mib = 2**20
-    fig, ax = plt.subplots(figsize=(8, 2.8))
-    names = ["backprop", f"plan: {_short(rec['choice'])}"]
-    values = [rec["backprop_total_bytes"] / mib, (rec["plan_total_bytes"] or 0) / mib]
-    bars = ax.barh(names, values, color=["tab:gray", "tab:green"])
-    times = ["1.00× time", "—" if rec["time_ratio"] is None else f"{rec['time_ratio']:.2f}× time"]
-    totals = [rec["backprop_total_bytes"], rec["plan_total_bytes"]]
-    ax.bar_label(bars, labels=[f"{fmt_bytes(v)} · {t}" for v, t in zip(totals, times,
-                                                                      strict=True)],
-                 padding=3)  # fmt: skip
-    ax.axvline(rec["budget_bytes"] / mib, color="tab:red", ls="--", lw=1.2, label="budget: ½")
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(values) * 1.45)
-    ax.set_xlabel("memory one training step needs (MiB)")
-    ax.set_title("A GPT in half its memory: leangrad.plan")
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
+    best = rec.get("pytorch_best")
+    names = ["backprop (no saving)",
+             "PyTorch's best:\n" + (best["label"] if best else "nothing exact fits"),
+             "leangrad.plan:\n" + _short(rec["choice"])]  # fmt: skip
+    totals = [rec["backprop_total_bytes"], best["total_bytes"] if best else None,
+              rec["plan_total_bytes"]]  # fmt: skip
+    times = [1.0, best["time_ratio"] if best else None, rec["time_ratio"]]
+    colors = [_GRAY, _ORANGE, _GREEN]
+    size = rec["size"]
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True,
+                                   gridspec_kw={"width_ratios": [3, 2]})  # fmt: skip
+    bars = mem.barh(names, [(v or 0) / mib for v in totals], color=colors)
+    mem.bar_label(bars, labels=[fmt_bytes(v) if v else "—" for v in totals], padding=3)
+    mem.axvline(rec["budget_bytes"] / mib, color="tab:red", ls="--", lw=1.4,
+                label=f"budget {fmt_bytes(rec['budget_bytes'])}: parameters, inputs "
+                      "+ ½ backprop's peak")  # fmt: skip
+    mem.set_xlim(0, rec["backprop_total_bytes"] / mib * 1.3)
+    mem.set_xlabel("memory one training step needs (MiB)")
+    mem.set_title("Memory (lower is better)")
+    mem.legend(loc="lower right", fontsize=8)
+    bars = tim.barh(names, [t or 0 for t in times], color=colors)
+    tim.bar_label(bars, labels=["—" if t is None else f"{t:.2f}×" for t in times], padding=3)
+    tim.axvline(1.0, color="k", lw=0.8)
+    tim.set_xlim(0, max([t or 0 for t in times] + [1.0]) * 1.3)
+    tim.set_xlabel("time per step (× backprop's)")
+    tim.set_title("Time (lower is better)")
+    for ax in (mem, tim):
+        ax.grid(alpha=0.3, axis="x")
+    mem.invert_yaxis()
+    fig.suptitle(f"Same budget, exact gradients: leangrad.plan vs PyTorch's best — zoo.gpt "
+                 f"({size['layers']} layers, d={size['dim']}, T={size['context']}, "
+                 f"batch {size['batch']})")  # fmt: skip
+    tried = textwrap.fill("PyTorch options tried: "
+                          + ", ".join(o["label"] for o in rec.get("pytorch", [])) + ".",
+                          width=190)  # fmt: skip
+    fig.text(0.01, 0.01, f"Memory: parameters, inputs and the step's tracked peak. Time: "
+             "medians of interleaved repeats, 1 thread. Exact: the same gradient as "
+             f"backprop's.\n{tried}\n"
+             f"{rec.get('pytorch_note', '')}.", fontsize=7, color="dimgray")  # fmt: skip
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

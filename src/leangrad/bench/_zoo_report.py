@@ -18,6 +18,7 @@ __all__ = [
     "PYTORCH_SIDES",
     "best_within",
     "headline_table",
+    "largest_batch",
     "render",
     "zoo_headline",
 ]
@@ -64,6 +65,36 @@ def best_within(
     return min(fit, key=lambda r: r["time_ratio"]) if fit else None
 
 
+def largest_batch(
+    records: list[dict[str, Any]], series: str, sides: Sequence[str]
+) -> dict[str, Any] | None:
+    """The exact, measured (not estimated) record of ``series`` from ``sides`` that reaches
+    the largest ``max_batch`` — the largest batch whose step fits backprop's total
+    (parameters, inputs and peak) at the base batch — a capped search before an uncapped
+    one of the same batch, then the fastest; ``None`` if no such record has a max batch
+    (torch.compile's is not searched: each batch size compiles again)."""
+    fit = [
+        r
+        for r in records
+        if r["series"] == series
+        and r.get("side") in sides
+        and not r.get("estimate")
+        and _measured(r)
+        and r.get("exact")
+        and isinstance(r.get("max_batch"), int)
+    ]
+    if not fit:
+        return None
+    return max(
+        fit,
+        key=lambda r: (
+            r["max_batch"],
+            bool(r.get("max_batch_capped")),
+            -(r.get("time_ratio") or math.inf),
+        ),
+    )
+
+
 def _how(r: dict[str, Any]) -> str:
     """The method, with a plan's choice; a list of named blocks is shown by its length
     (``checkpoint(blocks=[9 named])``): the names are in the JSON and the per-model table."""
@@ -81,6 +112,21 @@ def _cell(r: dict[str, Any] | None) -> str:
     return f"{_how(r)} ({r['peak_ratio']:.2f}×) | {r['time_ratio']:.2f}×"
 
 
+def _batch_cell(r: dict[str, Any] | None) -> str:
+    """``96 (method)``; ``≥128`` where the search stopped at its cap, ``40–47`` where it
+    bracketed the boundary; ``—`` for none."""
+    if r is None:
+        return "—"
+    b, fails = r["max_batch"], r.get("max_batch_fails")
+    if r.get("max_batch_capped"):
+        n = f"≥{b}"
+    elif r.get("max_batch_relative") and fails is not None and fails - 1 > b:
+        n = f"{b}–{fails - 1}"
+    else:
+        n = str(b)
+    return f"{n} ({_how(r)})"
+
+
 def headline_table(
     records: list[dict[str, Any]], *, fractions: Sequence[float] = (0.5, 0.25)
 ) -> str:
@@ -91,6 +137,11 @@ def headline_table(
     (accumulation's time: all its micro-batches, one step of the whole batch). bf16
     autocast and estimators (rad, projforward, highway below k = L − 1) are not exact and
     not candidates; estimate rows are left out.
+
+    Then backprop's batch and the largest batch any exact leangrad option reaches within
+    backprop's memory at that batch, beside the largest any exact PyTorch-only option
+    reaches (:func:`largest_batch`), each with the option (``≥N``: the search stopped at
+    its cap, so the option reaches at least ``N``).
 
     The README's opening table is ``leangrad report results --headline``
     (:func:`zoo_headline`).
@@ -107,6 +158,10 @@ def headline_table(
     for f in fractions:
         head += f" ≤ {f}×: leangrad (peak) | time | PyTorch (peak) | time |"
         rule += "---|---|---|---|"
+    head += (
+        " backprop batch | max batch in backprop's memory: leangrad (option) | PyTorch (option) |"
+    )
+    rule += "---|---|---|"
     lines = [head, rule]
     for series in dict.fromkeys(r["series"] for r in records if not r.get("estimate")):
         bp = next(
@@ -123,6 +178,12 @@ def headline_table(
                 f" {_cell(best_within(records, series, LEANGRAD_SIDES, f))} |"
                 f" {_cell(best_within(records, series, PYTORCH_SIDES, f))} |"
             )
+        base = bp.get("base_batch", bp.get("max_batch")) if bp else None
+        row += (
+            f" {'—' if base is None else base} |"
+            f" {_batch_cell(largest_batch(records, series, LEANGRAD_SIDES))} |"
+            f" {_batch_cell(largest_batch(records, series, PYTORCH_SIDES))} |"
+        )
         lines.append(row)
     return "\n".join(lines)
 
