@@ -36,7 +36,8 @@ TOL = 1e-10
 # Option variants worth a contract check of their own (different code paths).
 VARIANTS: dict[str, list[dict[str, object]]] = {
     "checkpoint": [{}, {"segments": 2}, {"trace": True}, {"fragments": 2},
-                   {"fragments": 3, "sequence_fragments": 2}],
+                   {"fragments": 3, "sequence_fragments": 2}, {"levels": 2},
+                   {"levels": 2, "fragments": 2}],
     "forward": [{"chunk_size": 7}],
     "projforward": [{"samples": 3, "chunk_size": 2, "seed": 0}],
     "moonwalk": [

@@ -50,6 +50,14 @@ from ._prepare import PreparedCache, Wrapper, share_copy
 from ._registry import register
 from ._segments import auto_segments, block_sizes
 from ._time_chunks import BAD_TIME_CHUNKS, chunk_recurrent, fused_recurrent, unchunkable
+from ._two_level import (
+    BAD_LEVELS,
+    LEVELS_AND_AUTO,
+    LEVELS_AND_CHUNKS,
+    TwoLevel,
+    TwoLevelStats,
+    outer_segments,
+)
 
 __all__ = ["BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint", "model_blocks",
            "split_segments", "trace_block", "traced", "untraceable_signature"]  # fmt: skip
@@ -60,7 +68,8 @@ BAD_SEGMENTS = (
 SEGMENTS_NEED_SEQUENCE = (
     "segments={value!r} groups consecutive blocks, which needs a model that is its blocks "
     "run one after another (nn.Sequential, or checkpoint_blocks()); {model} runs its own "
-    "forward, so each of its blocks is checkpointed alone ({found}); drop segments="
+    "forward, so each of its blocks is checkpointed alone ({found}); drop segments=, or "
+    "add levels=2, where segments= counts outer segments of block calls on any model"
 )
 NO_RECURRENT = (
     "time_chunks={value!r} checkpoints fused recurrent modules (nn.LSTM, nn.GRU, nn.RNN) "
@@ -263,6 +272,21 @@ class Checkpoint(Engine):
             many pieces of its second (sequence) dimension, forward and recomputation
             alike: for a small batch of long sequences, where ``fragments`` has nothing to
             cut. Composes with ``fragments``.
+        levels: ``1`` (the default): one level, as above. ``2``: two-level checkpointing
+            (:mod:`leangrad.engines._two_level`; the √L scheme applied to the block
+            boundaries): every block is checkpointed on its own, on any model (one written
+            the ordinary way too), and ``segments`` then counts *outer* segments of
+            consecutive block calls (``None`` or ``"sqrt"``: ⌈√L⌉ for L blocks; an int:
+            that many; ``"auto"`` is refused). Only the first input of each outer segment
+            is kept through the forward pass; the inputs of its other blocks are dropped
+            and rebuilt from it when that segment's backward begins (each block call made
+            again as the forward made it, dropout's RNG and layers' generators replayed,
+            no graph kept), each kept until its block has been recomputed. Boundaries
+            fall from L to about ``s + L/s`` (2√L) for about one more forward pass of the
+            blocks. Composes with ``fragments``,
+            ``sequence_fragments`` and ``trace``; not with ``time_chunks``. The step's info
+            says how many outer segments formed, how many inputs were dropped and how many
+            boundaries were rebuilt.
 
     Trade-off: one extra forward pass of the checkpointed segments; exact
     gradients (RNG state is restored for dropout). BatchNorm running statistics
@@ -284,6 +308,7 @@ class Checkpoint(Engine):
         time_chunks: int | None = None,
         fragments: int | None = None,
         sequence_fragments: int | None = None,
+        levels: int = 1,
     ) -> None:
         ok = segments is None or segments in ("sqrt", "auto")
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
@@ -303,13 +328,21 @@ class Checkpoint(Engine):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 2):  # fmt: skip
                 raise ValueError(BAD_FRAGMENTS.format(value=value))
+        if levels not in (1, 2) or isinstance(levels, bool) or not isinstance(levels, int):
+            raise ValueError(BAD_LEVELS.format(value=levels))
+        if levels == 2 and segments == "auto":
+            raise ValueError(LEVELS_AND_AUTO)
+        if levels == 2 and time_chunks is not None:
+            raise ValueError(LEVELS_AND_CHUNKS)
         super().__init__(segments=segments, blocks=blocks, trace=trace, time_chunks=time_chunks,
-                         fragments=fragments, sequence_fragments=sequence_fragments)  # fmt: skip
+                         fragments=fragments, sequence_fragments=sequence_fragments,
+                         levels=levels)  # fmt: skip
         self.segments = segments
         self.trace = trace
         self.time_chunks = time_chunks
         self.fragments = fragments
         self.sequence_fragments = sequence_fragments
+        self.levels = levels
         self.block_names = None if blocks is None else list(blocks)
         self._found: PreparedCache[Blocks] = PreparedCache()
         self._wrapped: PreparedCache[nn.Module] = PreparedCache()
@@ -317,6 +350,7 @@ class Checkpoint(Engine):
         self._traces: PreparedCache[list[_Traced]] = PreparedCache()
         self._fragmenters: PreparedCache[dict[tuple[int, ...], Fragmenter]] = PreparedCache()
         self._by_position: PreparedCache[list[nn.Module]] = PreparedCache()
+        self._cells: PreparedCache[tuple[TwoLevel, list[_Checkpointed]]] = PreparedCache()
 
     @property
     def probes(self) -> bool:
@@ -326,7 +360,7 @@ class Checkpoint(Engine):
         """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`);
         found once per model (a step asks two or three times, and the fx fallback traces)."""
         found = self._found.get(model, self._find)
-        if not found.sequential and self.segments is not None:
+        if not found.sequential and self.segments is not None and self.levels == 1:
             raise errors.EngineInputError(SEGMENTS_NEED_SEQUENCE.format(
                 value=self.segments, model=type(model).__name__, found=found.how))  # fmt: skip
         return found
@@ -376,8 +410,9 @@ class Checkpoint(Engine):
     def _checkpointed(self, found: Blocks) -> list[str]:
         """Names of the blocks that are recomputed: every segment but the last of a
         sequence (the last one's activations are the first the backward pass needs);
-        every block of a model run as written, and every block named by ``blocks=``."""
-        if found.sequential:
+        every block of a model run as written, and every block named by ``blocks=``; every
+        block with ``levels=2``."""
+        if found.sequential and self.levels == 1:
             groups = self._groups(len(found.names))
             return [found.names[j] for group in groups[:-1] for j in group]
         # A model run as written has more after its blocks (a final norm, the head, the
@@ -410,16 +445,22 @@ class Checkpoint(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         found = self.blocks(model)
+        if self.levels == 2 and found.sequential:
+            return self._two_level_sequence(model, found, inputs, loss_fn, params, on_grad)
         if not found.sequential or self.time_chunks is not None:  # the model as written
             for name, rnn in self._chunked(model, found):
                 if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
                     raise errors.EngineInputError(why)
             wrapped = self._wrapped.get(model, lambda m: self._wrap(m, found))
-            loss = forward_loss(self.label, wrapped, inputs, loss_fn)
+            chain: TwoLevel | None = wrapped.__dict__.get("_two_level")
+            with chain.forward() if chain is not None else _no_stats() as stats:
+                loss = forward_loss(self.label, wrapped, inputs, loss_fn)
             with grad_hooks(params, on_grad):
                 loss.backward()
             info: dict[str, Any] = {"blocks": len(found),
                                     "checkpointed": len(self._checkpointed(found))}  # fmt: skip
+            if stats is not None:
+                info.update(levels=2, **stats.info())
             if self.time_chunks is not None:
                 info["time_chunked"] = len(self._chunked(model, found))
             if self.fragments is not None:
@@ -483,17 +524,65 @@ class Checkpoint(Engine):
         more: dict[str, Any] = {"whole": whole} if self.fragments is not None else {}
         return self._result(loss, segments=len(groups), **more)
 
+    def _two_level_sequence(
+        self,
+        model: nn.Module,
+        found: Blocks,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        """``levels=2`` on a sequence of blocks: each block checkpointed alone, run one
+        after another (the first takes the inputs unpacked, every later one the previous
+        output whole), in outer segments (:mod:`leangrad.engines._two_level`)."""
+        chain, cells = self._cells.get(model, lambda _m: self._two_level_cells(found))
+
+        def run(*xs: torch.Tensor) -> object:
+            out: object = cells[0](*xs)
+            for cell in cells[1:]:
+                out = cell(out)
+            return out
+
+        with chain.forward() as stats:
+            loss = forward_loss(self.label, run, inputs, loss_fn)
+        with grad_hooks(params, on_grad):
+            loss.backward()
+        info: dict[str, Any] = {"blocks": len(found), "checkpointed": len(found), "levels": 2,
+                                **stats.info()}  # fmt: skip
+        if self.fragments is not None:
+            frags = [(n, c.fragmenter) for n, c in zip(found.names, cells, strict=True)]
+            info["whole"] = {n: f.last for n, f in frags
+                             if f is not None and f.last is not None}  # fmt: skip
+        return self._result(loss, **info)
+
+    def _two_level_cells(self, found: Blocks) -> tuple[TwoLevel, list[_Checkpointed]]:
+        chain = TwoLevel(len(found), outer_segments(len(found), self.segments))
+        cells = []
+        for name in found.names:
+            block = found.modules[name]
+            if self.sequence_fragments is not None:
+                block = by_position(block, self.sequence_fragments)
+            cells.append(_Checkpointed(block, trace=self.trace, fragments=self.fragments,
+                                       two_level=chain, name=name))  # fmt: skip
+        return chain, cells
+
     def _wrap(self, model: nn.Module, found: Blocks) -> nn.Module:
         """A copy of ``model`` (or of the fx split that stands for it) sharing its tensors,
         each checkpointed block wrapped."""
         new = share_copy(found.runner if found.runner is not None else model)
         checkpointed = self._checkpointed(found)
+        chain = None
+        if self.levels == 2:
+            chain = TwoLevel(len(checkpointed), outer_segments(len(checkpointed), self.segments))
+            new.__dict__["_two_level"] = chain
         for name in checkpointed:
             block = new.get_submodule(name)
             if self.sequence_fragments is not None:
                 block = by_position(block, self.sequence_fragments)
             new.set_submodule(name, _Checkpointed(block, trace=self.trace,
-                                                  fragments=self.fragments))  # fmt: skip
+                                                  fragments=self.fragments, two_level=chain,
+                                                  name=name))  # fmt: skip
         if self.time_chunks is not None:
             chunk_recurrent(new, self.time_chunks, skip=tuple(checkpointed))
         return new
@@ -503,13 +592,22 @@ class _Checkpointed(Wrapper):
     """A block whose activations are recomputed in the backward pass (any positional and
     keyword arguments, its output as it returns it, its attributes readable through the
     wrapper), run as its fx trace where that is safe (``trace``; called with keyword
-    arguments: as written)."""
+    arguments: as written); with ``two_level``, a call in that forward's outer segments
+    (:mod:`leangrad.engines._two_level`; ``name`` names the block in its errors)."""
 
-    def __init__(self, inner: nn.Module, *, trace: bool, fragments: int | None = None) -> None:
+    def __init__(self, inner: nn.Module, *, trace: bool, fragments: int | None = None,
+                 two_level: TwoLevel | None = None, name: str = "") -> None:  # fmt: skip
         super().__init__(inner)
         self._traced = _Traced(inner) if trace else None
         self.__dict__["fragmenter"] = (None if fragments is None
                                        else Fragmenter([inner], fragments=fragments))  # fmt: skip
+        self.__dict__["two_level"] = two_level
+        self.__dict__["block_name"] = name or type(inner).__name__
+
+    @property
+    def fragmenter(self) -> Fragmenter | None:
+        frag: Fragmenter | None = self.__dict__["fragmenter"]
+        return frag
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -521,9 +619,19 @@ class _Checkpointed(Wrapper):
             return checkpoint(run, *a, use_reentrant=False, context_fn=replay, **kw)
 
         frag: Fragmenter | None = self.__dict__["fragmenter"]
-        if frag is None:
-            return plain(*args, **kwargs)
-        return frag(run, plain, *args, **kwargs)
+
+        def call(*a: Any, **kw: Any) -> Any:
+            return plain(*a, **kw) if frag is None else frag(run, plain, *a, **kw)
+
+        chain: TwoLevel | None = self.__dict__["two_level"]
+        if chain is None:
+            return call(*args, **kwargs)
+        return chain.call(self.inner, self.__dict__["block_name"], call, args, kwargs)
+
+
+@contextlib.contextmanager
+def _no_stats() -> Iterator[TwoLevelStats | None]:
+    yield None
 
 
 def position_children(block: nn.Module) -> list[str]:

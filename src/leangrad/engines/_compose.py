@@ -218,7 +218,9 @@ class Composed(Engine):
                 new.set_submodule(name, transform(name, new.get_submodule(name)))
             runner = Checkpoint(blocks=list(found.names), trace=base.trace, time_chunks=chunks,
                                 fragments=base.fragments,
-                                sequence_fragments=base.sequence_fragments)  # fmt: skip
+                                sequence_fragments=base.sequence_fragments,
+                                levels=base.levels,
+                                segments=base.segments if base.levels == 2 else None)  # fmt: skip
             return new, report, runner
         if base.name in ("moonwalk", "revbackprop", "highway"):
             stem, head = getattr(model, "stem", None), getattr(model, "head", None)

@@ -94,8 +94,10 @@ def _block_lines(base: Checkpoint, model: nn.Module) -> list[str]:
     if base.fragments is not None or base.sequence_fragments is not None:
         status = {n: v + (" (the first step's probe may still run a piece whole)"
                           if n in recomputed else "") for n, v in status.items()}  # fmt: skip
+    levels = _two_level_lines(base, found.names, status)
     out = [text[0]] + [f"{row}  {status[n]}" for row, n in zip(text[1:], found.names,
                                                                 strict=True)]  # fmt: skip
+    out += levels
     if not base.trace:
         return [*out, "recomputed blocks run as written (trace=False)"]
     out.append(f"recomputed as torch.fx code (intermediates freed at last use): "
@@ -104,6 +106,29 @@ def _block_lines(base: Checkpoint, model: nn.Module) -> list[str]:
         out.append(f"recomputed as written (reasons above; a block called with keyword "
                    f"arguments runs as written too): {', '.join(written)}")  # fmt: skip
     return out
+
+
+def _two_level_lines(base: Checkpoint, names: tuple[str, ...], status: dict[str, str]) -> list[str]:
+    """With ``levels=2``: each block's outer segment and whether its input is kept through
+    the forward or rebuilt in the backward (added to ``status``), and a line on the two
+    levels."""
+    from ._two_level import TwoLevel, outer_segments
+
+    if base.levels != 2:
+        return []
+    chain = TwoLevel(len(names), outer_segments(len(names), base.segments))
+    for i, name in enumerate(names):
+        seg = chain.segment_of(i)
+        first = i == 0 or chain.segment_of(i - 1) != seg
+        kept = "input kept" if first else "input rebuilt in the backward"
+        status[name] += f"; outer segment {seg + 1}/{chain.segments}, {kept}"
+    return [
+        f"two levels: {chain.segments} outer segments of consecutive block calls (in the "
+        "order above, assumed to be the order the model calls them): each keeps only its "
+        "first block's input through the forward; the others are dropped, rebuilt from it "
+        "without keeping a graph when that segment's backward begins, and freed block by "
+        "block; an input that is not the previous block call's output, unchanged, is kept"
+    ]
 
 
 def _explain_part(name: str, part: str, what: dict[str, Any]) -> list[str]:
