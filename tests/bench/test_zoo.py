@@ -376,3 +376,22 @@ def test_headline_without_zoo_results_is_one_line_exit_2(tmp_path: Path) -> None
         f"leangrad: error: {tmp_path} has no zoo suite results (zoo.json); "
         f"run `leangrad bench zoo --out {tmp_path}`"
     ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_zoo_on_cuda_without_a_gpu_is_refused_in_one_line() -> None:
+    from leangrad import _errors as errors
+
+    with pytest.raises(errors.OptionError, match=r"torch\.cuda\.is_available"):
+        run_zoo(load_suite("zoo"), quick=True, device="cuda", progress=False, only=["gpt"])
+    with pytest.raises(errors.OptionError, match="cpu or cuda"):
+        run_zoo(load_suite("zoo"), quick=True, device="mps:x", progress=False)
+
+
+def test_zoo_workloads_follow_the_device_asked_for() -> None:
+    size = {"vocab": 32, "dim": 16, "layers": 1, "heads": 2, "context": 8, "batch": 2}
+    a, b = build("gpt", size), build("gpt", size, device="cpu")
+    assert a.inputs.device.type == b.inputs.device.type == "cpu"
+    assert torch.equal(a.inputs, b.inputs)  # drawn on the CPU from the same seed either way
+    targets = a.loss_fn.targets  # type: ignore[attr-defined]
+    assert all(t.device == a.inputs.device for t in targets)
