@@ -222,6 +222,40 @@ def test_lstm_state_outputs_have_their_batch_second(spy: _Spy) -> None:
     assert len(spy.edges) == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_time_first_layers_are_cut_along_their_second_dimension(
+    spy: _Spy, dtype: torch.dtype
+) -> None:
+    """Time-first recurrent layers (``(T, N, H)``: ``nn.GRU`` without ``batch_first``,
+    leangrad's ``GRULayer`` in a ``HighwayNet``) mix along their first dimension (time), so
+    the probe refuses it and tries the second, where their examples are: cut there, exact,
+    none run whole."""
+    from leangrad.highway import GRULayer
+
+    torch.manual_seed(0)
+
+    class TimeFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.ModuleList([nn.GRU(6, 6), nn.GRU(6, 6)])
+            self.cell = nn.ModuleList([GRULayer(6, 6)])
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N, T, 6)
+            h = x.transpose(0, 1)
+            for g in self.gru:
+                h = g(h)[0] + h
+            h = self.cell[0](h)
+            return self.head(h.mean(0))
+
+    model = TimeFirst().to(dtype)
+    x = torch.randn(6, 5, 6, dtype=dtype)
+    names = ["gru.0", "gru.1", "cell.0"]
+    res = _check(model, (x,), _mse(torch.randn(6, 3, dtype=dtype)), fragments=3, blocks=names)
+    assert res.info["whole"] == {}
+    assert spy.edges and all(e == [(0, 2), (2, 4), (4, 6)] for e in spy.edges)  # N = 6, T = 5
+
+
 @pytest.mark.parametrize("segments", [None, 2])
 @pytest.mark.parametrize("k", [2, 3, 8])
 def test_sequential_of_mlp_blocks_are_exact_and_recomputed_in_pieces(

@@ -128,7 +128,7 @@ class _Call:
     split: list[bool]  # per tensor argument: cut along the batch?
     edges: list[tuple[int, int]]
     n_tensors: int
-    dim: int = 0  # the dimension cut: 0 the batch, 1 the sequence (batch-first)
+    dim: int = 0  # the dimension cut: 0 the batch; 1 a batch-first sequence or time-first batch
     bn: bool = False  # training-mode BatchNorm inside: forward whole, statistics frozen
     params: list[nn.Parameter] = dataclasses.field(default_factory=list)
     out_dims: tuple[int, ...] = ()  # per output tensor: its batch dimension (the probe's)
@@ -352,11 +352,32 @@ class Fragmenter:
             return whole(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-        dim = self.dim
+        first: str | None = None
+        for dim in self._dims():
+            call = self._prepare(fn, spec, leaves, tensors, dim)
+            if isinstance(call, str):
+                first = first or call
+                continue
+            if self._verdict(call, tensors) is None:
+                self.last = None
+                return call.output(_apply(call, tensors, call.params))
+            first = first or self.last
+        self.last = first
+        return whole(*args, **kwargs)
+
+    def _dims(self) -> tuple[int, ...]:
+        """The dimensions tried, in order: the batch, then — for blocks without BatchNorm —
+        the second dimension, where a time-first layer (``(T, N, ...)``: leangrad's
+        ``GRULayer``, ``nn.GRU`` without ``batch_first``) keeps its examples; the probe
+        decides, so a block that mixes along it runs whole."""
+        return (0, 1) if self.dim == 0 and not self.bn else (self.dim,)
+
+    def _prepare(self, fn: Callable[..., Any], spec: Any, leaves: list[Any],
+                 tensors: list[torch.Tensor], dim: int) -> _Call | str:  # fmt: skip
+        """The call cut along ``dim``, or why there is nothing to cut."""
         batched = [t for t in tensors if t.dim() > dim]
         if not batched or batched[0].shape[dim] < 2:
-            self.last = f"one {DIM_NAMES[dim]}: nothing to split"
-            return whole(*args, **kwargs)
+            return f"one {DIM_NAMES[dim]}: nothing to split"
         rows = batched[0].shape[dim]
         split = [t.dim() > dim and t.shape[dim] == rows for t in tensors]
         slots: list[Any] = []
@@ -368,25 +389,29 @@ class Fragmenter:
             else:
                 slots.append(v)
         params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
-        params = list({id(p): p for p in params}.values())
-        edges = fragment_edges(rows, self.fragments)
-        call = _Call(fn=fn, spec=spec, leaves=slots, split=split, edges=edges,
-                     n_tensors=len(tensors), dim=dim, bn=self.bn)  # fmt: skip
-        key = (tuple((_shape_but(t.shape, dim if s else None), t.dtype, t.device, s,
-                      t.requires_grad)
-                     for t, s in zip(tensors, split, strict=True)), repr(spec),
+        call = _Call(fn=fn, spec=spec, leaves=slots, split=split,
+                     edges=fragment_edges(rows, self.fragments), n_tensors=len(tensors),
+                     dim=dim, bn=self.bn and dim == 0)  # fmt: skip
+        call.params = list({id(p): p for p in params}.values())
+        return call
+
+    def _verdict(self, call: _Call, tensors: list[torch.Tensor]) -> str | None:
+        """Why ``call`` cannot run in fragments (probed once per kind of call), or ``None``;
+        sets :attr:`last` and ``call.out_dims``."""
+        dim, split, slots = call.dim, call.split, call.leaves
+        key = (dim, tuple((_shape_but(t.shape, dim if s else None), t.dtype, t.device, s,
+                           t.requires_grad)
+                          for t, s in zip(tensors, split, strict=True)), repr(call.spec),
                tuple(repr(v) for v in slots if not isinstance(v, _Slot)),
                any(is_fake(t) for t in tensors))  # fmt: skip
         verdict = self._probed.get(key)
         if verdict is None:
             pair = _differing_rows(tensors, split, dim)
-            verdict = self._probe(call, tensors, params, pair=pair or 1)
+            verdict = self._probe(call, tensors, call.params, pair=pair or 1)
             if pair is not None:  # all examples equal: this batch cannot show mixing
                 self._probed[key] = verdict
         self.last, call.out_dims = verdict
-        if self.last is not None:
-            return whole(*args, **kwargs)
-        return call.output(_apply(call, tensors, params))
+        return self.last
 
     def _probe(self, call: _Call, tensors: list[torch.Tensor], params: list[nn.Parameter], *,
                pair: int) -> tuple[str | None, tuple[int, ...]]:  # fmt: skip
