@@ -12,7 +12,9 @@ nested forward-AD of its custom activation chains and the exact 1-bit masks of
 :mod:`leangrad.bits`, alone and under checkpointing, Moonwalk
 and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=False``,
 randomized AD and Highway-BP — with an ``optimizer``, each also with per-layer optimizer
-steps inside ``on_grad`` (gradients never all live at once: Moonwalk v1, Algorithm 1) —
+steps inside ``on_grad`` (gradients never all live at once: Moonwalk v1, Algorithm 1), and
+with ``compile=True`` ``torch.compile`` itself, default and with an
+``activation_memory_budget``, each measured in a fresh process (:mod:`leangrad._plan_compile`) —
 measures each one's peak memory with the allocator-level
 tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
 (medians of interleaved repeats), and returns the fastest that fits, with the table it
@@ -39,9 +41,10 @@ import torch
 from torch import nn
 
 from . import _errors as errors
-from ._plan_measure import ESTIMATED, Context, TrainingStep, Tried, measure, too_big
+from ._plan_measure import Context, TrainingStep, Tried, measure, too_big
 from ._sizes import free_bytes
 from .engines import Engine
+from .engines import engine as engine_named
 from .measure import profile_step, time_interleaved
 from .measure._profile import untouched
 
@@ -62,6 +65,8 @@ NOT_COPYABLE = (
     "plan(optimizer=...) steps a copy of the model (copy.deepcopy) so yours is left as it "
     "was, and this model cannot be copied ({why}); plan without optimizer="
 )
+BACKPROP = "backprop"
+"""The reference a compiled row's time is scaled from (timed beside the candidates)."""
 CLOSE = 0.05
 """Candidates timed within this fraction of the fastest are timed again, longer."""
 FORWARD_MAX_PARAMS = 20_000
@@ -83,6 +88,12 @@ class Candidate:
         per_layer: measured with the optimizer stepped per parameter inside ``on_grad``
             (only when the plan was given an ``optimizer``).
         estimate: ``peak_bytes`` was measured on fake tensors (too big to allocate here).
+        compile_seconds: a compiled row's cold compile (dynamo, AOT autograd, inductor), in
+            a fresh process; never part of ``seconds``. A compiled row's peak is backprop's
+            with its step part scaled by the fresh process's compiled/eager peak ratio (RSS
+            on the CPU, the caching allocator's on CUDA), its ``seconds`` backprop's median
+            here scaled by that process's compiled/eager time ratio; its verdict says so
+            (``"fits (RSS-scaled)"``).
     """
 
     label: str
@@ -94,6 +105,7 @@ class Candidate:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     per_layer: bool = False
     estimate: bool = False
+    compile_seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +113,9 @@ class Plan:
     """The fastest way found to compute a step within the budget.
 
     Attributes:
-        engine: the chosen engine, usable like any engine (``None`` if nothing fits).
+        engine: the chosen engine, usable like any engine (``None`` if nothing fits); a
+            compiled row's is a :class:`leangrad._plan_compile.Compiled`, which compiles
+            the model on its first backward (once per model) under the row's setting.
         peak_bytes, seconds, exact: the chosen engine's measured peak, time, exactness.
         budget: the budget in bytes.
         table: every candidate tried, and why each was rejected.
@@ -164,12 +178,17 @@ class Plan:
         from .bench._report import fmt_bytes
 
         width = max([len(c.label) for c in self.table] + [6])
-        lines = [f"{'engine':{width}s}  {'exact':5s}  {'peak':>10s}  {'s/step':>8s}  verdict"]
+        compiled = any(c.name == "compile" for c in self.table)  # a column of their own
+        head = f"{'compile s':>9s}  " if compiled else ""
+        lines = [f"{'engine':{width}s}  {'exact':5s}  {'peak':>10s}  {'s/step':>8s}  "
+                 f"{head}verdict"]  # fmt: skip
         for c in self.table:
             secs = "" if c.seconds is None else f"{c.seconds:.4f}"
             peak = ("~" if c.estimate else "") + fmt_bytes(c.peak_bytes)
+            comp = "" if c.compile_seconds is None else f"{c.compile_seconds:.1f}"
             lines.append(f"{c.label:{width}s}  {'yes' if c.exact else 'no':5s}  "
-                         f"{peak:>10s}  {secs:>8s}  {c.verdict}")  # fmt: skip
+                         f"{peak:>10s}  {secs:>8s}  {f'{comp:>9s}  ' if compiled else ''}"
+                         f"{c.verdict}")  # fmt: skip
         lines.append(self.message)
         if self.wall_seconds is not None:
             lines.append(f"planned in {self.wall_seconds:.1f} s ({len(self.table)} candidates)")
@@ -243,6 +262,10 @@ MICRO_BATCHES = (2, 4, 8)
 """Micro-batch counts the planner tries (those up to the batch's examples)."""
 
 
+TWO_LEVEL_BLOCKS = 4
+"""Two-level checkpointing (``levels=2``) is a candidate where at least this many blocks
+were found: below it, ⌈√L⌉ outer segments keep about as many boundaries as one level."""
+
 FRAGMENTS = (2, 4, 8)
 """Fragment counts the planner tries for checkpointed blocks (those up to the batch's
 examples, where the loss says how many)."""
@@ -262,10 +285,18 @@ def _fragments(model: nn.Module, found: Any,
     out: list[tuple[str, dict[str, Any]]] = [("checkpoint", {"fragments": k}) for k in ks]
     if isinstance(final_linear(model), Head):
         out += [("checkpoint+chunked_ce", {"fragments": k}) for k in ks]
-    if stem := stem_modules(model, found):  # a ResNet's stem: conv, norm, at full size
+    stem = stem_modules(model, found)
+    if stem:  # a ResNet's stem: conv, norm, at full size
         every = [*stem, *found.names]
         out += [("checkpoint", {"blocks": every})]
         out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
+    if len(found.names) >= TWO_LEVEL_BLOCKS and ks:  # boundaries: the floor under fragments
+        two: dict[str, Any] = {"levels": 2}
+        if stem:
+            two["blocks"] = [*stem, *found.names]
+        out += [("checkpoint", two), ("checkpoint", {**two, "fragments": ks[-1]})]
+        if isinstance(final_linear(model), Head):
+            out += [("checkpoint+chunked_ce", {**two, "fragments": ks[-1]})]
     return out
 
 
@@ -320,6 +351,7 @@ def plan(
     allocate_limit: int | None = None,
     progress: Callable[[str], None] | bool | None = None,
     autocast: torch.dtype | None = None,
+    compile: bool = False,
 ) -> Plan:
     """Find the fastest engine whose measured peak fits ``budget`` bytes.
 
@@ -349,6 +381,13 @@ def plan(
             and timed under it, exact meaning "equal to autograd under the same
             autocast"; engines not checked under autocast are rows saying so. Run the
             chosen engine under the same autocast (``leangrad train --precision bf16``).
+        compile: also try ``torch.compile`` of the whole model, default and with AOT
+            autograd's ``activation_memory_budget`` (:data:`leangrad._plan_compile.
+            COMPILE_BUDGETS`), each compiled cold and measured in a fresh process (the
+            model, inputs and loss_fn are pickled for it; where they cannot be, the rows
+            say why): about 20-30 s per setting on a small model, more on a large one.
+            Exact meaning "equal to autograd up to float reassociation" (checked in that
+            process). A compile that fails is a row ``failed: <reason>``.
 
     Returns:
         A :class:`Plan`; printing it prints the table. The model, its gradients, buffers
@@ -367,14 +406,16 @@ def plan(
                                             "(torch.bfloat16, torch.float16)", value=autocast))
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     device = xs[0].device if xs else next(model.parameters()).device
+    if not isinstance(compile, bool):
+        raise ValueError(BAD_SETTING.format(name="compile", want="True or False", value=compile))
     if autocast is None:
         return _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
                      engines=engines, repeats=repeats, allocate_limit=allocate_limit,
-                     progress=progress)  # fmt: skip
+                     progress=progress, compile=compile)  # fmt: skip
     with torch.autocast(device.type, dtype=autocast):
         found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
                       engines=engines, repeats=repeats, allocate_limit=allocate_limit,
-                      progress=progress)  # fmt: skip
+                      progress=progress, compile=compile, autocast=True)  # fmt: skip
     made_for = {**(found.made_for or {}), "autocast": str(autocast).removeprefix("torch.")}
     return dataclasses.replace(found, made_for=made_for)
 
@@ -391,6 +432,8 @@ def _plan(
     repeats: int,
     allocate_limit: int | None,
     progress: Callable[[str], None] | bool | None,
+    compile: bool = False,
+    autocast: bool = False,
 ) -> Plan:
     """:func:`plan`'s search, its arguments checked (under the caller's autocast)."""
     from ._plan_io import Progress, fingerprint
@@ -408,6 +451,10 @@ def _plan(
     first = list(engines) if engines is not None else candidates(model, exact=exact,
                                                                  loss_fn=loss_fn)  # fmt: skip
     shown = Progress(progress, total=len(first) + 1)  # each candidate, then the timing
+    if compile:
+        from ._plan_compile import COMPILE_BUDGETS
+
+        shown.grow(len(COMPILE_BUDGETS))
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
                    too_big(model, xs, loss_fn, limit))  # fmt: skip
     for candidate in first:  # one at a time: the bar advances per candidate
@@ -419,16 +466,32 @@ def _plan(
         for candidate in rest:
             measure([candidate], ctx, tried)
             shown.advance()
+    if compile:  # after the others: its workers never share the CPU with a measurement here
+        from ._plan_compile import measure_compiled
+
+        before = len(tried)
+        measure_compiled(ctx, tried, repeats=repeats, autocast=autocast)
+        for _ in tried[before:]:
+            shown.advance()
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
+    scaled = {t.label: t.time_ratio for t in tried if t.fits and t.time_ratio is not None}
     times: dict[str, float] = {}
-    if fitting:
+    if fitting or scaled:
         shown(f"timing {len(fitting)} candidates side by side")
         steps = {label: _step(e, model, xs, loss_fn) for label, e in fitting.items()}
+        if scaled and BACKPROP not in steps:  # the reference compiled rows are scaled from
+            steps[BACKPROP] = _step(engine_named(BACKPROP), model, xs, loss_fn)
         with untouched(model, xs):
             timed = time_interleaved(steps, repeats=repeats, warmup=1)
             times = {label: t.median for label, t in timed.items()}
+            reference = times.get(BACKPROP)
+            if BACKPROP not in fitting:
+                times.pop(BACKPROP, None)
+            times.update({lb: ratio * reference for lb, ratio in scaled.items()
+                          if reference is not None})  # fmt: skip
             best = min(times.values())
-            close = {lb: steps[lb] for lb, t in times.items() if t <= (1 + CLOSE) * best}
+            close = {lb: steps[lb] for lb, t in times.items()
+                     if t <= (1 + CLOSE) * best and lb in steps}  # fmt: skip
             if len(close) > 1:  # near-equal: a longer second round decides between them
                 shown(f"timing the {len(close)} within {CLOSE:.0%} of the fastest again")
                 again = time_interleaved(close, repeats=max(5, 2 * repeats), warmup=0)
@@ -437,6 +500,7 @@ def _plan(
     if chosen is None:  # nothing fitting could be run here: the first fitting estimate
         chosen = next((t.label for t in tried if t.fits and t.estimate), None)
         fitting = {t.label: t.engine for t in tried if t.label == chosen}
+    fitting.update({t.label: t.engine for t in tried if t.label in scaled})
     table = tuple(_candidate(t, times.get(t.label), chosen) for t in tried)
     result = _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
                      loss_fn)  # fmt: skip
@@ -447,10 +511,10 @@ def _plan(
 
 
 def _candidate(t: Tried, seconds: float | None, chosen: str | None) -> Candidate:
-    verdict = ("chosen" + (f" ({ESTIMATED})" if t.estimate else "")) if t.label == chosen \
-        else t.verdict
+    # a fitting row's note ("fits (estimate)", "fits (RSS-scaled)") stays when it is chosen
+    verdict = "chosen" + t.verdict.removeprefix("fits") if t.label == chosen else t.verdict
     return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options, t.per_layer,
-                     t.estimate)  # fmt: skip
+                     t.estimate, t.compile_seconds)  # fmt: skip
 
 
 def _step(eng: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
@@ -485,6 +549,12 @@ def _result(table: tuple[Candidate, ...], chosen: Any, budget: int, exact: bool,
                f"{fmt_bytes(budget)}{NOT_TIMED}")  # fmt: skip
         return Plan(inner, row.peak_bytes, None, chosen.exact, budget, table, msg, None,
                     row.per_layer, estimate=True)  # fmt: skip
+    if row.compile_seconds is not None:  # its memory is visible in a fresh process only
+        msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
+               f"({row.verdict.removeprefix('chosen ').strip('()')}: measured in a fresh "
+               f"process), {row.seconds:.4f} s/step; compiles on its first backward (took "
+               f"{row.compile_seconds:.1f} s cold)")  # fmt: skip
+        return Plan(inner, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg)
     again = profile_step(chosen, model, xs, loss_fn, repeats=0).total_bytes
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
            f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip

@@ -8,7 +8,10 @@ dtypes (a hash and counts), the inputs' shapes and dtypes, the device type, and 
 and leangrad versions — and :meth:`Plan.load` given a model and inputs refuses others
 (another version only warns: the measurements may have moved, the engine still works).
 The chosen engine is stored as what :func:`leangrad.engine` makes it from (name and
-options), and rebuilt on load.
+options), and rebuilt on load; a compiled row's (``plan(..., compile=True)``) is rebuilt as
+:class:`leangrad._plan_compile.Compiled` with its setting, which compiles afresh on its
+first backward. A row's ``compile_seconds`` is written only where it has one, so plans
+without compiled rows are the same files as before.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tqdm.auto import tqdm
 
 from . import _errors as errors
 from ._plan import Candidate, Plan
+from .engines import Engine
 
 __all__ = [
     "FORMAT",
@@ -196,8 +200,7 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
         "remeasured_peak_bytes": plan.remeasured_peak_bytes, "per_layer": plan.per_layer,
         "estimate": plan.estimate, "message": plan.message, "wall_seconds": plan.wall_seconds,
         "made_for": plan.made_for,
-        "table": [{**dataclasses.asdict(c), "options": _encode_options(c.name, c.options)}
-                  for c in plan.table],
+        "table": [_encode_row(c) for c in plan.table],
     }  # fmt: skip
     out = Path(path)
     out.write_text(json.dumps(doc, indent=1) + "\n")
@@ -208,8 +211,6 @@ def load_plan(path: str | os.PathLike[str], *, model: nn.Module | None = None,
               inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Plan:  # fmt: skip
     """Read a plan :func:`save_plan` wrote, rebuild its engine, and check it was made for
     ``model`` and ``inputs`` when they are given (see :meth:`leangrad.Plan.load`)."""
-    from .engines import engine
-
     p = Path(path)
     try:
         doc = json.loads(p.read_text())
@@ -228,7 +229,7 @@ def load_plan(path: str | os.PathLike[str], *, model: nn.Module | None = None,
         table = tuple(Candidate(**{**row, "options": _decode(row.get("options", {}))})
                       for row in doc["table"])  # fmt: skip
         chosen = doc["chosen"]
-        eng = None if chosen is None else engine(chosen["name"], **_decode(chosen["options"]))
+        eng = None if chosen is None else _rebuild(chosen["name"], _decode(chosen["options"]))
         plan = Plan(eng, doc["peak_bytes"], doc["seconds"], doc["exact"], doc["budget"], table,
                     doc["message"], doc.get("remeasured_peak_bytes"), bool(doc["per_layer"]),
                     bool(doc.get("estimate", False)), wall_seconds=doc.get("wall_seconds"),
@@ -240,6 +241,22 @@ def load_plan(path: str | os.PathLike[str], *, model: nn.Module | None = None,
         warnings.warn(RELABELLED.format(path=p, saved=chosen.get("label"), given=eng.label),
                       stacklevel=3)  # fmt: skip
     return plan
+
+
+def _encode_row(c: Candidate) -> dict[str, Any]:
+    row = {**dataclasses.asdict(c), "options": _encode_options(c.name, c.options)}
+    if row["compile_seconds"] is None:  # the field compiled rows add
+        del row["compile_seconds"]
+    return row
+
+
+def _rebuild(name: str, options: dict[str, Any]) -> Engine:
+    """The engine a plan file names: ``leangrad.engine(name, **options)``, or a compiled
+    row's :class:`~leangrad._plan_compile.Compiled`."""
+    from ._plan_compile import COMPILE_NAME, Compiled
+    from .engines import engine
+
+    return Compiled(**options) if name == COMPILE_NAME else engine(name, **options)
 
 
 def _encode_options(name: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -96,6 +96,11 @@ class Context:
 
 @dataclasses.dataclass(frozen=True)
 class Tried:
+    """One candidate's measurement. ``compile_seconds`` and ``time_ratio`` are a
+    compiled row's (:mod:`leangrad._plan_compile`): its cold compile's seconds, and its
+    step's time over eager backprop's in the worker (the plan scales backprop's median by
+    it, for the row is not timed in this process)."""
+
     engine: Any  # an Engine, or an TrainingStep around one
     label: str
     exact: bool
@@ -105,6 +110,8 @@ class Tried:
     options: dict[str, Any]
     per_layer: bool = False
     estimate: bool = False
+    compile_seconds: float | None = None
+    time_ratio: float | None = None
 
     @property
     def fits(self) -> bool:

@@ -343,6 +343,10 @@ def add_plan_parser(sub: Any) -> None:
                    "is also tried with the optimizer stepped per layer (train with "
                    "--step-per-layer when that is chosen)")
     a.add_argument("--lr", type=cli_types.positive_float, default=0.01, help="with --optimizer")
+    a.add_argument("--compile", action="store_true",
+                   help="also try torch.compile of the whole model, default and with an "
+                   "activation_memory_budget, each compiled cold and measured in a fresh "
+                   "process (about 20-30 s per setting on a small model)")
     a.add_argument("--save", default=None, metavar="FILE",
                    help="write the plan to FILE as JSON, for `leangrad train --plan FILE` "
                    "or leangrad.Plan.load (also when nothing fits)")
@@ -368,7 +372,7 @@ def run_plan(args: argparse.Namespace) -> int:
           f"budget={fmt_bytes(args.budget)} ({args.budget} bytes) "
           f"engines={args.engines or 'all that apply'} repeats={args.repeats} device={dev} "
           f"dtype={args.dtype} precision={args.precision} inexact={args.inexact} "
-          f"optimizer={args.optimizer} "
+          f"optimizer={args.optimizer} compile={args.compile} "
           f"save={args.save}", flush=True)  # fmt: skip
     data_opts = _with_tokenizer(args.data, parse_options(args.data_options), args.tokenizer)
     info = data_info(args.data, load_data(args.data, **data_opts))
@@ -381,7 +385,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   optimizer=None if args.optimizer == "none" else
                   _make_optimizer(args.optimizer, args.lr),
                   repeats=args.repeats, progress=not args.no_progress,
-                  autocast=autocast_dtype(args.precision))  # fmt: skip
+                  autocast=autocast_dtype(args.precision), compile=args.compile)  # fmt: skip
     print(result)
     if args.save is not None:
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,6 @@ from .._plan import Plan
 from .._sizes import fmt_bytes
 from ..data import Dataset
 from ..engines import Engine
-from ..engines import engine as make_engine
 from ..measure import MemoryTracker
 from . import _distributed as distributed
 from . import _snapshot as snapshot
@@ -459,7 +458,7 @@ class _Run:
         self.test: Dataset | None
         self.train, self.test = ds.split(1 - frac, seed=cfg.seed) if frac > 0 else (ds, None)
         try:
-            self.engine: Engine = make_engine(cfg.engine, **cfg.engine_options)
+            self.engine: Engine = _engine_for(cfg.engine, cfg.engine_options)
         except (ValueError, TypeError) as err:  # an option value the engine refuses
             if isinstance(err, errors.LeangradError):
                 raise
@@ -736,3 +735,10 @@ def _names(names: list[str], most: int = 4) -> str:
 def _same(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
+
+def _engine_for(name: str, options: dict[str, Any]) -> Engine:
+    """``leangrad.engine(name, **options)``, or the compiled step a saved plan chose
+    (``leangrad plan --compile``: not a registered engine)."""
+    from .._plan_io import _rebuild
+
+    return _rebuild(name, options)
