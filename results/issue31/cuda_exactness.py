@@ -133,7 +133,11 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="/tmp/cuda-exactness.json")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tf32", action="store_true", help="keep cuDNN's TF32 convolutions on")
     args = ap.parse_args()
+    if not args.tf32:  # float32 held to float32's precision, not TF32's (10 mantissa bits)
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     sizes = tomllib.loads(SUITE.read_text())["settings"]["quick_models"]
     rows: list[dict[str, Any]] = []
     start = time.time()
@@ -149,7 +153,7 @@ def main() -> int:
                   f"{far:34s} "
                   f"{str(verdict)[:90]}", flush=True)  # fmt: skip
         Path(args.out).write_text(json.dumps({
-            "device": args.device, "torch": torch.__version__,
+            "device": args.device, "torch": torch.__version__, "tf32": args.tf32,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "seconds": time.time() - start, "rows": rows}, indent=1))  # fmt: skip
     fails = [r for r in rows if r.get("ok") is False or "error" in r]
