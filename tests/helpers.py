@@ -27,9 +27,9 @@ __all__ = [
 DEVICE = torch.device(os.environ.get("LEANGRAD_TEST_DEVICE", "cpu"))
 """Where :func:`make_problem` puts its problems: ``LEANGRAD_TEST_DEVICE=cuda`` runs the
 reference test of every engine on a GPU (``make bench-gpu``). There TF32 is switched off:
-cuDNN's default TF32 convolutions put float32 gradients ~5e-4 apart from run to run (seen
-on an H100: ``accumulate`` on the revchain), which is the kernel's precision, not the
-engine's."""
+with cuDNN's default TF32 convolutions, float32 gradients of the same step differ by up to
+~5e-4 (seen on an H100: ``accumulate`` on the revchain, most likely for that reason) — the
+kernel's precision, not the engine's."""
 if DEVICE.type == "cuda":
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
