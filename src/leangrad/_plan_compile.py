@@ -11,7 +11,7 @@ the resident set of a fresh process. Each setting therefore runs in its own proc
 (``python -m leangrad._plan_compile``, started by
 :func:`leangrad.measure._rss.run_json_worker`), which loads the model, inputs and loss
 from a ``torch.save`` pickle and runs the zoo suite's measurement of a compile
-(``leangrad.bench._zoo_worker._compile``): a cold compile (an empty inductor cache
+(:func:`leangrad.measure._compile.compile_costs`): a cold compile (an empty inductor cache
 of its own; its seconds are the first step's), the gradient against eager autograd's, the
 peak RSS of a compiled step and of an eager one, and both steps' medians of interleaved
 repeats. The row's peak is backprop's in this process (the tracker's) with its step part
@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -297,16 +296,14 @@ def main() -> None:
     except Exception as err:  # a class or function not importable here
         print(json.dumps({"unpickle_failed": f"{type(err).__name__}: {str(err)[:300]}"}))
         return
-    from .bench._zoo_worker import _compile
+    from .measure._compile import cold_inductor_cache, compile_costs
 
-    cache = tempfile.mkdtemp(prefix="leangrad-plan-inductor-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold: no compile of an earlier run reused
     try:
-        out = _compile(model, xs, loss_fn, payload.get("budget"), int(payload["repeats"]))
+        with cold_inductor_cache("leangrad-plan-inductor-"):  # no earlier compile reused
+            out = compile_costs(model, xs, loss_fn, payload.get("budget"),
+                                int(payload["repeats"]))  # fmt: skip
     except Exception as err:  # a compile failure is the row's finding
         out = {"failed": failed_verdict(err).removeprefix("failed: ")}
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
     print(json.dumps(out))
 
 

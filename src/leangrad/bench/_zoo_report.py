@@ -45,23 +45,22 @@ def _measured(r: dict[str, Any]) -> bool:
     return not r.get("skipped") and not r.get("failed") and r.get("peak_ratio") is not None
 
 
+def _exact_rows(records: list[dict[str, Any]], series: str,
+                sides: Sequence[str]) -> list[dict[str, Any]]:  # fmt: skip
+    """The exact, measured (not estimated) records of ``series`` from ``sides``."""
+    return [r for r in records
+            if r["series"] == series and r.get("side") in sides and not r.get("estimate")
+            and _measured(r) and r.get("exact")]  # fmt: skip
+
+
 def best_within(
     records: list[dict[str, Any]], series: str, sides: Sequence[str], fraction: float
 ) -> dict[str, Any] | None:
     """The fastest exact, measured (not estimated) record of ``series`` from ``sides`` whose
     peak is at most ``fraction`` × backprop's (tracker peaks; RSS for torch.compile, whose
     ratio is to eager backprop's RSS in the same process); ``None`` if none is."""
-    fit = [
-        r
-        for r in records
-        if r["series"] == series
-        and r.get("side") in sides
-        and not r.get("estimate")
-        and _measured(r)
-        and r.get("exact")
-        and r.get("time_ratio") is not None
-        and r["peak_ratio"] <= fraction
-    ]
+    fit = [r for r in _exact_rows(records, series, sides)
+           if r.get("time_ratio") is not None and r["peak_ratio"] <= fraction]  # fmt: skip
     return min(fit, key=lambda r: r["time_ratio"]) if fit else None
 
 
@@ -73,16 +72,7 @@ def largest_batch(
     (parameters, inputs and peak) at the base batch — a capped search before an uncapped
     one of the same batch, then the fastest; ``None`` if no such record has a max batch
     (torch.compile's is not searched: each batch size compiles again)."""
-    fit = [
-        r
-        for r in records
-        if r["series"] == series
-        and r.get("side") in sides
-        and not r.get("estimate")
-        and _measured(r)
-        and r.get("exact")
-        and isinstance(r.get("max_batch"), int)
-    ]
+    fit = [r for r in _exact_rows(records, series, sides) if isinstance(r.get("max_batch"), int)]
     if not fit:
         return None
     return max(
