@@ -148,6 +148,9 @@ CHECKPOINT_OPTIONS: list[dict[str, Any]] = [
     {"trace": True},
     {"segments": 2, "trace": True},
     {"blocks": ["0"]},
+    {"levels": 2},
+    {"fragments": 2},
+    {"levels": 2, "fragments": 2},
 ]
 
 
@@ -173,7 +176,12 @@ def test_other_engines_on_a_shared_module(kind: str, name: str) -> None:
     _check(model, torch.randn(4, 3, dtype=torch.float64), _square, name, **options)
 
 
-@pytest.mark.parametrize("options", [{}, {"trace": True}, {"blocks": ["a"]}], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"trace": True}, {"blocks": ["a"]}, {"levels": 2}, {"fragments": 2},
+     {"levels": 2, "fragments": 2}],
+    ids=str,
+)  # fmt: skip
 def test_checkpoint_on_a_model_calling_a_module_twice(options: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = _CallsTwice().double()
@@ -183,7 +191,8 @@ def test_checkpoint_on_a_model_calling_a_module_twice(options: dict[str, Any]) -
 @pytest.mark.parametrize(
     ("name", "options"),
     [("checkpoint", {}), ("checkpoint", {"trace": True}), ("checkpoint", {"blocks": ["layers"]}),
-     ("checkpoint+fad", {}), ("forward", {})],
+     ("checkpoint", {"levels": 2}), ("checkpoint", {"fragments": 2}),
+     ("checkpoint", {"levels": 2, "fragments": 2}), ("checkpoint+fad", {}), ("forward", {})],
     ids=str,
 )  # fmt: skip
 def test_a_list_holding_a_block_twice(name: str, options: dict[str, Any]) -> None:

@@ -86,3 +86,19 @@ def test_tied_gpt_under_plan() -> None:
         for n, p in m.named_parameters():
             assert p.grad is not None and _rel(p.grad, want[n]) <= TOL, n
     assert tight.engine is not None, tight.message
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"levels": 2}, {"fragments": 2}, {"levels": 2, "fragments": 2},
+     {"sequence_fragments": 2}, {"fragments": 2, "trace": True}],
+    ids=str,
+)  # fmt: skip
+def test_tied_gpt_under_fragments_and_two_levels(options: dict[str, object]) -> None:
+    """Issue 31's recomputation options on the tied GPT: exact, the tie kept, one gradient."""
+    model, x, loss_fn = _tied_gpt()
+    want = _autograd(model, x, loss_fn)
+    leangrad.engine("checkpoint", **options).backward(model, x, loss_fn)
+    assert model.head.weight is model.tok.weight, "the tie must survive the step"
+    for n, p in model.named_parameters():
+        assert p.grad is not None and _rel(p.grad, want[n]) <= TOL, (n, options)
