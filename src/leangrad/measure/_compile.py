@@ -48,9 +48,13 @@ def warm_rss(step: Callable[[], None]) -> int:
     return measure_rss(step).peak_above
 
 
-def _warm_cuda(step: Callable[[], None], device: torch.device) -> int:
+def _warm_cuda(step: Callable[[], None], model: torch.nn.Module, device: torch.device) -> int:
+    """The CUDA allocator's peak of ``step`` above the memory before it, after two warm-up
+    steps; the warm-up's ``.grad`` are freed first, so the step's own gradients count."""
     step()  # warm-up, as for RSS
     step()
+    for p in model.parameters():
+        p.grad = None
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -105,7 +109,10 @@ def compile_costs(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], 
         out.update(grad_max_rel_err=cmp.max_rel_err, grad_cosine=cmp.cosine)
         dev = next(model.parameters()).device
         if dev.type == "cuda":
-            out.update(cuda_peak_eager=_warm_cuda(eager, dev), cuda_peak=_warm_cuda(compiled, dev))
+            out.update(
+                cuda_peak_eager=_warm_cuda(eager, model, dev),
+                cuda_peak=_warm_cuda(compiled, model, dev),
+            )
         else:
             out.update(rss_eager=warm_rss(eager), rss=warm_rss(compiled))
         t = time_interleaved({"eager": eager, "compiled": compiled}, repeats=repeats, warmup=1)
