@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ __all__ = [
     "any_process",
     "average_gradients",
     "averaging_on_grad",
+    "broadcast_object",
     "broadcast_parameters",
     "init_distributed",
     "mean_scalar",
@@ -84,6 +86,12 @@ def init_distributed(device: torch.device) -> DistContext:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         backend=dist.get_backend(),
     )
+
+
+def broadcast_object(values: list[Any], ctx: DistContext) -> None:
+    """Replace ``values``' items on every process by rank 0's (picklable objects)."""
+    if ctx.enabled:
+        dist.broadcast_object_list(values, src=0)
 
 
 def broadcast_parameters(model: nn.Module, ctx: DistContext) -> None:

@@ -322,7 +322,7 @@ def fit(
         net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
     if budget is not None and resume is None:
         cfg = _planned(cfg, net, ds, dev, budget, progress=progress,  # type: ignore[arg-type]
-                       engines=plan_engines)  # fmt: skip
+                       engines=plan_engines, ctx=ctx)  # fmt: skip
     if plan is not None and resume is None:
         cfg = _from_plan(cfg, net, ds, dev, plan)  # type: ignore[arg-type]
     run = _Run(cfg, net, ds, dev, ctx)  # type: ignore[arg-type]
@@ -373,14 +373,41 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
-             budget: int | str, *, progress: bool,
-             engines: Sequence[str] | None = None) -> TrainConfig:  # fmt: skip
-    """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed)."""
+             budget: int | str, *, progress: bool, engines: Sequence[str] | None = None,
+             ctx: distributed.DistContext | None = None) -> TrainConfig:  # fmt: skip
+    """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed).
+
+    Under several processes rank 0 plans alone and sends its choice to every rank, so all
+    build the same step (each planning on its own could choose differently and leave their
+    collectives mismatched); a plan that fits nothing is refused on every rank."""
+    if cfg.engine_options:
+        raise errors.EngineInputError(BUDGET_AND_ENGINE.format(options=cfg.engine_options))
+    ctx = ctx or distributed.DistContext()
+    choice: list[Any] = [None, None]  # (engine, options, per-layer), or None and rank 0's refusal
+    failed: errors.LeangradError | None = None
+    if ctx.rank == 0:
+        try:
+            choice[0] = _plan_choice(cfg, net, ds, dev, budget, progress=progress,
+                                     engines=engines)  # fmt: skip
+        except errors.LeangradError as err:
+            failed, choice[1] = err, str(err)
+    distributed.broadcast_object(choice, ctx)
+    if failed is not None:
+        raise failed
+    if choice[0] is None:
+        raise errors.EngineInputError(str(choice[1]))
+    name, options, per_layer = choice[0]
+    return dataclasses.replace(cfg, engine=name, engine_options=dict(options),
+                               step_per_layer=cfg.step_per_layer or per_layer)  # fmt: skip
+
+
+def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
+                 budget: int | str, *, progress: bool,
+                 engines: Sequence[str] | None) -> tuple[str, dict[str, Any], bool]:  # fmt: skip
+    """The engine, options and per-layer stepping :func:`leangrad.plan` chooses (printed)."""
     from .._plan import plan
     from .._sizes import parse_bytes
 
-    if cfg.engine_options:
-        raise errors.EngineInputError(BUDGET_AND_ENGINE.format(options=cfg.engine_options))
     limit = parse_bytes(budget) if isinstance(budget, str) else budget
     dtype = getattr(torch, cfg.dtype)
     probe = copy.deepcopy(net).to(device=dev, dtype=dtype)  # the run's model stays as built
@@ -394,9 +421,7 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     if result.engine is None:
         raise errors.EngineInputError(result.message)
     row = next(c for c in result.table if c.verdict.startswith("chosen"))
-    per_layer = cfg.step_per_layer or result.per_layer
-    return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options),
-                               step_per_layer=per_layer)  # fmt: skip
+    return row.name, dict(row.options), result.per_layer
 
 
 def _from_plan(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,

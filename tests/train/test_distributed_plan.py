@@ -1,0 +1,71 @@
+"""``fit(budget=...)`` on 2 local processes (gloo): rank 0 plans alone and every rank
+trains with its choice (issue 32: each rank planning on its own chose differently and gloo
+aborted on mismatched collectives); a budget nothing fits is refused on every rank, none
+left waiting. Rank 1's planner is made to fail here, so a pass shows it never ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+from leangrad import _errors as errors, train
+import leangrad._plan
+
+torch.set_num_threads(1)
+ctx = train.init_distributed(torch.device("cpu"))
+if ctx.rank != 0:
+    def refuse(*args, **kwargs):
+        raise AssertionError("rank 1 planned")
+    leangrad._plan.plan = refuse
+kw = {"data": "synthetic", "data_options": {"n": 64}, "max_steps": 2, "optimizer": "sgd",
+      "lr": 0.1, "progress": False, "track_memory_every": 0, "batch_size": 8,
+      "plan_engines": ["backprop", "checkpoint", "accumulate"]}
+res = train.fit("mlp", budget=sys.argv[2], **kw)
+out = {"engine": res.config.engine, "options": res.config.engine_options,
+       "per_layer": res.config.step_per_layer,
+       "weights": [p.detach().sum().item() for p in res.model.parameters()]}
+try:
+    train.fit("mlp", budget=1, **kw)
+    out["tiny"] = "trained"
+except errors.LeangradError as err:
+    out["tiny"] = type(err).__name__
+json.dump(out, open(f"{sys.argv[1]}/rank{ctx.rank}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_rank_zero_plans_and_every_rank_trains_its_choice(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    src = Path(__file__).resolve().parents[2] / "src"
+    base = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": "2"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path), "1GiB"],
+                         env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for key in ("engine", "options", "per_layer", "weights"):
+        assert ranks[0][key] == ranks[1][key], (key, ranks)
+    assert [r["tiny"] for r in ranks] == ["EngineInputError"] * 2
+    assert "chosen" in logs[0] and "nothing fits" in logs[0], logs[0]
+    assert "chosen" not in logs[1] and "fits" not in logs[1], logs[1]  # printed once
