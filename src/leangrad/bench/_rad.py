@@ -8,6 +8,9 @@
   real MNIST-5k for backprop at batch 150, RAD 0.1 (same / different /
   project) at batch 150, and backprop at the *reduced batch* whose measured
   saved bytes match RAD's; an IRNN on row-by-row MNIST does the same (section 4.3).
+  Every curve is trained at several seeds (:class:`Replicate`: a bootstrap resample of
+  the training set each, as the paper's appendix) and summarised by :func:`bands` as a
+  median with a min–max band; ``rad-fractions`` (:mod:`._rad_fractions`) shares this.
 - :func:`run_pde` (``rad-pde``, Fig. 7): the reaction-diffusion control problem
   optimised with exact and RAD gradients; loss curves and measured stored state.
 
@@ -24,6 +27,7 @@ import copy
 import dataclasses
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,14 +39,18 @@ from tqdm.auto import tqdm
 
 from .. import data, rad
 from .._sizes import fmt_bytes
-from ..measure import MemoryTracker, saved_tensor_bytes
+from ..measure import MemoryTracker, num_threads, saved_tensor_bytes
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import Suite
 from ._training import _now
 
-__all__ = ["memory_of", "render", "run_convergence", "run_pde", "run_variance"]
+__all__ = [
+    "BAND", "BAND_KEYS", "BAND_NOTE", "Replicate", "bands", "eval_sets", "final_bands",
+    "fmt_band", "memory_of", "plot_band", "render", "replicates", "run_convergence", "run_pde",
+    "run_variance", "save_figure", "train_lanes",
+]  # fmt: skip
 
 
 class RowRNN(nn.Module):
@@ -100,11 +108,13 @@ def memory_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, i
     return {"saved_bytes": saved.bytes, "forward_bytes": forward, "peak_bytes": rep.peak_bytes}
 
 
-def randomized(model: nn.Module, fraction: float | None, mode: str, seed: int) -> nn.Module:
+def randomized(
+    model: nn.Module, fraction: float | None, mode: str, seed: int, *, replace: bool = False
+) -> nn.Module:
     """A deep copy of ``model``, randomized unless ``fraction`` is ``None``."""
     m = copy.deepcopy(model)
     if fraction is not None:
-        rad.randomize(m, fraction=fraction, mode=mode, seed=seed)
+        rad.randomize(m, fraction=fraction, mode=mode, replace=replace, seed=seed)
     return m
 
 
@@ -238,11 +248,83 @@ def _loss_on(model: nn.Module, ds: data.Dataset) -> tuple[float, float]:
     return loss / len(ds), correct / len(ds)
 
 
+BAND = "min-max"
+"""What the band around every RAD training curve spans: the minimum and maximum over the
+seeds at each evaluated step (the paper's appendix shows all 5 bootstrapped runs); the
+line is the median over the seeds."""
+
+BAND_KEYS = ("train_loss", "train_acc", "test_loss", "test_acc", "train_seconds", "step_seconds")
+"""Per-seed record fields that a band record summarises as ``KEY_median``, ``KEY_min``,
+``KEY_max``."""
+
+TIMING_WARMUP = 5
+"""Steps of each lane left out of its median step time (allocator, caches, lazy init)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    """One seed of a training suite: its bootstrapped training set and its random streams.
+
+    The paper trains "5 times on separate bootstrapped resamplings of the full training
+    dataset" (Appendix A); here each seed resamples the training split with replacement,
+    initialises the model, seeds RAD's samples and draws its batch order, each from its
+    own stream. Within a seed, every method starts from the same weights and (at the same
+    batch size) sees the same batches.
+    """
+
+    seed: int
+
+    @property
+    def init_seed(self) -> int:
+        return self.seed
+
+    @property
+    def rad_seed(self) -> int:
+        return self.seed + 1
+
+    @property
+    def batch_seed(self) -> int:
+        return self.seed + 3
+
+    @property
+    def bootstrap_seed(self) -> int:
+        return self.seed + 7
+
+    def bootstrap(self, ds: data.Dataset) -> data.Dataset:
+        """``ds`` resampled with replacement to its own size."""
+        gen = torch.Generator().manual_seed(self.bootstrap_seed)
+        idx = torch.randint(len(ds), (len(ds),), generator=gen)
+        return dataclasses.replace(ds, x=ds.x[idx.to(ds.x.device)], y=ds.y[idx.to(ds.y.device)])
+
+
+def replicates(suite: Suite, quick: bool) -> list[Replicate]:
+    """The suite's ``seeds`` (a count, 5 by default) seeds, from its ``seed`` on."""
+    first, count = int(suite.setting("seed", quick, 0)), int(suite.setting("seeds", quick, 5))
+    return [Replicate(first + i) for i in range(count)]
+
+
+def eval_sets(
+    train: data.Dataset, test: data.Dataset, examples: int | None
+) -> tuple[data.Dataset, data.Dataset]:
+    """The sets the curves are measured on: the first ``examples`` of each (``None``: all).
+
+    ``train`` is a seed's bootstrapped set (a random draw, so its head is a random sample
+    of it); ``test`` the held-out split (randomly permuted by the split)."""
+    if examples is None:
+        return train, test
+    head = slice(0, int(examples))
+    return (dataclasses.replace(train, x=train.x[head], y=train.y[head]),
+            dataclasses.replace(test, x=test.x[head], y=test.y[head]))  # fmt: skip
+
+
 @dataclasses.dataclass
 class _RadTraining(Curves):
-    """rad-convergence: one lane at a time; round 0 measures the initialisation, round r
-    trains one batch (autograd through the lane's model, RAD or not); a lane whose train
-    loss is not finite stops after that point."""
+    """The RAD training suites: lanes side by side on one batch stream; round 0 measures the
+    initialisation, round r trains one batch (autograd through the lane's model, RAD or
+    not) and times it (``time.perf_counter`` around zero_grad, forward, backward and the
+    optimizer step; the lanes' steps interleave round by round); a lane whose train loss
+    is not finite stops after that point. The last record of a lane carries
+    ``step_seconds``: the median of its step times after :data:`TIMING_WARMUP` steps."""
 
     record_fields: dict[str, Any]
     train: data.Dataset
@@ -250,6 +332,7 @@ class _RadTraining(Curves):
     steps: int
     every: int
     tick: Callable[[], None]
+    step_times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def record(self, lane: Lane, r: int) -> dict[str, Any]:
         return _record(**self.record_fields, engine=lane.label, **lane.fields)
@@ -262,62 +345,135 @@ class _RadTraining(Curves):
         lane.opt.zero_grad(set_to_none=True)
         F.cross_entropy(lane.model(x), y).backward()
         lane.opt.step()
-        lane.seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        lane.seconds += took
+        self.step_times.setdefault(lane.label, []).append(took)
         self.tick()
 
     def measure(self, lane: Lane, r: int, batch: Any, out: Any) -> dict[str, Any] | None:
         if not (r % self.every == 0 or r == self.steps):
             return None
         tl, ta = _loss_on(lane.model, self.train)
-        _, va = _loss_on(lane.model, self.test)
+        vl, va = _loss_on(lane.model, self.test)
         if not math.isfinite(tl):
             lane.failed = f"train loss {tl} at step {r}"  # the curve ends here
-        return {"x": r, "train_loss": tl, "train_acc": ta, "test_acc": va,
-                "train_seconds": lane.seconds}  # fmt: skip
+        fields = {"x": r, "train_loss": tl, "train_acc": ta, "test_loss": vl, "test_acc": va,
+                  "train_seconds": lane.seconds}  # fmt: skip
+        times = self.step_times.get(lane.label, [])
+        if (r == self.steps or lane.failed) and times:
+            timed = times[TIMING_WARMUP:] or times
+            fields.update(step_seconds=statistics.median(timed), timed_steps=len(timed))
+        return fields
+
+
+def train_lanes(
+    lanes: list[Lane],
+    *,
+    head: dict[str, Any],
+    train: data.Dataset,
+    test: data.Dataset,
+    steps: int,
+    every: int,
+    batch: int,
+    batch_seed: int,
+    tick: Callable[[], None],
+) -> list[dict[str, Any]]:
+    """Train ``lanes`` side by side for ``steps`` batches of ``batch`` drawn with replacement
+    from ``train`` (stream ``batch_seed``); a record per lane at step 0, every ``every``
+    steps and at the end, measured on ``train`` and ``test`` (``head``: fields of all)."""
+    curves = _RadTraining(head, train, test, steps, every, tick)
+    rounds = zip(range(1, steps + 1), _forever(train, batch, batch_seed), strict=False)
+    return train_side_by_side(lanes, itertools.chain([(0, None)], rounds), curves)
+
+
+def bands(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``rad-band`` record per (series, engine, step) of per-seed ``rad-training``
+    records: the median, minimum and maximum over the seeds (:data:`BAND`) of each of
+    :data:`BAND_KEYS`, from the seeds whose value is finite (``n_seeds``; ``seeds`` lists
+    the seeds that reached the step). The per-seed records stay beside them."""
+    groups: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("kind") == "rad-training" and r.get("failed") is None:
+            groups.setdefault((r["series"], r["engine"], r["x"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        first = rs[0]
+        rec = {k: v for k, v in first.items() if k not in (*BAND_KEYS, "seed", "timed_steps")}
+        rec.update(kind="rad-band", band=BAND, seeds=[r["seed"] for r in rs])
+        rec["config"] = {k: v for k, v in (first.get("config") or {}).items() if k != "seed"}
+        for key in BAND_KEYS:
+            vals = [float(r[key]) for r in rs if r.get(key) is not None
+                    and math.isfinite(float(r[key]))]  # fmt: skip
+            if key == "train_loss":
+                rec["n_seeds"] = len(vals)
+            if vals:
+                rec.update({f"{key}_median": statistics.median(vals), f"{key}_min": min(vals),
+                            f"{key}_max": max(vals)})  # fmt: skip
+        rec["seconds_median"] = rec.get("step_seconds_median")
+        out.append(rec)
+    return out
 
 
 def run_convergence(
     suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
-    """Train loss vs iteration at equal measured memory (Fig. 6 and the RNN analogue)."""
+    """Train loss vs iteration at equal measured memory (Fig. 6 and the RNN analogue), at
+    every seed of :func:`replicates` (bootstrapped training set, own init, RAD samples and
+    batch order); per-seed ``rad-training`` records and their ``rad-band`` summaries."""
     machine, created = machine_info(), _now()
     seed = int(suite.setting("seed", quick, 0))
     batch = int(suite.setting("batch", quick, 150))
     fraction = float(suite.setting("fraction", quick, 0.1))
     modes = list(suite.setting("modes", quick, ["same", "different", "project"]))
     runs = list(suite.setting("runs", quick, []))
+    threads = int(suite.setting("torch_threads", quick, 1))
+    examples = suite.setting("eval_examples", quick, None)
+    seeds = replicates(suite, quick)
     train, test = _load(str(suite.setting("dataset", quick, "mnist5k")), seed, device)
     records: list[dict[str, Any]] = []
-    total = sum(int(r["steps"]) * (len(modes) + 2) for r in runs)
+    total = sum(int(r["steps"]) * (len(modes) + 2) * len(seeds) for r in runs)
     bar = tqdm(total=total, desc=suite.name, disable=not progress)
-    for run in runs:
-        kind, steps, every = run["model"], int(run["steps"]), int(run["eval_every"])
-        lr, optimizer = float(run["lr"]), str(run.get("optimizer", "adam"))
-        torch.manual_seed(seed)
-        base = rad_model(kind, side=train.x.shape[-1]).to(device)
-        probe = randomized(base, fraction, "different", seed)
-        target = memory_of(probe, train.x[:batch], train.y[:batch])["saved_bytes"]
-        reduced, _ = equal_memory_batch(base, target, train, largest=batch)
-        configs: list[tuple[str, int, float | None, str]] = [("baseline", batch, None, "-")]
-        configs += [(f"RAD {fraction} {m}", batch, fraction, m) for m in modes]
-        configs.append((f"reduced batch {reduced}", reduced, None, "-"))
-        for label, b, frac, mode in configs:
-            bar.set_description(f"{suite.name} {kind} {label}")
-            model = randomized(base, frac, mode, seed + 1)
-            mem = memory_of(model, train.x[:b], train.y[:b])
-            config = {"model": kind, "batch": b, "fraction": frac, "mode": mode, "lr": lr,
-                      "optimizer": optimizer, "steps": steps, "seed": seed,
-                      "dataset": train.name, "train_examples": len(train),
-                      "equal_memory_target_bytes": target}  # fmt: skip
-            opt = make_optimizer(optimizer, model.parameters(), lr, momentum=0.0)
-            lane = Lane(label, model, opt, fields={
-                "model": kind, "series": kind, "sweep": "step", "config": config,
-                "machine": machine, "created": created, **mem,
-            })  # fmt: skip
-            head = {"suite": suite, "kind": "rad-training", "quick": quick}
-            curves = _RadTraining(head, train, test, steps, every, tick=lambda: bar.update(1))
-            rounds = zip(range(1, steps + 1), _forever(train, b, seed + 3), strict=False)
-            records += train_side_by_side([lane], itertools.chain([(0, None)], rounds), curves)
+    head = {"suite": suite, "kind": "rad-training", "quick": quick}
+    with num_threads(threads):
+        for run in runs:
+            kind, steps, every = run["model"], int(run["steps"]), int(run["eval_every"])
+            lr, optimizer = float(run["lr"]), str(run.get("optimizer", "adam"))
+            torch.manual_seed(seeds[0].init_seed)  # memory does not depend on the weights
+            base = rad_model(kind, side=train.x.shape[-1]).to(device)
+            probe = randomized(base, fraction, "different", seed)
+            target = memory_of(probe, train.x[:batch], train.y[:batch])["saved_bytes"]
+            reduced, _ = equal_memory_batch(base, target, train, largest=batch)
+            configs: list[tuple[str, int, float | None, str]] = [("baseline", batch, None, "-")]
+            configs += [(f"RAD {fraction} {m}", batch, fraction, m) for m in modes]
+            configs.append((f"reduced batch {reduced}", reduced, None, "-"))
+            mine: list[dict[str, Any]] = []
+            for rep in seeds:
+                bar.set_description(f"{suite.name} {kind} seed {rep.seed}")
+                boot = rep.bootstrap(train)
+                seen, held_out = eval_sets(boot, test, examples)
+                torch.manual_seed(rep.init_seed)
+                base = rad_model(kind, side=train.x.shape[-1]).to(device)
+                lanes: dict[int, list[Lane]] = {}
+                for label, b, frac, mode in configs:
+                    model = randomized(base, frac, mode, rep.rad_seed)
+                    mem = memory_of(model, train.x[:b], train.y[:b])
+                    config = {"model": kind, "batch": b, "fraction": frac, "mode": mode,
+                              "lr": lr, "optimizer": optimizer, "steps": steps,
+                              "seed": rep.seed, "dataset": train.name, "bootstrap": True,
+                              "train_examples": len(train), "eval_examples": examples,
+                              "threads": threads, "equal_memory_target_bytes": target}  # fmt: skip
+                    opt = make_optimizer(optimizer, model.parameters(), lr, momentum=0.0)
+                    lanes.setdefault(b, []).append(Lane(label, model, opt, fields={
+                        "model": kind, "series": kind, "sweep": "step", "config": config,
+                        "seed": rep.seed, "threads": threads, "machine": machine,
+                        "created": created, **mem,
+                    }))  # fmt: skip
+                for b, group in lanes.items():  # same batch size: side by side, same batches
+                    mine += train_lanes(
+                        group, head=head, train=seen, test=held_out, steps=steps, every=every,
+                        batch=b, batch_seed=rep.batch_seed, tick=lambda: bar.update(1),
+                    )  # fmt: skip
+            records += mine + bands(mine)
     bar.close()
     return records
 
@@ -398,6 +554,118 @@ def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> 
     plt.close(fig)
 
 
+def plot_band(ax: Any, recs: list[dict[str, Any]], key: str, *, ylabel: str,
+              log: bool = False) -> None:  # fmt: skip
+    """On ``ax``, each engine's median of ``key`` over the seeds vs step, with its
+    :data:`BAND` shaded, from ``rad-band`` records; the baseline dashed black, on top."""
+    for label in dict.fromkeys(r["engine"] for r in recs):
+        pts = sorted((r["x"], r[f"{key}_median"], r[f"{key}_min"], r[f"{key}_max"])
+                     for r in recs if r["engine"] == label and f"{key}_median" in r)  # fmt: skip
+        if not pts:
+            continue
+        x, mid, lo, hi = zip(*pts, strict=True)
+        style = {"color": "k", "ls": "--", "zorder": 3} if label == "baseline" else {}
+        (line,) = ax.plot(x, mid, label=label, lw=1.4, **style)
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
+    ax.set_xlabel("training step (iteration)")
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+
+
+def save_figure(fig: Any, path: Any) -> None:
+    """Write ``fig`` to ``path`` (parents made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def fmt_band(r: dict[str, Any], key: str, spec: str, *, scale: float = 1.0) -> str:
+    """``median [min–max]`` of ``key`` in a ``rad-band`` record (``—`` when missing)."""
+    if r.get(f"{key}_median") is None:
+        return "—"
+    mid, lo, hi = (scale * r[f"{key}_{s}"] for s in ("median", "min", "max"))
+    return f"{mid:{spec}} [{lo:{spec}}–{hi:{spec}}]"
+
+
+def final_bands(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Engine -> its ``rad-band`` record at the last step, in record order."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in recs:
+        if r["engine"] not in out or r["x"] >= out[r["engine"]]["x"]:
+            out[r["engine"]] = r
+    return out
+
+
+BAND_NOTE = (
+    "Lines: median over the seeds; shaded: min–max over the seeds (each seed trains on its "
+    "own bootstrap resample of the training split, with its own initialisation — shared by "
+    "all methods of that seed —, RAD samples and batch order). Train loss/accuracy are "
+    "measured on the seed's bootstrapped set, test on the held-out split. Table cells: "
+    "median [min–max] over the seeds at the last step; s/step = median step time "
+    f"(zero_grad, forward, backward, optimizer step) after {TIMING_WARMUP} warm-up steps, lanes "
+    "of one batch size interleaved step by step, at the records' torch thread count."
+)
+
+
+def _convergence_message(finals: dict[str, dict[str, Any]]) -> str:
+    """The figure's one message: where the best RAD lane ends against the reduced batch."""
+    loss = {k: r["train_loss_median"] for k, r in finals.items() if "train_loss_median" in r}
+    rads = [k for k in loss if k.startswith("RAD ")]
+    reduced = next((k for k in loss if k.startswith("reduced batch")), None)
+    if not rads or reduced is None:
+        return "train loss per method"
+    best = min(rads, key=lambda k: loss[k])
+    where = "below" if loss[best] < loss[reduced] else "not below"
+    return f"{best} ends {where} the {reduced} at equal saved bytes"
+
+
+def _render_bands(
+    suite: str, recs: list[dict[str, Any]], directory: Any, *, plots: bool
+) -> list[str]:
+    from pathlib import Path
+
+    lines: list[str] = [BAND_NOTE, ""]
+    for series in dict.fromkeys(r["series"] for r in recs):
+        rs = [r for r in recs if r["series"] == series]
+        seeds = max(len(r["seeds"]) for r in rs)
+        lines += [f"### {series}", ""]
+        if plots:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            plot_band(axes[0], rs, "train_loss", ylabel="train loss (cross-entropy, nats)",
+                      log=True)  # fmt: skip
+            plot_band(axes[1], rs, "test_acc", ylabel="test accuracy")
+            axes[0].legend(fontsize=8)
+            fig.suptitle(f"{suite} — {series}: {_convergence_message(final_bands(rs))}\n"
+                         f"(median, min–max band over {seeds} seeds)")  # fmt: skip
+            png = Path("plots") / f"{suite}-{series}.png"
+            save_figure(fig, Path(directory) / png)
+            lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+        lines += [
+            "| run | batch | saved | peak | final step | seeds | train loss | test acc | ms/step |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for label, last in final_bands(rs).items():
+            lines.append(
+                f"| {label} | {(last.get('config') or {}).get('batch', '')} "
+                f"| {fmt_bytes(last.get('saved_bytes'))} | {fmt_bytes(last.get('peak_bytes'))} "
+                f"| {last['x']} | {last['n_seeds']} | {fmt_band(last, 'train_loss', '.3f')} "
+                f"| {fmt_band(last, 'test_acc', '.3f')} "
+                f"| {fmt_band(last, 'step_seconds', '.1f', scale=1e3)} |"
+            )
+        lines.append("")
+    return lines
+
+
 def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "Gradient MSE against the full-training-set gradient (sum over parameters, "
@@ -464,7 +732,10 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
     ]
     if "rad-variance" in kinds:
         lines += _render_variance([r for r in records if r.get("kind") == "rad-variance"])
-    if "rad-training" in kinds:
+    if "rad-band" in kinds:  # per-seed curves summarised: median and band over the seeds
+        rs = [r for r in records if r.get("kind") == "rad-band"]
+        lines += _render_bands(suite, rs, directory, plots=plots)
+    elif "rad-training" in kinds:  # results written before the seeds: one curve per run
         rs = [r for r in records if r.get("kind") == "rad-training"]
         lines += _render_curves(suite, rs, directory, plots=plots, log=False)
     if "rad-pde" in kinds:
