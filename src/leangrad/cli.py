@@ -4,7 +4,7 @@ and :func:`leangrad.train.fit`.
 leangrad demo [--out DIR]
 leangrad bench --list
 leangrad bench SUITE [--quick] [--out DIR] [--no-rss] [--threads 1,cores]
-leangrad report DIR [--headline]
+leangrad report DIR [--headline | --reproduction]
 leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE | --plan FILE] ...
 leangrad plan --model NAME --batch-size B --budget 2GiB [--save FILE]      (alias: advise)
 
@@ -87,8 +87,11 @@ def _parser() -> argparse.ArgumentParser:
                         "1,cores; default: the suite's own, else 1)")  # fmt: skip
     r = sub.add_parser("report", help="render every SUITE.json in DIR into DIR/report.md")
     r.add_argument("dir", help="directory holding suite JSON files")
-    r.add_argument("--headline", action="store_true",
-                   help="print the README's opening table from DIR/zoo.json instead")  # fmt: skip
+    table = r.add_mutually_exclusive_group()
+    table.add_argument("--headline", action="store_true",
+                       help="print the README's opening table from DIR/zoo.json")  # fmt: skip
+    table.add_argument("--reproduction", action="store_true",
+                       help="print the papers' numbers beside ours, from DIR/*.json")  # fmt: skip
     for sp in (d, b):
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
     from .train._cli import add_plan_parser, add_train_parser
@@ -218,6 +221,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.headline:
         print(bench.zoo_headline(args.dir))
+        return 0
+    if args.reproduction:
+        from .bench._reproduction import reproduction_markdown
+
+        print(reproduction_markdown(args.dir))
         return 0
     path = bench.render_report(args.dir)
     print(f"wrote {path}")

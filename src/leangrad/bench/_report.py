@@ -334,6 +334,9 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
         "than 1% above the tracker (memory the tracker cannot see, e.g. kernel scratch).",
         "",
     ]
+    from ._reproduction import reproduction_section  # it reads records with this module
+
+    lines += reproduction_section(suites)
     for suite, records in suites.items():
         quick = " (quick)" if records and records[0].get("quick") else ""
         lines += [f"## {suite}{quick}", ""]
