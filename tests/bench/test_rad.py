@@ -56,13 +56,26 @@ def test_convergence_runner_matches_memory(tmp_path: Path) -> None:
 
 
 def test_pde_runner(tmp_path: Path) -> None:
-    suite = _tiny("rad-pde", n=5, steps=24, t_end=0.25, iterations=2, fractions=[1.0, 0.1])
+    suite = _tiny("rad-pde", n=5, steps=24, t_end=0.25, iterations=2, fractions=[1.0, 0.1],
+                  seeds=3)  # fmt: skip
     recs = _rad.run_pde(suite, quick=False, progress=False)  # type: ignore[arg-type]
-    exact = [r for r in recs if r["engine"] == "exact"]
-    randomized = [r for r in recs if r["engine"] == "RAD 0.1"]
-    assert len(exact) == len(randomized) == 3
+    runs = [r for r in recs if r["kind"] == "rad-pde"]
+    exact = [r for r in runs if r["engine"] == "exact"]
+    randomized = [r for r in runs if r["engine"] == "RAD 0.1"]
+    assert len(exact) == 3 and len(randomized) == 3 * 3  # the exact lane once, RAD per seed
+    assert sorted({r["seed"] for r in randomized}) == [0, 1, 2]
     assert randomized[0]["saved_bytes"] < 0.3 * exact[0]["saved_bytes"]
-    assert _rad.render("rad-pde", recs, tmp_path, plots=False)
+    final = {r["seed"]: r["train_loss"] for r in randomized if r["x"] == 2}
+    assert len(set(final.values())) == 3, "each replicate draws its own samples"
+    band = next(r for r in recs if r["kind"] == "rad-pde-band" and r["engine"] == "RAD 0.1"
+                and r["x"] == 2)  # fmt: skip
+    assert band["n_seeds"] == 3 and band["seeds"] == [0, 1, 2]
+    assert band["train_loss_min"] == min(final.values())
+    assert band["train_loss_max"] == max(final.values())
+    assert band["train_loss_min"] <= band["train_loss_median"] <= band["train_loss_max"]
+    lines = _rad.render("rad-pde", recs, tmp_path, plots=True)
+    assert (tmp_path / "plots" / "rad-pde-reaction-diffusion.png").exists()
+    assert any("| RAD 0.1 |" in line and "[" in line for line in lines)
 
 
 def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -386,20 +386,21 @@ def train_lanes(
     return train_side_by_side(lanes, itertools.chain([(0, None)], rounds), curves)
 
 
-def bands(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ``rad-band`` record per (series, engine, step) of per-seed ``rad-training``
+def bands(records: list[dict[str, Any]], *, kind: str = "rad-training",
+          band_kind: str = "rad-band") -> list[dict[str, Any]]:  # fmt: skip
+    """One ``band_kind`` record per (series, engine, step) of per-seed ``kind``
     records: the median, minimum and maximum over the seeds (:data:`BAND`) of each of
     :data:`BAND_KEYS`, from the seeds whose value is finite (``n_seeds``; ``seeds`` lists
     the seeds that reached the step). The per-seed records stay beside them."""
     groups: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
     for r in records:
-        if r.get("kind") == "rad-training" and r.get("failed") is None:
+        if r.get("kind") == kind and r.get("failed") is None:
             groups.setdefault((r["series"], r["engine"], r["x"]), []).append(r)
     out = []
     for rs in groups.values():
         first = rs[0]
         rec = {k: v for k, v in first.items() if k not in (*BAND_KEYS, "seed", "timed_steps")}
-        rec.update(kind="rad-band", band=BAND, seeds=[r["seed"] for r in rs])
+        rec.update(kind=band_kind, band=BAND, seeds=[r["seed"] for r in rs])
         rec["config"] = {k: v for k, v in (first.get("config") or {}).items() if k != "seed"}
         for key in BAND_KEYS:
             vals = [float(r[key]) for r in rs if r.get(key) is not None
@@ -478,14 +479,23 @@ def run_convergence(
     return records
 
 
+PDE_SEED_STRIDE = 100_000
+"""Replicate r of a RAD lane draws iteration i's sample from seed ``seed + r·stride + i``,
+so the replicates' streams never overlap (iteration i of one is not i+1 of another)."""
+
+
 def run_pde(
     suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
 ) -> list[dict[str, Any]]:
-    """Adam on the reaction-diffusion control from exact and RAD gradients (Fig. 7)."""
+    """Adam on the reaction-diffusion control from exact and RAD gradients (Fig. 7): the
+    exact lane once (deterministic), each RAD fraction over ``seeds`` replicates of its
+    random samples from the same initial control; per-replicate ``rad-pde`` records and
+    their ``rad-pde-band`` summaries (median and :data:`BAND` of the loss per iteration)."""
     from ..rad._pde import ReactionDiffusion, optimize, pde_gradient
 
     machine, created = machine_info(), _now()
     seed = int(suite.setting("seed", quick, 0))
+    seeds = int(suite.setting("seeds", quick, 1))
     iterations = int(suite.setting("iterations", quick, 300))
     lr = float(suite.setting("lr", quick, 0.05))
     fractions = [float(f) for f in suite.setting("fractions", quick, [1.0, 0.1, 0.01])]
@@ -496,17 +506,19 @@ def run_pde(
         D=float(suite.setting("D", quick, 0.25)),
     )
     theta0 = problem.initial_theta(seed=seed, device=device)
+    lanes = [(f, r) for f in fractions for r in range(1 if f >= 1.0 else seeds)]
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=iterations * len(fractions), desc=suite.name, disable=not progress)
-    for fraction in fractions:
+    bar = tqdm(total=iterations * len(lanes), desc=suite.name, disable=not progress)
+    for fraction, rep in lanes:
         label = "exact" if fraction >= 1.0 else f"RAD {fraction}"
-        bar.set_description(f"{suite.name} {label}")
+        stream = seed + rep * PDE_SEED_STRIDE
+        bar.set_description(f"{suite.name} {label} seed {rep}")
         with MemoryTracker(baseline=(theta0,)) as tracker:
-            res = pde_gradient(problem, theta0, fraction=fraction, seed=seed)
+            res = pde_gradient(problem, theta0, fraction=fraction, seed=stream)
             del res
         t0 = time.perf_counter()
         run = optimize(
-            problem, theta0, fraction=fraction, iterations=iterations, lr=lr, seed=seed,
+            problem, theta0, fraction=fraction, iterations=iterations, lr=lr, seed=stream,
             tick=lambda: bar.update(1),
         )  # fmt: skip
         seconds = time.perf_counter() - t0
@@ -519,13 +531,13 @@ def run_pde(
                 suite, "rad-pde", quick, engine=label, series="reaction-diffusion",
                 sweep="iteration", x=i, train_loss=loss, fraction=fraction, config=config,
                 peak_bytes=tracker.report.peak_bytes, stored_values=run.stored_values,
-                saved_bytes=tracker.report.forward_live_bytes,
+                saved_bytes=tracker.report.forward_live_bytes, seed=rep,
                 train_seconds=seconds if i == len(run.losses) - 1 else None,
                 theta=run.theta.tolist() if i == len(run.losses) - 1 else None,
                 machine=machine, created=created,
             ))  # fmt: skip
     bar.close()
-    return records
+    return records + bands(records, kind="rad-pde", band_kind="rad-pde-band")
 
 
 def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> None:
@@ -666,6 +678,71 @@ def _render_bands(
     return lines
 
 
+def _render_pde_bands(
+    suite: str, recs: list[dict[str, Any]], directory: Any, *, plots: bool
+) -> list[str]:
+    """The PDE control's loss per Adam iteration: each lane's median over its replicates
+    with the :data:`BAND` shaded (the exact lane is one deterministic run)."""
+    from pathlib import Path
+
+    finals = final_bands(recs)
+    seeds = max(len(r["seeds"]) for r in recs)
+    lines = [
+        f"Lines: median over {seeds} replicates of each RAD lane's random samples (same "
+        "initial control); shaded: min–max over them. The exact lane is deterministic: one "
+        "run. Table cells: median [min–max] at the last iteration.",
+        "",
+    ]
+    for series in dict.fromkeys(r["series"] for r in recs):
+        rs = [r for r in recs if r["series"] == series]
+        lines += [f"### {series}", ""]
+        if plots:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for label in dict.fromkeys(r["engine"] for r in rs):
+                pts = sorted((r["x"], r["train_loss_median"], r["train_loss_min"],
+                              r["train_loss_max"]) for r in rs if r["engine"] == label)  # fmt: skip
+                x, mid, lo, hi = zip(*pts, strict=True)
+                style: dict[str, Any] = ({"color": "k", "ls": "--", "zorder": 3}
+                                         if label == "exact" else {})  # fmt: skip
+                (line,) = ax.plot(x, mid, label=label, lw=1.4, **style)
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
+            ax.set_xlabel("Adam iteration")
+            ax.set_ylabel("control loss")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            least = min((r for r in finals.values() if r.get("fraction", 1) < 1),
+                        key=lambda r: r["fraction"], default=None)  # fmt: skip
+            what = ("loss per iteration" if least is None else
+                    f"storing {least['fraction']:g} of the state, RAD optimises as the exact "
+                    "gradient does")  # fmt: skip
+            ax.set_title(f"{suite}: {what}\n(median, min–max band over {seeds} replicates)",
+                         fontsize=10)  # fmt: skip
+            png = Path("plots") / f"{suite}-{series}.png"
+            save_figure(fig, Path(directory) / png)
+            lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+        lines += [
+            "| run | fraction | saved | peak | final iteration | replicates | loss | train s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for label, last in finals.items():
+            if last["series"] != series:
+                continue
+            lines.append(
+                f"| {label} | {(last.get('config') or {}).get('fraction')} "
+                f"| {fmt_bytes(last.get('saved_bytes'))} | {fmt_bytes(last.get('peak_bytes'))} "
+                f"| {last['x']} | {last['n_seeds']} | {fmt_band(last, 'train_loss', '.4g')} "
+                f"| {fmt_band(last, 'train_seconds', '.1f')} |"
+            )
+        lines.append("")
+    return lines
+
+
 def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "Gradient MSE against the full-training-set gradient (sum over parameters, "
@@ -738,7 +815,10 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
     elif "rad-training" in kinds:  # results written before the seeds: one curve per run
         rs = [r for r in records if r.get("kind") == "rad-training"]
         lines += _render_curves(suite, rs, directory, plots=plots, log=False)
-    if "rad-pde" in kinds:
+    if "rad-pde-band" in kinds:
+        rs = [r for r in records if r.get("kind") == "rad-pde-band"]
+        lines += _render_pde_bands(suite, rs, directory, plots=plots)
+    elif "rad-pde" in kinds:  # results written before the replicates: one curve per lane
         rs = [r for r in records if r.get("kind") == "rad-pde"]
         lines += _render_curves(suite, rs, directory, plots=plots, log=True)
     return lines

@@ -291,22 +291,27 @@ def _moonwalk_v1_fig3_depth(records: list[Record]) -> str | None:
 @_reads("highway-table2-gpt2")
 def _highway_gpt2(records: list[Record]) -> str | None:
     curves = _match(records, kind="highway-transformer")
-    bp = _last(curves, "val_loss", engine="backprop")
-    if bp is None:
+    parts = []
+    for series in dict.fromkeys(r["series"] for r in curves):
+        bp = _last(_match(curves, series=series), "val_loss", engine="backprop")
+        if bp is None:
+            continue
+        cfg, k = bp["config"], bp["config"].get("paper_k")
+        hw = _last(_match(curves, series=series), "val_loss", engine=f"highway(k={k})")
+        if hw is None:
+            continue
+        step = _match(records, kind="highway-transformer-step", series=series,
+                      engine=f"highway(k={k})", threads=1)  # fmt: skip
+        time = f", step {_x(step[0].get('time_ratio'))} backprop's (1 thread)" if step else ""
+        parts.append(
+            f"{cfg.get('norm', '?')}-LN, {cfg.get('layers', '?')} layers = "
+            f"{cfg.get('blocks', '?')} sublayers: highway k={k} {hw['val_loss']:.3f} vs backprop "
+            f"{bp['val_loss']:.3f} ({hw['val_loss'] / bp['val_loss'] - 1:+.1%}) at step "
+            f"{bp['x']}, gradient cosine {_num(hw.get('grad_cosine'), '.4f')}{time}"
+        )
+    if not parts:
         return None
-    k = bp["config"].get("paper_k")
-    hw = _last(_match(curves, series=bp["series"]), "val_loss", engine=f"highway(k={k})")
-    step = _match(records, kind="highway-transformer-step", series=bp["series"],
-                  engine=f"highway(k={k})", threads=1)  # fmt: skip
-    if hw is None:
-        return None
-    gap = hw["val_loss"] / bp["val_loss"] - 1
-    time = f", step {_x(step[0].get('time_ratio'))} backprop's (1 thread)" if step else ""
-    return (f"final validation loss at step {bp['x']}: highway k={k} {hw['val_loss']:.3f} vs "
-            f"backprop {bp['val_loss']:.3f} ({gap:+.1%}), gradient cosine "
-            f"{_num(hw.get('grad_cosine'), '.4f')}{time} ({bp['config'].get('norm', '?')}-LN, "
-            f"{bp['config'].get('layers', '?')} layers = {bp['config'].get('blocks', '?')} "
-            f"sublayers, d {bp['config'].get('d_model', '?')}, character-level)")  # fmt: skip
+    return "final validation loss (characters, d 64): " + "; ".join(parts)
 
 
 @_reads("moonwalk-v1-fig3-revnet")
@@ -575,18 +580,24 @@ def _rad_fig10(records: list[Record]) -> str | None:
 
 @_reads("rad-fig7-pde")
 def _rad_fig7(records: list[Record]) -> str | None:
-    exact = _last(records, "train_loss", engine="exact")
-    rads = [r for r in records if r.get("engine") != "exact" and r.get("fraction") is not None]
+    bands = _match(records, kind="rad-pde-band")
+    rs = bands or records  # results written before the replicates: one run per lane
+    key = "train_loss_median" if bands else "train_loss"
+    exact = _last(rs, key, engine="exact")
+    rads = [r for r in rs if r.get("engine") != "exact" and r.get("fraction") is not None]
     if exact is None or not rads:
         return None
     least = min(r["fraction"] for r in rads)
-    rad = _last(records, "train_loss", fraction=least)
+    rad = _last(rs, key, fraction=least)
     if rad is None:
         return None
     less = 1 - rad["saved_bytes"] / exact["saved_bytes"] if exact.get("saved_bytes") else None
+    spread = (f" [{_x(_ratio(rad['train_loss_min'], exact[key]))}–"
+              f"{_x(_ratio(rad['train_loss_max'], exact[key]))}], median of "
+              f"{len(rad['seeds'])} replicates" if bands else "")  # fmt: skip
     return (f"fraction {least:g}: saved −{_num(less, '.1%')} "
             f"({fmt_bytes(exact.get('saved_bytes'))} → {fmt_bytes(rad.get('saved_bytes'))}); "
-            f"loss {_x(_ratio(rad['train_loss'], exact['train_loss']))} exact's "
+            f"loss {_x(_ratio(rad[key], exact[key]))}{spread} exact's "
             f"at iteration {rad['x']}")  # fmt: skip
 
 
