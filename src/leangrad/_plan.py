@@ -45,6 +45,7 @@ from ._plan_measure import Context, TrainingStep, Tried, measure, too_big
 from ._sizes import free_bytes
 from .engines import Engine
 from .engines import engine as engine_named
+from .engines._wrapped import wrapped_by
 from .measure import profile_step, time_interleaved
 from .measure._profile import untouched
 
@@ -54,6 +55,11 @@ if TYPE_CHECKING:
 __all__ = ["Candidate", "Plan", "TrainingStep", "candidates", "plan"]
 
 BAD_BUDGET = "budget must be a positive number of bytes, got {value!r}"
+PLAN_WRAPPED = (
+    "plan measures one process's step, and a {wrapper} model cannot be copied or measured "
+    "alone: plan {unwrap} on one process, or plan under torchrun with `leangrad train "
+    "--budget` (rank 0 plans and every rank trains its choice)"
+)
 BAD_SETTING = "plan: {name} must be {want}, got {value!r}"
 NOT_TIMED = (" — peak is a fake-tensor estimate and untimed (too big to allocate here); "
              "chosen as the first fitting candidate in the planner's order")  # fmt: skip
@@ -404,6 +410,9 @@ def plan(
                                      and autocast.is_floating_point):  # fmt: skip
         raise ValueError(BAD_SETTING.format(name="autocast", want="a floating torch.dtype "
                                             "(torch.bfloat16, torch.float16)", value=autocast))
+    if (wrapper := wrapped_by(model)) is not None:
+        raise errors.EngineInputError(PLAN_WRAPPED.format(wrapper=wrapper[0],
+                                                          unwrap=wrapper[1]))  # fmt: skip
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     device = xs[0].device if xs else next(model.parameters()).device
     if not isinstance(compile, bool):

@@ -23,6 +23,7 @@ class Backprop(Engine):
 
     exact = True
     autocast = True
+    wrapped_models = True  # loss.backward() is DDP's/FSDP's own backward
 
     def __init__(self) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import _errors as errors
 from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
+from ._wrapped import WRAPPED, wrapped_by
 
 __all__ = [
     "Engine",
@@ -91,6 +92,10 @@ class Engine(abc.ABC):
     """``True`` when the engine is checked to compute, under ``torch.autocast``, what
     autograd computes under the same autocast (tests/engines/test_autocast.py); the others
     refuse a step under autocast, naming why (:meth:`autocast_why`)."""
+    wrapped_models: ClassVar[bool] = False
+    """``True`` when the engine's gradients are averaged by ``DistributedDataParallel``
+    or FSDP as autograd's are (its backward is the wrapper's own); the others refuse a
+    wrapped model, naming how to unwrap it (:mod:`~leangrad.engines._wrapped`)."""
     reruns: ClassVar[bool] = False
     """``True`` when the engine runs part of the model again after the forward phase
     (recomputation, replays): buffers are then guarded so that running statistics
@@ -177,6 +182,10 @@ class Engine(abc.ABC):
         xs = as_input_tuple(inputs)
         params = trainable_parameters(model)
         _check_inputs(xs, params)
+        wrapper = wrapped_by(model)
+        if wrapper is not None and not self.wrapped_models:
+            raise errors.EngineInputError(WRAPPED.format(engine=self.label, wrapper=wrapper[0],
+                                                         unwrap=wrapper[1]))  # fmt: skip
         if (kind := autocast_on(xs)) is not None and (why := self.autocast_why()) is not None:
             raise errors.EngineInputError(NO_AUTOCAST.format(engine=self.label, device=kind,
                                                              why=why))  # fmt: skip
@@ -191,6 +200,8 @@ class Engine(abc.ABC):
             if on_grad is None:
                 return self._backward(model, xs, loss_fn, params, None)
             held = self.revisited_parameters(model, params)
+            if wrapper is not None:  # DDP averages at the end of the backward: hand over then
+                held = {id(p) for p in params.values()}
             announcer = GradAnnouncer(self.label, params, on_grad, held=held)
             result = self._backward(model, xs, loss_fn, params, announcer)
             announcer.finish()
