@@ -40,8 +40,10 @@ __all__ = [
     "averaging_on_grad",
     "broadcast_object",
     "broadcast_parameters",
+    "gather_object",
     "init_distributed",
     "mean_scalar",
+    "seed_per_rank",
 ]
 
 
@@ -86,6 +88,28 @@ def init_distributed(device: torch.device) -> DistContext:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         backend=dist.get_backend(),
     )
+
+
+RANK_SEED_STRIDE = 1_000_003
+"""Rank r > 0 draws from torch's generator seeded ``seed + r * RANK_SEED_STRIDE`` (rank 0
+keeps ``seed``'s stream, so one process is unchanged): dropout masks and estimator samples
+(RAD without its own ``seed``) then differ per rank, and averaging over ranks reduces the
+estimator's variance as it should, reproducibly from ``seed``."""
+
+
+def seed_per_rank(seed: int, ctx: DistContext) -> None:
+    """Give this rank its own torch random stream (:data:`RANK_SEED_STRIDE`)."""
+    if ctx.rank > 0:
+        torch.manual_seed(seed + RANK_SEED_STRIDE * ctx.rank)
+
+
+def gather_object(value: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (``[value]`` on one process)."""
+    if not ctx.enabled:
+        return [value]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return out
 
 
 def broadcast_object(values: list[Any], ctx: DistContext) -> None:

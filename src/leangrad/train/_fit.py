@@ -330,6 +330,7 @@ def fit(
         run.resume(resume)
     else:
         distributed.broadcast_parameters(run.net, ctx)
+        distributed.seed_per_rank(seed, ctx)  # dropout, RAD: each rank its own samples
     if out is not None:
         run.open(Path(out), keep_checkpoints, resumed=resume is not None)
     with _Interrupt(handle_sigint) as interrupt:
@@ -542,7 +543,12 @@ class _Run:
         self.step, self.epoch, self.batch = payload["step"], payload["epoch"], payload["batch"]
         self.last_ckpt = path
         snapshot.load_engine_state(self.engine, payload)
-        snapshot.set_rng_state(payload["rng"])
+        ranks = payload.get("rng_ranks") or []
+        if len(ranks) == self.ctx.world_size:  # each rank continues its own stream
+            snapshot.set_rng_state(ranks[self.ctx.rank])
+        else:  # saved by another number of processes (or before per-rank streams)
+            snapshot.set_rng_state(payload["rng"])
+            distributed.seed_per_rank(self.cfg.seed + self.step, self.ctx)
 
     def open(self, out: Path, keep: int, *, resumed: bool) -> None:
         """Start writing into the run directory (rank 0 writes, every rank checkpoints).
@@ -565,13 +571,14 @@ class _Run:
         if self.ckpt_dir is None:
             return
         path = self.ckpt_dir / snapshot.checkpoint_name(self.step)
+        rngs = distributed.gather_object(snapshot.rng_state(), self.ctx)  # every rank's stream
         if self.lead:
             state = {
                 "step": self.step, "epoch": self.epoch, "batch": self.batch,
                 "config": dataclasses.asdict(self.cfg),
                 "fingerprint": snapshot.model_fingerprint(self.net),
                 "model": self.net.state_dict(), "optimizer": self._optimizer.state_dict(),
-                "rng": snapshot.rng_state(), "engine_state": self.engine.state_dict(),
+                "rng": rngs[0], "rng_ranks": rngs, "engine_state": self.engine.state_dict(),
             }  # fmt: skip
             snapshot.save_checkpoint(path, state)
             snapshot.prune(self.ckpt_dir, self.keep)
