@@ -17,7 +17,13 @@ Quick use::
 """
 
 from ._config import FitResult, NonFiniteLossError, TrainConfig
-from ._distributed import DistContext, average_gradients, averaging_on_grad, init_distributed
+from ._distributed import (
+    DistContext,
+    average_gradients,
+    averaging_on_grad,
+    init_distributed,
+    seed_per_rank,
+)
 from ._fit import evaluate, fit
 from ._metrics import plot_metrics, read_metrics
 from ._perlayer import GradMemory, PerLayerOptimizer, measure_grad_memory
@@ -49,4 +55,5 @@ __all__ = [
     "plot_metrics",
     "read_metrics",
     "save_checkpoint",
+    "seed_per_rank",
 ]
