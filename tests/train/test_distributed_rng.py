@@ -1,4 +1,5 @@
-"""Randomness per rank under 2 local processes (gloo, issue 32): every rank draws its own
+"""Randomness per rank under 2 local processes (gloo, issue 32), training backprop through
+PyTorch's DistributedDataParallel: every rank draws its own
 dropout masks (and estimator samples) from ``seed``, instead of all ranks drawing the same
 ones, and a resumed run continues each rank's own stream, so it ends bit-equal to an
 uninterrupted run."""
@@ -22,6 +23,13 @@ from leangrad import train
 
 torch.set_num_threads(1)
 out_dir = Path(sys.argv[1])
+from torch.nn.parallel import DistributedDataParallel as DDP
+ddp_forwards = []
+plain = DDP.forward
+def counted(self, *args, **kwargs):
+    ddp_forwards.append(1)
+    return plain(self, *args, **kwargs)
+DDP.forward = counted
 ctx = train.init_distributed(torch.device("cpu"))
 
 def build():
@@ -42,7 +50,7 @@ ckpt = out_dir / "whole" / "checkpoints"
 part = train.fit(build(), max_steps=4, checkpoint_every=2, **kw,
                  resume=sorted(ckpt.glob("*.pt"))[0],
                  out=out_dir / "whole")
-res = {"mask": first_mask, "ckpts": sorted(p.name for p in ckpt.glob("*.pt")),
+res = {"mask": first_mask, "ddp_forwards": len(ddp_forwards), "ckpts": sorted(p.name for p in ckpt.glob("*.pt")),
        "whole": [p.detach().flatten().tolist() for p in whole.model.parameters()],
        "resumed": [p.detach().flatten().tolist() for p in part.model.parameters()]}
 json.dump(res, open(out_dir / f"rank{ctx.rank}.json", "w"))
@@ -72,6 +80,7 @@ def test_ranks_draw_their_own_masks_and_resume_their_own_streams(tmp_path: Path)
     logs = [p.communicate(timeout=300)[0].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["ddp_forwards"] >= 4 for r in ranks), "backprop trains through DDP"
     assert ranks[0]["mask"] != ranks[1]["mask"], "both ranks drew the same dropout mask"
     for r in ranks:
         assert len(r["ckpts"]) == 2, r["ckpts"]  # resumed from step 2 of 4

@@ -1,21 +1,25 @@
-"""Data-parallel training with ``torch.distributed``, equivalent to DistributedDataParallel.
+"""Data-parallel training with ``torch.distributed``.
 
 Under ``torchrun --nproc-per-node N`` (or any launcher that sets ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``) every process holds the same
 model (rank 0's initial weights are broadcast), takes its own shard of each
 global batch, and gradients are averaged over processes before the optimizer
-uses them — so the update equals one process's update on the combined batch,
-as with DDP.
+uses them — so the update equals one process's update on the combined batch.
 
-Averaging works with every engine, because it needs nothing but ``p.grad``:
-
-- after ``engine.backward`` returns (the plain path), one all-reduce per
-  parameter in a fixed (name) order;
+- An engine whose backward is autograd's own (``wrapped_models``: backprop) trains
+  through PyTorch's ``DistributedDataParallel`` (:func:`data_parallel`): bucketed
+  all-reduces overlapping the backward.
+- Every other engine computes its gradients outside DDP's hooks, so they are averaged
+  after ``engine.backward`` returns, one all-reduce per parameter in a fixed (name)
+  order (:func:`average_gradients`);
 - or inside ``on_grad`` (per-layer engines such as Moonwalk, or
   ``--step-per-layer``): each gradient is all-reduced the moment the engine
   hands it over, before the per-parameter optimizer step. Every process runs the
   same engine on the same model, so the hand-over order, and hence the order of
   the collectives, is the same on all of them.
+
+Each rank draws its own random numbers (:func:`seed_per_rank`); ``--budget`` is planned
+on rank 0 alone and broadcast (:func:`broadcast_object`).
 
 Backend: NCCL when the model is on CUDA, gloo on CPU.
 """
@@ -40,6 +44,7 @@ __all__ = [
     "averaging_on_grad",
     "broadcast_object",
     "broadcast_parameters",
+    "data_parallel",
     "gather_object",
     "init_distributed",
     "mean_scalar",
@@ -116,6 +121,18 @@ def broadcast_object(values: list[Any], ctx: DistContext) -> None:
     """Replace ``values``' items on every process by rank 0's (picklable objects)."""
     if ctx.enabled:
         dist.broadcast_object_list(values, src=0)
+
+
+def data_parallel(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """``model`` wrapped in PyTorch's ``DistributedDataParallel`` for this process group
+    (gradients all-reduced in buckets while the backward runs; rank 0's weights and
+    buffers broadcast at construction)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    ids = [device.index if device.index is not None else ctx.local_rank] \
+        if device.type == "cuda" else None  # fmt: skip
+    return DistributedDataParallel(model, device_ids=ids)
 
 
 def broadcast_parameters(model: nn.Module, ctx: DistContext) -> None:

@@ -498,6 +498,11 @@ class _Run:
         self.plo = PerLayerOptimizer(self.params, self.make_opt) if cfg.step_per_layer else None
         self.opt = None if self.plo else self.make_opt(list(self.params.values()))
         self.on_grad = distributed.averaging_on_grad(ctx, self.plo.on_grad) if self.plo else None
+        # an engine whose backward is autograd's trains through PyTorch's DDP (bucketed
+        # all-reduce overlapping the backward); the others average after the step
+        self.ddp = (distributed.data_parallel(self.net, ctx)
+                    if ctx.enabled and self.engine.wrapped_models and self.plo is None
+                    else None)  # fmt: skip
         self.per_step = cfg.batch_size * ctx.world_size
         self.steps_per_epoch = len(self.train) // self.per_step
         if self.steps_per_epoch < 1:
@@ -629,13 +634,14 @@ class _Run:
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
             with self.autocast():
-                res = self.engine.backward(self.net, x, loss_fn, on_grad=on_grad)
+                res = self.engine.backward(self.ddp or self.net, x, loss_fn, on_grad=on_grad)
             if on_grad is not None:  # gradients the engine did not hand over
                 for n, p in self.params.items():
                     if p.grad is not None:
                         on_grad(n, p)
             else:
-                distributed.average_gradients(self.params.items(), self.ctx)
+                if self.ddp is None:  # DDP averaged them during the backward
+                    distributed.average_gradients(self.params.items(), self.ctx)
                 opt.step()  # type: ignore[union-attr]
                 opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
         if isinstance(tracker, MemoryTracker):
