@@ -55,6 +55,7 @@ for model, kw in FIT.items():
     res = train.fit(model, **kw, batch_size=8)
     out["fit-" + model] = res.model.state_dict()
 torch.save(out, f"{sys.argv[1]}/rank{ctx.rank}.pt")
+dist.barrier()  # no rank tears its connections down while another still uses them
 dist.destroy_process_group()
 '''
 

@@ -38,6 +38,7 @@ try:
 except errors.LeangradError as err:
     out["tiny"] = type(err).__name__
 json.dump(out, open(f"{sys.argv[1]}/rank{ctx.rank}.json", "w"))
+dist.barrier()  # no rank tears its connections down while another still uses them
 dist.destroy_process_group()
 '''
 

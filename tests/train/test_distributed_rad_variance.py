@@ -50,6 +50,7 @@ for _ in range(int(sys.argv[2])):
     draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
 if ctx.rank == 0:
     torch.save(torch.stack(draws), f"{sys.argv[1]}/draws.pt")
+dist.barrier()  # no rank tears its connections down while another still uses them
 dist.destroy_process_group()
 '''
 

@@ -50,10 +50,12 @@ ckpt = out_dir / "whole" / "checkpoints"
 part = train.fit(build(), max_steps=4, checkpoint_every=2, **kw,
                  resume=sorted(ckpt.glob("*.pt"))[0],
                  out=out_dir / "whole")
-res = {"mask": first_mask, "ddp_forwards": len(ddp_forwards), "ckpts": sorted(p.name for p in ckpt.glob("*.pt")),
+res = {"mask": first_mask, "ddp_forwards": len(ddp_forwards),
+       "ckpts": sorted(p.name for p in ckpt.glob("*.pt")),
        "whole": [p.detach().flatten().tolist() for p in whole.model.parameters()],
        "resumed": [p.detach().flatten().tolist() for p in part.model.parameters()]}
 json.dump(res, open(out_dir / f"rank{ctx.rank}.json", "w"))
+dist.barrier()  # no rank tears its connections down while another still uses them
 dist.destroy_process_group()
 '''
 

@@ -70,6 +70,7 @@ except errors.EngineInputError as err:
 except Exception as err:  # FSDP2 not usable on this CPU build: the refusal is not reached
     out["fsdp"] = f"unavailable: {type(err).__name__}: {err}"
 json.dump(out, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+dist.barrier()  # no rank tears its connections down while another still uses them
 dist.destroy_process_group()
 '''
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "data_parallel",
     "gather_object",
     "init_distributed",
+    "mean_and_any",
     "mean_scalar",
     "seed_per_rank",
 ]
@@ -175,6 +176,25 @@ def mean_scalar(value: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     v = value.detach().clone().reshape(1)
     dist.all_reduce(v, op=dist.ReduceOp.SUM)
     return (v / ctx.world_size).reshape(())
+
+
+def mean_and_any(value: torch.Tensor, flag: bool,
+                 ctx: DistContext) -> Callable[[], tuple[torch.Tensor, bool]]:  # fmt: skip
+    """Start one all-reduce of :func:`mean_scalar` of ``value`` and :func:`any_process` of
+    ``flag`` (a step's loss and stop request); the returned function waits for it. In
+    flight while the caller steps the optimizer, so its latency hides behind that work."""
+    if not ctx.enabled:
+        done = (value.detach(), flag)
+        return lambda: done
+    v = torch.stack([value.detach().reshape(()).to(torch.float64),
+                     torch.tensor(float(flag), dtype=torch.float64, device=value.device)])
+    work = dist.all_reduce(v, op=dist.ReduceOp.SUM, async_op=True)
+
+    def wait() -> tuple[torch.Tensor, bool]:
+        work.wait()
+        return (v[0] / ctx.world_size).to(value.dtype), bool(v[1].item() > 0)
+
+    return wait
 
 
 def any_process(flag: bool, ctx: DistContext) -> bool:

@@ -624,8 +624,11 @@ class _Run:
         idx = order[lo : lo + self.cfg.batch_size].to(self.dev)
         return self.train.x[idx], self.train.y[idx]
 
-    def _update(self, x: torch.Tensor, y: torch.Tensor, track: bool) -> float:
-        """One optimizer step on (x, y); returns the loss averaged over processes."""
+    def _update(self, x: torch.Tensor, y: torch.Tensor, track: bool,
+                interrupt: _Interrupt | None = None) -> tuple[float, bool]:  # fmt: skip
+        """One optimizer step on (x, y); returns the loss averaged over processes and
+        whether any process was interrupted by the step's optimizer update (one
+        collective, in flight while the optimizer steps)."""
         loss_fn = _loss_fn(y)
         opt, on_grad = self.opt, self.on_grad
         tracker = (MemoryTracker(baseline=(self.net, x, y, _opt_tensors(self._optimizer)))
@@ -639,15 +642,18 @@ class _Run:
                 for n, p in self.params.items():
                     if p.grad is not None:
                         on_grad(n, p)
-            else:
-                if self.ddp is None:  # DDP averaged them during the backward
-                    distributed.average_gradients(self.params.items(), self.ctx)
+            elif self.ddp is None:  # DDP averages them during the backward
+                distributed.average_gradients(self.params.items(), self.ctx)
+            hit = interrupt is not None and interrupt.hit
+            pending = distributed.mean_and_any(res.loss, hit, self.ctx)  # beside the step
+            if on_grad is None:
                 opt.step()  # type: ignore[union-attr]
                 opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+            loss, stop = pending()
         if isinstance(tracker, MemoryTracker):
             rep = tracker.report
             self.peak = max(self.peak or 0, rep.baseline_bytes + rep.peak_bytes)
-        return float(distributed.mean_scalar(res.loss, self.ctx))
+        return float(loss), stop
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's ``torch.autocast`` (``precision``), or nothing."""
@@ -692,7 +698,7 @@ class _Run:
                         self.grad_memory = measure_grad_memory(
                             self.net, self.engine, x, _loss_fn(y), self.make_opt)
                     track = track_every > 0 and self.step % track_every == 0
-                    loss = self._update(x, y, track)
+                    loss, stop = self._update(x, y, track, interrupt)
                     if not math.isfinite(loss):
                         raise self._non_finite(loss)
                     if self._checkpoint_due(self.step + 1):  # stop before logging the step
@@ -711,7 +717,7 @@ class _Run:
                     epoch_done = self.batch == self.steps_per_epoch
                     if epoch_done:
                         self._end_epoch()
-                    if distributed.any_process(interrupt.hit, self.ctx):
+                    if stop:  # a process was interrupted (SIGINT) by the end of the step
                         self.stopped = "interrupted"
                         break
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
