@@ -122,7 +122,8 @@ def add_train_parser(sub: Any) -> None:
         type=cli_types.positive_int)  # fmt: skip
     opt("--lr", "lr", "learning rate", type=cli_types.positive_float)
     opt("--optimizer", "optimizer", "adam or sgd", choices=("adam", "sgd"))
-    opt("--seed", "seed", "seed of init, split and data order", type=_seed)
+    opt("--seed", "seed", "seed of init, split, data order and each process's random stream",
+        type=_seed)  # fmt: skip
     opt("--step-per-layer", "step_per_layer", "optimizer step per parameter inside on_grad; "
         "gradients never all live at once (saving measured and printed)", action="store_const",
         const=True)  # fmt: skip
