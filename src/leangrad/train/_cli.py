@@ -27,6 +27,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "max_steps": None,
     "dtype": "float32",
     "precision": "float32",
+    "parallel": "ddp",
     "test_fraction": 0.2,
 }
 """Defaults of the settings a resumed run takes from its checkpoint instead."""
@@ -133,6 +134,9 @@ def add_train_parser(sub: Any) -> None:
     opt("--dtype", "dtype", "float32 or float64", choices=("float32", "float64"))
     opt("--precision", "precision", "float32, or bf16/fp16: each step under torch.autocast "
         "(engines not checked under it refuse, naming why)", choices=PRECISION_CHOICES)
+    opt("--parallel", "parallel", "under torchrun: ddp (DDP for backprop, the others averaged "
+        "after their step) or fsdp (FSDP2: each process holds 1/N of the parameters, "
+        "gradients and optimizer state; backprop only)", choices=("ddp", "fsdp"))  # fmt: skip
     opt("--test-fraction", "test_fraction", "held-out share for test accuracy, in [0, 1)",
         type=cli_types.fraction)  # fmt: skip
     t.add_argument("--budget", default=None, type=cli_types.size,

@@ -65,6 +65,9 @@ class TrainConfig:
     dtype: str
     test_fraction: float
     world_size: int
+    parallel: str = "ddp"
+    """Under several processes: ``"ddp"`` (DDP for backprop, averaging for the others) or
+    ``"fsdp"`` (FSDP2: parameters, gradients and optimizer state sharded; backprop only)."""
     precision: str = "float32"
     """``"float32"`` (the parameters' own dtype), or ``"bf16"``/``"fp16"``: each step runs
     under ``torch.autocast`` with that dtype (:data:`PRECISIONS`)."""

@@ -41,6 +41,7 @@ from ..data import Dataset
 from ..engines import Engine
 from ..measure import MemoryTracker
 from . import _distributed as distributed
+from . import _sharded as sharded
 from . import _snapshot as snapshot
 from ._config import (
     BAD_OPTIMIZER,
@@ -209,6 +210,7 @@ def fit(
     device: str | torch.device | None = None,
     dtype: str = "float32",
     precision: str = "float32",
+    parallel: str = "ddp",
     test_fraction: float = 0.2,
     track_memory_every: int = 50,
     progress: bool = True,
@@ -296,6 +298,7 @@ def fit(
                     track_memory_every=track_memory_every, test_fraction=test_fraction,
                     lr=lr)  # fmt: skip
     autocast_dtype(precision)  # a bad precision is refused before any work
+    sharded.check_parallel(parallel)
     if resume is not None and overwrite:
         raise snapshot.RunDirectoryError(snapshot.RESUME_AND_OVERWRITE)
     if plan is not None and budget is not None and resume is None:
@@ -312,6 +315,7 @@ def fit(
         epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer, seed=seed,
         step_per_layer=step_per_layer, checkpoint_every=checkpoint_every,
         max_steps=max_steps, dtype=dtype, precision=precision, test_fraction=test_fraction,
+        parallel=parallel,
         world_size=ctx.world_size,
         plan=None if plan is None else "<Plan>" if isinstance(plan, Plan) else str(plan),
     )  # fmt: skip
@@ -329,7 +333,8 @@ def fit(
     if resume is not None:
         run.resume(resume)
     else:
-        distributed.broadcast_parameters(run.net, ctx)
+        if not run.sharded:  # (a sharded model was broadcast before sharding)
+            distributed.broadcast_parameters(run.net, ctx)
         distributed.seed_per_rank(seed, ctx)  # dropout, RAD: each rank its own samples
     if out is not None:
         run.open(Path(out), keep_checkpoints, resumed=resume is not None)
@@ -494,6 +499,10 @@ class _Run:
             raise errors.EngineInputError(UNSUPPORTED.format(engine=label, model=cfg.model,
                                                         reason=reason))  # fmt: skip
         self.make_opt = _make_optimizer(cfg.optimizer, cfg.lr)
+        self.sharded = ctx.enabled and cfg.parallel == "fsdp"
+        if self.sharded:  # rank 0's weights everywhere, then 1/N of them on each rank
+            distributed.broadcast_parameters(self.net, ctx)
+            sharded.shard(self.net, self.engine, per_layer=cfg.step_per_layer)
         self.params = {n: p for n, p in self.net.named_parameters() if p.requires_grad}
         self.plo = PerLayerOptimizer(self.params, self.make_opt) if cfg.step_per_layer else None
         self.opt = None if self.plo else self.make_opt(list(self.params.values()))
@@ -502,6 +511,7 @@ class _Run:
         # all-reduce overlapping the backward); the others average after the step
         self.ddp = (distributed.data_parallel(self.net, ctx)
                     if ctx.enabled and self.engine.wrapped_models and self.plo is None
+                    and not self.sharded
                     else None)  # fmt: skip
         self.per_step = cfg.batch_size * ctx.world_size
         self.steps_per_epoch = len(self.train) // self.per_step
@@ -543,8 +553,12 @@ class _Run:
             msg = RESUME_MISMATCH.format(path=path, diffs="; ".join(diffs))
             raise snapshot.CheckpointError(msg)
         snapshot.check_finite(payload, path)
-        self.net.load_state_dict(payload["model"])
-        self._optimizer.load_state_dict(payload["optimizer"])
+        if self.sharded:
+            sharded.load_full_state(self.net, self._optimizer, payload["model"],
+                                    payload["optimizer"])  # fmt: skip
+        else:
+            self.net.load_state_dict(payload["model"])
+            self._optimizer.load_state_dict(payload["optimizer"])
         self.step, self.epoch, self.batch = payload["step"], payload["epoch"], payload["batch"]
         self.last_ckpt = path
         snapshot.load_engine_state(self.engine, payload)
@@ -577,12 +591,16 @@ class _Run:
             return
         path = self.ckpt_dir / snapshot.checkpoint_name(self.step)
         rngs = distributed.gather_object(snapshot.rng_state(), self.ctx)  # every rank's stream
+        model_state, optim_state = (sharded.full_state(self.net, self._optimizer)  # all ranks
+                                    if self.sharded else (None, None))  # fmt: skip
         if self.lead:
             state = {
                 "step": self.step, "epoch": self.epoch, "batch": self.batch,
                 "config": dataclasses.asdict(self.cfg),
                 "fingerprint": snapshot.model_fingerprint(self.net),
-                "model": self.net.state_dict(), "optimizer": self._optimizer.state_dict(),
+                "model": model_state if model_state is not None else self.net.state_dict(),
+                "optimizer": optim_state if optim_state is not None
+                else self._optimizer.state_dict(),
                 "rng": rngs[0], "rng_ranks": rngs, "engine_state": self.engine.state_dict(),
             }  # fmt: skip
             snapshot.save_checkpoint(path, state)
@@ -592,13 +610,14 @@ class _Run:
 
     def _state_tensors(self, *, optimizer: bool) -> list[tuple[str, torch.Tensor]]:
         """The weights and buffers by name, and the optimizer state if asked."""
-        named = [*self.net.named_parameters(), *self.net.named_buffers()]
+        named = [(n, sharded.local(t)) for n, t in
+                 [*self.net.named_parameters(), *self.net.named_buffers()]]  # fmt: skip
         if optimizer:
             name = {id(p): n for n, p in self.params.items()}
             opts = self.plo.optimizers.values() if self.plo is not None else [self.opt]
             states = [(name.get(id(p), "?"), st) for o in opts
                       for p, st in o.state.items()]  # type: ignore[union-attr]  # fmt: skip
-            named += [(f"optimizer state {k} of {n}", t) for n, st in states
+            named += [(f"optimizer state {k} of {n}", sharded.local(t)) for n, st in states
                       for k, t in st.items() if isinstance(t, torch.Tensor)]  # fmt: skip
         return named
 
@@ -642,7 +661,7 @@ class _Run:
                 for n, p in self.params.items():
                     if p.grad is not None:
                         on_grad(n, p)
-            elif self.ddp is None:  # DDP averages them during the backward
+            elif self.ddp is None and not self.sharded:  # DDP/FSDP average in the backward
                 distributed.average_gradients(self.params.items(), self.ctx)
             hit = interrupt is not None and interrupt.hit
             pending = distributed.mean_and_any(res.loss, hit, self.ctx)  # beside the step

@@ -1,0 +1,91 @@
+"""``fit(parallel="fsdp")`` on 2 local processes (gloo, issue 32): FSDP2 shards every
+block and the root, so each rank holds half of the parameters, gradients and Adam state;
+training equals one process on the combined batch; a checkpoint holds the whole state and
+a resume from it ends bit-equal to the uninterrupted run; an engine that does not run
+FSDP2's own backward is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from leangrad import models, train
+
+WORKER = r'''
+import json, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from leangrad import models, train, _errors as errors
+
+torch.set_num_threads(1)
+out_dir = Path(sys.argv[1])
+ctx = train.init_distributed(torch.device("cpu"))
+kw = {"data": "synthetic", "data_options": {"n": 160}, "optimizer": "adam", "lr": 0.01,
+      "progress": False, "track_memory_every": 1, "batch_size": 8, "plots": False,
+      "parallel": "fsdp", "test_fraction": 0.0}
+def build():
+    torch.manual_seed(0)
+    return models.mlp(64, 32, 3, 10)
+whole = train.fit(build(), max_steps=4, checkpoint_every=2, **kw, out=out_dir / "run")
+params = dict(whole.model.named_parameters())
+local = sum(p.to_local().numel() for p in params.values())
+full = {n: p.full_tensor().flatten().tolist() for n, p in params.items()}
+ckpt = sorted((out_dir / "run" / "checkpoints").glob("*.pt"))
+part = train.fit(build(), max_steps=4, checkpoint_every=2, **kw, resume=ckpt[0],
+                 out=out_dir / "run")
+resumed = {n: p.full_tensor().flatten().tolist() for n, p in part.model.named_parameters()}
+try:
+    train.fit(build(), max_steps=1, engine="checkpoint", **kw)
+    refused = "trained"
+except errors.LeangradError as err:
+    refused = str(err)
+json.dump({"local": local, "full": full, "resumed": resumed, "refused": refused,
+           "ckpts": [p.name for p in ckpt]}, open(out_dir / f"rank{ctx.rank}.json", "w"))
+dist.barrier()  # no rank tears its connections down while another still uses them
+dist.destroy_process_group()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_fsdp_shards_trains_like_one_process_and_resumes(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    src = Path(__file__).resolve().parents[2] / "src"
+    base = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": "2"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path)],
+                         env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    torch.manual_seed(0)
+    one = train.fit(models.mlp(64, 32, 3, 10), "synthetic", data_options={"n": 160},
+                    optimizer="adam", lr=0.01, progress=False, track_memory_every=0,
+                    batch_size=16, plots=False, max_steps=4, test_fraction=0.0)  # fmt: skip
+    total = sum(p.numel() for p in one.model.parameters())
+    for r in ranks:
+        assert r["local"] <= total // 2 + 64, (r["local"], total)  # half, up to padding
+        assert len(r["ckpts"]) == 2, r["ckpts"]
+        assert r["resumed"] == r["full"], "the resumed run differs from the whole one"
+        assert "--parallel fsdp" in r["refused"] and "backprop" in r["refused"], r["refused"]
+        for n, p in one.model.named_parameters():
+            torch.testing.assert_close(torch.tensor(r["full"][n]), p.detach().flatten(),
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert ranks[0]["full"] == ranks[1]["full"]
