@@ -5,16 +5,14 @@ process with the combined batch."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import leangrad
 from leangrad import models, train
+from two_processes import run_two
 
 WORKER = r'''
 import sys
@@ -78,28 +76,9 @@ def batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, *shape, generator=gen), torch.randint(0, 10, (16,), generator=gen)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_processes_equal_one_on_the_combined_batch(tmp_path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    here = os.path.dirname(os.path.abspath(__file__))
-    src = os.path.join(here, os.pardir, os.pardir, "src")
-    base = {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": "2"}  # fmt: skip
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path), here],
-                         env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    run_two(WORKER, tmp_path, str(Path(__file__).resolve().parent))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for name, (build, shape, _) in CASES.items():
         torch.manual_seed(0)  # rank 0's init, which the broadcast gave both processes

@@ -11,10 +11,6 @@ an identical-samples run (ratio 1.0) and passes an independent one.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +18,7 @@ import torch.nn.functional as F
 
 import leangrad
 from leangrad import models
+from two_processes import run_two
 
 DRAWS = 300
 
@@ -55,11 +52,6 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _one_process_draws() -> torch.Tensor:
     torch.manual_seed(0)
@@ -77,20 +69,7 @@ def _one_process_draws() -> torch.Tensor:
 
 
 def test_rad_variance_falls_by_the_number_of_ranks(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    src = Path(__file__).resolve().parents[2] / "src"
-    base = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": "2"}  # fmt: skip
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path), str(DRAWS)],
-                         env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    run_two(WORKER, tmp_path, str(DRAWS))
     two = torch.load(tmp_path / "draws.pt", weights_only=True)
     one = _one_process_draws()
     ratio = (two.var(dim=0).sum() / one.var(dim=0).sum()).item()

@@ -7,11 +7,9 @@ uninterrupted run."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
+
+from two_processes import run_two
 
 WORKER = r'''
 import json, sys
@@ -60,27 +58,9 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_ranks_draw_their_own_masks_and_resume_their_own_streams(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    src = Path(__file__).resolve().parents[2] / "src"
-    base = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": "2"}  # fmt: skip
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                         env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    run_two(WORKER, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["ddp_forwards"] >= 4 for r in ranks), "backprop trains through DDP"
     assert ranks[0]["mask"] != ranks[1]["mask"], "both ranks drew the same dropout mask"

@@ -7,15 +7,12 @@ FSDP2's own backward is refused."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from leangrad import models, train
+from two_processes import run_two
 
 WORKER = r'''
 import json, sys
@@ -53,27 +50,9 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_fsdp_shards_trains_like_one_process_and_resumes(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    src = Path(__file__).resolve().parents[2] / "src"
-    base = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": "2"}  # fmt: skip
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                         env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    run_two(WORKER, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     torch.manual_seed(0)
     one = train.fit(models.mlp(64, 32, 3, 10), "synthetic", data_options={"n": 160},

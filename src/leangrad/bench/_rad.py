@@ -567,19 +567,20 @@ def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> 
 
 
 def plot_band(ax: Any, recs: list[dict[str, Any]], key: str, *, ylabel: str,
-              log: bool = False) -> None:  # fmt: skip
+              log: bool = False, reference: str = "baseline",
+              xlabel: str = "training step (iteration)") -> None:  # fmt: skip
     """On ``ax``, each engine's median of ``key`` over the seeds vs step, with its
-    :data:`BAND` shaded, from ``rad-band`` records; the baseline dashed black, on top."""
+    :data:`BAND` shaded, from band records; the ``reference`` lane dashed black, on top."""
     for label in dict.fromkeys(r["engine"] for r in recs):
         pts = sorted((r["x"], r[f"{key}_median"], r[f"{key}_min"], r[f"{key}_max"])
                      for r in recs if r["engine"] == label and f"{key}_median" in r)  # fmt: skip
         if not pts:
             continue
         x, mid, lo, hi = zip(*pts, strict=True)
-        style = {"color": "k", "ls": "--", "zorder": 3} if label == "baseline" else {}
+        style = {"color": "k", "ls": "--", "zorder": 3} if label == reference else {}
         (line,) = ax.plot(x, mid, label=label, lw=1.4, **style)
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
-    ax.set_xlabel("training step (iteration)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if log:
         ax.set_yscale("log")
@@ -703,18 +704,8 @@ def _render_pde_bands(
             import matplotlib.pyplot as plt
 
             fig, ax = plt.subplots(figsize=(7, 4))
-            for label in dict.fromkeys(r["engine"] for r in rs):
-                pts = sorted((r["x"], r["train_loss_median"], r["train_loss_min"],
-                              r["train_loss_max"]) for r in rs if r["engine"] == label)  # fmt: skip
-                x, mid, lo, hi = zip(*pts, strict=True)
-                style: dict[str, Any] = ({"color": "k", "ls": "--", "zorder": 3}
-                                         if label == "exact" else {})  # fmt: skip
-                (line,) = ax.plot(x, mid, label=label, lw=1.4, **style)
-                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
-            ax.set_xlabel("Adam iteration")
-            ax.set_ylabel("control loss")
-            ax.set_yscale("log")
-            ax.grid(alpha=0.3)
+            plot_band(ax, rs, "train_loss", ylabel="control loss", log=True, reference="exact",
+                      xlabel="Adam iteration")  # fmt: skip
             ax.legend(fontsize=8)
             least = min((r for r in finals.values() if r.get("fraction", 1) < 1),
                         key=lambda r: r["fraction"], default=None)  # fmt: skip

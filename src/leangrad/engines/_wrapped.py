@@ -28,7 +28,12 @@ WRAPPED = (
 
 def wrapped_by(model: nn.Module) -> tuple[str, str] | None:
     """``(wrapper, how to unwrap)`` when ``model`` is, or holds, a module wrapped by DDP or
-    FSDP; ``None`` otherwise."""
+    FSDP; ``None`` otherwise (at once when no process group exists, as every wrapper needs
+    one: the module scan stays off a single process's hot path)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):  # no process group: no wrapper
+        return None
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):

@@ -48,7 +48,6 @@ __all__ = [
     "gather_object",
     "init_distributed",
     "mean_and_any",
-    "mean_scalar",
     "seed_per_rank",
 ]
 
@@ -169,20 +168,12 @@ def averaging_on_grad(ctx: DistContext, then: OnGrad | None) -> OnGrad:
     return on_grad
 
 
-def mean_scalar(value: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """The mean of a scalar over processes (the loss all processes log and check)."""
-    if not ctx.enabled:
-        return value
-    v = value.detach().clone().reshape(1)
-    dist.all_reduce(v, op=dist.ReduceOp.SUM)
-    return (v / ctx.world_size).reshape(())
-
-
 def mean_and_any(value: torch.Tensor, flag: bool,
                  ctx: DistContext) -> Callable[[], tuple[torch.Tensor, bool]]:  # fmt: skip
-    """Start one all-reduce of :func:`mean_scalar` of ``value`` and :func:`any_process` of
-    ``flag`` (a step's loss and stop request); the returned function waits for it. In
-    flight while the caller steps the optimizer, so its latency hides behind that work."""
+    """Start one all-reduce of the mean of scalar ``value`` over processes and of
+    :func:`any_process` of ``flag`` (a step's loss and stop request); the returned function
+    waits for it. In flight while the caller steps the optimizer, so its latency hides
+    behind that work."""
     if not ctx.enabled:
         done = (value.detach(), flag)
         return lambda: done
