@@ -190,3 +190,10 @@ def test_metrics_and_plots(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "run.json").exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert train.plot_metrics(res.metrics, tmp_path / "x.png") == NO_MATPLOTLIB
+
+
+def test_an_unknown_parallel_is_refused_naming_the_choices() -> None:
+    from leangrad._errors import OptionError
+
+    with pytest.raises(OptionError, match=r"parallel must be one of ddp, fsdp, got 'zero'"):
+        train.fit("mlp", **SMALL, parallel="zero")
