@@ -186,6 +186,8 @@ class Engine(abc.ABC):
         if wrapper is not None and not self.wrapped_models:
             raise errors.EngineInputError(WRAPPED.format(engine=self.label, wrapper=wrapper[0],
                                                          unwrap=wrapper[1]))  # fmt: skip
+        if wrapper is not None and (why := self.wrapped_why(model, wrapper[0])) is not None:
+            raise errors.EngineInputError(why)
         if (kind := autocast_on(xs)) is not None and (why := self.autocast_why()) is not None:
             raise errors.EngineInputError(NO_AUTOCAST.format(engine=self.label, device=kind,
                                                              why=why))  # fmt: skip
@@ -206,6 +208,15 @@ class Engine(abc.ABC):
             result = self._backward(model, xs, loss_fn, params, announcer)
             announcer.finish()
             return result
+
+    def wrapped_why(self, model: nn.Module, wrapper: str) -> str | None:
+        """Why this engine, with its options, cannot run on ``model`` wrapped by
+        ``wrapper`` (a name from :mod:`~leangrad.engines._wrapped`: ``DDP``, ``FSDP2``,
+        ``FSDP1``), though it declares ``wrapped_models``; ``None`` when it can. ``model``
+        may be the wrapped model or the one about to be wrapped (``fit`` asks before it
+        shards). Default: it can."""
+        del model, wrapper
+        return None
 
     def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
         """Ids of the parameters whose gradient this engine forms in several pieces that it

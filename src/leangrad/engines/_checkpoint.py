@@ -22,6 +22,21 @@ checkpointed block runs, so those lifetimes are its memory: on a ResNet basic bl
 checkpointed step's peak falls by one activation (tests/engines/test_checkpoint.py). It is
 not the default: the generated code ran 2% (ResNet) to 6% (GPT, no memory gained) slower
 here, so :func:`leangrad.plan` measures both and keeps what pays.
+
+A model wrapped by ``DistributedDataParallel`` or FSDP2 (``fully_shard``) trains as
+PyTorch's own per-block checkpointing does with them (issue 32), its gradients averaged in
+the backward as backprop's are. Under DDP the step is prepared for ``ddp.module`` as for any
+model and runs *through* DDP's forward (:func:`~leangrad.engines._wrapped.through_ddp`), so
+DDP prepares its reducer and its hooks on autograd's backward average the gradients: every
+option works. FSDP2 gathers a unit's parameters in hooks around the unit's forward and
+frees them after it, and a prepared copy cannot copy its sharded parameters, so on an FSDP2
+model each checkpointed block's own ``forward`` is checkpointed in place for the forward
+pass (:class:`_InPlace`): the hooks stay outside the checkpointed function, and in the
+backward FSDP's pre-backward hook gathers the block's parameters before the recomputation
+runs (torchtitan's composition: checkpoint each block, then ``fully_shard`` the blocks).
+Each block is checkpointed alone there, as its fx trace with ``trace=True``; the options
+that group blocks, run blocks again outside their FSDP unit or copy modules are refused
+(:meth:`Checkpoint.wrapped_why`).
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ import inspect
 import itertools
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -58,6 +73,7 @@ from ._two_level import (
     TwoLevelStats,
     outer_segments,
 )
+from ._wrapped import DDP, FSDP1, FSDP2, forward_replaced, through_ddp, wrapped_by
 
 __all__ = ["BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint", "model_blocks",
            "split_segments", "trace_block", "traced", "untraceable_signature"]  # fmt: skip
@@ -74,6 +90,35 @@ SEGMENTS_NEED_SEQUENCE = (
 NO_RECURRENT = (
     "time_chunks={value!r} checkpoints fused recurrent modules (nn.LSTM, nn.GRU, nn.RNN) "
     "along time, and {model} has none; drop time_chunks="
+)
+FSDP2_OPTION = (
+    "checkpoint({option}) on an FSDP2 (fully_shard) model: {why}; drop {option} (each "
+    "block is then checkpointed inside its own FSDP unit), or wrap the model in "
+    "DistributedDataParallel instead, where checkpoint takes every option"
+)
+FSDP2_WHY = {
+    "segments": "segments group several blocks into one checkpointed function, while FSDP2 "
+                "gathers each unit's parameters in hooks that must run outside it",
+    "levels": "levels=2 runs blocks again to rebuild dropped inputs at the start of a "
+              "segment's backward, before FSDP2 has gathered those blocks' parameters",
+    "time_chunks": "time_chunks runs a copy of the model's modules, and a module FSDP2 "
+                   "sharded (its parameters, its hooks) cannot be copied",
+    "fragments": "fragments runs each block through a function of its own whose backward "
+                 "runs the block again in pieces, which is not checked against FSDP2's "
+                 "gathering and freeing of the block's parameters",
+    "sequence_fragments": "sequence_fragments runs copies of the blocks' children, and a "
+                          "module FSDP2 sharded cannot be copied",
+}  # fmt: skip
+FSDP2_GRAPH = (
+    "checkpoint on an FSDP2 (fully_shard) model whose module tree repeats no block ({how}): "
+    "its blocks would be pieces of a torch.fx copy of the model, and a module FSDP2 sharded "
+    "cannot be copied; name the blocks with blocks=[...] (and fully_shard those), or wrap "
+    "the model in DistributedDataParallel instead"
+)
+FSDP1_REFUSED = (
+    "checkpoint on a FullyShardedDataParallel (FSDP1) model: checkpoint runs through "
+    "DistributedDataParallel and FSDP2 only (checked to average its gradients as backprop's); "
+    "shard the model with fully_shard (FSDP2), or wrap it in DistributedDataParallel"
 )
 CHUNKS_AND_SEGMENTS = (
     "time_chunks= and segments= cannot be combined: with time_chunks each block is "
@@ -157,8 +202,8 @@ def _attrs(block: nn.Module) -> tuple[Any, ...]:
     for m in block.modules():
         out.append(("training", m.training))
         out += [(k, repr(v)) for k, v in vars(m).items()
-                if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module,
-                                                                torch.Generator))]  # fmt: skip
+                if not k.startswith("_") and k != "forward"  # an _InPlace, not read by fx
+                and not isinstance(v, (torch.Tensor, nn.Module, torch.Generator))]  # fmt: skip
     return tuple(out)
 
 
@@ -293,11 +338,17 @@ class Checkpoint(Engine):
     advance once per step, as under autograd: the recomputation's update is undone
     (:class:`~leangrad.engines._contract.BufferGuard`). Modules that are recomputed
     may not carry forward hooks (they would fire twice; the error names the module).
+
+    A model wrapped by ``DistributedDataParallel`` takes every option; an FSDP2 model
+    (``fully_shard`` on the blocks and the root) takes ``blocks`` and ``trace``, each block
+    checkpointed inside its FSDP unit (module docstring; :meth:`wrapped_why` names what
+    is refused and why).
     """
 
     exact = True
     autocast = True
     reruns = True
+    wrapped_models = True  # runs through DDP's forward; inside FSDP2's units (wrapped_why)
 
     def __init__(
         self,
@@ -351,14 +402,17 @@ class Checkpoint(Engine):
         self._fragmenters: PreparedCache[dict[tuple[int, ...], Fragmenter]] = PreparedCache()
         self._by_position: PreparedCache[list[nn.Module]] = PreparedCache()
         self._cells: PreparedCache[tuple[TwoLevel, list[_Checkpointed]]] = PreparedCache()
+        self._in_place: PreparedCache[list[tuple[nn.Module, _InPlace]]] = PreparedCache()
 
     @property
     def probes(self) -> bool:
         return self.fragments is not None or self.sequence_fragments is not None
 
     def blocks(self, model: nn.Module) -> Blocks:
-        """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`);
-        found once per model (a step asks two or three times, and the fx fallback traces)."""
+        """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`; on a
+        DDP model, those of ``ddp.module``, by their names there); found once per model (a
+        step asks two or three times, and the fx fallback traces)."""
+        model, _ = _unwrap(model)
         found = self._found.get(model, self._find)
         if not found.sequential and self.segments is not None and self.levels == 1:
             raise errors.EngineInputError(SEGMENTS_NEED_SEQUENCE.format(
@@ -366,8 +420,9 @@ class Checkpoint(Engine):
         return found
 
     def _find(self, model: nn.Module) -> Blocks:
-        if self.time_chunks is None:
-            return blocks(model, names=self.block_names)
+        if self.time_chunks is None:  # FSDP2: the fx split would be a copy (wrapped_why)
+            graph = _unwrap(model)[1] != FSDP2
+            return blocks(model, names=self.block_names, graph=graph)
         if not fused_recurrent(model):
             raise errors.EngineInputError(
                 NO_RECURRENT.format(value=self.time_chunks, model=type(model).__name__)
@@ -421,9 +476,38 @@ class Checkpoint(Engine):
         # gradient_checkpointing_enable() does), unlike the last segment of a sequence.
         return list(found.names)
 
+    def wrapped_why(self, model: nn.Module, wrapper: str) -> str | None:
+        """``None`` under DDP (every option). On an FSDP2 model (or one about to be
+        sharded) each block is checkpointed inside its own FSDP unit: refused are the
+        options that group blocks or run them again outside it (``segments``, ``levels=2``;
+        ``fragments``, not checked there), those that copy modules (``time_chunks``,
+        ``sequence_fragments``) and blocks found by cutting the fx graph (a copy too).
+        FSDP1 is refused."""
+        if wrapper == FSDP1:
+            return FSDP1_REFUSED
+        if wrapper != FSDP2:
+            return None
+        given = {"segments": self.segments, "levels": None if self.levels == 1 else self.levels,
+                 "time_chunks": self.time_chunks, "fragments": self.fragments,
+                 "sequence_fragments": self.sequence_fragments}  # fmt: skip
+        for option, value in given.items():
+            if value is not None:
+                return FSDP2_OPTION.format(option=f"{option}={value!r}", why=FSDP2_WHY[option])
+        try:
+            found = self.blocks(model)
+        except errors.EngineInputError as err:
+            return str(err)
+        return None if found.runner is None else FSDP2_GRAPH.format(how=found.how)
+
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """Every module of the checkpointed blocks: recomputed during the backward pass."""
+        """Every module of the checkpointed blocks: recomputed during the backward pass (on
+        an FSDP2 model, a block's own hooks run around its checkpoint, once: its
+        submodules)."""
         found = self.blocks(model)
+        if _unwrap(model)[1] == FSDP2:
+            return [(n, m) for name in self._checkpointed(found)
+                    for n, m in found.modules[name].named_modules(prefix=name)
+                    if m is not found.modules[name]]  # fmt: skip
         if found.runner is not None:  # fx split: hooks live on the model's own modules
             return list(model.named_modules())
         return [
@@ -445,16 +529,26 @@ class Checkpoint(Engine):
         on_grad: OnGrad | None,
     ) -> StepResult:
         found = self.blocks(model)
+        outer, (model, wrapper) = model, _unwrap(model)
+        if wrapper == FSDP2:
+            return self._in_fsdp_units(model, found, inputs, loss_fn, params, on_grad)
+
+        def via(forward: Callable[..., Any]) -> Callable[..., Any]:
+            return forward if wrapper is None else through_ddp(outer, forward)  # DDP's own
+
         if self.levels == 2 and found.sequential:
-            return self._two_level_sequence(model, found, inputs, loss_fn, params, on_grad)
+            return self._two_level_sequence(model, found, via, inputs, loss_fn, params,
+                                            on_grad)  # fmt: skip
         if not found.sequential or self.time_chunks is not None:  # the model as written
             for name, rnn in self._chunked(model, found):
                 if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
                     raise errors.EngineInputError(why)
             wrapped = self._wrapped.get(model, lambda m: self._wrap(m, found))
             chain: TwoLevel | None = wrapped.__dict__.get("_two_level")
+            # under DDP, ddp.module's own __call__ runs the hooks: the copy's forward alone
+            run_model = wrapped if wrapper is None else via(wrapped.forward)
             with chain.forward() if chain is not None else _no_stats() as stats:
-                loss = forward_loss(self.label, wrapped, inputs, loss_fn)
+                loss = forward_loss(self.label, run_model, inputs, loss_fn)
             with grad_hooks(params, on_grad):
                 loss.backward()
             info: dict[str, Any] = {"blocks": len(found),
@@ -518,7 +612,7 @@ class Checkpoint(Engine):
                     whole[",".join(found.names[j] for j in group)] = frag.last
             return out
 
-        loss = forward_loss(self.label, lambda *xs: run(xs), inputs, loss_fn)
+        loss = forward_loss(self.label, via(lambda *xs: run(xs)), inputs, loss_fn)
         with grad_hooks(params, on_grad):
             loss.backward()
         more: dict[str, Any] = {"whole": whole} if self.fragments is not None else {}
@@ -528,6 +622,7 @@ class Checkpoint(Engine):
         self,
         model: nn.Module,
         found: Blocks,
+        via: Callable[[Callable[..., Any]], Callable[..., Any]],
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
         params: dict[str, nn.Parameter],
@@ -535,7 +630,8 @@ class Checkpoint(Engine):
     ) -> StepResult:
         """``levels=2`` on a sequence of blocks: each block checkpointed alone, run one
         after another (the first takes the inputs unpacked, every later one the previous
-        output whole), in outer segments (:mod:`leangrad.engines._two_level`)."""
+        output whole), in outer segments (:mod:`leangrad.engines._two_level`); ``via``
+        runs the sequence (through DDP's forward, on a DDP model)."""
         chain, cells = self._cells.get(model, lambda _m: self._two_level_cells(found))
 
         def run(*xs: torch.Tensor) -> object:
@@ -545,7 +641,7 @@ class Checkpoint(Engine):
             return out
 
         with chain.forward() as stats:
-            loss = forward_loss(self.label, run, inputs, loss_fn)
+            loss = forward_loss(self.label, via(run), inputs, loss_fn)
         with grad_hooks(params, on_grad):
             loss.backward()
         info: dict[str, Any] = {"blocks": len(found), "checkpointed": len(found), "levels": 2,
@@ -555,6 +651,34 @@ class Checkpoint(Engine):
             info["whole"] = {n: f.last for n, f in frags
                              if f is not None and f.last is not None}  # fmt: skip
         return self._result(loss, **info)
+
+    def _in_fsdp_units(
+        self,
+        model: nn.Module,
+        found: Blocks,
+        inputs: tuple[torch.Tensor, ...],
+        loss_fn: LossFn,
+        params: dict[str, nn.Parameter],
+        on_grad: OnGrad | None,
+    ) -> StepResult:
+        """An FSDP2 model: the model itself runs (its root's hooks gather and free), each
+        checkpointed block's ``forward`` checkpointed in place for the forward pass, inside
+        the block's FSDP hooks (:class:`_InPlace`); FSDP's own backward reduces."""
+        names = self._checkpointed(found)
+
+        def build(_m: nn.Module) -> list[tuple[nn.Module, _InPlace]]:
+            seen: dict[int, nn.Module] = {}  # a block registered under two names: once
+            for name in names:
+                seen.setdefault(id(found.modules[name]), found.modules[name])
+            return [(b, _InPlace(b, trace=self.trace)) for b in seen.values()]
+
+        with contextlib.ExitStack() as stack:
+            for block, forward in self._in_place.get(model, build):
+                stack.enter_context(forward_replaced(block, forward))
+            loss = forward_loss(self.label, model, inputs, loss_fn)
+        with grad_hooks(params, on_grad):
+            loss.backward()
+        return self._result(loss, blocks=len(found), checkpointed=len(names))
 
     def _two_level_cells(self, found: Blocks) -> tuple[TwoLevel, list[_Checkpointed]]:
         chain = TwoLevel(len(found), outer_segments(len(found), self.segments))
@@ -627,6 +751,40 @@ class _Checkpointed(Wrapper):
         if chain is None:
             return call(*args, **kwargs)
         return chain.call(self.inner, self.__dict__["block_name"], call, args, kwargs)
+
+
+class _InPlace:
+    """The ``forward`` a block of an FSDP2 model has for one forward pass: its own
+    ``forward``, checkpointed (non-reentrant; as its fx trace with ``trace``, where that is
+    safe). ``block(...)`` still runs the block's hooks around it: FSDP2 gathers the
+    parameters before the checkpointed call and frees them after it, and in the backward
+    its pre-backward hook on the block's output gathers them again before the recomputation
+    (which calls the block's own ``forward``, no hooks). ``inspect.signature`` sees the
+    block's own (what :func:`untraceable_signature` reads)."""
+
+    def __init__(self, block: nn.Module, *, trace: bool) -> None:
+        self.block = block
+        self.own: Callable[..., Any] = block.forward
+        self.__wrapped__ = self.own
+        self.traced = _Traced(block) if trace else None
+        self.replay = generator_replay([block])  # layers' own generators, rewound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.own(*args, **kwargs)
+        run = self.traced() if self.traced is not None and not kwargs else self.own
+        return checkpoint(run, *args, use_reentrant=False, context_fn=self.replay, **kwargs)
+
+
+def _unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """``(the module the engine prepares, the wrapper's name or None)``: ``ddp.module``
+    under DDP, else the model itself (an FSDP2 model runs as it is)."""
+    wrapper = wrapped_by(model)
+    if wrapper is None:
+        return model, None
+    if wrapper[0] == DDP:
+        return model.get_submodule("module"), DDP
+    return model, wrapper[0]
 
 
 @contextlib.contextmanager
