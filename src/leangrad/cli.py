@@ -7,6 +7,7 @@ leangrad bench SUITE [--quick] [--out DIR] [--no-rss] [--threads 1,cores]
 leangrad report DIR [--headline | --reproduction]
 leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE | --plan FILE] ...
 leangrad plan --model NAME --batch-size B --budget 2GiB [--save FILE]      (alias: advise)
+leangrad plan ... --nproc N [--parallel ddp|fsdp]      (what each of N processes holds)
 
 Every user error prints one line, ``leangrad: error: ...``, naming the option and the
 fix, and exits with code 2; the checks on outputs (a file where a directory is wanted)
@@ -44,7 +45,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but an error is one line ``leangrad: error: ...`` and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"leangrad: error: {message}", file=sys.stderr)
+        from ._rank_errors import print_error
+
+        print_error(f"leangrad: error: {message}")  # once under torchrun
         raise SystemExit(2)
 
 
@@ -165,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except LeangradError as err:  # every error leangrad raises on purpose: the user's input
-        print(f"leangrad: error: {err}", file=sys.stderr)
+        from ._rank_errors import print_error
+
+        print_error(f"leangrad: error: {err}")  # once under torchrun, unless ranks differ
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside training (which checkpoints and exits 130)
         print(INTERRUPTED, file=sys.stderr)
