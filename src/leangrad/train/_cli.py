@@ -196,7 +196,9 @@ def _run_dir(args: argparse.Namespace) -> Path:
     if args.resume is None:
         return Path("leangrad-run")
     r = Path(args.resume)
-    if r.is_file():
+    from ._snapshot import is_sharded_checkpoint
+
+    if r.is_file() or is_sharded_checkpoint(r):  # a .pt file or a step-N.dcp/ directory
         return r.parent.parent if r.parent.name == "checkpoints" else r.parent
     return r
 
@@ -357,10 +359,21 @@ def add_plan_parser(sub: Any) -> None:
                    "or leangrad.Plan.load (also when nothing fits)")
     a.add_argument("--no-progress", action="store_true",
                    help="no progress bar while measuring")
+    a.add_argument("--nproc", type=cli_types.positive_int, default=None, metavar="N",
+                   help="also estimate what each of N processes holds (`leangrad train "
+                   "--parallel` under torchrun --nproc-per-node N; the batch size is per "
+                   "process): parameters, gradients, optimizer state counted, activations "
+                   "measured (default without --parallel: ddp)")
+    a.add_argument("--parallel", choices=PARALLEL_CHOICES, default=None,
+                   help="with --nproc: ddp runs the plan, then prints the per-rank estimate "
+                   "of its choice; fsdp prints instead of a plan the per-rank estimate of "
+                   "each engine FSDP2 can train (--engines, default backprop) against "
+                   "--budget")
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Run ``leangrad plan``: exit code 0 with a plan, 1 when nothing fits."""
+    """Run ``leangrad plan``: exit code 0 with a plan, 1 when nothing fits (with
+    ``--parallel fsdp``, which plans nothing: when the per-rank estimate is over budget)."""
     import torch
 
     from .._plan import plan
@@ -369,6 +382,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
     names = _engine_list(args.engines)
+    parallel = _check_parallel_options(args)
     if args.save is not None:
         _check_save(Path(args.save))
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -378,13 +392,16 @@ def run_plan(args: argparse.Namespace) -> int:
           f"engines={args.engines or 'all that apply'} repeats={args.repeats} device={dev} "
           f"dtype={args.dtype} precision={args.precision} inexact={args.inexact} "
           f"optimizer={args.optimizer} compile={args.compile} "
-          f"save={args.save}", flush=True)  # fmt: skip
+          f"save={args.save}" + (f" nproc={args.nproc} parallel={parallel}" if parallel else ""),
+          flush=True)  # fmt: skip
     data_opts = _with_tokenizer(args.data, parse_options(args.data_options), args.tokenizer)
     info = data_info(args.data, load_data(args.data, **data_opts))
     torch.manual_seed(0)
     model = build_model(args.model, info, **parse_options(args.model_options))
     model = model.to(device=dev, dtype=dtype)
     x, y = example_batch(info, args.batch_size, device=dev, dtype=dtype)
+    if parallel == "fsdp":
+        return _print_fsdp(args, model, x, _loss_fn(y), names or ["backprop"])
     result = plan(model, x, _loss_fn(y), budget=args.budget, exact=not args.inexact,
                   engines=[(n, {}) for n in names] if names else None,
                   optimizer=None if args.optimizer == "none" else
@@ -399,7 +416,81 @@ def run_plan(args: argparse.Namespace) -> int:
     if result.per_layer:
         print("the optimizer steps per layer in this plan: train it with --step-per-layer "
               "(leangrad.train.PerLayerOptimizer in your own loop)")
+    if parallel is not None:
+        chosen = next((c for c in result.table if c.verdict.startswith("chosen")), None)
+        engine = None if chosen is None or chosen.name == "compile" else result.engine
+        _print_per_rank(args, model, x, _loss_fn(y), parallel, engine)
+        if result.per_layer:
+            print(PER_LAYER_NOTE)
     return 0 if result.engine is not None else 1
+
+
+PARALLEL_CHOICES = ("ddp", "fsdp")
+"""``leangrad.train._sharded.PARALLEL``, spelled here so that parsing imports no engines."""
+PARALLEL_NEEDS_NPROC = (
+    "--parallel {parallel} estimates each of several processes' memory and needs their "
+    "number: add --nproc N (e.g. --nproc 2), or drop --parallel"
+)
+PER_LAYER_NOTE = (
+    "note: the plan steps the optimizer per layer, so its gradients never all live at once; "
+    "the per-rank estimate counts them all (an upper bound)"
+)
+FSDP_NO_PLAN = (
+    "--parallel fsdp prints per-rank estimates instead of searching a plan (a plan measures "
+    "one process holding the whole model), so {option} has no effect; drop {option}, or use "
+    "--parallel ddp"
+)
+
+
+def _check_parallel_options(args: argparse.Namespace) -> str | None:
+    """``--nproc N`` (alone: ddp) and ``--parallel``: the parallel mode, or ``None``.
+    ``--parallel`` needs ``--nproc``; options that shape a plan are refused with fsdp,
+    which prints an estimate instead of a plan."""
+    from .._errors import OptionError
+
+    if args.parallel is not None and args.nproc is None:
+        raise OptionError(PARALLEL_NEEDS_NPROC.format(parallel=args.parallel))
+    if args.nproc is None:
+        return None
+    parallel: str = args.parallel or "ddp"
+    if parallel == "fsdp":
+        given = {"--save": args.save is not None, "--compile": args.compile,
+                 "--inexact": args.inexact}  # fmt: skip
+        for option, on in given.items():
+            if on:
+                raise OptionError(FSDP_NO_PLAN.format(option=option))
+    return parallel
+
+
+def _print_fsdp(args: argparse.Namespace, model: Any, x: Any, loss_fn: Any,
+                names: list[str]) -> int:  # fmt: skip
+    """``--parallel fsdp``: each named engine's per-rank estimate (one line for an engine
+    FSDP2 cannot train); exit code 0 when one fits ``--budget``, else 1."""
+    from .. import engines as _engines
+    from .._plan_ranks import fsdp_refusal
+
+    codes = []
+    for name in names:
+        why = fsdp_refusal(_engines.engine(name), model)
+        if why is not None:
+            print(f"{name}: not under --parallel fsdp: {why}")
+            continue
+        codes.append(_print_per_rank(args, model, x, loss_fn, "fsdp", _engines.engine(name)))
+    return 0 if 0 in codes else 1
+
+
+def _print_per_rank(args: argparse.Namespace, model: Any, x: Any, loss_fn: Any,
+                    parallel: str, engine: Any) -> int:  # fmt: skip
+    """Print the per-rank estimate (:func:`leangrad._plan_ranks.estimate_per_rank`) and
+    how it compares with ``--budget``: exit code 0 when it fits, 1 when it does not (with
+    ddp the plan's exit code stands: the caller ignores this one)."""
+    from .._plan_ranks import estimate_per_rank
+
+    est = estimate_per_rank(model, x, loss_fn, nproc=args.nproc, parallel=parallel,
+                            optimizer=args.optimizer, engine=engine)  # fmt: skip
+    print(est)
+    print(est.summary(args.budget))
+    return 0 if est.fits(args.budget) else 1
 
 
 def _check_save(path: Path) -> None:
