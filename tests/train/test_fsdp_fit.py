@@ -34,16 +34,18 @@ whole = train.fit(build(), max_steps=4, checkpoint_every=2, **kw, out=out_dir / 
 params = dict(whole.model.named_parameters())
 local = sum(p.to_local().numel() for p in params.values())
 full = {n: p.full_tensor().flatten().tolist() for n, p in params.items()}
-ckpt = sorted((out_dir / "run" / "checkpoints").glob("*.pt"))
+ckpt = sorted((out_dir / "run" / "checkpoints").glob("step-*"))
 part = train.fit(build(), max_steps=4, checkpoint_every=2, **kw, resume=ckpt[0],
                  out=out_dir / "run")
 resumed = {n: p.full_tensor().flatten().tolist() for n, p in part.model.named_parameters()}
 try:
-    train.fit(build(), max_steps=1, engine="checkpoint", **kw)
+    train.fit(build(), max_steps=1, engine="forward", **kw)
     refused = "trained"
 except errors.LeangradError as err:
     refused = str(err)
-json.dump({"local": local, "full": full, "resumed": resumed, "refused": refused,
+planned = train.fit(build(), max_steps=1, budget="64MiB", **kw).config
+json.dump({"planned": [planned.engine, planned.step_per_layer], "local": local, "full": full,
+           "resumed": resumed, "refused": refused,
            "ckpts": [p.name for p in ckpt]}, open(out_dir / f"rank{ctx.rank}.json", "w"))
 dist.barrier()  # no rank tears its connections down while another still uses them
 dist.destroy_process_group()
@@ -64,6 +66,7 @@ def test_fsdp_shards_trains_like_one_process_and_resumes(tmp_path: Path) -> None
         assert len(r["ckpts"]) == 2, r["ckpts"]
         assert r["resumed"] == r["full"], "the resumed run differs from the whole one"
         assert "--parallel fsdp" in r["refused"] and "backprop" in r["refused"], r["refused"]
+        assert r["planned"] == ["backprop", False], r["planned"]  # per-rank budget, one choice
         for n, p in one.model.named_parameters():
             torch.testing.assert_close(torch.tensor(r["full"][n]), p.detach().flatten(),
                                        rtol=1e-5, atol=1e-6)  # fmt: skip

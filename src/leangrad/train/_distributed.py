@@ -9,14 +9,12 @@ uses them — so the update equals one process's update on the combined batch.
 - An engine whose backward is autograd's own (``wrapped_models``: backprop) trains
   through PyTorch's ``DistributedDataParallel`` (:func:`data_parallel`): bucketed
   all-reduces overlapping the backward.
-- Every other engine computes its gradients outside DDP's hooks, so they are averaged
-  after ``engine.backward`` returns, one all-reduce per parameter in a fixed (name)
-  order (:func:`average_gradients`);
-- or inside ``on_grad`` (per-layer engines such as Moonwalk, or
-  ``--step-per-layer``): each gradient is all-reduced the moment the engine
-  hands it over, before the per-parameter optimizer step. Every process runs the
-  same engine on the same model, so the hand-over order, and hence the order of
-  the collectives, is the same on all of them.
+- Every other engine computes its gradients outside DDP's hooks and hands each to
+  ``on_grad`` when it is final: :class:`~leangrad.train._buckets.GradBuckets` averages
+  them in buckets whose all-reduces overlap the rest of the backward, and with
+  ``--step-per-layer`` steps each parameter once its bucket is averaged. Every process
+  runs the same engine on the same model, so the hand-over order, and hence the order
+  of the collectives, is the same on all of them.
 
 Each rank draws its own random numbers (:func:`seed_per_rank`); ``--budget`` is planned
 on rank 0 alone and broadcast (:func:`broadcast_object`).
@@ -145,18 +143,25 @@ def broadcast_parameters(model: nn.Module, ctx: DistContext) -> None:
 
 
 def average_gradients(params: Iterable[tuple[str, nn.Parameter]], ctx: DistContext) -> None:
-    """All-reduce and average every ``p.grad`` (a missing one counts as zeros)."""
+    """All-reduce and average every ``p.grad`` after the fact (a missing one counts as
+    zeros, so processes that disagree on which parameters have gradients still match), in
+    buckets of :data:`~leangrad.train._buckets.BUCKET_BYTES` in name order: the recipe for a
+    model given to an engine unwrapped. Inside a step, :class:`GradBuckets` overlaps the
+    same with the engine's backward."""
     if not ctx.enabled:
         return
-    for _, p in sorted(params, key=lambda item: item[0]):
+    from ._buckets import GradBuckets
+
+    items = list(params)
+    for _, p in items:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        p.grad.div_(ctx.world_size)
+    GradBuckets(ctx).finish(items)
 
 
 def averaging_on_grad(ctx: DistContext, then: OnGrad | None) -> OnGrad:
-    """An ``on_grad`` that averages the handed-over gradient, then calls ``then``."""
+    """An ``on_grad`` that averages the handed-over gradient (one blocking all-reduce),
+    then calls ``then``. :class:`GradBuckets` does the same in overlapping buckets."""
 
     def on_grad(name: str, p: nn.Parameter) -> None:
         if ctx.enabled and p.grad is not None:

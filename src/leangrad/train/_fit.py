@@ -43,6 +43,7 @@ from ..measure import MemoryTracker
 from . import _distributed as distributed
 from . import _sharded as sharded
 from . import _snapshot as snapshot
+from ._buckets import GradBuckets
 from ._config import (
     BAD_OPTIMIZER,
     BATCH_TOO_BIG,
@@ -156,6 +157,20 @@ def _device(device: str | torch.device | None) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+_Wait = Callable[[], tuple[torch.Tensor, bool]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+    """A finished step whose averaged loss may still be on its way."""
+
+    step: int  # 1-based: the step count after it
+    epoch: int
+    batch: int  # its batch's index within the epoch
+    wait: _Wait
+    rate: float  # examples per second so far
 
 
 class _Interrupt:
@@ -420,6 +435,14 @@ def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.devic
     x = ds.x[: cfg.batch_size].to(dev)
     x = x.to(dtype) if x.is_floating_point() else x
     make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
+    if cfg.parallel == "fsdp" and cfg.world_size > 1:  # the budget is per rank (issue 32)
+        from .._plan_ranks import fsdp_budget_check
+
+        name, est = fsdp_budget_check(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)),
+                                      budget=limit, nproc=cfg.world_size,
+                                      optimizer=cfg.optimizer, engines=engines)  # fmt: skip
+        print(est if progress else est.summary(limit), flush=True)
+        return name, {}, False
     result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
                   optimizer=make, autocast=autocast_dtype(cfg.precision),
                   engines=None if engines is None else [(n, {}) for n in engines])  # fmt: skip
@@ -458,8 +481,8 @@ def _from_plan(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
 
 def _claim_run_dir(out: Path, *, resume: str | Path | None, overwrite: bool,
                    ctx: distributed.DistContext) -> None:  # fmt: skip
-    """Refuse ``out`` when it holds another run (rank 0 decides, every rank raises), or
-    delete that run first with ``overwrite``."""
+    """Refuse ``out`` when it holds another run (rank 0 decides, every rank raises its
+    message), or delete that run first with ``overwrite``."""
     marks = snapshot.run_marks(out) if ctx.rank == 0 else []
     why = None
     if marks and resume is None and not overwrite:
@@ -469,8 +492,10 @@ def _claim_run_dir(out: Path, *, resume: str | Path | None, overwrite: bool,
         if src.resolve().parent not in (out.resolve(), (out / "checkpoints").resolve()):
             why = snapshot.RESUME_INTO_OTHER_RUN.format(dir=out, path=src,
                                                  found=snapshot.describe_marks(marks))  # fmt: skip
-    if distributed.any_process(why is not None, ctx):
-        raise snapshot.RunDirectoryError(why or f"{out}: refused by rank 0 (see its message)")
+    reason = [why]  # rank 0's, on every rank: all raise (and print once) the same words
+    distributed.broadcast_object(reason, ctx)
+    if reason[0] is not None:
+        raise snapshot.RunDirectoryError(str(reason[0]))
     if marks and overwrite:
         snapshot.remove_run(out)
     distributed.barrier(ctx)
@@ -506,13 +531,20 @@ class _Run:
         self.params = {n: p for n, p in self.net.named_parameters() if p.requires_grad}
         self.plo = PerLayerOptimizer(self.params, self.make_opt) if cfg.step_per_layer else None
         self.opt = None if self.plo else self.make_opt(list(self.params.values()))
-        self.on_grad = distributed.averaging_on_grad(ctx, self.plo.on_grad) if self.plo else None
         # an engine whose backward is autograd's trains through PyTorch's DDP (bucketed
         # all-reduce overlapping the backward); the others average after the step
         self.ddp = (distributed.data_parallel(self.net, ctx)
-                    if ctx.enabled and self.engine.wrapped_models and self.plo is None
+                    if ctx.enabled and self.plo is None and self.engine.wrapped_models
+                    and self.engine.wrapped_why(self.net, "DistributedDataParallel") is None
                     and not self.sharded
                     else None)  # fmt: skip
+        # the other engines hand each final gradient to on_grad: averaged in buckets whose
+        # all-reduces overlap the rest of the backward (then stepped, per layer)
+        bucketed = ctx.enabled and self.ddp is None and not self.sharded
+        self.buckets = (GradBuckets(ctx, then=self.plo.on_grad if self.plo else None)
+                        if bucketed else None)  # fmt: skip
+        self.on_grad = (self.buckets.on_grad if self.buckets is not None
+                        else self.plo.on_grad if self.plo is not None else None)  # fmt: skip
         self.per_step = cfg.batch_size * ctx.world_size
         self.steps_per_epoch = len(self.train) // self.per_step
         if self.steps_per_epoch < 1:
@@ -542,23 +574,42 @@ class _Run:
 
     # -- checkpoints ---------------------------------------------------------------
     def resume(self, where: str | Path) -> None:
-        """Load a checkpoint: weights, optimizer, position and every RNG state."""
+        """Load a checkpoint: weights, optimizer, position and every RNG state.
+
+        A single-file checkpoint (``step-N.pt``) or a sharded one (``step-N.dcp/``, written
+        under ``parallel="fsdp"``: :func:`sharded.load_sharded` reads this process's part)
+        resumes on any number of processes, sharded or not, when the global batch
+        (``batch_size`` x processes) is the checkpoint's: the run then sees the same
+        examples in each step, bit-exactly on the same number of processes, within
+        rounding on another (the batch is split differently)."""
         path = snapshot.resolve_resume(where)
-        payload = snapshot.load_checkpoint(path, map_location=self.dev)
+        payload = snapshot.load_checkpoint(path, map_location=self.dev)  # (.dcp: side file)
         snapshot.check_fingerprint(payload, self.net, path)
-        saved = payload["config"]
-        diffs = [f"{k}: {saved.get(k)!r} there, {getattr(self.cfg, k)!r} here"
-                 for k in EXACT_KEYS if saved.get(k) != getattr(self.cfg, k)]  # fmt: skip
+        saved, cfg = payload["config"], self.cfg
+        per_run = ("batch_size", "world_size")  # compared as their product, the global batch
+        diffs = [f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} here" for k in EXACT_KEYS
+                 if k not in per_run and saved.get(k) != getattr(cfg, k)]  # fmt: skip
+        there = (saved.get("batch_size"), saved.get("world_size", 1))
+        if there[0] is None or there[0] * there[1] != cfg.batch_size * cfg.world_size:
+            diffs.append(f"global batch (batch_size x processes): {there[0]} x {there[1]} "
+                         f"there, {cfg.batch_size} x {cfg.world_size} here")  # fmt: skip
         if diffs:
             msg = RESUME_MISMATCH.format(path=path, diffs="; ".join(diffs))
             raise snapshot.CheckpointError(msg)
-        snapshot.check_finite(payload, path)
-        if self.sharded:
-            sharded.load_full_state(self.net, self._optimizer, payload["model"],
-                                    payload["optimizer"])  # fmt: skip
+        if snapshot.is_sharded_checkpoint(path):  # checks checksums and finiteness itself
+            sharded.load_sharded(path, self.net, self._optimizer, payload, self.ctx)
         else:
-            self.net.load_state_dict(payload["model"])
-            self._optimizer.load_state_dict(payload["optimizer"])
+            snapshot.check_finite(payload, path)
+            if self.sharded:
+                sharded.load_full_state(self.net, self._optimizer, payload["model"],
+                                        payload["optimizer"])  # fmt: skip
+            else:
+                self.net.load_state_dict(payload["model"])
+                optim = payload["optimizer"]
+                if self.opt is not None:  # (a sharded run's is keyed by parameter name)
+                    optim = sharded.optimizer_state_keyed(self.net, self.opt, optim,
+                                                          by_name=False)  # fmt: skip
+                self._optimizer.load_state_dict(optim)
         self.step, self.epoch, self.batch = payload["step"], payload["epoch"], payload["batch"]
         self.last_ckpt = path
         snapshot.load_engine_state(self.engine, payload)
@@ -584,26 +635,32 @@ class _Run:
                            config=config, device=str(self.dev))  # fmt: skip
 
     def save(self) -> None:
-        """Check the state is finite (else raise), write a checkpoint of it (rank 0), then
-        wait for every rank. Without a run directory, only the check."""
+        """Check the state is finite (else raise), write a checkpoint of it, then wait for
+        every rank. Without a run directory, only the check.
+
+        Rank 0 writes ``step-N.pt``; a sharded run (``parallel="fsdp"``) writes
+        ``step-N.dcp/`` instead, each rank its own shards (:func:`sharded.save_sharded`),
+        nothing gathered. A step already saved (the loop's end asks again) is not rewritten.
+        """
         self._check_finite(self.step, self.final_loss, optimizer=True)
         if self.ckpt_dir is None:
             return
-        path = self.ckpt_dir / snapshot.checkpoint_name(self.step)
+        path = self.ckpt_dir / snapshot.checkpoint_name(self.step, sharded=self.sharded)
+        if self.last_ckpt is not None and _same(self.last_ckpt, path):
+            return  # (the same on every rank)
         rngs = distributed.gather_object(snapshot.rng_state(), self.ctx)  # every rank's stream
-        model_state, optim_state = (sharded.full_state(self.net, self._optimizer)  # all ranks
-                                    if self.sharded else (None, None))  # fmt: skip
-        if self.lead:
-            state = {
-                "step": self.step, "epoch": self.epoch, "batch": self.batch,
-                "config": dataclasses.asdict(self.cfg),
-                "fingerprint": snapshot.model_fingerprint(self.net),
-                "model": model_state if model_state is not None else self.net.state_dict(),
-                "optimizer": optim_state if optim_state is not None
-                else self._optimizer.state_dict(),
-                "rng": rngs[0], "rng_ranks": rngs, "engine_state": self.engine.state_dict(),
-            }  # fmt: skip
+        state = {
+            "step": self.step, "epoch": self.epoch, "batch": self.batch,
+            "config": dataclasses.asdict(self.cfg),
+            "fingerprint": snapshot.model_fingerprint(self.net),
+            "rng": rngs[0], "rng_ranks": rngs, "engine_state": self.engine.state_dict(),
+        }  # fmt: skip
+        if self.sharded:  # all ranks write
+            sharded.save_sharded(path, self.net, self._optimizer, state, self.ctx)
+        elif self.lead:
+            state.update(model=self.net.state_dict(), optimizer=self._optimizer.state_dict())
             snapshot.save_checkpoint(path, state)
+        if self.lead:
             snapshot.prune(self.ckpt_dir, self.keep)
         self.last_ckpt = path  # on every rank, so all take the same branches after the loop
         distributed.barrier(self.ctx)
@@ -644,10 +701,10 @@ class _Run:
         return self.train.x[idx], self.train.y[idx]
 
     def _update(self, x: torch.Tensor, y: torch.Tensor, track: bool,
-                interrupt: _Interrupt | None = None) -> tuple[float, bool]:  # fmt: skip
-        """One optimizer step on (x, y); returns the loss averaged over processes and
-        whether any process was interrupted by the step's optimizer update (one
-        collective, in flight while the optimizer steps)."""
+                interrupt: _Interrupt | None = None) -> _Wait:  # fmt: skip
+        """One optimizer step on (x, y); returns a function that waits for the loss averaged
+        over processes and whether any process was interrupted by the step's optimizer
+        update (one collective, in flight from the optimizer step on)."""
         loss_fn = _loss_fn(y)
         opt, on_grad = self.opt, self.on_grad
         tracker = (MemoryTracker(baseline=(self.net, x, y, _opt_tensors(self._optimizer)))
@@ -657,22 +714,21 @@ class _Run:
                 opt.zero_grad(set_to_none=True)
             with self.autocast():
                 res = self.engine.backward(self.ddp or self.net, x, loss_fn, on_grad=on_grad)
-            if on_grad is not None:  # gradients the engine did not hand over
+            if self.buckets is not None:  # (with what the engine did not hand over)
+                self.buckets.finish(self.params.items())
+            elif on_grad is not None:  # gradients the engine did not hand over
                 for n, p in self.params.items():
                     if p.grad is not None:
                         on_grad(n, p)
-            elif self.ddp is None and not self.sharded:  # DDP/FSDP average in the backward
-                distributed.average_gradients(self.params.items(), self.ctx)
             hit = interrupt is not None and interrupt.hit
             pending = distributed.mean_and_any(res.loss, hit, self.ctx)  # beside the step
-            if on_grad is None:
+            if self.plo is None:
                 opt.step()  # type: ignore[union-attr]
                 opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-            loss, stop = pending()
         if isinstance(tracker, MemoryTracker):
             rep = tracker.report
             self.peak = max(self.peak or 0, rep.baseline_bytes + rep.peak_bytes)
-        return float(loss), stop
+        return pending
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's ``torch.autocast`` (``precision``), or nothing."""
@@ -681,14 +737,32 @@ class _Run:
             return contextlib.nullcontext()
         return torch.autocast(self.dev.type, dtype=dtype)
 
-    def _non_finite(self, loss: float) -> NonFiniteLossError:
+    def _non_finite(self, loss: float, at: _Done) -> NonFiniteLossError:
         if self.metrics is not None:
-            self.metrics.write(kind="event", step=self.step + 1, event="non-finite loss")
+            self.metrics.write(kind="event", step=at.step, event="non-finite loss")
             self.metrics.close()
             self.metrics = None
         return NonFiniteLossError(NON_FINITE.format(
-            loss=loss, step=self.step + 1, epoch=self.epoch, batch=self.batch, lr=self.cfg.lr,
+            loss=loss, step=at.step, epoch=at.epoch, batch=at.batch, lr=self.cfg.lr,
             last=self.last_ckpt or NO_CHECKPOINT_YET))  # fmt: skip
+
+    def _record(self, done: _Done, bar: Any) -> bool:
+        """Wait for a step's averaged loss, refuse a non-finite one (and non-finite weights
+        where a checkpoint is due), log it; whether any process asked to stop."""
+        loss_t, stop = done.wait()
+        loss = float(loss_t)
+        if not math.isfinite(loss):
+            raise self._non_finite(loss, done)
+        if self._checkpoint_due(done.step):  # stop before logging the step
+            self._check_finite(done.step, loss, optimizer=False)
+        self.final_loss = loss
+        if self.metrics is not None:
+            self.metrics.write(kind="step", step=done.step, epoch=done.epoch, loss=loss,
+                               examples_per_s=done.rate, peak_bytes=self.peak)  # fmt: skip
+        peak = fmt_bytes(self.peak, spec=".1f", missing="?", unit="MiB")
+        bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{done.rate:.0f}", peak=peak, refresh=False)
+        bar.update()
+        return stop
 
     def _end_epoch(self) -> None:
         if self.test is not None and len(self.test):
@@ -706,6 +780,7 @@ class _Run:
                    unit="step", desc=f"train {cfg.model} [{self.engine.label}]")  # fmt: skip
         self.net.train()
         start = time.perf_counter()
+        held: _Done | None = None  # a step whose loss is still on its way (processes > 1)
         try:
             while self.step < self.total and self.stopped == "completed":
                 gen = torch.Generator().manual_seed(cfg.seed + self.epoch)
@@ -717,26 +792,27 @@ class _Run:
                         self.grad_memory = measure_grad_memory(
                             self.net, self.engine, x, _loss_fn(y), self.make_opt)
                     track = track_every > 0 and self.step % track_every == 0
-                    loss, stop = self._update(x, y, track, interrupt)
-                    if not math.isfinite(loss):
-                        raise self._non_finite(loss)
-                    if self._checkpoint_due(self.step + 1):  # stop before logging the step
-                        self._check_finite(self.step + 1, loss, optimizer=False)
-                    self.step, self.batch, self.final_loss = self.step + 1, self.batch + 1, loss
+                    wait = self._update(x, y, track, interrupt)
                     self.examples += self.per_step
-                    rate = self.examples / (time.perf_counter() - start)
-                    if self.metrics is not None:
-                        self.metrics.write(kind="step", step=self.step, epoch=self.epoch,
-                                           loss=loss, examples_per_s=rate,
-                                           peak_bytes=self.peak)  # fmt: skip
-                    peak = fmt_bytes(self.peak, spec=".1f", missing="?", unit="MiB")
-                    bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:.0f}", peak=peak,
-                                    refresh=False)  # fmt: skip
-                    bar.update()
+                    done = _Done(self.step + 1, self.epoch, self.batch, wait,
+                                 self.examples / (time.perf_counter() - start))  # fmt: skip
+                    self.step, self.batch = self.step + 1, self.batch + 1
                     epoch_done = self.batch == self.steps_per_epoch
+                    # Under several processes a step's loss and stop request arrive while
+                    # the next step runs (the collective's latency off the critical path),
+                    # except where a checkpoint or an epoch's end needs them now; SIGINT
+                    # then stops all processes one step later, at the same step.
+                    stop = self._record(held, bar) if held is not None else False
+                    held = None
+                    if self.ctx.enabled and not (epoch_done or self._checkpoint_due(self.step)):
+                        held = done
+                    else:
+                        stop = self._record(done, bar) or stop
                     if epoch_done:
                         self._end_epoch()
-                    if stop:  # a process was interrupted (SIGINT) by the end of the step
+                    if stop:  # a process was interrupted (SIGINT) by the end of a step
+                        if held is not None:
+                            self._record(held, bar)
                         self.stopped = "interrupted"
                         break
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:

@@ -13,6 +13,12 @@ The payload holds the model and optimizer state dicts, every RNG state (torch,
 CUDA, numpy, Python ``random``, engines' own generators), the position in the
 data order and the step, so a resumed run continues bit-exactly.
 
+A sharded run (``parallel="fsdp"``) writes a directory ``step-000008.dcp/`` instead:
+each rank's shards through ``torch.distributed.checkpoint`` and :data:`SIDE_FILE`, rank
+0's checkpoint file (as above) with the rest. It is written under a temporary name and
+renamed when complete (:func:`publish_dir`), so listings only ever see complete ones;
+:mod:`._sharded` writes and reads it.
+
 Only finite states are written: :func:`non_finite` names the NaN/Inf tensors
 ``fit`` refuses to save, and a checkpoint written with them (by an older
 leangrad) is refused on resume. A run directory holds one run:
@@ -29,6 +35,7 @@ import io
 import os
 import random
 import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,24 +52,36 @@ __all__ = [
     "RunDirectoryError",
     "check_fingerprint",
     "check_finite",
+    "checkpoint_name",
     "describe_marks",
+    "is_sharded_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_engine_state",
     "model_fingerprint",
+    "named_tensors",
     "non_finite",
+    "non_finite_refusal",
+    "prune",
+    "publish_dir",
     "remove_run",
+    "resolve_resume",
     "rng_state",
     "run_marks",
     "save_checkpoint",
     "set_rng_state",
+    "temp_dir",
 ]
 
 FORMAT = "leangrad-train-checkpoint"
 VERSION = 1
 MAGIC = b"LGCKSHA2"
 _TRAILER = len(MAGIC) + 32
-_NAME = re.compile(r"^step-(\d+)\.pt$")
+_NAME = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+SIDE_FILE = "leangrad.pt"
+"""In a sharded checkpoint ``step-N.dcp/``: rank 0's checkpoint file (step, position,
+config, fingerprint, every rank's RNG states, engine state, the optimizer's param groups,
+the shard files' SHA-256), written and read as a single-file checkpoint is."""
 
 NOT_OURS = (
     "{path}: not a leangrad checkpoint, or truncated ({why}); earlier checkpoints in "
@@ -78,7 +97,7 @@ WRONG_MODEL = (
     "{path} was written for a different model: {why}. Resume with the model the checkpoint "
     "was written for (its run config: {config}), or start a fresh run without --resume"
 )
-NO_CHECKPOINT = "no checkpoint step-*.pt in {dir}; nothing to resume"
+NO_CHECKPOINT = "no checkpoint step-*.pt or step-*.dcp/ in {dir}; nothing to resume"
 NON_FINITE_CHECKPOINT = (
     "{path} holds non-finite values (NaN/Inf) in {names}: resuming would train on them. "
     "Resume from an earlier checkpoint (--resume FILE; in {dir}: {others}), or start over "
@@ -103,7 +122,9 @@ RESUME_INTO_OTHER_RUN = (
 
 RUN_FILES = ("metrics.jsonl", "metrics.jsonl.tmp", "run.json", "training.png")
 """The files ``fit`` writes at the top of a run directory (besides ``checkpoints/``)."""
-_TEMP = re.compile(r"^\.step-(\d+)\.pt\.tmp-\d+$")
+_TEMP = re.compile(r"^\.step-(\d+)\.(pt\.tmp-\d+|dcp\.tmp|dcp\.old-\d+)$")
+"""Interrupted writes: ``.step-N.pt.tmp-PID`` files, ``.step-N.dcp.tmp`` directories (a
+sharded checkpoint being written) and ``.step-N.dcp.old-PID`` (one being replaced)."""
 
 
 class CheckpointError(LeangradError, ValueError):
@@ -159,14 +180,18 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Read a checkpoint, verifying its trailer, with ``torch.load(weights_only=True)``.
 
+    For a sharded checkpoint ``step-N.dcp/`` this reads its :data:`SIDE_FILE` (everything
+    but the weights and the optimizer's tensors, which :func:`._sharded.load_sharded` reads).
+
     Raises:
         CheckpointError: the file is truncated, corrupt, not a leangrad checkpoint,
             or ``torch.load`` refused it.
     """
     path = Path(path)
     where = {"path": path, "dir": path.parent}
+    file = path / SIDE_FILE if is_sharded_checkpoint(path) else path
     try:
-        raw = path.read_bytes()
+        raw = file.read_bytes()
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read checkpoint: {err}") from err
     if len(raw) < _TRAILER or raw[-_TRAILER : -32] != MAGIC:
@@ -183,24 +208,39 @@ def load_checkpoint(
     return payload
 
 
-def checkpoint_name(step: int) -> str:
-    """``step-000123.pt``."""
-    return f"step-{step:06d}.pt"
+def checkpoint_name(step: int, *, sharded: bool = False) -> str:
+    """``step-000123.pt``, or the directory ``step-000123.dcp`` of a sharded checkpoint."""
+    return f"step-{step:06d}.{'dcp' if sharded else 'pt'}"
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint: a ``step-N.dcp`` directory
+    holding its :data:`SIDE_FILE` (written last, so only complete ones hold it)."""
+    path = Path(path)
+    m = _NAME.match(path.name)
+    return m is not None and m.group(2) == "dcp" and (path / SIDE_FILE).is_file()
+
+
+def _complete(path: Path, kind: str) -> bool:
+    return path.is_file() if kind == "pt" else is_sharded_checkpoint(path)
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """The ``step-*.pt`` files in ``directory``, oldest step first (temp files skipped)."""
+    """The ``step-*.pt`` files and complete ``step-*.dcp`` directories in ``directory``,
+    oldest step first (temp files and directories of interrupted writes skipped)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _NAME.match(p.name)) and _complete(p, m.group(2))]  # fmt: skip
     return [p for _, p in sorted(found)]
 
 
 def resolve_resume(path: str | Path) -> Path:
-    """A checkpoint file as given, or the newest one in a run dir (or its checkpoints/)."""
+    """A checkpoint (file or ``.dcp`` directory) as given, or the newest one in a run dir
+    (or its checkpoints/)."""
     path = Path(path)
-    if path.is_file():
+    if path.is_file() or is_sharded_checkpoint(path):
         return path
     for d in (path / "checkpoints", path):
         found = list_checkpoints(d)
@@ -209,19 +249,64 @@ def resolve_resume(path: str | Path) -> Path:
     raise CheckpointError(NO_CHECKPOINT.format(dir=path))
 
 
+def _temps(directory: Path) -> list[Path]:
+    """What interrupted writes left in ``directory`` (:data:`_TEMP`)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _TEMP.match(p.name))
+
+
+def _delete(path: Path) -> None:
+    """Unlink a file, or delete a (sharded checkpoint's) directory tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 def prune(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints (never the newest)."""
-    for p in list_checkpoints(directory)[: -max(keep, 1)]:
+    """Delete all but the newest ``keep`` checkpoints (never the newest), and the temp
+    files and directories interrupted writes left (call it when no write is under way)."""
+    directory = Path(directory)
+    for p in list_checkpoints(directory)[: -max(keep, 1)] + _temps(directory):
         with contextlib.suppress(OSError):
-            p.unlink()
+            _delete(p)
+
+
+def temp_dir(final: str | Path) -> Path:
+    """Where the sharded checkpoint ``final`` (``step-N.dcp``) is written before
+    :func:`publish_dir`: ``.step-N.dcp.tmp`` beside it, the same name on every rank."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.tmp")
+
+
+def publish_dir(tmp: str | Path, final: str | Path) -> Path:
+    """Rename the complete directory ``tmp`` to ``final`` (one rename: a crash leaves
+    either no ``final`` or all of it) and ``fsync`` the parent directory.
+
+    A ``final`` already there (the same step written again by a resumed run) is renamed
+    aside first and deleted after: a crash between the two renames leaves that step
+    missing (earlier checkpoints stay), never half of it."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 # -- run directories -------------------------------------------------------------------
 
 
 def run_marks(out: str | Path) -> list[Path]:
-    """What shows that ``out`` holds a run: its ``checkpoints/step-*.pt`` and its
-    ``metrics.jsonl`` (empty when ``out`` is new or holds neither)."""
+    """What shows that ``out`` holds a run: its checkpoints (``checkpoints/step-*.pt``
+    and ``step-*.dcp/``) and its ``metrics.jsonl`` (empty when ``out`` is new or holds
+    neither)."""
     out = Path(out)
     metrics = out / "metrics.jsonl"
     return list_checkpoints(out / "checkpoints") + ([metrics] if metrics.is_file() else [])
@@ -239,8 +324,9 @@ def describe_marks(marks: list[Path]) -> str:
 
 
 def remove_run(out: str | Path) -> list[Path]:
-    """Delete the run in ``out`` that ``fit`` wrote: ``checkpoints/step-*.pt`` and the temp
-    files of interrupted writes, then ``checkpoints/`` itself if that left it empty, and
+    """Delete the run in ``out`` that ``fit`` wrote: ``checkpoints/step-*.pt``, the
+    ``step-*.dcp/`` directories of sharded checkpoints and the temp files and directories
+    of interrupted writes, then ``checkpoints/`` itself if that left it empty, and
     :data:`RUN_FILES` (metrics, run.json, the plot). Nothing else is touched.
 
     Returns:
@@ -251,10 +337,9 @@ def remove_run(out: str | Path) -> list[Path]:
     gone: list[Path] = []
     targets = [out / name for name in RUN_FILES if (out / name).is_file()]
     if ckpt_dir.is_dir():
-        temps = [p for p in ckpt_dir.iterdir() if _TEMP.match(p.name) and p.is_file()]
-        targets = list_checkpoints(ckpt_dir) + temps + targets  # checkpoints first
+        targets = list_checkpoints(ckpt_dir) + _temps(ckpt_dir) + targets  # checkpoints first
     for p in targets:
-        p.unlink()
+        _delete(p)
         gone.append(p)
     if ckpt_dir.is_dir() and not any(ckpt_dir.iterdir()):
         ckpt_dir.rmdir()
@@ -282,30 +367,38 @@ def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
     return [named[i][0] for i in sorted(bad)]
 
 
-def _tensors(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(obj: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
     """Every tensor in nested dicts/lists, named by its path (``optimizer.state.0.exp_avg``)."""
     if isinstance(obj, torch.Tensor):
         return [(prefix, obj)]
     if isinstance(obj, Mapping):
-        return [e for k, v in obj.items() for e in _tensors(v, f"{prefix}.{k}")]
+        return [e for k, v in obj.items() for e in named_tensors(v, f"{prefix}.{k}")]
     if isinstance(obj, (list, tuple)):
-        return [e for i, v in enumerate(obj) for e in _tensors(v, f"{prefix}.{i}")]
+        return [e for i, v in enumerate(obj) for e in named_tensors(v, f"{prefix}.{i}")]
     return []
+
+
+_tensors = named_tensors  # its earlier name
 
 
 def check_finite(payload: Mapping[str, Any], path: str | Path) -> None:
     """Raise :class:`CheckpointError` when the weights or optimizer state in ``payload``
     hold NaN/Inf, naming them and the other checkpoints beside ``path``."""
-    named = _tensors(payload.get("model", {}), "model") + _tensors(
+    named = named_tensors(payload.get("model", {}), "model") + named_tensors(
         payload.get("optimizer", {}), "optimizer"
     )
     bad = non_finite(named)
-    if not bad:
-        return
+    if bad:
+        raise non_finite_refusal(bad, path)
+
+
+def non_finite_refusal(bad: list[str], path: str | Path) -> CheckpointError:
+    """The error refusing the checkpoint ``path`` whose tensors ``bad`` hold NaN/Inf,
+    naming the other checkpoints beside it."""
     path = Path(path)
     others = [p.name for p in list_checkpoints(path.parent) if p.name != path.name]
     names = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-    raise CheckpointError(NON_FINITE_CHECKPOINT.format(
+    return CheckpointError(NON_FINITE_CHECKPOINT.format(
         path=path, names=names, dir=path.parent, others=", ".join(others) or "none"))  # fmt: skip
 
 
