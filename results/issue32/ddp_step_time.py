@@ -4,18 +4,29 @@ plain PyTorch DDP loop on the same model, data shards, optimizer and batch.
 Run alone: torchrun --nproc-per-node 2 results/issue32/ddp_step_time.py [--out FILE]
 
 Each round runs both, in alternating order, from freshly built models: `fit` (which logs
-the mean loss over ranks and checks for a stop request every step, two small all-reduces)
-and a loop of `opt.zero_grad(); F.cross_entropy(ddp(x), y).backward(); opt.step()`. Time
-per step = wall time of the training loop / steps (both include their first steps).
-Medians over rounds; the ratio is fit's over the plain loop's.
+the mean loss over ranks of every step and checks for a stop request: one small
+all-reduce per 8 steps, `SYNC_EVERY`) and a loop of
+`opt.zero_grad(); F.cross_entropy(ddp(x), y).backward(); opt.step()`.
+
+Two measures, on rank 0:
+- the step time: the period between the starts of consecutive steps (fit's stamped by
+  wrapping `_Run._update`, the plain loop's at the top of its body), warm-up steps left
+  out, median over every step of every round;
+- the loop time: a whole loop's wall time / steps (first steps included), median over
+  rounds.
+Two processes share this machine's 2 cores with gloo's threads, so single steps spread
+from about 0.8x to 1.3x their median; many short interleaved rounds keep drift out of the
+comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +34,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leangrad import data, models, train
+from leangrad.train import _fit
 
-STEPS, ROUNDS, BATCH, WIDTH, DEPTH = 60, 5, 64, 512, 4
+STEPS, ROUNDS, WARMUP, BATCH, WIDTH, DEPTH = 40, 21, 3, 64, 512, 4
+stamps: list[float] = []
 
 
 def plain(ctx: train.DistContext, ds: data.Dataset) -> float:
@@ -36,6 +49,7 @@ def plain(ctx: train.DistContext, ds: data.Dataset) -> float:
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0))
     start = time.perf_counter()
     for step in range(STEPS):
+        stamps.append(time.perf_counter())
         idx = order[step * per_step + ctx.rank * BATCH:][:BATCH]
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(ddp(ds.x[idx]), ds.y[idx]).backward()
@@ -51,27 +65,43 @@ def leangrad_fit(ctx: train.DistContext, ds: data.Dataset) -> float:
     return BATCH * ctx.world_size / res.examples_per_s  # its loop's wall time / steps
 
 
+def _stamped(update: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stamps.append(time.perf_counter())
+        return update(self, *args, **kwargs)
+
+    return wrapper
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
+    _fit._Run._update = _stamped(_fit._Run._update)  # type: ignore[method-assign]
     ctx = train.init_distributed(torch.device("cpu"))
     ds = data.synthetic_classification(BATCH * ctx.world_size * STEPS, shape=(64,))
-    times: dict[str, list[float]] = {"plain DDP loop": [], "leangrad fit": []}
+    names = ["plain DDP loop", "leangrad fit"]
+    loops: dict[str, list[float]] = {n: [] for n in names}
+    steps: dict[str, list[float]] = {n: [] for n in names}
     for r in range(ROUNDS):
-        for name in (["plain DDP loop", "leangrad fit"] if r % 2 == 0
-                     else ["leangrad fit", "plain DDP loop"]):  # fmt: skip
+        for name in names[:: 1 if r % 2 == 0 else -1]:
             dist.barrier()
-            times[name].append(plain(ctx, ds) if name == "plain DDP loop" else leangrad_fit(ctx, ds))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    out = {"world_size": ctx.world_size, "steps": STEPS, "rounds": ROUNDS, "batch_per_rank": BATCH,
-           "model": f"mlp(64, {WIDTH}, {DEPTH}, 10)", "threads_per_rank": 1,
-           "seconds_per_step_median": med, "seconds_per_step": times,
-           "ratio_fit_over_plain": med["leangrad fit"] / med["plain DDP loop"],
-           "torch": torch.__version__}  # fmt: skip
+            stamps.clear()
+            loops[name].append(plain(ctx, ds) if name == names[0] else leangrad_fit(ctx, ds))
+            steps[name] += [b - a for a, b in itertools.pairwise(stamps[WARMUP:])]
+    step = {k: statistics.median(v) for k, v in steps.items()}
+    loop = {k: statistics.median(v) for k, v in loops.items()}
+    out = {"world_size": ctx.world_size, "steps": STEPS, "rounds": ROUNDS, "warmup": WARMUP,
+           "batch_per_rank": BATCH, "model": f"mlp(64, {WIDTH}, {DEPTH}, 10)",
+           "threads_per_rank": 1, "step_seconds_median": step,
+           "step_ratio_fit_over_plain": step[names[1]] / step[names[0]],
+           "loop_seconds_per_step_median": loop,
+           "loop_ratio_fit_over_plain": loop[names[1]] / loop[names[0]],
+           "loop_seconds_per_step": loops, "torch": torch.__version__}  # fmt: skip
     if ctx.rank == 0:
-        print(json.dumps(out, indent=1))
+        print(json.dumps({k: v for k, v in out.items() if k != "loop_seconds_per_step"},
+                         indent=1))  # fmt: skip
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -173,24 +173,16 @@ def averaging_on_grad(ctx: DistContext, then: OnGrad | None) -> OnGrad:
     return on_grad
 
 
-def mean_and_any(value: torch.Tensor, flag: bool,
-                 ctx: DistContext) -> Callable[[], tuple[torch.Tensor, bool]]:  # fmt: skip
-    """Start one all-reduce of the mean of scalar ``value`` over processes and of
-    :func:`any_process` of ``flag`` (a step's loss and stop request); the returned function
-    waits for it. In flight while the caller steps the optimizer, so its latency hides
-    behind that work."""
+def mean_and_any(values: torch.Tensor, flag: bool,
+                 ctx: DistContext) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    """The means over processes of ``values`` (each process's losses of the same steps) and
+    :func:`any_process` of ``flag`` (a stop request), in one all-reduce."""
     if not ctx.enabled:
-        done = (value.detach(), flag)
-        return lambda: done
-    v = torch.stack([value.detach().reshape(()).to(torch.float64),
-                     torch.tensor(float(flag), dtype=torch.float64, device=value.device)])
-    work = dist.all_reduce(v, op=dist.ReduceOp.SUM, async_op=True)
-
-    def wait() -> tuple[torch.Tensor, bool]:
-        work.wait()
-        return (v[0] / ctx.world_size).to(value.dtype), bool(v[1].item() > 0)
-
-    return wait
+        return values.detach(), flag
+    v = torch.cat([values.detach().reshape(-1).to(torch.float64),
+                   torch.tensor([float(flag)], dtype=torch.float64, device=values.device)])
+    dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return (v[:-1] / ctx.world_size).to(values.dtype), bool(v[-1].item() > 0)
 
 
 def any_process(flag: bool, ctx: DistContext) -> bool:

@@ -159,17 +159,20 @@ def _device(device: str | torch.device | None) -> torch.device:
     return torch.device("cpu")
 
 
-_Wait = Callable[[], tuple[torch.Tensor, bool]]
+SYNC_EVERY = 8
+"""Under several processes, steps whose losses one collective averages (with the stop
+request): one small all-reduce per step that every process waits for cost 7% of a 17 ms
+DDP step on 2 CPU processes (``results/issue32/ddp_step_time.py``)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Done:
-    """A finished step whose averaged loss may still be on its way."""
+    """A finished step whose loss is not averaged over processes yet."""
 
     step: int  # 1-based: the step count after it
     epoch: int
     batch: int  # its batch's index within the epoch
-    wait: _Wait
+    loss: torch.Tensor  # this process's
     rate: float  # examples per second so far
 
 
@@ -700,11 +703,9 @@ class _Run:
         idx = order[lo : lo + self.cfg.batch_size].to(self.dev)
         return self.train.x[idx], self.train.y[idx]
 
-    def _update(self, x: torch.Tensor, y: torch.Tensor, track: bool,
-                interrupt: _Interrupt | None = None) -> _Wait:  # fmt: skip
-        """One optimizer step on (x, y); returns a function that waits for the loss averaged
-        over processes and whether any process was interrupted by the step's optimizer
-        update (one collective, in flight from the optimizer step on)."""
+    def _update(self, x: torch.Tensor, y: torch.Tensor, track: bool
+                ) -> torch.Tensor:  # fmt: skip
+        """One optimizer step on (x, y); returns this process's loss."""
         loss_fn = _loss_fn(y)
         opt, on_grad = self.opt, self.on_grad
         tracker = (MemoryTracker(baseline=(self.net, x, y, _opt_tensors(self._optimizer)))
@@ -720,15 +721,13 @@ class _Run:
                 for n, p in self.params.items():
                     if p.grad is not None:
                         on_grad(n, p)
-            hit = interrupt is not None and interrupt.hit
-            pending = distributed.mean_and_any(res.loss, hit, self.ctx)  # beside the step
             if self.plo is None:
                 opt.step()  # type: ignore[union-attr]
                 opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
         if isinstance(tracker, MemoryTracker):
             rep = tracker.report
             self.peak = max(self.peak or 0, rep.baseline_bytes + rep.peak_bytes)
-        return pending
+        return res.loss.detach()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's ``torch.autocast`` (``precision``), or nothing."""
@@ -746,22 +745,26 @@ class _Run:
             loss=loss, step=at.step, epoch=at.epoch, batch=at.batch, lr=self.cfg.lr,
             last=self.last_ckpt or NO_CHECKPOINT_YET))  # fmt: skip
 
-    def _record(self, done: _Done, bar: Any) -> bool:
-        """Wait for a step's averaged loss, refuse a non-finite one (and non-finite weights
-        where a checkpoint is due), log it; whether any process asked to stop."""
-        loss_t, stop = done.wait()
-        loss = float(loss_t)
-        if not math.isfinite(loss):
-            raise self._non_finite(loss, done)
-        if self._checkpoint_due(done.step):  # stop before logging the step
-            self._check_finite(done.step, loss, optimizer=False)
-        self.final_loss = loss
-        if self.metrics is not None:
-            self.metrics.write(kind="step", step=done.step, epoch=done.epoch, loss=loss,
-                               examples_per_s=done.rate, peak_bytes=self.peak)  # fmt: skip
-        peak = fmt_bytes(self.peak, spec=".1f", missing="?", unit="MiB")
-        bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{done.rate:.0f}", peak=peak, refresh=False)
-        bar.update()
+    def _record(self, steps: list[_Done], bar: Any, interrupt: _Interrupt) -> bool:
+        """Average the steps' losses over processes with the stop request (one collective),
+        refuse a non-finite loss (and non-finite weights where a checkpoint is due), log
+        each step; whether any process asked to stop."""
+        losses, stop = distributed.mean_and_any(torch.stack([d.loss for d in steps]),
+                                                interrupt.hit, self.ctx)  # fmt: skip
+        for done, loss_t in zip(steps, losses.tolist(), strict=True):
+            loss = float(loss_t)
+            if not math.isfinite(loss):
+                raise self._non_finite(loss, done)
+            if self._checkpoint_due(done.step):  # stop before logging the step
+                self._check_finite(done.step, loss, optimizer=False)
+            self.final_loss = loss
+            if self.metrics is not None:
+                self.metrics.write(kind="step", step=done.step, epoch=done.epoch, loss=loss,
+                                   examples_per_s=done.rate, peak_bytes=self.peak)  # fmt: skip
+            peak = fmt_bytes(self.peak, spec=".1f", missing="?", unit="MiB")
+            bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{done.rate:.0f}", peak=peak,
+                            refresh=False)  # fmt: skip
+            bar.update()
         return stop
 
     def _end_epoch(self) -> None:
@@ -780,7 +783,7 @@ class _Run:
                    unit="step", desc=f"train {cfg.model} [{self.engine.label}]")  # fmt: skip
         self.net.train()
         start = time.perf_counter()
-        held: _Done | None = None  # a step whose loss is still on its way (processes > 1)
+        held: list[_Done] = []  # steps whose losses are not averaged yet (processes > 1)
         try:
             while self.step < self.total and self.stopped == "completed":
                 gen = torch.Generator().manual_seed(cfg.seed + self.epoch)
@@ -792,27 +795,23 @@ class _Run:
                         self.grad_memory = measure_grad_memory(
                             self.net, self.engine, x, _loss_fn(y), self.make_opt)
                     track = track_every > 0 and self.step % track_every == 0
-                    wait = self._update(x, y, track, interrupt)
+                    loss = self._update(x, y, track)
                     self.examples += self.per_step
-                    done = _Done(self.step + 1, self.epoch, self.batch, wait,
-                                 self.examples / (time.perf_counter() - start))  # fmt: skip
+                    held.append(_Done(self.step + 1, self.epoch, self.batch, loss,
+                                      self.examples / (time.perf_counter() - start)))  # fmt: skip
                     self.step, self.batch = self.step + 1, self.batch + 1
                     epoch_done = self.batch == self.steps_per_epoch
-                    # Under several processes a step's loss and stop request arrive while
-                    # the next step runs (the collective's latency off the critical path),
-                    # except where a checkpoint or an epoch's end needs them now; SIGINT
-                    # then stops all processes one step later, at the same step.
-                    stop = self._record(held, bar) if held is not None else False
-                    held = None
-                    if self.ctx.enabled and not (epoch_done or self._checkpoint_due(self.step)):
-                        held = done
-                    else:
-                        stop = self._record(done, bar) or stop
+                    # Under several processes the losses of SYNC_EVERY steps are averaged
+                    # (and the stop request shared) in one collective, or sooner where a
+                    # checkpoint or an epoch's end needs them; SIGINT then stops every
+                    # process at the same step, up to SYNC_EVERY - 1 steps later.
+                    stop = False
+                    if (not self.ctx.enabled or len(held) >= SYNC_EVERY or epoch_done
+                            or self._checkpoint_due(self.step)):  # fmt: skip
+                        stop, held = self._record(held, bar, interrupt), []
                     if epoch_done:
                         self._end_epoch()
                     if stop:  # a process was interrupted (SIGINT) by the end of a step
-                        if held is not None:
-                            self._record(held, bar)
                         self.stopped = "interrupted"
                         break
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
