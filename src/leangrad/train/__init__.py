@@ -16,6 +16,7 @@ Quick use::
 - :func:`leangrad.plan` (``leangrad plan``) — which engine fits a memory budget, measured.
 """
 
+from ._buckets import GradBuckets
 from ._config import FitResult, NonFiniteLossError, TrainConfig
 from ._distributed import (
     DistContext,
@@ -35,6 +36,7 @@ __all__ = [
     "DataInfo",
     "DistContext",
     "FitResult",
+    "GradBuckets",
     "GradMemory",
     "NonFiniteLossError",
     "PerLayerOptimizer",

@@ -59,8 +59,13 @@ PARALLEL = ("ddp", "fsdp")
 BAD_PARALLEL = "parallel must be one of {names}, got {value!r}"
 FSDP_ENGINE = (
     "--parallel fsdp trains through FSDP2's own backward, which {engine} does not run "
-    "(it would keep each process's gradient shard unreduced); use --engine backprop (or "
-    "--budget with --engines backprop) without --step-per-layer, or --parallel ddp"
+    "(it would keep each process's gradient shard unreduced); use --engine backprop or "
+    "checkpoint (or --budget with --engines backprop,checkpoint), or --parallel ddp"
+)
+FSDP_PER_LAYER = (
+    "--parallel fsdp with --step-per-layer ({engine}): FSDP2 reduce-scatters gradients in "
+    "its own hooks and leangrad's per-layer steps are not checked against them; drop "
+    "--step-per-layer, or use --parallel ddp"
 )
 SHARDS_BAD = (
     "{path}: sharded checkpoint is damaged ({why}); earlier checkpoints in {dir} are "
@@ -99,8 +104,10 @@ def shard(model: nn.Module, engine: Engine, *, per_layer: bool) -> None:
     from ..engines import Checkpoint, blocks
     from ..engines._wrapped import FSDP2
 
-    if not engine.wrapped_models or per_layer:
+    if not engine.wrapped_models:
         raise errors.OptionError(FSDP_ENGINE.format(engine=engine.label))
+    if per_layer:
+        raise errors.OptionError(FSDP_PER_LAYER.format(engine=engine.label))
     if (why := engine.wrapped_why(model, FSDP2)) is not None:
         raise errors.OptionError(why)
     found = engine.blocks(model) if isinstance(engine, Checkpoint) else blocks(model)
