@@ -16,11 +16,10 @@ Quick use::
 - :func:`leangrad.plan` (``leangrad plan``) — which engine fits a memory budget, measured.
 """
 
-from ._buckets import GradBuckets
+from ._buckets import GradBuckets, average_gradients
 from ._config import FitResult, NonFiniteLossError, TrainConfig
 from ._distributed import (
     DistContext,
-    average_gradients,
     averaging_on_grad,
     init_distributed,
     seed_per_rank,

@@ -34,7 +34,7 @@ from torch import nn
 from ..engines._base import OnGrad
 from ._distributed import DistContext
 
-__all__ = ["BUCKET_BYTES", "GradBuckets"]
+__all__ = ["BUCKET_BYTES", "GradBuckets", "average_gradients"]
 
 BUCKET_BYTES = 25 * 2**20
 """Bytes of gradient per all-reduce (DDP's default ``bucket_cap_mb=25``)."""
@@ -112,3 +112,18 @@ class GradBuckets:
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.device == b.device
+
+
+def average_gradients(params: Iterable[_Item], ctx: DistContext) -> None:
+    """All-reduce and average every ``p.grad`` after the fact (a missing one counts as
+    zeros, so processes that disagree on which parameters have gradients still match), in
+    buckets of :data:`BUCKET_BYTES` in name order: the recipe for a model given to an
+    engine unwrapped. Inside a step, :class:`GradBuckets` overlaps the same with the
+    engine's backward."""
+    if not ctx.enabled:
+        return
+    items = list(params)
+    for _, p in items:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    GradBuckets(ctx).finish(items)

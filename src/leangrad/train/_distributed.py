@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,7 +37,6 @@ from ..engines._base import OnGrad
 __all__ = [
     "DistContext",
     "any_process",
-    "average_gradients",
     "averaging_on_grad",
     "broadcast_object",
     "broadcast_parameters",
@@ -140,23 +138,6 @@ def broadcast_parameters(model: nn.Module, ctx: DistContext) -> None:
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=0)
-
-
-def average_gradients(params: Iterable[tuple[str, nn.Parameter]], ctx: DistContext) -> None:
-    """All-reduce and average every ``p.grad`` after the fact (a missing one counts as
-    zeros, so processes that disagree on which parameters have gradients still match), in
-    buckets of :data:`~leangrad.train._buckets.BUCKET_BYTES` in name order: the recipe for a
-    model given to an engine unwrapped. Inside a step, :class:`GradBuckets` overlaps the
-    same with the engine's backward."""
-    if not ctx.enabled:
-        return
-    from ._buckets import GradBuckets
-
-    items = list(params)
-    for _, p in items:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    GradBuckets(ctx).finish(items)
 
 
 def averaging_on_grad(ctx: DistContext, then: OnGrad | None) -> OnGrad:
