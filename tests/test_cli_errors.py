@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from leangrad import bench, cli
+from leangrad import _cli_types, bench, cli
 from leangrad.cli import main
 
 QUICK = ["--max-steps", "1", "--no-plots", "--no-progress"]
@@ -237,7 +237,7 @@ def test_out_that_cannot_be_written_runs_nothing(
 def test_out_not_writable_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.setattr(bench, "run_demo", _must_not_run)
-    monkeypatch.setattr(cli.os, "access", lambda *_a, **_k: False)
+    monkeypatch.setattr(_cli_types.os, "access", lambda *_a, **_k: False)
     assert main(["demo", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (
         f"leangrad: error: --out {tmp_path}: not writable; name a directory you can write to\n"

@@ -1,6 +1,8 @@
 """Argument types of the ``leangrad`` command: each checks one option's value and says,
 in one line, what is wrong and what to write instead (argparse reports it as
-``leangrad: error: argument --OPTION: MESSAGE`` with exit code 2)."""
+``leangrad: error: argument --OPTION: MESSAGE`` with exit code 2); and
+:func:`check_out_dir`, the check of an output directory every subcommand runs before any
+work (here, below :mod:`leangrad.cli` and :mod:`leangrad.train._cli`, which both use it)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-__all__ = ["device", "fraction", "name_list", "out_dir", "positive_float", "positive_int",
-           "size", "thread_list", "whole"]  # fmt: skip
+from ._errors import OptionError
+
+__all__ = ["check_out_dir", "device", "fraction", "name_list", "out_dir", "positive_float",
+           "positive_int", "size", "thread_list", "whole"]  # fmt: skip
 
 
 def _int(raw: str) -> int:
@@ -126,3 +131,45 @@ def out_dir(raw: str) -> str:
     if os.path.exists(raw) and not os.path.isdir(raw):
         raise argparse.ArgumentTypeError(f"{raw!r} is a file; name a directory")
     return raw
+
+
+OUT_UNDER_FILE = (
+    "{option} {path}: {file} is a file, so no directory can be made there; name a directory"
+)
+OUT_CANNOT_MAKE = "{option} {path}: cannot create it ({error}); name a directory you can write to"
+OUT_NOT_WRITABLE = "{option} {path}: not writable; name a directory you can write to"
+
+
+def check_out_dir(path: str | Path, option: str = "--out") -> None:
+    """Refuse, before any work, an output directory that cannot be written: one under a
+    file, one that cannot be created, one not writable. Leaves nothing behind: levels it
+    had to create to find out are removed again (the run creates them when it writes).
+
+    Raises:
+        OptionError: naming ``option``, the path and the fix.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise OptionError(OUT_NOT_WRITABLE.format(option=option, path=p))
+        return
+    if p.exists():  # a file: argparse's type check names it; a library caller gets this
+        raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=p))
+    made: list[Path] = []
+    q = p
+    while not q.exists() and q != q.parent:
+        made.append(q)
+        q = q.parent
+    if q.exists() and not q.is_dir():
+        raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=q))
+    try:
+        p.mkdir(parents=True, exist_ok=True)  # exist_ok: torchrun ranks probe at once
+    except OSError as err:
+        raise OptionError(OUT_CANNOT_MAKE.format(option=option, path=p,
+                                                 error=err.strerror or err)) from None  # fmt: skip
+    finally:
+        for level in made:  # deepest first
+            try:
+                level.rmdir()
+            except OSError:
+                break

@@ -17,21 +17,18 @@ run before any work.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
 from . import _cli_types as cli_types
+from ._cli_types import OUT_CANNOT_MAKE as OUT_CANNOT_MAKE  # moved to _cli_types (#28), kept here
+from ._cli_types import OUT_NOT_WRITABLE as OUT_NOT_WRITABLE
+from ._cli_types import OUT_UNDER_FILE as OUT_UNDER_FILE
+from ._cli_types import check_out_dir
 
 __all__ = ["check_out_dir", "main"]
 
-OUT_UNDER_FILE = (
-    "{option} {path}: {file} is a file, so no directory can be made there; name a directory"
-)
-OUT_CANNOT_MAKE = "{option} {path}: cannot create it ({error}); name a directory you can write to"
-OUT_NOT_WRITABLE = "{option} {path}: not writable; name a directory you can write to"
 INTERRUPTED = "leangrad: interrupted"
 
 _VALUE_OPTIONS = ("--budget", "--lr", "--epochs", "--batch-size", "--max-steps",
@@ -117,43 +114,6 @@ def _join_values(argv: list[str]) -> list[str]:
         out.append(a)
         i += 1
     return out
-
-
-def check_out_dir(path: str | Path, option: str = "--out") -> None:
-    """Refuse, before any work, an output directory that cannot be written: one under a
-    file, one that cannot be created, one not writable. Leaves nothing behind: levels it
-    had to create to find out are removed again (the run creates them when it writes).
-
-    Raises:
-        OptionError: naming ``option``, the path and the fix.
-    """
-    from ._errors import OptionError
-
-    p = Path(path)
-    if p.is_dir():
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise OptionError(OUT_NOT_WRITABLE.format(option=option, path=p))
-        return
-    if p.exists():  # a file: argparse's type check names it; a library caller gets this
-        raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=p))
-    made: list[Path] = []
-    q = p
-    while not q.exists() and q != q.parent:
-        made.append(q)
-        q = q.parent
-    if q.exists() and not q.is_dir():
-        raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=q))
-    try:
-        p.mkdir(parents=True, exist_ok=True)  # exist_ok: torchrun ranks probe at once
-    except OSError as err:
-        raise OptionError(OUT_CANNOT_MAKE.format(option=option, path=p,
-                                                 error=err.strerror or err)) from None  # fmt: skip
-    finally:
-        for level in made:  # deepest first
-            try:
-                level.rmdir()
-            except OSError:
-                break
 
 
 def main(argv: Sequence[str] | None = None) -> int:

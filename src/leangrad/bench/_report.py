@@ -10,6 +10,11 @@ from typing import Any
 
 from .. import _errors as errors
 from .._sizes import MiB, fmt_bytes
+from ._records import BAD_JSON as BAD_JSON  # moved to _records (#28), kept here
+from ._records import NOT_A_DIRECTORY as NOT_A_DIRECTORY
+from ._records import UNREADABLE as UNREADABLE
+from ._records import at_threads, extra_threads, load_records, scan_records
+from ._reproduction import reproduction_section
 
 __all__ = ["at_threads", "extra_threads", "fmt_bytes", "load_records", "render_report",
            "sweep_section"]  # fmt: skip
@@ -19,23 +24,6 @@ def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def extra_threads(records: list[dict[str, Any]]) -> list[int]:
-    """The thread counts records were also timed at (``by_threads``) beside their own."""
-    return sorted({e["threads"] for r in records for e in (r.get("by_threads") or [])}
-                  - {r.get("threads") for r in records})  # fmt: skip
-
-
-def at_threads(r: dict[str, Any], threads: int, key: str) -> Any:
-    """A record's ``key`` as timed at ``threads`` (``by_threads``); ``None`` if not timed."""
-    return next((e.get(key) for e in (r.get("by_threads") or []) if e["threads"] == threads),
-                None)  # fmt: skip
-
-
-NOT_A_DIRECTORY = (
-    "{directory} is {what}: name the directory that `leangrad bench SUITE --out DIR` wrote to"
-)
-BAD_JSON = "{path} is not valid JSON ({error}); run its suite again, or move the file away"
-UNREADABLE = "cannot read {path} ({error}); make it readable, or move it away"
 NO_RESULTS = (
     "no suite results (*.json lists of records) in {directory}{why}; "
     "run `leangrad bench SUITE --out DIR` first"
@@ -44,41 +32,6 @@ MISSING_FIELD = (
     "{path}: a record has no field {field!r}, which the report of suite {suite!r} needs; "
     "run `leangrad bench {suite}` again to rewrite it, or move the file away"
 )
-
-_JSON_KIND = {"dict": "an object", "str": "a string", "int": "a number", "float": "a number",
-              "bool": "true/false", "NoneType": "null"}  # fmt: skip
-
-
-def load_records(directory: Path) -> dict[str, list[dict[str, Any]]]:
-    """Suite name -> records, from every ``*.json`` list of records in ``directory``."""
-    return _scan(Path(directory))[0]
-
-
-def _scan(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
-    """The suites' records, and why each other ``*.json`` file is not a suite result."""
-    if not directory.is_dir():
-        what = "a file" if directory.exists() else "not there"
-        raise errors.LeangradError(NOT_A_DIRECTORY.format(directory=directory, what=what))
-    out: dict[str, list[dict[str, Any]]] = {}
-    skipped: list[str] = []
-    for path in sorted(directory.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise errors.LeangradError(BAD_JSON.format(path=path, error=err)) from None
-        except OSError as err:
-            raise errors.LeangradError(UNREADABLE.format(path=path, error=err.strerror)) from None
-        if not isinstance(data, list):
-            what = _JSON_KIND.get(type(data).__name__, type(data).__name__)
-            skipped.append(f"{path.name} holds {what}, not a list of records")
-        elif not data:
-            skipped.append(f"{path.name} is an empty list")
-        elif not all(isinstance(r, dict) for r in data):
-            skipped.append(f"{path.name} is a list of values, not of records (objects)")
-        else:
-            out[path.stem] = data
-    return out, skipped
-
 
 def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
@@ -314,7 +267,7 @@ def _suite_section(suite: str, records: list[dict[str, Any]], directory: Path, *
 def render_report(directory: str | Path, *, plots: bool = True) -> Path:
     """Write ``directory/report.md`` (and ``plots/*.png``) from the suite JSON files there."""
     directory = Path(directory)
-    suites, skipped = _scan(directory)
+    suites, skipped = scan_records(directory)
     if not suites:
         why = f" ({'; '.join(skipped)})" if skipped else ""
         raise errors.LeangradError(NO_RESULTS.format(directory=directory, why=why))
@@ -334,8 +287,6 @@ def render_report(directory: str | Path, *, plots: bool = True) -> Path:
         "than 1% above the tracker (memory the tracker cannot see, e.g. kernel scratch).",
         "",
     ]
-    from ._reproduction import reproduction_section  # it reads records with this module
-
     lines += reproduction_section(suites)
     for suite, records in suites.items():
         quick = " (quick)" if records and records[0].get("quick") else ""

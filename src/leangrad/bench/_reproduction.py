@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import _errors as errors
 from .._sizes import fmt_bytes
-from ._report import at_threads, extra_threads, load_records
+from ._records import at_threads, extra_threads, load_records
 
 __all__ = ["Row", "extractor", "load_rows", "ours", "reproduction_markdown",
            "reproduction_section", "reproduction_table"]  # fmt: skip

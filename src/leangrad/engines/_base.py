@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import _errors as errors
 from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
+from ._loss_fn import LossFn, check_loss, run_forward
 from ._wrapped import WRAPPED, wrapped_by
 
 __all__ = [
@@ -38,7 +39,6 @@ __all__ = [
 ]
 
 Inputs: TypeAlias = "torch.Tensor | Sequence[torch.Tensor]"
-LossFn: TypeAlias = Callable[[Any], torch.Tensor]
 OnGrad: TypeAlias = Callable[[str, nn.Parameter], None]
 """Called as ``on_grad(name, param)`` once ``param.grad`` holds this step's gradient.
 
@@ -360,30 +360,6 @@ def _check_inputs(xs: tuple[torch.Tensor, ...], params: dict[str, nn.Parameter])
                     index=i, input_device=x.device, param_device=str(ref.device)
                 )
             )
-
-
-def run_forward(engine: str, fn: Callable[..., Any], xs: tuple[torch.Tensor, ...]) -> Any:
-    """Call ``fn(*xs)``; a failure names the engine and the input shapes."""
-    try:
-        return fn(*xs)
-    except RuntimeError as err:
-        shapes = [tuple(x.shape) for x in xs]
-        raise errors.EngineInputError(
-            errors.FORWARD_FAILED.format(engine=engine, shapes=shapes, error=err)
-        ) from err
-
-
-def check_loss(loss: Any, *, needs_graph: bool = True) -> torch.Tensor:
-    """Validate what ``loss_fn`` returned: a floating scalar tensor (with a graph)."""
-    if not isinstance(loss, torch.Tensor):
-        raise errors.EngineInputError(errors.LOSS_NOT_TENSOR.format(type=type(loss).__name__))
-    if loss.numel() != 1:
-        raise errors.EngineInputError(errors.LOSS_NOT_SCALAR.format(shape=tuple(loss.shape)))
-    if not loss.is_floating_point():
-        raise errors.EngineInputError(errors.LOSS_NOT_FLOAT.format(dtype=loss.dtype))
-    if needs_graph and loss.grad_fn is None:
-        raise errors.EngineInputError(errors.LOSS_NO_GRAD)
-    return loss if loss.dim() == 0 else loss.reshape(())  # no op to transform when scalar
 
 
 def forward_loss(

@@ -30,6 +30,8 @@ from torch import nn
 
 from .. import _errors as errors
 from ..measure._memory import FORWARD_END, mark
+from ._functional import call_with
+from ._loss_fn import check_loss
 
 __all__ = [
     "HOOK_RERUN",
@@ -232,9 +234,7 @@ def used_parameters(
 
 
 def _graph_leaves(loss: Any, names: dict[int, str]) -> set[str]:
-    from ._base import check_loss  # the same messages as every engine's loss check
-
-    loss = check_loss(loss)
+    loss = check_loss(loss)  # the same messages as every engine's loss check
     found: set[str] = set()
     for node in graph_nodes([loss.grad_fn]):
         var = getattr(node, "variable", None)
@@ -283,8 +283,6 @@ def _fake_leaves(
         with mode, torch.enable_grad():
             # each attribute slot gets its fake: a weight tied into a second module is
             # found through either (issue 30)
-            from ._functional import call_with
-
             out = run(lambda *a: call_with(model, state, a), fxs)
             loss = loss_fn(out)
             return _graph_leaves(loss, names)

@@ -35,7 +35,7 @@ from torch.func import functional_call, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from ._base import LossFn, check_loss, run_forward
+from ._loss_fn import LossFn, check_loss, run_forward
 
 __all__ = [
     "BatchedBuffers",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _cli_types as cli_types
+from .._cli_types import check_out_dir
 
 __all__ = ["add_plan_parser", "add_train_parser", "run_plan", "run_train"]
 
@@ -221,8 +222,6 @@ def run_train(args: argparse.Namespace) -> int:
     if s["engine_options"] and args.budget is None and args.plan is None:
         _check_engine_options(s["engine"], s["engine_options"])
     out = _run_dir(args)
-    from ..cli import check_out_dir
-
     check_out_dir(out, "--out" if args.out is not None or args.resume is None else "--resume")
     planned = {"engine": "from the plan"} if args.plan is not None else {}
     shown = {**s, **planned, "out": str(out), "resume": args.resume, "overwrite": args.overwrite,
@@ -497,7 +496,6 @@ def _check_save(path: Path) -> None:
     """``--save FILE``: writable before any work (a directory, or a missing or read-only
     folder, is refused now, not after minutes of measuring)."""
     from .._errors import OptionError
-    from ..cli import check_out_dir
 
     if path.is_dir():
         raise OptionError(SAVE_IS_DIR.format(path=path))
