@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
-from ._registry import register
+from ._catalog import register
 
 __all__ = ["Backprop"]
 

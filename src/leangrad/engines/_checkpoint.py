@@ -42,7 +42,6 @@ that group blocks, run blocks again outside their FSDP unit or copy modules are 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import math
 import random
@@ -59,11 +58,12 @@ from .. import _errors as errors
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
 from ._blocks import Blocks, blocks
+from ._catalog import register
 from ._fragments import BAD_FRAGMENTS, Fragmenter
 from ._generators import generator_replay
 from ._prepare import PreparedCache, Wrapper, share_copy
-from ._registry import register
 from ._segments import auto_segments, block_sizes
+from ._signature import untraceable_signature
 from ._time_chunks import BAD_TIME_CHUNKS, chunk_recurrent, fused_recurrent, unchunkable
 from ._two_level import (
     BAD_LEVELS,
@@ -173,26 +173,6 @@ def trace_block(block: nn.Module) -> tuple[nn.Module, str | None]:
             "generator or a global RNG changed), which a trace would replay"
         )
     return gm, None
-
-
-def untraceable_signature(module: nn.Module) -> str | None:
-    """Why ``torch.fx.symbolic_trace(module)`` would be unsafe from ``module.forward``'s
-    signature alone, or ``None``: an optional argument becomes a placeholder that the
-    trace treats as given (``if attention_mask is not None`` is taken for good, and the
-    default flows into the ops when a caller leaves it out), and variadic ones are not
-    traced — every Hugging Face block and model takes such arguments."""
-    try:
-        sig = inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        return "its forward has no Python signature fx could trace"
-    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    loose = [p.name for p in sig.parameters.values()
-             if p.kind not in plain or p.default is not p.empty]  # fmt: skip
-    if not loose:
-        return None
-    shown = ", ".join(loose[:4]) + (", ..." if len(loose) > 4 else "")
-    return (f"its forward takes optional or variadic arguments ({shown}), which a trace "
-            "would take as given")  # fmt: skip
 
 
 def _attrs(block: nn.Module) -> tuple[Any, ...]:

@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 from .. import _errors as errors
+from ._backprop import Backprop
 from ._base import Engine, LossFn, OnGrad, StepResult, trainable_parameters
 from ._blocks import blocks as find_blocks
+from ._catalog import available, engine_class, register
 from ._checkpoint import Checkpoint
 from ._contract import BufferGuard
 from ._prepare import PreparedCache, share_copy
-from ._registry import register
 from ._transforms import (
     TRANSFORMS,
     AccumulateTransform,
@@ -292,8 +293,6 @@ class Rad(Composed):
         self, *, fraction: float = 0.1, mode: str = "different", replace: bool = False,
         seed: int | None = None,
     ) -> None:  # fmt: skip
-        from ._backprop import Backprop
-
         t = RadTransform(fraction=fraction, mode=mode, replace=replace, seed=seed)
         super().__init__(Backprop(), [t])
         self.options = dict(t.options)
@@ -317,8 +316,6 @@ class Fad(Composed):
     exact = True
 
     def __init__(self, *, mode: str = "auto", min_ops: int = 2) -> None:
-        from ._backprop import Backprop
-
         t = FadTransform(mode=mode, min_ops=min_ops)
         super().__init__(Backprop(), [t])
         self.options = dict(t.options)
@@ -330,8 +327,6 @@ class Fad(Composed):
 
 def compose(name: str, options: dict[str, Any]) -> Engine:
     """Build the engine for a ``BASE+TRANSFORM[+...]`` name (see the module docstring)."""
-    from ._registry import available, engine_class
-
     parts = name.split("+")
     if parts[0] in TRANSFORMS:
         base_name, tnames = "backprop", parts
@@ -390,15 +385,11 @@ class Bits(Composed):
     exact = True
 
     def __init__(self) -> None:
-        from ._backprop import Backprop
-
         super().__init__(Backprop(), [BitsTransform()])
 
     @property
     def label(self) -> str:
         return "bits"
-
-
 
 
 @register("chunked_ce")
@@ -418,8 +409,6 @@ class ChunkedCE(Composed):
     exact = True
 
     def __init__(self, *, chunk_size: int | None = None) -> None:
-        from ._backprop import Backprop
-
         t = ChunkedCETransform(chunk_size=chunk_size)
         super().__init__(Backprop(), [t])
         self.options = dict(t.options)
@@ -444,8 +433,6 @@ class Accumulate(Composed):
     exact = True
 
     def __init__(self, *, micro_batches: int = 2) -> None:
-        from ._backprop import Backprop
-
         t = AccumulateTransform(micro_batches=micro_batches)
         super().__init__(Backprop(), [t])
         self.options = dict(t.options)

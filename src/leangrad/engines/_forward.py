@@ -15,10 +15,10 @@ from torch.func import jvp, vmap
 
 from .. import _errors as errors
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
+from ._catalog import register
 from ._contract import RngReplay, forward_end, refuse_non_finite, used_parameters
 from ._dropout import DropoutTape, replayed
 from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
-from ._registry import register
 
 __all__ = ["Forward"]
 

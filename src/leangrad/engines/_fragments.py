@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from ._contract import graph_nodes
+from ._coupling import batch_coupling
 from ._fragments_bn import (
     BnStats,
     bn_buffers,
@@ -73,8 +74,6 @@ def static_reason(modules: Sequence[nn.Module], *, batchnorm: bool = False) -> s
     """Why ``modules`` cannot run in fragments of the batch, seen from their types alone
     (training-mode BatchNorm unless ``batchnorm``, dropout, layers holding their own
     generators), or ``None``."""
-    from ._transforms import batch_coupling
-
     for module in modules:
         why = batch_coupling(module, pieces="fragments", option="fragments=", root="the block",
                              skip_batchnorm=batchnorm)  # fmt: skip

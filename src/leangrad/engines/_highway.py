@@ -30,8 +30,8 @@ from .. import _errors as errors
 from ..highway._protocol import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
 from ..highway._scan import SCANS, Scan, cumsumprod
 from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
+from ._catalog import register
 from ._contract import forward_end
-from ._registry import register
 
 __all__ = ["BAD_BASELINE", "BAD_K", "BAD_SCAN", "BAD_TOL", "Highway", "StackResult"]
 

@@ -71,6 +71,7 @@ from ..layers._base import (
 )
 from ..layers._chain import Chain
 from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
+from ._catalog import register
 from ._chain_run import (
     LAYER_ERROR,
     GradSink,
@@ -84,7 +85,6 @@ from ._chain_run import (
 from ._checkpoint import split_segments
 from ._contract import RngReplay, batch_coupling, forward_end, random_module, used_parameters
 from ._dropout import DropoutTape
-from ._registry import register
 
 __all__ = ["NEEDS_FRAGMENT", "NO_FRAGMENT_RULE", "Moonwalk", "Seed"]
 

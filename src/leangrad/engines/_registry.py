@@ -1,46 +1,23 @@
-"""The registry of engines by name (DESIGN.md, "Naming")."""
+"""Engines by name (DESIGN.md, "Naming"): :func:`engine` makes a registered engine or a
+composition ``BASE+TRANSFORM[+...]``.
+
+The classes are registered in :mod:`leangrad.engines._catalog`, at the bottom; this
+module sits above it and above :mod:`leangrad.engines._compose`, so the imports run one
+way (the catalog and the engine modules know nothing of composition).
+``register``, ``available`` and ``engine_class`` are the catalog's, re-exported here.
+"""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from .. import _errors as errors
 from ._base import Engine
+from ._catalog import _REGISTRY, available, engine_class, register
+from ._compose import compose
 
-__all__ = ["available", "engine", "engine_class", "register"]
-
-_REGISTRY: dict[str, type[Engine]] = {}
-EngineT = TypeVar("EngineT", bound=type[Engine])
-
-
-def register(name: str) -> Callable[[EngineT], EngineT]:
-    """Class decorator registering an engine under ``name`` (its ``Engine.name``)."""
-
-    def deco(cls: EngineT) -> EngineT:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"an engine named {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def available(*, exact: bool | None = None) -> list[str]:
-    """Names of the registered engines, sorted; ``exact=`` filters exact/estimating ones."""
-    return sorted(n for n, c in _REGISTRY.items() if exact is None or c.exact == exact)
-
-
-def engine_class(name: str) -> type[Engine]:
-    """The engine class registered as ``name``; unknown names list the known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise errors.UnknownNameError(
-            errors.UNKNOWN_NAME.format(kind="engine", name=name, known=", ".join(available()))
-        ) from None
+__all__ = ["_REGISTRY", "available", "engine", "engine_class", "register"]
 
 
 def engine(name: str, **options: Any) -> Engine:
@@ -54,8 +31,6 @@ def engine(name: str, **options: Any) -> Engine:
     'checkpoint(segments=4)'
     """
     if "+" in name:  # a base engine and transforms, e.g. "checkpoint+fad"
-        from ._compose import compose
-
         return compose(name, options)
     cls = engine_class(name)
     params = inspect.signature(cls.__init__).parameters

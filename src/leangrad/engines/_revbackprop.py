@@ -21,6 +21,7 @@ from .._errors import LeangradError
 from ..layers._base import ChainLayer
 from ..layers._chain import Chain
 from ._base import Engine, LossFn, OnGrad, StepResult, run_forward
+from ._catalog import register
 from ._chain_run import (
     GradSink,
     StemRun,
@@ -31,7 +32,6 @@ from ._chain_run import (
     head_backward,
     refuse_random_layers,
 )
-from ._registry import register
 
 __all__ = ["RevBackprop"]
 

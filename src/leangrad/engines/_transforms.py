@@ -36,11 +36,14 @@ from torch import nn
 from .. import _errors as errors
 from ._base import Engine, StepResult
 from ._blocks import blocks as find_blocks
-from ._checkpoint import untraceable_signature
+from ._coupling import BATCH_COUPLED, RANDOM_LAYER, batch_coupling
 from ._prepare import Wrapper, share_copy
+from ._signature import untraceable_signature
 
 __all__ = [
     "BAD_FAD_MODE",
+    "BATCH_COUPLED",
+    "RANDOM_LAYER",
     "TRANSFORMS",
     "AccumulateTransform",
     "BitsTransform",
@@ -48,6 +51,7 @@ __all__ = [
     "FadTransform",
     "RadTransform",
     "Transform",
+    "batch_coupling",
     "kw_options",
     "label",
 ]
@@ -420,16 +424,6 @@ class ChunkedCETransform(Transform):
         return chunked_logits(head, chunk_size=self.options["chunk_size"])
 
 
-BATCH_COUPLED = (
-    "{name} ({kind}) couples the examples of a batch in training mode (its statistics are "
-    "the batch's), so {pieces} would not compute the whole batch's gradient; put it "
-    "in eval mode, use GroupNorm/LayerNorm, or leave out {option}"
-)
-RANDOM_LAYER = (
-    "{name} ({kind}, p={p}) draws its masks per forward: {pieces} would draw other "
-    "masks than one forward of the whole batch (another gradient than autograd's); set "
-    "p=0 or eval mode for it, or leave out {option}"
-)
 NEEDS_PER_EXAMPLE = (
     "accumulate splits the batch into micro-batches, and so must split the targets your "
     "loss_fn closes over: declare the loss with leangrad.loss.per_example(fn, *targets) "
@@ -514,36 +508,6 @@ class AccumulateTransform(Transform):
                               info={**res.info, "micro_batches": m})  # fmt: skip
 
         return micro
-
-
-def batch_coupling(model: nn.Module, *, pieces: str = "micro-batches",
-                   option: str = "accumulate", root: str = "the model",
-                   skip_batchnorm: bool = False) -> str | None:  # fmt: skip
-    """Why ``pieces`` of the batch run through ``model`` one after another would not add up
-    to the whole batch's gradient (a training-mode layer whose output depends on the other
-    examples, or one that draws random masks), or ``None``; the message's fix is to leave
-    out ``option``. ``skip_batchnorm``: BatchNorm layers are not counted (the caller
-    handles them)."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-    from torch.nn.modules.dropout import _DropoutNd
-    from torch.nn.modules.instancenorm import _InstanceNorm
-
-    for name, m in model.named_modules():
-        if not m.training:
-            continue
-        where = repr(name) if name else root
-        if isinstance(m, _BatchNorm) and skip_batchnorm:
-            continue
-        if isinstance(m, _BatchNorm) or (isinstance(m, _InstanceNorm)
-                                         and m.track_running_stats):  # fmt: skip
-            return BATCH_COUPLED.format(name=where, kind=type(m).__name__, pieces=pieces,
-                                        option=option)  # fmt: skip
-        p = m.p if isinstance(m, _DropoutNd) else (
-            m.dropout if isinstance(m, nn.RNNBase) and m.num_layers > 1 else 0)  # fmt: skip
-        if p > 0:
-            return RANDOM_LAYER.format(name=where, kind=type(m).__name__, p=p, pieces=pieces,
-                                       option=option)  # fmt: skip
-    return None
 
 
 TRANSFORMS: dict[str, type[Transform]] = {
