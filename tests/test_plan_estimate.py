@@ -71,7 +71,8 @@ def test_plan_estimates_every_candidate_when_backprop_cannot_be_allocated() -> N
     assert est.engine is not None and est.estimate and est.seconds is None
     assert est.peak_bytes is not None and est.peak_bytes <= budget
     assert est.remeasured_peak_bytes is None and NOT_TIMED in est.message
-    first_fitting = next(c for c in est.table if c.verdict.startswith("chosen"))
+    first_fitting = est.chosen
+    assert first_fitting is not None and first_fitting.verdict == "chosen (estimate)"
     assert all(not c.verdict.startswith("fits") for c in est.table[: est.table.index(
         first_fitting)])  # the first fitting row in the planner's order  # fmt: skip
     assert "~" in str(est)

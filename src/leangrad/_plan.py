@@ -31,18 +31,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from . import _errors as errors
+from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
 from ._plan_measure import Context, TrainingStep, Tried, measure, too_big
-from ._sizes import free_bytes
+from ._sizes import fmt_bytes, free_bytes
 from .engines import Engine
 from .engines import engine as engine_named
 from .engines._wrapped import wrapped_by
@@ -77,128 +76,6 @@ CLOSE = 0.05
 """Candidates timed within this fraction of the fastest are timed again, longer."""
 FORWARD_MAX_PARAMS = 20_000
 """``forward`` costs one jvp per parameter: tried only below this many parameters."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One row of a plan's table.
-
-    Attributes:
-        label: the engine's label (``leangrad.engine`` spelling and options).
-        name, options: what :func:`leangrad.engine` makes it from.
-        exact: the engine's gradient equals autograd's.
-        peak_bytes: the memory one step needs in all: parameters, buffers and inputs plus
-            the tracker's peak of the step (``None`` when it could not run).
-        seconds: median step time (only for candidates that fit).
-        verdict: ``"chosen"``, ``"fits"``, or why it was rejected.
-        per_layer: measured with the optimizer stepped per parameter inside ``on_grad``
-            (only when the plan was given an ``optimizer``).
-        estimate: ``peak_bytes`` was measured on fake tensors (too big to allocate here).
-        compile_seconds: a compiled row's cold compile (dynamo, AOT autograd, inductor), in
-            a fresh process; never part of ``seconds``. A compiled row's peak is backprop's
-            with its step part scaled by the fresh process's compiled/eager peak ratio (RSS
-            on the CPU, the caching allocator's on CUDA), its ``seconds`` backprop's median
-            here scaled by that process's compiled/eager time ratio; its verdict says so
-            (``"fits (RSS-scaled)"``).
-    """
-
-    label: str
-    exact: bool
-    peak_bytes: int | None
-    seconds: float | None
-    verdict: str
-    name: str = ""
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    per_layer: bool = False
-    estimate: bool = False
-    compile_seconds: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The fastest way found to compute a step within the budget.
-
-    Attributes:
-        engine: the chosen engine, usable like any engine (``None`` if nothing fits); a
-            compiled row's is a :class:`leangrad._plan_compile.Compiled`, which compiles
-            the model on its first backward (once per model) under the row's setting.
-        peak_bytes, seconds, exact: the chosen engine's measured peak, time, exactness.
-        budget: the budget in bytes.
-        table: every candidate tried, and why each was rejected.
-        message: one line saying what was chosen, or that nothing fits.
-        remeasured_peak_bytes: the chosen engine's peak measured again after the search.
-        per_layer: the chosen step runs the optimizer per parameter inside ``on_grad``:
-            ``opt = leangrad.train.PerLayerOptimizer(dict(model.named_parameters()), make)``,
-            then ``plan.engine.backward(model, x, loss_fn, on_grad=opt.on_grad)`` and
-            ``opt.finish()``, with no ``optimizer.step()`` after it.
-        estimate: the chosen peak is a fake-tensor estimate and it was not timed.
-        wall_seconds: how long planning took, all measurements included.
-        made_for: what the plan was measured on (the model's class and parameters, the
-            inputs' shapes and dtypes, the device type, the torch and leangrad versions):
-            :meth:`load` refuses another model or batch shape.
-    """
-
-    engine: Engine | None
-    peak_bytes: int | None
-    seconds: float | None
-    exact: bool | None
-    budget: int
-    table: tuple[Candidate, ...]
-    message: str
-    remeasured_peak_bytes: int | None = None
-    per_layer: bool = False
-    estimate: bool = False
-    wall_seconds: float | None = None
-    made_for: dict[str, Any] | None = None
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan to ``path`` as JSON: the chosen engine (as
-        ``leangrad.engine(name, **options)`` makes it), the table, budget, message and
-        measurements, and what it was made for. Returns the path.
-
-        Raises:
-            OptionError: an engine option that JSON cannot hold (plan files hold numbers,
-                strings, booleans, None, lists, tuples and dicts).
-        """
-        from ._plan_io import save_plan
-
-        return save_plan(self, path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str], *, model: nn.Module | None = None,
-             inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Plan:  # fmt: skip
-        """Read a plan :meth:`save` wrote and rebuild its engine (``None`` where nothing
-        fitted). Given ``model`` and/or ``inputs``, check the plan was made for them.
-
-        Raises:
-            EngineInputError: another model (class or parameters), another batch shape or
-                input dtype, or another device type than the plan was made for: one line
-                naming what differs. Another torch or leangrad version only warns.
-            OptionError: the file is not a plan file, or of a newer format.
-        """
-        from ._plan_io import load_plan
-
-        return load_plan(path, model=model, inputs=inputs)
-
-    def __str__(self) -> str:
-        from .bench._report import fmt_bytes
-
-        width = max([len(c.label) for c in self.table] + [6])
-        compiled = any(c.name == "compile" for c in self.table)  # a column of their own
-        head = f"{'compile s':>9s}  " if compiled else ""
-        lines = [f"{'engine':{width}s}  {'exact':5s}  {'peak':>10s}  {'s/step':>8s}  "
-                 f"{head}verdict"]  # fmt: skip
-        for c in self.table:
-            secs = "" if c.seconds is None else f"{c.seconds:.4f}"
-            peak = ("~" if c.estimate else "") + fmt_bytes(c.peak_bytes)
-            comp = "" if c.compile_seconds is None else f"{c.compile_seconds:.1f}"
-            lines.append(f"{c.label:{width}s}  {'yes' if c.exact else 'no':5s}  "
-                         f"{peak:>10s}  {secs:>8s}  {f'{comp:>9s}  ' if compiled else ''}"
-                         f"{c.verdict}")  # fmt: skip
-        lines.append(self.message)
-        if self.wall_seconds is not None:
-            lines.append(f"planned in {self.wall_seconds:.1f} s ({len(self.table)} candidates)")
-        return "\n".join(lines)
 
 
 def candidates(model: nn.Module, *, exact: bool = True,
@@ -445,8 +322,6 @@ def _plan(
     autocast: bool = False,
 ) -> Plan:
     """:func:`plan`'s search, its arguments checked (under the caller's autocast)."""
-    from ._plan_io import Progress, fingerprint
-
     start = time.perf_counter()
     made_for = fingerprint(model, xs)  # what Plan.load checks a model and batch against
     device = xs[0].device if xs else next(model.parameters()).device
@@ -510,20 +385,27 @@ def _plan(
         chosen = next((t.label for t in tried if t.fits and t.estimate), None)
         fitting = {t.label: t.engine for t in tried if t.label == chosen}
     fitting.update({t.label: t.engine for t in tried if t.label in scaled})
-    table = tuple(_candidate(t, times.get(t.label), chosen) for t in tried)
-    result = _result(table, fitting.get(chosen) if chosen else None, budget, exact, model, xs,
-                     loss_fn)  # fmt: skip
+    step = fitting.get(chosen) if chosen else None  # the engine, or a TrainingStep around it
+    inner = step.inner if isinstance(step, TrainingStep) else step
+    table = tuple(_candidate(t, times.get(t.label), chosen, inner) for t in tried)
+    row = next((c for c in table if c.engine is not None), None)
+    result = _result(table, row, step, budget, exact, model, xs, loss_fn)
     shown.advance()
     shown.close()
     return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
                                made_for=made_for)  # fmt: skip
 
 
-def _candidate(t: Tried, seconds: float | None, chosen: str | None) -> Candidate:
+def _candidate(t: Tried, seconds: float | None, chosen: str | None,
+               engine: Engine | None) -> Candidate:  # fmt: skip
+    """``t``'s row; the chosen one carries ``engine``, the object that was measured."""
+    if t.label != chosen:
+        return Candidate(t.label, t.exact, t.peak, seconds, t.verdict, t.name, t.options,
+                         t.per_layer, t.estimate, t.compile_seconds)  # fmt: skip
     # a fitting row's note ("fits (estimate)", "fits (RSS-scaled)") stays when it is chosen
-    verdict = "chosen" + t.verdict.removeprefix("fits") if t.label == chosen else t.verdict
+    verdict = CHOSEN + t.verdict.removeprefix("fits")
     return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options, t.per_layer,
-                     t.estimate, t.compile_seconds)  # fmt: skip
+                     t.estimate, t.compile_seconds, engine=engine)  # fmt: skip
 
 
 def _step(eng: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
@@ -535,12 +417,12 @@ def _step(eng: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
     return step
 
 
-def _result(table: tuple[Candidate, ...], chosen: Any, budget: int, exact: bool,
-            model: nn.Module, xs: tuple[torch.Tensor, ...],
+def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budget: int,
+            exact: bool, model: nn.Module, xs: tuple[torch.Tensor, ...],
             loss_fn: Callable[[Any], torch.Tensor]) -> Plan:  # fmt: skip
-    from .bench._report import fmt_bytes
-
-    if chosen is None:
+    """The plan of ``table`` whose chosen ``row`` (``None``: nothing fits) was measured as
+    ``step`` (its engine, or a :class:`TrainingStep` around it)."""
+    if row is None:
         measured = [c for c in table if c.peak_bytes is not None]
         if not measured:
             msg = "nothing could run on this model (see the table)"
@@ -551,21 +433,22 @@ def _result(table: tuple[Candidate, ...], chosen: Any, budget: int, exact: bool,
                 inexact=", or allow estimators (exact=False / --inexact)" if exact else "",
             )  # fmt: skip
         return Plan(None, None, None, None, budget, table, msg)
-    row = next(c for c in table if c.verdict.startswith("chosen"))
-    inner = chosen.inner if isinstance(chosen, TrainingStep) else chosen
+    inner = row.engine
+    assert inner is not None  # the chosen row carries its engine
     if row.estimate:
         msg = (f"chosen: {row.label} — peak ~{fmt_bytes(row.peak_bytes)} of "
                f"{fmt_bytes(budget)}{NOT_TIMED}")  # fmt: skip
-        return Plan(inner, row.peak_bytes, None, chosen.exact, budget, table, msg, None,
-                    row.per_layer, estimate=True)  # fmt: skip
+        return Plan(inner, row.peak_bytes, None, inner.exact, budget, table, msg, None,
+                    row.per_layer, estimate=True, chosen=row)  # fmt: skip
     if row.compile_seconds is not None:  # its memory is visible in a fresh process only
         msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
                f"({row.verdict.removeprefix('chosen ').strip('()')}: measured in a fresh "
                f"process), {row.seconds:.4f} s/step; compiles on its first backward (took "
                f"{row.compile_seconds:.1f} s cold)")  # fmt: skip
-        return Plan(inner, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg)
-    again = profile_step(chosen, model, xs, loss_fn, repeats=0).total_bytes
+        return Plan(inner, row.peak_bytes, row.seconds, inner.exact, budget, table, msg,
+                    chosen=row)  # fmt: skip
+    again = profile_step(step, model, xs, loss_fn, repeats=0).total_bytes
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
            f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip
-    return Plan(inner, row.peak_bytes, row.seconds, chosen.exact, budget, table, msg, again,
-                row.per_layer)  # fmt: skip
+    return Plan(inner, row.peak_bytes, row.seconds, inner.exact, budget, table, msg, again,
+                row.per_layer, chosen=row)  # fmt: skip

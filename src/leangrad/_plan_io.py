@@ -1,6 +1,7 @@
-"""A plan kept and shown: :meth:`leangrad.Plan.save` / :meth:`leangrad.Plan.load` as JSON,
-the fingerprint of the model and batch a plan was made for, and the progress bar of
-:func:`leangrad.plan`.
+"""A plan as a value, kept and shown: :class:`Plan` and its rows (:class:`Candidate`),
+:meth:`leangrad.Plan.save` / :meth:`leangrad.Plan.load` as JSON, the fingerprint of the
+model and batch a plan was made for, and the progress bar of :func:`leangrad.plan`. The
+planner (:mod:`leangrad._plan`) builds on this module; nothing here imports it.
 
 A plan is measured on one model and one batch shape; its verdicts hold for them only. The
 file records what it was made for — the model's class, its parameters' names, shapes and
@@ -31,12 +32,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import _errors as errors
-from ._plan import Candidate, Plan
+from ._plan_compile import COMPILE_NAME, Compiled
+from ._sizes import fmt_bytes
 from .engines import Engine
+from .engines import engine as engine_named
 
 __all__ = [
+    "CHOSEN",
     "FORMAT",
     "VERSION",
+    "Candidate",
+    "Plan",
     "Progress",
     "check_made_for",
     "chosen_row",
@@ -85,8 +91,158 @@ RELABELLED = (
     "{path}: the chosen engine was saved as {saved!r} and rebuilds as {given!r} in this "
     "leangrad; plan again to be sure it is the same step"
 )
+CHOSEN_NOT_ENGINE = (
+    "a Plan's chosen row must carry the plan's engine, got {row!r} and {engine!r}; give "
+    "chosen=dataclasses.replace(row, engine=engine)"
+)
+CHOSEN = "chosen"
+"""How the chosen row's verdict begins (``"chosen"``, ``"chosen (estimate)"``, ...)."""
 _TUPLE = "__tuple__"
 """JSON key of an encoded tuple (JSON has lists only)."""
+
+
+# -- the plan ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One row of a plan's table.
+
+    Attributes:
+        label: the engine's label (``leangrad.engine`` spelling and options).
+        name, options: what :func:`leangrad.engine` makes it from.
+        exact: the engine's gradient equals autograd's.
+        peak_bytes: the memory one step needs in all: parameters, buffers and inputs plus
+            the tracker's peak of the step (``None`` when it could not run).
+        seconds: median step time (only for candidates that fit).
+        verdict: ``"chosen"``, ``"fits"``, or why it was rejected (for reading: the chosen
+            row is :attr:`Plan.chosen`).
+        per_layer: measured with the optimizer stepped per parameter inside ``on_grad``
+            (only when the plan was given an ``optimizer``).
+        estimate: ``peak_bytes`` was measured on fake tensors (too big to allocate here).
+        compile_seconds: a compiled row's cold compile (dynamo, AOT autograd, inductor), in
+            a fresh process; never part of ``seconds``. A compiled row's peak is backprop's
+            with its step part scaled by the fresh process's compiled/eager peak ratio (RSS
+            on the CPU, the caching allocator's on CUDA), its ``seconds`` backprop's median
+            here scaled by that process's compiled/eager time ratio; its verdict says so
+            (``"fits (RSS-scaled)"``).
+        engine: the chosen row's engine object, the one the plan measured (with the
+            prepared copies it built; ``None`` on every other row). Not compared, not
+            written to a plan file (a loaded plan's is rebuilt from ``name`` and
+            ``options``).
+    """
+
+    label: str
+    exact: bool
+    peak_bytes: int | None
+    seconds: float | None
+    verdict: str
+    name: str = ""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    per_layer: bool = False
+    estimate: bool = False
+    compile_seconds: float | None = None
+    engine: Engine | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The fastest way found to compute a step within the budget.
+
+    Attributes:
+        engine: the chosen engine, usable like any engine (``None`` if nothing fits); a
+            compiled row's is a :class:`leangrad._plan_compile.Compiled`, which compiles
+            the model on its first backward (once per model) under the row's setting.
+        peak_bytes, seconds, exact: the chosen engine's measured peak, time, exactness.
+        budget: the budget in bytes.
+        table: every candidate tried, and why each was rejected.
+        message: one line saying what was chosen, or that nothing fits.
+        remeasured_peak_bytes: the chosen engine's peak measured again after the search.
+        per_layer: the chosen step runs the optimizer per parameter inside ``on_grad``:
+            ``opt = leangrad.train.PerLayerOptimizer(dict(model.named_parameters()), make)``,
+            then ``plan.engine.backward(model, x, loss_fn, on_grad=opt.on_grad)`` and
+            ``opt.finish()``, with no ``optimizer.step()`` after it.
+        estimate: the chosen peak is a fake-tensor estimate and it was not timed.
+        wall_seconds: how long planning took, all measurements included.
+        made_for: what the plan was measured on (the model's class and parameters, the
+            inputs' shapes and dtypes, the device type, the torch and leangrad versions):
+            :meth:`load` refuses another model or batch shape.
+        chosen: the chosen row of ``table``, its ``engine`` this plan's ``engine``
+            (``None`` when nothing fits). Left out, it is the row whose verdict reads
+            ``"chosen"`` (a plan file's record, or a plan built by hand).
+    """
+
+    engine: Engine | None
+    peak_bytes: int | None
+    seconds: float | None
+    exact: bool | None
+    budget: int
+    table: tuple[Candidate, ...]
+    message: str
+    remeasured_peak_bytes: int | None = None
+    per_layer: bool = False
+    estimate: bool = False
+    wall_seconds: float | None = None
+    made_for: dict[str, Any] | None = None
+    chosen: Candidate | None = None
+
+    def __post_init__(self) -> None:
+        if self.chosen is not None:
+            if self.chosen.engine is not self.engine:
+                raise ValueError(CHOSEN_NOT_ENGINE.format(row=self.chosen.engine,
+                                                          engine=self.engine))  # fmt: skip
+            return
+        if self.engine is None:
+            return
+        at = next((i for i, c in enumerate(self.table) if c.verdict.startswith(CHOSEN)), None)
+        if at is None:
+            return
+        row = dataclasses.replace(self.table[at], engine=self.engine)
+        object.__setattr__(self, "table", (*self.table[:at], row, *self.table[at + 1 :]))
+        object.__setattr__(self, "chosen", row)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan to ``path`` as JSON: the chosen engine (as
+        ``leangrad.engine(name, **options)`` makes it), the table, budget, message and
+        measurements, and what it was made for. Returns the path.
+
+        Raises:
+            OptionError: an engine option that JSON cannot hold (plan files hold numbers,
+                strings, booleans, None, lists, tuples and dicts).
+        """
+        return save_plan(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, model: nn.Module | None = None,
+             inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Plan:  # fmt: skip
+        """Read a plan :meth:`save` wrote and rebuild its engine (``None`` where nothing
+        fitted). Given ``model`` and/or ``inputs``, check the plan was made for them.
+
+        Raises:
+            EngineInputError: another model (class or parameters), another batch shape or
+                input dtype, or another device type than the plan was made for: one line
+                naming what differs. Another torch or leangrad version only warns.
+            OptionError: the file is not a plan file, or of a newer format.
+        """
+        return load_plan(path, model=model, inputs=inputs)
+
+    def __str__(self) -> str:
+        width = max([len(c.label) for c in self.table] + [6])
+        compiled = any(c.name == "compile" for c in self.table)  # a column of their own
+        head = f"{'compile s':>9s}  " if compiled else ""
+        lines = [f"{'engine':{width}s}  {'exact':5s}  {'peak':>10s}  {'s/step':>8s}  "
+                 f"{head}verdict"]  # fmt: skip
+        for c in self.table:
+            secs = "" if c.seconds is None else f"{c.seconds:.4f}"
+            peak = ("~" if c.estimate else "") + fmt_bytes(c.peak_bytes)
+            comp = "" if c.compile_seconds is None else f"{c.compile_seconds:.1f}"
+            lines.append(f"{c.label:{width}s}  {'yes' if c.exact else 'no':5s}  "
+                         f"{peak:>10s}  {secs:>8s}  {f'{comp:>9s}  ' if compiled else ''}"
+                         f"{c.verdict}")  # fmt: skip
+        lines.append(self.message)
+        if self.wall_seconds is not None:
+            lines.append(f"planned in {self.wall_seconds:.1f} s ({len(self.table)} candidates)")
+        return "\n".join(lines)
 
 
 # -- fingerprint ---------------------------------------------------------------------
@@ -181,8 +337,8 @@ def _describe_inputs(inputs: list[dict[str, Any]], *, dtypes: bool) -> str:
 
 
 def chosen_row(plan: Plan) -> Candidate | None:
-    """The table row of the chosen engine (``None`` when nothing fits)."""
-    return next((c for c in plan.table if c.verdict.startswith("chosen")), None)
+    """The table row of the chosen engine (``None`` when nothing fits): :attr:`Plan.chosen`."""
+    return plan.chosen
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
@@ -244,7 +400,8 @@ def load_plan(path: str | os.PathLike[str], *, model: nn.Module | None = None,
 
 
 def _encode_row(c: Candidate) -> dict[str, Any]:
-    row = {**dataclasses.asdict(c), "options": _encode_options(c.name, c.options)}
+    row = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "engine"}
+    row["options"] = _encode_options(c.name, c.options)
     if row["compile_seconds"] is None:  # the field compiled rows add
         del row["compile_seconds"]
     return row
@@ -253,10 +410,7 @@ def _encode_row(c: Candidate) -> dict[str, Any]:
 def _rebuild(name: str, options: dict[str, Any]) -> Engine:
     """The engine a plan file names: ``leangrad.engine(name, **options)``, or a compiled
     row's :class:`~leangrad._plan_compile.Compiled`."""
-    from ._plan_compile import COMPILE_NAME, Compiled
-    from .engines import engine
-
-    return Compiled(**options) if name == COMPILE_NAME else engine(name, **options)
+    return Compiled(**options) if name == COMPILE_NAME else engine_named(name, **options)
 
 
 def _encode_options(name: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -225,7 +225,7 @@ def _leangrad_side(
     rec: dict[str, Any], p: Plan, kind: str, size: dict[str, int], t: dict[str, float], base: int
 ) -> dict[str, Any]:
     """leangrad's plan at this budget, its peak re-measured by RSS in a fresh process."""
-    row = next((c for c in p.table if c.verdict.startswith("chosen")), None)
+    row = p.chosen
     if row is None:
         return _record(rec, "leangrad", None, None, None, None)
     rss = run_json_worker(

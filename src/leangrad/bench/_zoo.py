@@ -283,7 +283,7 @@ class _ModelRun:
         except Exception as err:  # a planner failing on a zoo model is a finding
             self.failed[label] = ("plan", f"{type(err).__name__}: {str(err)[:300]}")
             return
-        row = next((c for c in p.table if c.verdict == "chosen"), None)
+        row = p.chosen  # whatever its verdict says ("chosen (estimate)" too)
         self.plans[label]["choice"] = row.label if row else None
         if row is None:
             self.skipped.append(Skipped(label, "plan", p.message))

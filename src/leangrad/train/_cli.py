@@ -416,7 +416,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print("the optimizer steps per layer in this plan: train it with --step-per-layer "
               "(leangrad.train.PerLayerOptimizer in your own loop)")
     if parallel is not None:
-        chosen = next((c for c in result.table if c.verdict.startswith("chosen")), None)
+        chosen = result.chosen
         engine = None if chosen is None or chosen.name == "compile" else result.engine
         _print_per_rank(args, model, x, _loss_fn(y), parallel, engine)
         if result.per_layer:

@@ -18,7 +18,6 @@ always a good one to resume from.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -342,12 +341,13 @@ def fit(
     net = model
     if isinstance(model, str):
         net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
+    planned: Engine | None = None  # the engine object a plan measured, trained as it is
     if budget is not None and resume is None:
-        cfg = _planned(cfg, net, ds, dev, budget, progress=progress,  # type: ignore[arg-type]
-                       engines=plan_engines, ctx=ctx)  # fmt: skip
+        cfg, planned = _planned(cfg, net, ds, dev, budget,  # type: ignore[arg-type]
+                                progress=progress, engines=plan_engines, ctx=ctx)  # fmt: skip
     if plan is not None and resume is None:
-        cfg = _from_plan(cfg, net, ds, dev, plan)  # type: ignore[arg-type]
-    run = _Run(cfg, net, ds, dev, ctx)  # type: ignore[arg-type]
+        cfg, planned = _from_plan(cfg, net, ds, dev, plan)  # type: ignore[arg-type]
+    run = _Run(cfg, net, ds, dev, ctx, engine=planned)  # type: ignore[arg-type]
     if resume is not None:
         run.resume(resume)
     else:
@@ -398,21 +398,27 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
              budget: int | str, *, progress: bool, engines: Sequence[str] | None = None,
-             ctx: distributed.DistContext | None = None) -> TrainConfig:  # fmt: skip
-    """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed).
+             ctx: distributed.DistContext | None = None,
+             ) -> tuple[TrainConfig, Engine | None]:  # fmt: skip
+    """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed), and
+    the engine object the plan measured (``None`` where this rank builds it by name).
 
-    Under several processes rank 0 plans alone and sends its choice to every rank, so all
-    build the same step (each planning on its own could choose differently and leave their
-    collectives mismatched); a plan that fits nothing is refused on every rank."""
+    Under several processes rank 0 plans alone and sends its choice — name, options,
+    per-layer stepping — to every rank, so all build the same step (each planning on its
+    own could choose differently and leave their collectives mismatched); rank 0 trains
+    with the engine it measured, the others with one built by name; a plan that fits
+    nothing is refused on every rank."""
     if cfg.engine_options:
         raise errors.EngineInputError(BUDGET_AND_ENGINE.format(options=cfg.engine_options))
     ctx = ctx or distributed.DistContext()
-    choice: list[Any] = [None, None]  # (engine, options, per-layer), or None and rank 0's refusal
+    choice: list[Any] = [None, None]  # (name, options, per-layer), or None and rank 0's refusal
     failed: errors.LeangradError | None = None
+    measured: Engine | None = None  # rank 0's: not sent (an engine need not pickle)
     if ctx.rank == 0:
         try:
-            choice[0] = _plan_choice(cfg, net, ds, dev, budget, progress=progress,
-                                     engines=engines)  # fmt: skip
+            *sent, measured = _plan_choice(cfg, net, ds, dev, budget, progress=progress,
+                                           engines=engines)  # fmt: skip
+            choice[0] = tuple(sent)
         except errors.LeangradError as err:
             failed, choice[1] = err, str(err)
     distributed.broadcast_object(choice, ctx)
@@ -421,46 +427,55 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     if choice[0] is None:
         raise errors.EngineInputError(str(choice[1]))
     name, options, per_layer = choice[0]
-    return dataclasses.replace(cfg, engine=name, engine_options=dict(options),
-                               step_per_layer=cfg.step_per_layer or per_layer)  # fmt: skip
+    cfg = dataclasses.replace(cfg, engine=name, engine_options=dict(options),
+                              step_per_layer=cfg.step_per_layer or per_layer)  # fmt: skip
+    return cfg, measured
 
 
 def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
                  budget: int | str, *, progress: bool,
-                 engines: Sequence[str] | None) -> tuple[str, dict[str, Any], bool]:  # fmt: skip
-    """The engine, options and per-layer stepping :func:`leangrad.plan` chooses (printed)."""
+                 engines: Sequence[str] | None,
+                 ) -> tuple[str, dict[str, Any], bool, Engine | None]:  # fmt: skip
+    """The engine's name, options and per-layer stepping :func:`leangrad.plan` chooses
+    (printed), and the engine object it measured (``None`` under FSDP2, whose check
+    estimates engines by name).
+
+    The plan measures ``net`` as the run will hold it (on ``dev``, in the run's dtype) and
+    leaves it as it was: it steps its optimizer on its own deep copy, the only one made.
+    The engine's prepared copies are keyed by model, so the run builds its own for ``net``."""
     from .._plan import plan
     from .._sizes import parse_bytes
 
     limit = parse_bytes(budget) if isinstance(budget, str) else budget
     dtype = getattr(torch, cfg.dtype)
-    probe = copy.deepcopy(net).to(device=dev, dtype=dtype)  # the run's model stays as built
+    net.to(device=dev, dtype=dtype)  # as the run will hold it (the run moves it too)
     x = ds.x[: cfg.batch_size].to(dev)
     x = x.to(dtype) if x.is_floating_point() else x
     make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
     if cfg.parallel == "fsdp" and cfg.world_size > 1:  # the budget is per rank (issue 32)
         from .._plan_ranks import fsdp_budget_check
 
-        name, est = fsdp_budget_check(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)),
+        name, est = fsdp_budget_check(net, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)),
                                       budget=limit, nproc=cfg.world_size,
                                       optimizer=cfg.optimizer, engines=engines)  # fmt: skip
         print(est if progress else est.summary(limit), flush=True)
-        return name, {}, False
-    result = plan(probe, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
+        return name, {}, False, None
+    result = plan(net, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
                   optimizer=make, autocast=autocast_dtype(cfg.precision),
                   engines=None if engines is None else [(n, {}) for n in engines])  # fmt: skip
     print(result if progress else result.message, flush=True)
-    if result.engine is None:
+    row = result.chosen
+    if row is None:
         raise errors.EngineInputError(result.message)
-    row = next(c for c in result.table if c.verdict.startswith("chosen"))
-    return row.name, dict(row.options), result.per_layer
+    return row.name, dict(row.options), result.per_layer, row.engine
 
 
 def _from_plan(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
-               plan: Plan | str | Path) -> TrainConfig:  # fmt: skip
+               plan: Plan | str | Path) -> tuple[TrainConfig, Engine]:  # fmt: skip
     """``cfg`` with the engine of a saved plan, once it is checked to be made for this
-    model (in the run's dtype, on ``dev``) and a batch of this data (printed)."""
-    from .._plan_io import check_made_for, chosen_row
+    model (in the run's dtype, on ``dev``) and a batch of this data (printed), and the
+    plan's engine object (a loaded plan's, rebuilt from the file)."""
+    from .._plan_io import check_made_for
 
     if cfg.engine_options:
         raise errors.OptionError(PLAN_AND_ENGINE.format(options=cfg.engine_options))
@@ -473,13 +488,13 @@ def _from_plan(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
         check_made_for(plan.made_for, model=net, inputs=x, source=source)
     else:
         plan = Plan.load(plan, model=net, inputs=x)
-    row = chosen_row(plan)
-    if plan.engine is None or row is None:
+    row = plan.chosen
+    if row is None or row.engine is None:
         raise errors.EngineInputError(PLAN_FITS_NOTHING.format(path=source,
                                                                message=plan.message))  # fmt: skip
     print(f"plan {source}: {plan.message}", flush=True)
     return dataclasses.replace(cfg, engine=row.name, engine_options=dict(row.options),
-                               step_per_layer=cfg.step_per_layer or plan.per_layer)  # fmt: skip
+                               step_per_layer=cfg.step_per_layer or plan.per_layer), row.engine
 
 
 def _claim_run_dir(out: Path, *, resume: str | Path | None, overwrite: bool,
@@ -508,7 +523,8 @@ class _Run:
     """The state of one training run and the steps that change it."""
 
     def __init__(self, cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
-                 ctx: distributed.DistContext) -> None:  # fmt: skip
+                 ctx: distributed.DistContext, *,
+                 engine: Engine | None = None) -> None:  # fmt: skip
         dtype = getattr(torch, cfg.dtype)
         self.cfg, self.dev, self.ctx = cfg, dev, ctx
         self.net = net.to(device=dev, dtype=dtype)
@@ -516,8 +532,9 @@ class _Run:
         frac = cfg.test_fraction
         self.test: Dataset | None
         self.train, self.test = ds.split(1 - frac, seed=cfg.seed) if frac > 0 else (ds, None)
-        try:
-            self.engine: Engine = _engine_for(cfg.engine, cfg.engine_options)
+        try:  # a plan's measured engine as it is, else one built from the config
+            self.engine: Engine = (engine if engine is not None
+                                   else _engine_for(cfg.engine, cfg.engine_options))
         except (ValueError, TypeError) as err:  # an option value the engine refuses
             if isinstance(err, errors.LeangradError):
                 raise
