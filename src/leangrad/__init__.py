@@ -12,10 +12,9 @@ Quick use::
 from . import bits, data, engines, fad, hf, highway, layers, loss, measure, models, rad, train, zoo
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
 from ._plan import Plan, plan
+from ._version import __version__
 from .engines import Blocks, Engine, StepResult, available, blocks, engine, explain
 from .layers import Chain, ChainLayer, PrecisionWarning
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Blocks",

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from . import _errors as errors
 from ._plan_compile import COMPILE_NAME, Compiled
 from ._sizes import fmt_bytes
+from ._version import __version__
 from .engines import Engine
 from .engines import engine as engine_named
 
@@ -253,7 +254,6 @@ def fingerprint(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Tensor]
     """What a plan was made for: the model's class, its parameters (names, shapes and
     dtypes as a SHA-256 prefix, plus counts and dtypes to read), the inputs' shapes and
     dtypes, the device type, and the torch and leangrad versions."""
-    from . import __version__
 
     xs = _tensors(inputs)
     named = [(n, list(p.shape), _dtype(p.dtype)) for n, p in model.named_parameters()]
