@@ -9,59 +9,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from . import _errors as errors
+from ._step import PER_LAYER, MakeOptimizer, Step
 from .engines import Engine, engine
 from .engines._compose import Composed
 from .measure import estimate_step, profile_step
 
-if TYPE_CHECKING:
-    from .train._perlayer import MakeOptimizer
-
 __all__ = [
-    "ESTIMATED", "FAILED", "PER_LAYER", "Context", "TrainingStep", "Tried", "failed_verdict",
+    "ESTIMATED", "FAILED", "PER_LAYER", "Context", "Tried", "failed_verdict",
     "measure", "too_big",
 ]
 
 ESTIMATED = "estimate"
 """Verdict suffix of a row measured on fake tensors (too big to allocate here)."""
-PER_LAYER = ", step per layer"
-"""Label suffix of a candidate whose optimizer steps each parameter inside ``on_grad``."""
 
 
-class TrainingStep:
-    """An engine's step followed by the optimizer's: after backward, or per parameter inside
-    ``on_grad`` (:class:`leangrad.train.PerLayerOptimizer`). Engine-like (``backward``,
-    ``label``, ``exact``) for :func:`profile_step`; the optimizer is made on first use for
-    the model stepped, and kept."""
-
-    def __init__(self, inner: Engine, make: MakeOptimizer, *, per_layer: bool) -> None:
-        self.inner, self.make, self.per_layer = inner, make, per_layer
-        self.label = inner.label + (PER_LAYER if per_layer else "")
-        self.exact = inner.exact
-        self._opt: Any = None
-        self._params: list[nn.Parameter] = []
-
-    def backward(self, model: nn.Module, xs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
-        from .train._perlayer import PerLayerOptimizer
-
-        if self._opt is None:
-            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-            self._params = list(params.values())
-            self._opt = (PerLayerOptimizer(params, self.make) if self.per_layer
-                         else self.make(self._params))  # fmt: skip
-        if self.per_layer:
-            self.inner.backward(model, xs, loss_fn, on_grad=self._opt.on_grad)
-            self._opt.finish()
-        else:
-            self.inner.backward(model, xs, loss_fn)
-            self._opt.step()
-            for p in self._params:
-                p.grad = None
+"""The planner's former name of :class:`leangrad._step.Step` (``Step(engine, make,
+per_layer=)``), kept while ``_plan.py`` and the bench's worker still use it."""
 
 
 def too_big(model: nn.Module, xs: tuple[torch.Tensor, ...],
@@ -101,7 +70,7 @@ class Tried:
     step's time over eager backprop's in the worker (the plan scales backprop's median by
     it, for the row is not timed in this process)."""
 
-    engine: Any  # an Engine, or an TrainingStep around one
+    engine: Any  # an Engine, or a Step around one
     label: str
     exact: bool
     peak: int | None
@@ -175,11 +144,11 @@ def failed_verdict(err: BaseException) -> str:
 
 def _make_step(name: str, opts: dict[str, Any], optimizer: MakeOptimizer | None,
                per_layer: bool | None, eng: Engine | None = None) -> Any:  # fmt: skip
-    """The candidate's engine, wrapped in a :class:`TrainingStep` with an optimizer."""
+    """The candidate's engine, wrapped in a :class:`~leangrad._step.Step` with an optimizer."""
     eng = eng if eng is not None else engine(name, **opts)
     if optimizer is None or per_layer is None:
         return eng
-    return TrainingStep(eng, optimizer, per_layer=per_layer)
+    return Step(eng, optimizer, per_layer=per_layer)
 
 
 def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
@@ -191,8 +160,9 @@ def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
         except Exception as err:  # only running out of memory falls back to an estimate
             if not _out_of_memory(err):
                 raise
-    if name in ("forward", "projforward"):  # a failed vmap-of-jvp on fake tensors can leave
-        # autograd excluded in the dispatcher's thread state (torch 2.13): never estimated
+    if (step.engine if isinstance(step, Step) else step).forward_mode:  # a failed vmap-of-jvp
+        # on fake tensors can leave autograd excluded in the dispatcher's thread state
+        # (torch 2.13): never estimated
         raise errors.EngineInputError("too big to allocate here, and forward-mode engines are not "
                                  "estimated on fake tensors")
     fresh = _make_step(name, opts, ctx.optimizer, per_layer)  # no real state in a fake step

@@ -30,7 +30,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .._plan import Plan, TrainingStep, plan
+from .. import _step
+from .._plan import Plan, plan
 from ..measure import profile_step, time_interleaved
 from ..measure._rss import run_json_worker
 from ..measure._timer import num_threads
@@ -196,8 +197,12 @@ def _run_model(
 
 def _leangrad_step(p: Plan, model: Any, x: Any, loss_fn: Any) -> Step:
     assert p.engine is not None
-    step = TrainingStep(p.engine, make_sgd, per_layer=p.per_layer)
-    return lambda: step.backward(model, x, loss_fn)
+    step = _step.Step(p.engine, make_sgd, per_layer=p.per_layer)
+
+    def run() -> None:
+        step.backward(model, x, loss_fn)
+
+    return run
 
 
 def _record(

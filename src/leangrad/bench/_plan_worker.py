@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .._plan import TrainingStep
+from .._step import Step
 from ..engines import engine
 from ..measure import time_interleaved
 from ..measure._rss import measure_rss
@@ -70,7 +70,7 @@ def _compile(payload: dict[str, Any]) -> dict[str, Any]:
 def _engine(payload: dict[str, Any]) -> dict[str, Any]:
     model, x, loss_fn, _ = workload(payload["kind"], payload["size"])
     eng = engine(payload["engine"], **payload.get("options", {}))
-    ours = TrainingStep(eng, make_sgd, per_layer=bool(payload.get("per_layer")))
+    ours = Step(eng, make_sgd, per_layer=bool(payload.get("per_layer")))
     rss = _warm_rss(lambda: ours.backward(model, x, loss_fn))
     params = [p for p in model.parameters() if p.requires_grad]
     ref = _warm_rss(_train(lambda: loss_fn(model(x)), make_sgd(params)))

@@ -13,9 +13,12 @@ Quick use::
   the registries (plus ``"module:factory"`` specs);
 - :func:`save_checkpoint`, :func:`load_checkpoint` — the checkpoint format;
 - :func:`measure_grad_memory` — what per-layer steps save, measured;
+- :class:`Step` — one training step as a value (engine, optimizer after backward or per
+  layer, autocast), what the planner measures;
 - :func:`leangrad.plan` (``leangrad plan``) — which engine fits a memory budget, measured.
 """
 
+from .._step import Step
 from ._buckets import GradBuckets, average_gradients
 from ._config import FitResult, NonFiniteLossError, TrainConfig
 from ._distributed import (
@@ -39,6 +42,7 @@ __all__ = [
     "GradMemory",
     "NonFiniteLossError",
     "PerLayerOptimizer",
+    "Step",
     "TrainConfig",
     "average_gradients",
     "averaging_on_grad",

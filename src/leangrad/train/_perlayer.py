@@ -5,57 +5,24 @@ gradient over as soon as it is final; stepping that parameter's optimizer there
 and dropping ``p.grad`` frees the gradient before the next one is made. With
 backprop this is PyTorch's per-parameter approach
 (``register_post_accumulate_grad_hook``), here for every engine through
-``on_grad``. :func:`measure_grad_memory` measures what it saves with the tracker.
+``on_grad``. :func:`measure_grad_memory` measures what it saves with the tracker, running
+each way as a :class:`leangrad._step.Step` (where :class:`PerLayerOptimizer` and
+``MakeOptimizer`` now live; they are re-exported here and from :mod:`leangrad.train`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from torch import nn
 
+from .._step import MakeOptimizer, PerLayerOptimizer, Step
 from ..engines._base import Engine, LossFn
 from ..measure import MemoryTracker
 
-__all__ = ["GradMemory", "PerLayerOptimizer", "measure_grad_memory"]
-
-MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-class PerLayerOptimizer:
-    """One optimizer per parameter, stepped in ``on_grad`` and then ``p.grad = None``.
-
-    Args:
-        params: the trainable parameters by name.
-        make: builds an optimizer over a list of parameters (e.g. Adam with the lr).
-    """
-
-    def __init__(self, params: Mapping[str, nn.Parameter], make: MakeOptimizer) -> None:
-        self.params = dict(params)
-        self.optimizers = {n: make([p]) for n, p in self.params.items()}
-
-    def on_grad(self, name: str, p: nn.Parameter) -> None:
-        """Step ``name``'s optimizer now and free its gradient."""
-        if p.grad is None:
-            return
-        self.optimizers[name].step()
-        p.grad = None
-
-    def finish(self) -> None:
-        """Step any parameter the engine did not hand over (its gradient is still set)."""
-        for n, p in self.params.items():
-            self.on_grad(n, p)
-
-    def state_dict(self) -> dict[str, dict[str, Any]]:
-        return {n: o.state_dict() for n, o in self.optimizers.items()}
-
-    def load_state_dict(self, state: Mapping[str, dict[str, Any]]) -> None:
-        for n, o in self.optimizers.items():
-            o.load_state_dict(state[n])
+__all__ = ["GradMemory", "MakeOptimizer", "PerLayerOptimizer", "measure_grad_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,51 +70,15 @@ def measure_grad_memory(
         peaks: dict[bool, int] = {}
         for per_layer in (False, True):
             m = copy.deepcopy(model)
-            e = copy.deepcopy(engine)
-            params = {n: p for n, p in m.named_parameters() if p.requires_grad}
-            if per_layer:
-                plo = PerLayerOptimizer(params, make)
-                step = _per_layer_step(m, e, inputs, loss_fn, plo)
-            else:
-                step = _full_step(m, e, inputs, loss_fn, make(list(params.values())))
-            step()
+            step = Step(copy.deepcopy(engine), make, per_layer=per_layer)
+            step.backward(m, inputs, loss_fn)
             with MemoryTracker(baseline=(m, inputs)) as tracker:
-                step()
+                step.backward(m, inputs, loss_fn)
             peaks[per_layer] = tracker.report.peak_bytes
-            del m, e, params, step
+            del m, step
     finally:
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return GradMemory(peaks[False], peaks[True], grad_bytes, engine.label)
-
-
-def _full_step(
-    model: nn.Module,
-    engine: Engine,
-    inputs: torch.Tensor | tuple[torch.Tensor, ...],
-    loss_fn: LossFn,
-    opt: torch.optim.Optimizer,
-) -> Callable[[], None]:
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        engine.backward(model, inputs, loss_fn)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _per_layer_step(
-    model: nn.Module,
-    engine: Engine,
-    inputs: torch.Tensor | tuple[torch.Tensor, ...],
-    loss_fn: LossFn,
-    plo: PerLayerOptimizer,
-) -> Callable[[], None]:
-    def step() -> None:
-        engine.backward(model, inputs, loss_fn, on_grad=plo.on_grad)
-        plo.finish()
-
-    return step
