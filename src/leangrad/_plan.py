@@ -40,18 +40,19 @@ from torch import nn
 
 from . import _errors as errors
 from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
-from ._plan_measure import Context, TrainingStep, Tried, measure, too_big
+from ._plan_measure import Context, Tried, measure, too_big
 from ._sizes import fmt_bytes, free_bytes
-from .engines import Engine
+from ._step import Step
+from .engines import Engine, available, engine_class
 from .engines import engine as engine_named
 from .engines._wrapped import wrapped_by
 from .measure import profile_step, time_interleaved
 from .measure._profile import untouched
 
 if TYPE_CHECKING:
-    from .train._perlayer import MakeOptimizer
+    from ._step import MakeOptimizer
 
-__all__ = ["Candidate", "Plan", "TrainingStep", "candidates", "plan"]
+__all__ = ["Candidate", "Plan", "candidates", "plan"]
 
 BAD_BUDGET = "budget must be a positive number of bytes, got {value!r}"
 PLAN_WRAPPED = (
@@ -74,151 +75,39 @@ BACKPROP = "backprop"
 """The reference a compiled row's time is scaled from (timed beside the candidates)."""
 CLOSE = 0.05
 """Candidates timed within this fraction of the fastest are timed again, longer."""
-FORWARD_MAX_PARAMS = 20_000
-"""``forward`` costs one jvp per parameter: tried only below this many parameters."""
 
 
 def candidates(model: nn.Module, *, exact: bool = True,
                loss_fn: Callable[[Any], torch.Tensor] | None = None,
                ) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
-    """The ``(engine name, options)`` the planner tries on ``model`` (with ``loss_fn``
-    declared a mean over examples, :func:`leangrad.loss.per_example`: gradient
-    accumulation over 2, 4 and 8 micro-batches too, alone and under checkpointing, where
-    no layer couples the examples)."""
+    """The ``(engine name, options)`` the planner tries on ``model``: what every registered
+    engine offers (:meth:`~leangrad.engines.Engine.plan_candidates`, asked in the
+    catalog's order), in the planner's order (:class:`~leangrad.engines._base.PlanOrder`:
+    least recomputation first). With ``loss_fn`` declared a mean over examples
+    (:func:`leangrad.loss.per_example`): gradient accumulation over 2, 4 and 8
+    micro-batches too, alone and under checkpointing, where no layer couples the
+    examples."""
     from .engines._blocks import blocks
-    from .engines._time_chunks import fused_recurrent
-    from .highway import HighwayNet
-    from .layers import Chain
-    from .loss import Head, final_linear
 
-    out: list[tuple[str, dict[str, Any]]] = [("backprop", {}), ("fad", {}), ("bits", {})]
     try:
         found = blocks(model)
     except errors.LeangradError:
         found = None
-    if isinstance(final_linear(model), Head):  # logits worth never computing
-        out.append(("chunked_ce", {}))
-        if found is not None:
-            out.append(("checkpoint+chunked_ce", {"segments": "auto"} if found.sequential
-                        else {}))  # fmt: skip
-    if found is not None:
-        if found.sequential:
-            out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),
-                    ("checkpoint", {"segments": "sqrt"}),
-                    ("checkpoint", {"segments": "auto", "trace": True})]  # fmt: skip
-            # fewer segments than blocks: less recomputation where the budget allows it
-            n = len(found.names)
-            out += [("checkpoint", {"segments": k}) for k in (2, 3, 4) if k < n - 1]
-            out += [("checkpoint+fad", {"segments": "auto"}),
-                    ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
-        else:
-            out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
-        if not found.sequential and found.runner is None:  # blocks= names the model's own
-            # every block, the last too: its recomputation can lower the peak (measured);
-            # blocks as fx code: intermediates freed at last use (measured: it may not pay)
-            out += [("checkpoint", {"blocks": list(found.names)}),
-                    ("checkpoint", {"trace": True}),
-                    ("checkpoint", {"blocks": list(found.names), "trace": True})]  # fmt: skip
-            # fewer checkpointed blocks: less recomputation where the budget allows it
-            n = len(found.names)
-            for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):
-                out.append(("checkpoint", {"blocks": list(found.names[:m])}))
-    if found is not None:
-        out += _fragments(model, found, loss_fn)
-    out += _micro_batches(model, loss_fn, blocks_found=found is not None)
-    if fused_recurrent(model):  # one op each, no block inside: checkpointed along time
-        out += [("checkpoint", {"time_chunks": k}) for k in (2, 4, 8, 16)]
-    if isinstance(model, Chain):
-        out += [("moonwalk", {}), ("moonwalk", {"segments": "sqrt"}),
-                ("moonwalk", {"fragment": "full"}), ("revbackprop", {})]  # fmt: skip
-    if not exact:
-        for f in (0.5, 0.25, 0.1):
-            out.append(("rad", {"fraction": f}))
-            if found is not None:
-                out.append(("checkpoint+rad", {"fraction": f}))
-        if isinstance(model, HighwayNet):
-            out += [("highway", {"k": 0}), ("highway", {"k": 2})]
-    return out
-
-
-MICRO_BATCHES = (2, 4, 8)
-"""Micro-batch counts the planner tries (those up to the batch's examples)."""
-
-
-TWO_LEVEL_BLOCKS = 4
-"""Two-level checkpointing (``levels=2``) is a candidate where at least this many blocks
-were found: below it, ⌈√L⌉ outer segments keep about as many boundaries as one level."""
-
-FRAGMENTS = (2, 4, 8)
-"""Fragment counts the planner tries for checkpointed blocks (those up to the batch's
-examples, where the loss says how many)."""
-
-
-def _fragments(model: nn.Module, found: Any,
-               loss_fn: Callable[[Any], torch.Tensor] | None) -> list[tuple[str, dict[str, Any]]]:
-    """Checkpointing with blocks recomputed in fragments of the batch, where some block
-    can be split (:func:`leangrad.engines._fragments.split_reason`); under the loss head's
-    chunked cross-entropy too where there is one."""
-    from .engines._fragments import split_reason
-    from .loss import Head, PerExample, final_linear
-
-    if all(split_reason([found.modules[n]]) is not None for n in found.names):
-        return []
-    ks = [k for k in FRAGMENTS if not isinstance(loss_fn, PerExample) or k <= loss_fn.batch]
-    out: list[tuple[str, dict[str, Any]]] = [("checkpoint", {"fragments": k}) for k in ks]
-    if isinstance(final_linear(model), Head):
-        out += [("checkpoint+chunked_ce", {"fragments": k}) for k in ks]
-    stem = stem_modules(model, found)
-    if stem:  # a ResNet's stem: conv, norm, at full size
-        every = [*stem, *found.names]
-        out += [("checkpoint", {"blocks": every})]
-        out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
-    if len(found.names) >= TWO_LEVEL_BLOCKS and ks:  # boundaries: the floor under fragments
-        two: dict[str, Any] = {"levels": 2}
-        if stem:
-            two["blocks"] = [*stem, *found.names]
-        out += [("checkpoint", two), ("checkpoint", {**two, "fragments": ks[-1]})]
-        if isinstance(final_linear(model), Head):
-            out += [("checkpoint+chunked_ce", {**two, "fragments": ks[-1]})]
-    return out
-
-
-def stem_modules(model: nn.Module, found: Any) -> list[str]:
-    """Top-level children of a model run as written that hold no block and at least two
-    parametrized layers (a CNN's stem: conv and norm at the highest resolution), which
-    checkpointing beside the blocks can recompute too."""
-    if found.sequential or found.runner is not None:
-        return []
-    out = []
-    for name, child in model.named_children():
-        holds = any(b == name or b.startswith(f"{name}.") for b in found.names)
-        if not holds and sum(1 for m in child.modules() if m._parameters) >= 2:
-            out.append(name)
-    return out
-
-
-def _micro_batches(model: nn.Module, loss_fn: Callable[[Any], torch.Tensor] | None, *,
-                   blocks_found: bool) -> list[tuple[str, dict[str, Any]]]:  # fmt: skip
-    """Gradient accumulation candidates, where they are exact: a loss declared per example
-    and no layer coupling the examples or drawing masks."""
-    from .engines._transforms import batch_coupling
-    from .loss import PerExample
-
-    if not isinstance(loss_fn, PerExample) or batch_coupling(model) is not None:
-        return []
-    ks = [k for k in MICRO_BATCHES if k <= loss_fn.batch]
-    out: list[tuple[str, dict[str, Any]]] = [("accumulate", {"micro_batches": k}) for k in ks]
-    if blocks_found:
-        out += [("checkpoint+accumulate", {"micro_batches": k}) for k in ks]
-    return out
+    offers = [offer for name in available()
+              for offer in engine_class(name).plan_candidates(model, found=found,
+                                                              loss_fn=loss_fn, exact=exact)]
+    return [(o.name, o.options) for o in sorted(offers, key=lambda o: o.order)]  # stable
 
 
 def last_resorts(model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
-    """Tried only when nothing else fits: ``forward`` keeps nothing for a backward pass but
-    costs one jvp per parameter, so it is never the fastest of engines that fit."""
-    if sum(p.numel() for p in model.parameters()) <= FORWARD_MAX_PARAMS:
-        return [("forward", {})]
-    return []
+    """Tried only when nothing else fits (:meth:`~leangrad.engines.Engine.
+    plan_last_resorts`; ``forward`` below :data:`leangrad.engines._forward.
+    FORWARD_MAX_PARAMS` parameters: it keeps
+    nothing for a backward pass but costs one jvp per parameter, so it is never the
+    fastest of engines that fit)."""
+    offers = [offer for name in available()
+              for offer in engine_class(name).plan_last_resorts(model)]
+    return [(o.name, o.options) for o in sorted(offers, key=lambda o: o.order)]
 
 
 def plan(
@@ -385,8 +274,8 @@ def _plan(
         chosen = next((t.label for t in tried if t.fits and t.estimate), None)
         fitting = {t.label: t.engine for t in tried if t.label == chosen}
     fitting.update({t.label: t.engine for t in tried if t.label in scaled})
-    step = fitting.get(chosen) if chosen else None  # the engine, or a TrainingStep around it
-    inner = step.inner if isinstance(step, TrainingStep) else step
+    step = fitting.get(chosen) if chosen else None  # the engine, or a Step around it
+    inner = step.engine if isinstance(step, Step) else step
     table = tuple(_candidate(t, times.get(t.label), chosen, inner) for t in tried)
     row = next((c for c in table if c.engine is not None), None)
     result = _result(table, row, step, budget, exact, model, xs, loss_fn)
@@ -421,7 +310,7 @@ def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budg
             exact: bool, model: nn.Module, xs: tuple[torch.Tensor, ...],
             loss_fn: Callable[[Any], torch.Tensor]) -> Plan:  # fmt: skip
     """The plan of ``table`` whose chosen ``row`` (``None``: nothing fits) was measured as
-    ``step`` (its engine, or a :class:`TrainingStep` around it)."""
+    ``step`` (its engine, or a :class:`~leangrad._step.Step` around it)."""
     if row is None:
         measured = [c for c in table if c.peak_bytes is not None]
         if not measured:

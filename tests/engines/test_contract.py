@@ -214,6 +214,13 @@ def _prefill(model: nn.Module) -> None:
 def test_engine_keeps_the_backward_contract(
     name: str, opts: dict[str, object], kind: str, input_grad: bool
 ) -> None:
+    check_backward_contract(name, opts, kind, input_grad=input_grad)
+
+
+def check_backward_contract(name: str, opts: dict[str, object], kind: str, *,
+                            input_grad: bool) -> None:  # fmt: skip
+    """One engine's step on the ``kind`` model against autograd's: the same gradients
+    (``None`` kept, accumulation), buffers, RNG stream and input gradient."""
     model, x, loss_fn = _build(kind)
     ref_model = copy.deepcopy(model)
     _prefill(model)

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from ..engines import available, engine_class
 from ..engines._transforms import AccumulateTransform
 from ..measure import estimate_memory, profile_step
 from ._search import bisect_last_fit
@@ -80,7 +81,8 @@ class BatchSearch:
 def estimable(method: Method) -> str | None:
     """``None`` if ``method`` may run on fake tensors, else why not (:data:`NOT_ESTIMABLE`)."""
     name = method.spec.get("engine", "")
-    if name.split("+")[0] in ("forward", "projforward"):
+    base = name.split("+")[0]  # a composition's base engine (forward-mode ones take none)
+    if base in available() and engine_class(base).forward_mode:
         return NOT_ESTIMABLE.format(engine=name)
     return None
 

@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as errors
 from .. import hf, zoo
-from ..engines import available, engine
+from ..engines import available, engine, engine_class
 from ..engines._compose import Composed
 from ..engines._transforms import TRANSFORMS, AccumulateTransform, batch_coupling
 from ..loss import PerExample
@@ -128,7 +128,6 @@ NO_BLOCKS_TO_WRAP = (
     "is its accumulation row"
 )
 _TRANSFORM_ORDER = ("fad", "bits", "rad")
-_FORWARD_MODE = ("forward", "projforward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +219,7 @@ def engine_names(*, max_transforms: int = len(_TRANSFORM_ORDER)) -> list[str]:
     gradient accumulation (:data:`ACCUMULATE_ENGINES`) alone and under ``checkpoint``."""
     bases = [n for n in available() if n not in TRANSFORMS]
     out = list(bases)
-    for base in (b for b in bases if b not in _FORWARD_MODE):
+    for base in (b for b in bases if not engine_class(b).forward_mode):
         for k in range(1, min(max_transforms, len(_TRANSFORM_ORDER)) + 1):
             for combo in itertools.combinations(_TRANSFORM_ORDER, k):
                 out.append("+".join(combo if base == "backprop" else (base, *combo)))

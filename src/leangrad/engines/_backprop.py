@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
-from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
+from ._base import Engine, LossFn, OnGrad, PlanOffer, PlanOrder, StepResult, forward_loss
 from ._catalog import register
+
+if TYPE_CHECKING:
+    from ._blocks import Blocks
 
 __all__ = ["Backprop"]
 
@@ -27,6 +33,14 @@ class Backprop(Engine):
 
     def __init__(self) -> None:
         super().__init__()
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """Always: the reference every other candidate is measured against."""
+        del model, found, loss_fn, exact
+        return [PlanOffer("backprop", {}, PlanOrder.BACKPROP)]
 
     def _backward(
         self,

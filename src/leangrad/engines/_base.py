@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeAlias
 
 import torch
 from torch import nn
@@ -23,12 +24,17 @@ from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refu
 from ._loss_fn import LossFn, check_loss, run_forward
 from ._wrapped import WRAPPED, wrapped_by
 
+if TYPE_CHECKING:
+    from ._blocks import Blocks
+
 __all__ = [
     "Engine",
     "GradAnnouncer",
     "Inputs",
     "LossFn",
     "OnGrad",
+    "PlanOffer",
+    "PlanOrder",
     "StepResult",
     "accumulate_grad",
     "as_input_tuple",
@@ -57,6 +63,45 @@ ON_GRAD_TWICE = (
     "step, so its first call carried a partial gradient; please report this (the engine "
     "must declare the parameter in revisited_parameters)"
 )
+
+
+class PlanOrder:
+    """Where an engine's candidates go in :func:`leangrad.plan`'s order — least
+    recomputation first, estimators last; the planner sorts every engine's
+    :class:`PlanOffer` by it (stably, so one engine's offers keep their own order and
+    engines that share a place follow the catalog's)."""
+
+    BACKPROP = 0
+    FAD = 10
+    """Nested forward-AD of the whole model (``fad``)."""
+    BITS = 20
+    """1-bit masks on the whole model (``bits``)."""
+    LOGITS = 30
+    """Cross-entropy that never computes the logits (``chunked_ce``, alone and under
+    checkpointing)."""
+    BLOCKS = 40
+    """Checkpointed blocks: segments, block lists, fragments, two levels (and the module
+    transforms under checkpointing)."""
+    MICRO_BATCHES = 50
+    """Gradient accumulation (alone and under checkpointing)."""
+    TIME_CHUNKS = 60
+    """Fused recurrent modules checkpointed along time."""
+    CHAIN = 70
+    """Engines of a ``leangrad.Chain``'s layer rules (moonwalk; revbackprop after it)."""
+    OTHER = 80
+    """An engine that does not say: after the exact engines above, before estimators."""
+    ESTIMATORS = 90
+    """Inexact engines, offered only when the plan is not ``exact`` (rad; highway after)."""
+
+
+class PlanOffer(NamedTuple):
+    """One candidate an engine offers :func:`leangrad.plan`: an engine name (a
+    composition such as ``"checkpoint+fad"`` where the offering engine knows it), its
+    options, and its place in the planner's order (:class:`PlanOrder`)."""
+
+    name: str
+    options: dict[str, Any]
+    order: int = PlanOrder.OTHER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +145,64 @@ class Engine(abc.ABC):
     """``True`` when the engine runs part of the model again after the forward phase
     (recomputation, replays): buffers are then guarded so that running statistics
     advance once (:class:`~leangrad.engines._contract.BufferGuard`)."""
+    forward_mode: ClassVar[bool] = False
+    """``True`` when the engine computes its gradient with forward-mode AD of the whole
+    step (jvps): no transform composes with it, and it is never estimated on fake
+    tensors (a vmap of jvps reads values)."""
+    transforms_act_on: ClassVar[str] = "model"
+    """Where a composition's transforms (``"+fad"``, ``"+rad"``, …) act under this base
+    engine: ``"model"`` (the whole model: autograd runs all of it), ``"stem_head"`` (the
+    model's ``stem`` and ``head``: the layers between keep the engine's own rules) or
+    ``"blocks"`` (each block the engine finds, which stays one block:
+    :meth:`apply_transforms` says how)."""
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """The candidates this engine offers :func:`leangrad.plan` on ``model``
+        (``found``: its blocks, ``None`` where none were found; ``loss_fn``: the step's
+        loss, a :class:`leangrad.loss.PerExample` where declared a mean over examples;
+        ``exact``: only exact candidates wanted). Default: none — an engine the planner
+        should try says so here."""
+        del model, found, loss_fn, exact
+        return []
+
+    @classmethod
+    def plan_last_resorts(cls, model: nn.Module) -> list[PlanOffer]:
+        """Candidates :func:`leangrad.plan` tries only when nothing else fits. Default:
+        none."""
+        del model
+        return []
+
+    def apply_transforms(self, model: nn.Module,
+                         transform: Callable[[str, nn.Module], nn.Module],
+                         ) -> tuple[nn.Module, Engine]:  # fmt: skip
+        """``model`` with ``transform(part, module)`` applied where this engine leaves
+        the work to autograd (:attr:`transforms_act_on`), and the engine that runs the
+        result (``self`` unless it must be told what changed). The user's module is never
+        modified."""
+        if self.transforms_act_on != "stem_head":
+            return transform("model", model), self
+        new = copy.copy(model)  # the same layers and rules; only stem and head change
+        new._modules = dict(model._modules)
+        for part in ("stem", "head"):
+            module = getattr(model, part, None)
+            if isinstance(module, nn.Module):
+                setattr(new, part, transform(part, module))
+        return new, self
+
+    def transform_blocks(self, model: nn.Module) -> tuple[str, ...]:
+        """The blocks a step transform (``accumulate``, ``chunked_ce``) should treat as
+        this engine's (checkpointing: those it finds); default none."""
+        del model
+        return ()
+
+    def explain_lines(self, model: nn.Module) -> list[str]:
+        """What :func:`leangrad.explain` prints about this engine on ``model`` (the
+        checkpointed blocks, what each transform changed); default nothing."""
+        del model
+        return []
 
     def __init__(self, **options: Any) -> None:
         self.options: dict[str, Any] = options

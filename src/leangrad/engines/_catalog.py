@@ -14,7 +14,7 @@ from typing import TypeVar
 from .. import _errors as errors
 from ._base import Engine
 
-__all__ = ["ALREADY_REGISTERED", "available", "engine_class", "register"]
+__all__ = ["ALREADY_REGISTERED", "available", "engine_class", "register", "unregister"]
 
 ALREADY_REGISTERED = (
     "an engine named {name!r} is already registered; register it under another name"
@@ -35,6 +35,13 @@ def register(name: str) -> Callable[[EngineT], EngineT]:
         return cls
 
     return deco
+
+
+def unregister(name: str) -> None:
+    """Remove the engine registered as ``name`` (a test's own engine, at teardown);
+    unknown names list the known ones."""
+    engine_class(name)
+    del _REGISTRY[name]
 
 
 def available(*, exact: bool | None = None) -> list[str]:

@@ -56,9 +56,11 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as errors
 from ._backprop import grad_hooks
-from ._base import Engine, LossFn, OnGrad, StepResult, forward_loss
+from ._base import Engine, LossFn, OnGrad, PlanOffer, StepResult, forward_loss
 from ._blocks import Blocks, blocks
 from ._catalog import register
+from ._checkpoint_explain import block_lines
+from ._checkpoint_plan import block_offers, time_chunk_offers
 from ._fragments import BAD_FRAGMENTS, Fragmenter
 from ._generators import generator_replay
 from ._prepare import PreparedCache, Wrapper, share_copy
@@ -329,6 +331,7 @@ class Checkpoint(Engine):
     autocast = True
     reruns = True
     wrapped_models = True  # runs through DDP's forward; inside FSDP2's units (wrapped_why)
+    transforms_act_on = "blocks"
 
     def __init__(
         self,
@@ -419,7 +422,7 @@ class Checkpoint(Engine):
         checkpointed blocks (the ones inside are recomputed whole already)."""
         if self.time_chunks is None:
             return []
-        skip = self._checkpointed(found)
+        skip = self.recomputed(found)
         return [(n, m) for n, m in fused_recurrent(model)
                 if not any(n == s or n.startswith(f"{s}.") for s in skip)]  # fmt: skip
 
@@ -442,7 +445,7 @@ class Checkpoint(Engine):
             s = int(self.segments)
         return split_segments(n, s)
 
-    def _checkpointed(self, found: Blocks) -> list[str]:
+    def recomputed(self, found: Blocks) -> list[str]:
         """Names of the blocks that are recomputed: every segment but the last of a
         sequence (the last one's activations are the first the backward pass needs);
         every block of a model run as written, and every block named by ``blocks=``; every
@@ -455,6 +458,50 @@ class Checkpoint(Engine):
         # forward: checkpointing that block too lowers the peak (GPT-2, Llama; as
         # gradient_checkpointing_enable() does), unlike the last segment of a sequence.
         return list(found.names)
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """Checkpointing of the blocks found, alone, in fragments and under ``fad`` and
+        ``bits``; fused recurrent modules in time chunks
+        (:mod:`leangrad.engines._checkpoint_plan`)."""
+        del exact
+        offers = block_offers(model, found, loss_fn) if found is not None else []
+        return offers + time_chunk_offers(model)
+
+    def apply_transforms(self, model: nn.Module,
+                         transform: Callable[[str, nn.Module], nn.Module],
+                         ) -> tuple[nn.Module, Engine]:  # fmt: skip
+        """Each block transformed, and still one block: a sequence of them, or a copy of
+        the model (or of its fx split) with each block replaced, run by a checkpointing
+        engine told their names; with only time chunks, the whole model."""
+        chunks = self.time_chunks
+        found = blocks(model, names=self.block_names) if chunks is None else self.blocks(model)
+        if found.sequential and chunks is None:
+            mods = [transform(n, found.modules[n]) for n in found.names]
+            return nn.Sequential(*mods), self
+        if not found.names:  # only time chunks: the transforms apply to the whole model
+            return transform("model", model), self
+        # the fx split of a model whose module tree repeats nothing is run instead of it
+        new = share_copy(found.runner if found.runner is not None else model)
+        for name in found.names:
+            new.set_submodule(name, transform(name, new.get_submodule(name)))
+        runner = Checkpoint(blocks=list(found.names), trace=self.trace, time_chunks=chunks,
+                            fragments=self.fragments,
+                            sequence_fragments=self.sequence_fragments, levels=self.levels,
+                            segments=self.segments if self.levels == 2 else None)  # fmt: skip
+        return new, runner
+
+    def transform_blocks(self, model: nn.Module) -> tuple[str, ...]:
+        """The blocks found: a step transform leaves them to checkpointing."""
+        return tuple(self.blocks(model).names)
+
+    def explain_lines(self, model: nn.Module) -> list[str]:
+        """The blocks, each checkpointed or left plain and why
+        (:func:`leangrad.engines._checkpoint_explain.block_lines`)."""
+        return block_lines(self, model, trace_why=lambda block: trace_block(block)[1],
+                           position_children=position_children)  # fmt: skip
 
     def wrapped_why(self, model: nn.Module, wrapper: str) -> str | None:
         """``None`` under DDP (every option). On an FSDP2 model (or one about to be
@@ -485,14 +532,14 @@ class Checkpoint(Engine):
         submodules)."""
         found = self.blocks(model)
         if _unwrap(model)[1] == FSDP2:
-            return [(n, m) for name in self._checkpointed(found)
+            return [(n, m) for name in self.recomputed(found)
                     for n, m in found.modules[name].named_modules(prefix=name)
                     if m is not found.modules[name]]  # fmt: skip
         if found.runner is not None:  # fx split: hooks live on the model's own modules
             return list(model.named_modules())
         return [
             (n, m)
-            for name in self._checkpointed(found)
+            for name in self.recomputed(found)
             for n, m in found.modules[name].named_modules(prefix=name or "block")
         ] + [
             (n, m)
@@ -532,7 +579,7 @@ class Checkpoint(Engine):
             with grad_hooks(params, on_grad):
                 loss.backward()
             info: dict[str, Any] = {"blocks": len(found),
-                                    "checkpointed": len(self._checkpointed(found))}  # fmt: skip
+                                    "checkpointed": len(self.recomputed(found))}  # fmt: skip
             if stats is not None:
                 info.update(levels=2, **stats.info())
             if self.time_chunks is not None:
@@ -644,7 +691,7 @@ class Checkpoint(Engine):
         """An FSDP2 model: the model itself runs (its root's hooks gather and free), each
         checkpointed block's ``forward`` checkpointed in place for the forward pass, inside
         the block's FSDP hooks (:class:`_InPlace`); FSDP's own backward reduces."""
-        names = self._checkpointed(found)
+        names = self.recomputed(found)
 
         def build(_m: nn.Module) -> list[tuple[nn.Module, _InPlace]]:
             seen: dict[int, nn.Module] = {}  # a block registered under two names: once
@@ -675,7 +722,7 @@ class Checkpoint(Engine):
         """A copy of ``model`` (or of the fx split that stands for it) sharing its tensors,
         each checkpointed block wrapped."""
         new = share_copy(found.runner if found.runner is not None else model)
-        checkpointed = self._checkpointed(found)
+        checkpointed = self.recomputed(found)
         chain = None
         if self.levels == 2:
             chain = TwoLevel(len(checkpointed), outer_segments(len(checkpointed), self.segments))

@@ -22,21 +22,29 @@ never modified. Where the transforms apply depends on the base engine: the whole
 from __future__ import annotations
 
 import contextlib
-import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import _errors as errors
+from ..loss import Head, PerExample, final_linear
 from ._backprop import Backprop
-from ._base import Engine, LossFn, OnGrad, StepResult, trainable_parameters
-from ._blocks import blocks as find_blocks
+from ._base import (
+    Engine,
+    LossFn,
+    OnGrad,
+    PlanOffer,
+    PlanOrder,
+    StepResult,
+    trainable_parameters,
+)
+from ._blocks import Blocks
 from ._catalog import available, engine_class, register
-from ._checkpoint import Checkpoint
 from ._contract import BufferGuard
-from ._prepare import PreparedCache, share_copy
+from ._coupling import batch_coupling
+from ._prepare import PreparedCache
 from ._transforms import (
     TRANSFORMS,
     AccumulateTransform,
@@ -53,6 +61,10 @@ __all__ = ["IDLE", "INCOMPATIBLE", "Accumulate", "Bits", "ChunkedCE", "Composed"
            "compose"]  # fmt: skip
 
 INCOMPATIBLE = "engine {pair!r} cannot work: {why}"
+RAD_FRACTIONS = (0.5, 0.25, 0.1)
+"""The fractions the planner tries for randomized AD (``exact=False`` only)."""
+MICRO_BATCHES = (2, 4, 8)
+"""Micro-batch counts the planner tries (those up to the batch's examples)."""
 IDLE = ("{names} change(s) nothing on this model, so {label} is its base engine again "
         "(leangrad.explain says why)")  # fmt: skip
 BASE_FIRST = (
@@ -93,7 +105,7 @@ class Composed(Engine):
         self.input_gradients = base.input_gradients  # type: ignore[misc]
         for t in transforms:
             pair = f"{base.name}+{t.name}"
-            if base.name in ("forward", "projforward"):
+            if base.forward_mode:
                 raise errors.EngineInputError(
                     INCOMPATIBLE.format(pair=pair, why=t.forward_mode_why)
                 )
@@ -163,6 +175,15 @@ class Composed(Engine):
             return None
         return IDLE.format(names=" and ".join(idle), label=self.label)
 
+    def explain_lines(self, model: nn.Module) -> list[str]:
+        """The base engine's lines, then what each transform changed on each part."""
+        lines = self.base.explain_lines(model)
+        _, report = self.prepare(model)
+        for t in self.transforms:
+            for part, what in report[t.name].items():
+                lines += t.explain(part, what)
+        return lines
+
     def supports(self, model: nn.Module) -> str | None:
         reason = self.base.supports(model)
         if reason is None:
@@ -183,9 +204,7 @@ class Composed(Engine):
         prepared, report, runner = self._build_modules(model)
         step = [t for t in self.transforms if t.scope == "step"]
         if step:
-            recomputed: tuple[str, ...] = ()
-            if isinstance(self.base, Checkpoint):
-                recomputed = tuple(self.base.blocks(model).names)
+            recomputed = self.base.transform_blocks(model)
             for t in step:
                 report[t.name]["model"] = t.inspect(model, blocks=recomputed)
         return prepared, report, runner
@@ -203,35 +222,8 @@ class Composed(Engine):
                     raise errors.EngineInputError(INCOMPATIBLE.format(pair=self.label, why=why))
             return module
 
-        base = self.base
-        if isinstance(base, Checkpoint):  # each block stays one block
-            chunks = base.time_chunks
-            found = find_blocks(model, names=base.block_names) if chunks is None else (
-                base.blocks(model))  # fmt: skip
-            if found.sequential and chunks is None:
-                mods = [transform(n, found.modules[n]) for n in found.names]
-                return nn.Sequential(*mods), report, base
-            if not found.names:  # only time chunks: the transforms apply to the whole model
-                return transform("model", model), report, base
-            # the fx split of a model whose module tree repeats nothing is run instead of it
-            new = share_copy(found.runner if found.runner is not None else model)
-            for name in found.names:
-                new.set_submodule(name, transform(name, new.get_submodule(name)))
-            runner = Checkpoint(blocks=list(found.names), trace=base.trace, time_chunks=chunks,
-                                fragments=base.fragments,
-                                sequence_fragments=base.sequence_fragments,
-                                levels=base.levels,
-                                segments=base.segments if base.levels == 2 else None)  # fmt: skip
-            return new, report, runner
-        if base.name in ("moonwalk", "revbackprop", "highway"):
-            stem, head = getattr(model, "stem", None), getattr(model, "head", None)
-            new = copy.copy(model)  # the same layers and rules; only stem and head change
-            new._modules = dict(model._modules)
-            for part, module in (("stem", stem), ("head", head)):
-                if isinstance(module, nn.Module):
-                    setattr(new, part, transform(part, module))
-            return new, report, base
-        return transform("model", model), report, base
+        prepared, runner = self.base.apply_transforms(model, transform)
+        return prepared, report, runner
 
     def _backward(
         self,
@@ -301,6 +293,22 @@ class Rad(Composed):
     def label(self) -> str:
         return self.transforms[0].label
 
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """Only where ``exact=False``: keeping half, a quarter and a tenth, each alone and
+        under checkpointing where blocks were found."""
+        del model, loss_fn
+        if exact:
+            return []
+        out = []
+        for f in RAD_FRACTIONS:
+            out.append(PlanOffer("rad", {"fraction": f}, PlanOrder.ESTIMATORS))
+            if found is not None:
+                out.append(PlanOffer("checkpoint+rad", {"fraction": f}, PlanOrder.ESTIMATORS))
+        return out
+
 
 @register("fad")
 class Fad(Composed):
@@ -323,6 +331,14 @@ class Fad(Composed):
     @property
     def label(self) -> str:
         return self.transforms[0].label
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """The whole model nested (checkpointing offers ``checkpoint+fad``)."""
+        del model, found, loss_fn, exact
+        return [PlanOffer("fad", {}, PlanOrder.FAD)]
 
 
 def compose(name: str, options: dict[str, Any]) -> Engine:
@@ -391,6 +407,14 @@ class Bits(Composed):
     def label(self) -> str:
         return "bits"
 
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """The whole model's masks (checkpointing offers ``checkpoint+bits``)."""
+        del model, found, loss_fn, exact
+        return [PlanOffer("bits", {}, PlanOrder.BITS)]
+
 
 @register("chunked_ce")
 class ChunkedCE(Composed):
@@ -417,6 +441,21 @@ class ChunkedCE(Composed):
     def label(self) -> str:
         return self.transforms[0].label
 
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """Where the model ends in a vocabulary-sized ``nn.Linear`` (logits worth never
+        computing): alone, and under checkpointing where blocks were found."""
+        del loss_fn, exact
+        if not isinstance(final_linear(model), Head):
+            return []
+        out = [PlanOffer("chunked_ce", {}, PlanOrder.LOGITS)]
+        if found is not None:
+            opts: dict[str, Any] = {"segments": "auto"} if found.sequential else {}
+            out.append(PlanOffer("checkpoint+chunked_ce", opts, PlanOrder.LOGITS))
+        return out
+
 
 @register("accumulate")
 class Accumulate(Composed):
@@ -440,3 +479,21 @@ class Accumulate(Composed):
     @property
     def label(self) -> str:
         return self.transforms[0].label
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """Where they are exact — a loss declared per example, no layer coupling the
+        examples or drawing masks — 2, 4 and 8 micro-batches (those up to the batch's
+        examples), alone and under checkpointing where blocks were found."""
+        del exact
+        if not isinstance(loss_fn, PerExample) or batch_coupling(model) is not None:
+            return []
+        ks = [k for k in MICRO_BATCHES if k <= loss_fn.batch]
+        out = [PlanOffer("accumulate", {"micro_batches": k}, PlanOrder.MICRO_BATCHES)
+               for k in ks]  # fmt: skip
+        if found is not None:
+            out += [PlanOffer("checkpoint+accumulate", {"micro_batches": k},
+                              PlanOrder.MICRO_BATCHES) for k in ks]  # fmt: skip
+        return out

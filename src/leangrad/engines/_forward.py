@@ -14,7 +14,15 @@ from torch import nn
 from torch.func import jvp, vmap
 
 from .. import _errors as errors
-from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, run_forward
+from ._base import (
+    Engine,
+    LossFn,
+    OnGrad,
+    PlanOffer,
+    StepResult,
+    accumulate_grad,
+    run_forward,
+)
 from ._catalog import register
 from ._contract import RngReplay, forward_end, refuse_non_finite, used_parameters
 from ._dropout import DropoutTape, replayed
@@ -23,6 +31,11 @@ from ._functional import BatchedBuffers, jvp_with_buffers, pure_loss
 __all__ = ["Forward"]
 
 BAD_CHUNK = errors.POSITIVE_INT
+
+
+FORWARD_MAX_PARAMS = 20_000
+"""``forward`` costs one jvp per parameter: the planner tries it only below this many
+parameters."""
 
 
 @register("forward")
@@ -45,11 +58,21 @@ class Forward(Engine):
 
     exact = True
     input_gradients = False
+    forward_mode = True
 
     def __init__(self, *, chunk_size: int = 16, chunk_bytes: int = 32 * 2**20) -> None:
         super().__init__(chunk_size=chunk_size, chunk_bytes=chunk_bytes)
         self.chunk_size = self._positive_int("chunk_size", chunk_size)
         self.chunk_bytes = self._positive_int("chunk_bytes", chunk_bytes)
+
+    @classmethod
+    def plan_last_resorts(cls, model: nn.Module) -> list[PlanOffer]:
+        """Tried only when nothing else fits, below :data:`FORWARD_MAX_PARAMS`
+        parameters: it keeps nothing for a backward pass but costs one jvp per parameter,
+        so it is never the fastest of engines that fit."""
+        if sum(p.numel() for p in model.parameters()) <= FORWARD_MAX_PARAMS:
+            return [PlanOffer("forward", {})]
+        return []
 
     def _backward(
         self,

@@ -21,7 +21,8 @@ products (Appendix D).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -29,9 +30,22 @@ from torch import nn
 from .. import _errors as errors
 from ..highway._protocol import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
 from ..highway._scan import SCANS, Scan, cumsumprod
-from ._base import Engine, LossFn, OnGrad, StepResult, accumulate_grad, check_loss, run_forward
+from ._base import (
+    Engine,
+    LossFn,
+    OnGrad,
+    PlanOffer,
+    PlanOrder,
+    StepResult,
+    accumulate_grad,
+    check_loss,
+    run_forward,
+)
 from ._catalog import register
 from ._contract import forward_end
+
+if TYPE_CHECKING:
+    from ._blocks import Blocks
 
 __all__ = ["BAD_BASELINE", "BAD_K", "BAD_SCAN", "BAD_TOL", "Highway", "StackResult"]
 
@@ -73,6 +87,18 @@ class Highway(Engine):
     """
 
     exact = False
+    transforms_act_on = "stem_head"
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """On a :class:`~leangrad.highway.HighwayNet` where ``exact=False``: the
+        residual path alone (``k=0``) and two iterations (after rad's offers)."""
+        del found, loss_fn
+        if exact or not isinstance(model, HighwayNet):
+            return []
+        return [PlanOffer("highway", {"k": k}, PlanOrder.ESTIMATORS + 1) for k in (0, 2)]
 
     def __init__(
         self,

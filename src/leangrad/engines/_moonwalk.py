@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -70,7 +70,16 @@ from ..layers._base import (
     warn_vijp_precision,
 )
 from ..layers._chain import Chain
-from ._base import Engine, LossFn, OnGrad, StepResult, check_loss, run_forward
+from ._base import (
+    Engine,
+    LossFn,
+    OnGrad,
+    PlanOffer,
+    PlanOrder,
+    StepResult,
+    check_loss,
+    run_forward,
+)
 from ._catalog import register
 from ._chain_run import (
     LAYER_ERROR,
@@ -85,6 +94,9 @@ from ._chain_run import (
 from ._checkpoint import split_segments
 from ._contract import RngReplay, batch_coupling, forward_end, random_module, used_parameters
 from ._dropout import DropoutTape
+
+if TYPE_CHECKING:
+    from ._blocks import Blocks
 
 __all__ = ["NEEDS_FRAGMENT", "NO_FRAGMENT_RULE", "Moonwalk", "Seed"]
 
@@ -202,6 +214,19 @@ class Moonwalk(Engine):
 
     exact = True
     reruns = True
+    transforms_act_on = "stem_head"
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """On a :class:`~leangrad.Chain`: per layer, in √L segments, and with full
+        fragments."""
+        del found, loss_fn, exact
+        if not isinstance(model, Chain):
+            return []
+        return [PlanOffer("moonwalk", opts, PlanOrder.CHAIN)
+                for opts in ({}, {"segments": "sqrt"}, {"fragment": "full"})]  # fmt: skip
 
     def __init__(
         self,

@@ -47,6 +47,7 @@ class ProjForward(Engine):
     """
 
     exact = False
+    forward_mode = True
     input_gradients = False
 
     def __init__(

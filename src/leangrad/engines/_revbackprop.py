@@ -14,13 +14,16 @@ drift from autograd's — which the ``moonwalk-v1-stability`` suite measures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
 from .._errors import LeangradError
 from ..layers._base import ChainLayer
 from ..layers._chain import Chain
-from ._base import Engine, LossFn, OnGrad, StepResult, run_forward
+from ._base import Engine, LossFn, OnGrad, PlanOffer, PlanOrder, StepResult, run_forward
 from ._catalog import register
 from ._chain_run import (
     GradSink,
@@ -33,6 +36,9 @@ from ._chain_run import (
     refuse_random_layers,
 )
 
+if TYPE_CHECKING:
+    from ._blocks import Blocks
+
 __all__ = ["RevBackprop"]
 
 
@@ -42,9 +48,19 @@ class RevBackprop(Engine):
 
     exact = True
     reruns = True
+    transforms_act_on = "stem_head"
 
     def __init__(self) -> None:
         super().__init__()
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """On a :class:`~leangrad.Chain` (after moonwalk's offers)."""
+        del found, loss_fn, exact
+        return [PlanOffer("revbackprop", {}, PlanOrder.CHAIN + 1)] if isinstance(
+            model, Chain) else []  # fmt: skip
 
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return chain_reruns(chain_of(model, self.label))

@@ -100,6 +100,18 @@ class Transform(abc.ABC):
         runs it once, as the base engine does (default: as is)."""
         return run
 
+    def explain(self, part: str, what: dict[str, Any]) -> list[str]:
+        """What :func:`leangrad.explain` prints of this transform's report ``what`` on
+        ``part`` of the model: the modules it swapped and those it left alone (and why)."""
+        swapped = what.get("swapped", {})
+        if not swapped:
+            why = what.get("why")
+            return [f"{self.name} on {part}: nothing to swap" + (f" ({why})" if why else "")]
+        out = [f"{self.name} on {part}: swapped {len(swapped)}"]
+        out += [f"  {k}: {v}" for k, v in swapped.items()]
+        out += [f"  left exact: {k} (no randomized version)" for k in what.get("left_exact", [])]
+        return out
+
 
 class RadTransform(Transform):
     """Randomized AD on every supported layer (``leangrad.rad.randomize``).
@@ -176,6 +188,17 @@ class FadTransform(Transform):
             raise ValueError(BAD_FAD_MODE.format(value=mode))
         Engine._positive_int("min_ops", min_ops)
         super().__init__(mode=mode, min_ops=min_ops)
+
+    def explain(self, part: str, what: dict[str, Any]) -> list[str]:
+        """Which pass ran on ``part`` (the fx pass, or the eager fallback and why) and the
+        chains it fused and left."""
+        if what.get("used") == "eager":
+            return [f"fad on {part} (eager fallback): {what['why']}"]
+        how = "fx pass" if what["used"] == "fx" else "fx pass per block, eager where it fails"
+        out = [f"fad on {part} ({how}): {len(what['fused'])} chain(s) fused"]
+        out += [f"  fused: {f}" for f in what["fused"]]
+        out += [f"  left: {f}" for f in what["left"]]
+        return out
 
     def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         from .. import fad

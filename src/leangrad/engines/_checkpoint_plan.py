@@ -1,0 +1,117 @@
+"""The candidates checkpointing offers :func:`leangrad.plan` (its
+:meth:`~leangrad.engines._base.Engine.plan_candidates`): per block, ``"auto"``, ``"sqrt"``
+and fewer segments for a sequence; every block, fewer blocks and the fx code of blocks for
+a model run as written; the module transforms under checkpointing; blocks recomputed in
+fragments of the batch, a CNN's stem beside its blocks, two levels; fused recurrent
+modules in time chunks (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+Cost")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..loss import Head, PerExample, final_linear
+from ._base import PlanOffer, PlanOrder
+from ._blocks import Blocks
+from ._fragments import split_reason
+from ._time_chunks import fused_recurrent
+
+__all__ = ["FRAGMENTS", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS", "block_offers", "fragment_offers",
+           "stem_modules", "time_chunk_offers"]  # fmt: skip
+
+FRAGMENTS = (2, 4, 8)
+"""Fragment counts the planner tries for checkpointed blocks (those up to the batch's
+examples, where the loss says how many)."""
+TWO_LEVEL_BLOCKS = 4
+"""Two-level checkpointing (``levels=2``) is a candidate where at least this many blocks
+were found: below it, ⌈√L⌉ outer segments keep about as many boundaries as one level."""
+TIME_CHUNKS = (2, 4, 8, 16)
+"""Time chunks the planner tries for fused recurrent modules."""
+
+Offers = list[PlanOffer]
+
+
+def _offers(items: list[tuple[str, dict[str, Any]]]) -> Offers:
+    return [PlanOffer(name, options, PlanOrder.BLOCKS) for name, options in items]
+
+
+def block_offers(model: nn.Module, found: Blocks,
+                 loss_fn: Callable[[Any], torch.Tensor] | None) -> Offers:  # fmt: skip
+    """Checkpointing of the blocks found (and ``+fad``/``+bits`` under it), then
+    :func:`fragment_offers`."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if found.sequential:
+        out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),
+                ("checkpoint", {"segments": "sqrt"}),
+                ("checkpoint", {"segments": "auto", "trace": True})]  # fmt: skip
+        # fewer segments than blocks: less recomputation where the budget allows it
+        n = len(found.names)
+        out += [("checkpoint", {"segments": k}) for k in (2, 3, 4) if k < n - 1]
+        out += [("checkpoint+fad", {"segments": "auto"}),
+                ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
+    else:
+        out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
+    if not found.sequential and found.runner is None:  # blocks= names the model's own
+        # every block, the last too: its recomputation can lower the peak (measured);
+        # blocks as fx code: intermediates freed at last use (measured: it may not pay)
+        out += [("checkpoint", {"blocks": list(found.names)}),
+                ("checkpoint", {"trace": True}),
+                ("checkpoint", {"blocks": list(found.names), "trace": True})]  # fmt: skip
+        # fewer checkpointed blocks: less recomputation where the budget allows it
+        n = len(found.names)
+        for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):
+            out.append(("checkpoint", {"blocks": list(found.names[:m])}))
+    return _offers(out) + fragment_offers(model, found, loss_fn)
+
+
+def fragment_offers(model: nn.Module, found: Blocks,
+                    loss_fn: Callable[[Any], torch.Tensor] | None) -> Offers:  # fmt: skip
+    """Checkpointing with blocks recomputed in fragments of the batch, where some block
+    can be split (:func:`leangrad.engines._fragments.split_reason`); under the loss head's
+    chunked cross-entropy too where there is one."""
+    if all(split_reason([found.modules[n]]) is not None for n in found.names):
+        return []
+    ks = [k for k in FRAGMENTS if not isinstance(loss_fn, PerExample) or k <= loss_fn.batch]
+    head = isinstance(final_linear(model), Head)
+    out: list[tuple[str, dict[str, Any]]] = [("checkpoint", {"fragments": k}) for k in ks]
+    if head:
+        out += [("checkpoint+chunked_ce", {"fragments": k}) for k in ks]
+    stem = stem_modules(model, found)
+    if stem:  # a ResNet's stem: conv, norm, at full size
+        every = [*stem, *found.names]
+        out += [("checkpoint", {"blocks": every})]
+        out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
+    if len(found.names) >= TWO_LEVEL_BLOCKS and ks:  # boundaries: the floor under fragments
+        two: dict[str, Any] = {"levels": 2}
+        if stem:
+            two["blocks"] = [*stem, *found.names]
+        out += [("checkpoint", two), ("checkpoint", {**two, "fragments": ks[-1]})]
+        if head:
+            out += [("checkpoint+chunked_ce", {**two, "fragments": ks[-1]})]
+    return _offers(out)
+
+
+def stem_modules(model: nn.Module, found: Blocks) -> list[str]:
+    """Top-level children of a model run as written that hold no block and at least two
+    parametrized layers (a CNN's stem: conv and norm at the highest resolution), which
+    checkpointing beside the blocks can recompute too."""
+    if found.sequential or found.runner is not None:
+        return []
+    out = []
+    for name, child in model.named_children():
+        holds = any(b == name or b.startswith(f"{name}.") for b in found.names)
+        if not holds and sum(1 for m in child.modules() if m._parameters) >= 2:
+            out.append(name)
+    return out
+
+
+def time_chunk_offers(model: nn.Module) -> Offers:
+    """Fused recurrent modules (one op each, no block inside) checkpointed along time."""
+    if not fused_recurrent(model):
+        return []
+    return [PlanOffer("checkpoint", {"time_chunks": k}, PlanOrder.TIME_CHUNKS)
+            for k in TIME_CHUNKS]  # fmt: skip

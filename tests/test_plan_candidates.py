@@ -1,0 +1,55 @@
+"""The planner's candidates, collected from what each registered engine offers
+(``Engine.plan_candidates``, issue 28), are exactly the hand-written list they replaced:
+the same ``(name, options)`` in the same order for the registered training models, the
+zoo's, a HighwayNet and a Chain, with and without a per-example loss, exact or not.
+
+``plan_candidates.json`` was written by the hand-written ``leangrad._plan.candidates``
+and ``last_resorts`` before the change (tests/plan_candidate_models.py builds the
+models)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+from leangrad._plan import candidates, last_resorts
+
+from .plan_candidate_models import MODELS, loss
+
+FROZEN: dict[str, list[list[Any]]] = json.loads(
+    (pathlib.Path(__file__).parent / "plan_candidates.json").read_text()
+)
+
+
+def _as_data(got: list[tuple[str, dict[str, Any]]]) -> list[list[Any]]:
+    return json.loads(json.dumps([[n, o] for n, o in got]))  # tuples as lists, as frozen
+
+
+def test_every_model_and_setting_is_frozen() -> None:
+    keys = {f"{m} per_example={p} exact={e}" for m in MODELS for p in (False, True)
+            for e in (True, False)} | {f"{m} last_resorts" for m in MODELS}  # fmt: skip
+    assert keys == set(FROZEN)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_candidates_equal_the_hand_written_list(name: str) -> None:
+    for per_ex in (False, True):
+        for exact in (True, False):
+            torch.manual_seed(0)
+            got = candidates(MODELS[name](), exact=exact, loss_fn=loss(per_ex))
+            key = f"{name} per_example={per_ex} exact={exact}"
+            assert _as_data(got) == FROZEN[key], key
+    torch.manual_seed(0)
+    assert _as_data(last_resorts(MODELS[name]())) == FROZEN[f"{name} last_resorts"]
+
+
+def test_the_frozen_lists_cover_every_offering_engine() -> None:
+    names = {n for rows in FROZEN.values() for n, _ in rows}
+    assert {"backprop", "fad", "bits", "chunked_ce", "checkpoint+chunked_ce", "checkpoint",
+            "checkpoint+fad", "checkpoint+bits", "accumulate", "checkpoint+accumulate",
+            "moonwalk", "revbackprop", "rad", "checkpoint+rad", "highway",
+            "forward"} <= names  # fmt: skip
