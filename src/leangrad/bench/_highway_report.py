@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .._sizes import fmt_bytes
-from ._report import at_threads, extra_threads
+from ._report import at_threads, by_series, extra_threads, pyplot, save_figure
 
 __all__ = ["render"]
 
@@ -108,10 +108,7 @@ def _render_scan(rs: list[dict[str, Any]]) -> list[str]:
 
 def _plot(path: Path, rs: list[dict[str, Any]], x: str, ys: list[str], title: str) -> bool:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return False
     fig, axes = plt.subplots(1, len(ys), figsize=(5 * len(ys), 3.6))
@@ -126,17 +123,13 @@ def _plot(path: Path, rs: list[dict[str, Any]], x: str, ys: list[str], title: st
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
 def _render_train(suite: str, rs: list[dict[str, Any]], directory: Any, plots: bool) -> list[str]:
     lines: list[str] = []
-    for series in dict.fromkeys(r["series"] for r in rs):
-        ss = [r for r in rs if r["series"] == series]
+    for series, ss in by_series(rs).items():
         lines += [f"### {series}", ""]
         if plots:
             png = Path("plots") / f"{suite}-{series}.png"

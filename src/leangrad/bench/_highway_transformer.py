@@ -39,7 +39,7 @@ from ._highway import (
     _train_methods,
     char_corpus,
 )
-from ._report import at_threads, extra_threads
+from ._report import at_threads, extra_threads, pyplot, save_figure
 from ._runner import by_threads, timing_fields
 from ._side_by_side import Lane, make_optimizer, train_side_by_side
 from ._suites import Series, Suite
@@ -348,10 +348,7 @@ def _titles(rs: list[dict[str, Any]], label: str | None, reference: str) -> dict
 def _plot(path: Path, rs: list[dict[str, Any]], x: str, y: str, labels: tuple[str, str],
           title: str) -> bool:  # fmt: skip
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return False
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -366,10 +363,7 @@ def _plot(path: Path, rs: list[dict[str, Any]], x: str, y: str, labels: tuple[st
     ax.set_title(textwrap.fill(title, 72), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

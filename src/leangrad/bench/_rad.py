@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from .. import data, rad
 from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, num_threads, saved_tensor_bytes
+from ._report import by_series, pyplot, save_figure, save_series_figure, series_png
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
@@ -541,12 +542,7 @@ def run_pde(
 
 
 def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in recs:
         if r.get("train_loss") is not None:
@@ -560,10 +556,7 @@ def _curves(recs: list[dict[str, Any]], title: str, path: Any, *, log: bool) -> 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_band(ax: Any, recs: list[dict[str, Any]], key: str, *, ylabel: str,
@@ -585,16 +578,6 @@ def plot_band(ax: Any, recs: list[dict[str, Any]], key: str, *, ylabel: str,
     if log:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-
-
-def save_figure(fig: Any, path: Any) -> None:
-    """Write ``fig`` to ``path`` (parents made) and close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def fmt_band(r: dict[str, Any], key: str, spec: str, *, scale: float = 1.0) -> str:
@@ -640,29 +623,19 @@ def _convergence_message(finals: dict[str, dict[str, Any]]) -> str:
 def _render_bands(
     suite: str, recs: list[dict[str, Any]], directory: Any, *, plots: bool
 ) -> list[str]:
-    from pathlib import Path
-
     lines: list[str] = [BAND_NOTE, ""]
-    for series in dict.fromkeys(r["series"] for r in recs):
-        rs = [r for r in recs if r["series"] == series]
+    for series, rs in by_series(recs).items():
         seeds = max(len(r["seeds"]) for r in rs)
         lines += [f"### {series}", ""]
         if plots:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
             plot_band(axes[0], rs, "train_loss", ylabel="train loss (cross-entropy, nats)",
                       log=True)  # fmt: skip
             plot_band(axes[1], rs, "test_acc", ylabel="test accuracy")
             axes[0].legend(fontsize=8)
             fig.suptitle(f"{suite} — {series}: {_convergence_message(final_bands(rs))}\n"
                          f"(median, min–max band over {seeds} seeds)")  # fmt: skip
-            png = Path("plots") / f"{suite}-{series}.png"
-            save_figure(fig, Path(directory) / png)
-            lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+            lines += save_series_figure(fig, suite, series, directory)
         lines += [
             "| run | batch | saved | peak | final step | seeds | train loss | test acc | ms/step |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -684,8 +657,6 @@ def _render_pde_bands(
 ) -> list[str]:
     """The PDE control's loss per Adam iteration: each lane's median over its replicates
     with the :data:`BAND` shaded (the exact lane is one deterministic run)."""
-    from pathlib import Path
-
     finals = final_bands(recs)
     seeds = max(len(r["seeds"]) for r in recs)
     lines = [
@@ -694,16 +665,10 @@ def _render_pde_bands(
         "run. Table cells: median [min–max] at the last iteration.",
         "",
     ]
-    for series in dict.fromkeys(r["series"] for r in recs):
-        rs = [r for r in recs if r["series"] == series]
+    for series, rs in by_series(recs).items():
         lines += [f"### {series}", ""]
         if plots:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            fig, ax = plt.subplots(figsize=(7, 4))
+            fig, ax = pyplot().subplots(figsize=(7, 4))
             plot_band(ax, rs, "train_loss", ylabel="control loss", log=True, reference="exact",
                       xlabel="Adam iteration")  # fmt: skip
             ax.legend(fontsize=8)
@@ -714,9 +679,7 @@ def _render_pde_bands(
                     "gradient does")  # fmt: skip
             ax.set_title(f"{suite}: {what}\n(median, min–max band over {seeds} replicates)",
                          fontsize=10)  # fmt: skip
-            png = Path("plots") / f"{suite}-{series}.png"
-            save_figure(fig, Path(directory) / png)
-            lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+            lines += save_series_figure(fig, suite, series, directory)
         lines += [
             "| run | fraction | saved | peak | final iteration | replicates | loss | train s |",
             "|---|---|---|---|---|---|---|---|",
@@ -758,16 +721,13 @@ def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
 def _render_curves(
     suite: str, recs: list[dict[str, Any]], directory: Any, *, plots: bool, log: bool
 ) -> list[str]:
-    from pathlib import Path
-
     lines: list[str] = []
-    for series in dict.fromkeys(r["series"] for r in recs):
-        rs = [r for r in recs if r["series"] == series]
+    for series, rs in by_series(recs).items():
         lines += [f"### {series}", ""]
         if plots:
-            png = Path("plots") / f"{suite}-{series}.png"
-            _curves(rs, f"{suite} — {series}", Path(directory) / png, log=log)
-            lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+            path, shown = series_png(suite, series, directory)
+            _curves(rs, f"{suite} — {series}", path, log=log)
+            lines += shown
         lines += [
             "| run | batch / fraction | saved | peak | final step | train loss | test acc "
             "| train s |",

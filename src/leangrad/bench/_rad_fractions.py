@@ -42,10 +42,10 @@ from ._rad import (
     rad_model,
     randomized,
     replicates,
-    save_figure,
     train_lanes,
 )
 from ._rad import BAND_NOTE as _BAND_NOTE
+from ._report import by_series, pyplot, save_figure, series_png
 from ._runner import machine_info
 from ._side_by_side import Lane, make_optimizer
 from ._suites import Suite
@@ -264,13 +264,8 @@ def _message(finals: dict[str, dict[str, Any]], identical: bool | None) -> str:
 
 def _figure(suite: str, model: str, rs: list[dict[str, Any]], path: Any,
             identical: bool | None) -> None:  # fmt: skip
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     finals = final_bands(rs)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = pyplot().subplots(2, 3, figsize=(15, 8))
     plot_band(axes[0, 0], rs, "train_loss", ylabel="train loss (cross-entropy, nats)", log=True)
     plot_band(axes[0, 1], rs, "test_loss", ylabel="test loss (cross-entropy, nats)")
     plot_band(axes[1, 0], rs, "train_acc", ylabel="train accuracy")
@@ -289,8 +284,6 @@ def _figure(suite: str, model: str, rs: list[dict[str, Any]], path: Any,
 def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: bool) -> list[str]:
     """Markdown for ``rad-fractions``: per model, the curves (median and band over the seeds),
     a table at the last step, then the fraction-1.0 check."""
-    from pathlib import Path
-
     band = [r for r in records if r.get("kind") == "rad-band"]
     ones = [r for r in records if r.get("kind") == "rad-fraction-one"]
     identical = {r["model"]: r.get("curves_identical") for r in ones}
@@ -301,13 +294,12 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
         "targets excluded).",
         "",
     ]
-    for model in dict.fromkeys(r["series"] for r in band):
-        rs = [r for r in band if r["series"] == model]
+    for model, rs in by_series(band).items():
         lines += [f"### {model}", ""]
         if plots:
-            png = Path("plots") / f"{suite}-{model}.png"
-            _figure(suite, model, rs, Path(directory) / png, identical.get(model))
-            lines += [f"![{suite} {model}]({png.as_posix()})", ""]
+            path, shown = series_png(suite, model, directory)
+            _figure(suite, model, rs, path, identical.get(model))
+            lines += shown
         finals = final_bands(rs)
         base = finals.get(BASELINE, {})
         lines += [

@@ -16,8 +16,51 @@ from ._records import UNREADABLE as UNREADABLE
 from ._records import at_threads, extra_threads, load_records, scan_records
 from ._reproduction import reproduction_section
 
-__all__ = ["at_threads", "extra_threads", "fmt_bytes", "load_records", "render_report",
+__all__ = ["at_threads", "by_series", "extra_threads", "fmt_bytes", "load_records", "pyplot",
+           "render_report", "save_figure", "save_series_figure", "series_png",
            "sweep_section"]  # fmt: skip
+
+
+def by_series(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each series' records, series in the order they first appear."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault(r["series"], []).append(r)
+    return out
+
+
+def series_png(suite: str, series: str, directory: Any) -> tuple[Path, list[str]]:
+    """Where a series' figure goes (``directory/plots/{suite}-{series}.png``) and the
+    markdown lines that show it."""
+    png = Path("plots") / f"{suite}-{series}.png"
+    return Path(directory) / png, [f"![{suite} {series}]({png.as_posix()})", ""]
+
+
+def save_series_figure(fig: Any, suite: str, series: str, directory: Any) -> list[str]:
+    """Save ``fig`` as the series' figure (:func:`series_png`); the markdown lines showing it."""
+    path, shown = series_png(suite, series, directory)
+    save_figure(fig, path)
+    return shown
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Any) -> None:
+    """Write ``fig`` to ``path`` (parents made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _fmt(v: float | None, spec: str) -> str:

@@ -89,8 +89,20 @@ COUPLING_BATCHNORM = (
 )
 
 
+class _ParameterFree(ChainLayer):
+    """A chain layer without parameters: ``forward_vjp_params`` is its forward, no autograd."""
+
+    def forward_vjp_params(
+        self, x: torch.Tensor, h_out: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(y, {})``: no parameters, so no autograd."""
+        del h_out
+        with torch.no_grad():
+            return self(x), {}
+
+
 # --------------------------------------------------------------------------- LeakyReLU
-class LeakyReLU(ChainLayer):
+class LeakyReLU(_ParameterFree):
     """``y = x`` where ``x > 0``, else ``slope · x``: invertible when ``slope > 0``.
 
     Its Jacobian is the diagonal ``d = where(x > 0, 1, slope)``, so the vjp only
@@ -152,14 +164,6 @@ class LeakyReLU(ChainLayer):
         cotangent can grow by up to this factor per LeakyReLU (by its square root for
         random signs; ``leangrad.layers._base.vijp_precision`` has the measurements)."""
         return max(self.negative_slope, 1.0 / self.negative_slope)
-
-    def forward_vjp_params(
-        self, x: torch.Tensor, h_out: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(y, {})``: no parameters, so no autograd."""
-        del h_out
-        with torch.no_grad():
-            return self(x), {}
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """``where(y > 0, y, y / slope)`` (y has the sign of x since slope > 0)."""
@@ -269,7 +273,7 @@ class Tanh(ChainLayer):
 
 
 # --------------------------------------------------------------------------- SpaceToDepth
-class SpaceToDepth(ChainLayer):
+class SpaceToDepth(_ParameterFree):
     """The invertible down-sampling ψ of i-RevNet: ``(…, C, H, W) → (…, C·b², H/b, W/b)``.
 
     Moonwalk v1, section 6.1: "ψ effectively divides the spatial dimensions into
@@ -319,14 +323,6 @@ class SpaceToDepth(ChainLayer):
         del x
         self.check(h_in)
         return F.pixel_unshuffle(h_in, self.block_size)
-
-    def forward_vjp_params(
-        self, x: torch.Tensor, h_out: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(y, {})``: no parameters, so no autograd."""
-        del h_out
-        with torch.no_grad():
-            return self(x), {}
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Depth-to-space (``pixel_shuffle``)."""

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _errors as errors
-from ._sampling import SampleSpec, draw_seed, make_generator
+from ._linear import SampledLayer, shell
+from ._sampling import SampleSpec
 
 __all__ = ["RandConv2d"]
 
@@ -64,7 +65,7 @@ def _pair(v: Any) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
-class RandConv2d(nn.Conv2d):
+class RandConv2d(SampledLayer, nn.Conv2d):
     """``nn.Conv2d`` with RAD's sampled weight gradient (section 4.2, Figure 4).
 
     Args:
@@ -102,8 +103,7 @@ class RandConv2d(nn.Conv2d):
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
             device=device, dtype=dtype,
         )  # fmt: skip
-        self.spec = SampleSpec(fraction, mode, replace)
-        self.generator = make_generator(seed)
+        self._init_sampling(fraction, mode, replace, seed)
         if (why := self.supports(self)) is not None:
             raise errors.RadInputError(
                 errors.BAD_PADDING.format(layer=type(self).__name__, why=why)
@@ -123,19 +123,14 @@ class RandConv2d(nn.Conv2d):
         cls, conv: nn.Conv2d, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandConv2d:
         """A ``RandConv2d`` sharing ``conv``'s weight and bias parameters (no copy)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
+        new = shell(cls, spec, generator)
         for name in (*conv.__constants__, "transposed", "_reversed_padding_repeated_twice"):
             setattr(new, name, getattr(conv, name))
-        new.weight = conv.weight  # the same Parameter objects
-        new.bias = conv.bias
-        new.spec, new.generator = spec, generator
+        new.weight, new.bias = conv.weight, conv.bias  # the same Parameter objects
         return new
 
     def extra_repr(self) -> str:
-        s = self.spec
-        opts = f"fraction={s.fraction}, mode={s.mode!r}, replace={s.replace}"
-        return f"{super().extra_repr()}, {opts}"
+        return f"{super().extra_repr()}, {self._options_repr()}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
@@ -153,6 +148,5 @@ class RandConv2d(nn.Conv2d):
                 )  # fmt: skip
             x = x.unsqueeze(0)
         opts = (_pair(self.stride), _pair(self.padding), _pair(self.dilation), self.groups)
-        seed = draw_seed(self.generator, layer=type(self).__name__)
-        out = _RandConvFn.apply(x, self.weight, self.bias, opts, spec, seed)
+        out = _RandConvFn.apply(x, self.weight, self.bias, opts, spec, self._draw_seed())
         return out.squeeze(0) if unbatched else out

@@ -10,7 +10,7 @@ bias gradient ``Σ g`` needs nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,8 @@ from . import _errors as errors
 from ._sampling import SampleSpec, draw_seed, make_generator
 
 __all__ = ["RandLinear", "rand_linear"]
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 class _RandLinearFn(torch.autograd.Function):
@@ -97,7 +99,44 @@ def rand_linear(
     return _RandLinearFn.apply(x, weight, bias, spec, seed)
 
 
-class RandLinear(nn.Linear):
+class SampledLayer:
+    """Mixin of the RAD layers (listed before their ``nn`` base): what each shares, its
+    :class:`SampleSpec` and the generator that seeds each call's sample."""
+
+    spec: SampleSpec
+    generator: torch.Generator | None
+
+    def _init_sampling(self, fraction: float, mode: str, replace: bool, seed: int | None) -> None:
+        """Set ``spec`` from the sampling options and ``generator`` from ``seed``."""
+        self.spec, self.generator = SampleSpec(fraction, mode, replace), make_generator(seed)
+
+    def _options_repr(self) -> str:
+        s = self.spec
+        return f"fraction={s.fraction}, mode={s.mode!r}, replace={s.replace}"
+
+    def _draw_seed(self) -> int:
+        """The seed of this call's sample, drawn from ``generator``."""
+        return draw_seed(self.generator, layer=type(self).__name__)
+
+    def _rand_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:func:`rand_linear` with this layer's spec, a fresh seed and its name in errors."""
+        name = type(self).__name__
+        return rand_linear(x, weight, bias, spec=self.spec, seed=self._draw_seed(), layer=name)
+
+
+def shell(cls: type[_M], spec: SampleSpec, generator: torch.Generator | None) -> _M:
+    """An empty ``cls`` (no parameters yet) holding ``spec`` and ``generator``: the start of
+    ``from_linear``/``from_conv``/``from_cell``, which then share the original's parameters."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    sampled = cast(SampledLayer, new)
+    sampled.spec, sampled.generator = spec, generator
+    return new
+
+
+class RandLinear(SampledLayer, nn.Linear):
     """``nn.Linear`` with RAD's sampled weight gradient (section 4.2).
 
     The forward is exact. The weight gradient is unbiased, built from a reduced
@@ -134,30 +173,20 @@ class RandLinear(nn.Linear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.spec = SampleSpec(fraction, mode, replace)
-        self.generator = make_generator(seed)
+        self._init_sampling(fraction, mode, replace, seed)
 
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandLinear:
         """A ``RandLinear`` sharing ``linear``'s weight and bias parameters (no copy)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
+        new = shell(cls, spec, generator)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new.spec, new.generator = spec, generator
+        new.weight, new.bias = linear.weight, linear.bias
         return new
 
     def extra_repr(self) -> str:
-        s = self.spec
-        opts = f"fraction={s.fraction}, mode={s.mode!r}, replace={s.replace}"
-        return f"{super().extra_repr()}, {opts}"
+        return f"{super().extra_repr()}, {self._options_repr()}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        name = type(self).__name__
-        return rand_linear(
-            x, self.weight, self.bias, spec=self.spec, seed=draw_seed(self.generator, layer=name),
-            layer=name,
-        )  # fmt: skip
+        return self._rand_linear(x, self.weight, self.bias)

@@ -13,34 +13,44 @@ which RAD cannot sample away, so its saving is smaller than the IRNN's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from . import _errors as errors
-from ._linear import rand_linear
+from ._linear import SampledLayer, shell
 from ._relu import _BitReLUFn
-from ._sampling import SampleSpec, draw_seed, make_generator
+from ._sampling import SampleSpec
 
 __all__ = ["RandGRUCell", "RandRNNCell", "irnn_cell"]
 
 
-def _spec_and_gen(
-    fraction: float, mode: str, replace: bool, seed: int | None
-) -> tuple[SampleSpec, torch.Generator | None]:
-    return SampleSpec(fraction, mode, replace), make_generator(seed)
+_C = TypeVar("_C", bound=nn.RNNCellBase)
 
 
-def _adopt(new: nn.Module, cell: nn.RNNCellBase) -> None:
-    """Share ``cell``'s parameters and sizes with ``new`` (no copies)."""
-    nn.Module.__init__(new)
+def _adopted(cls: type[_C], cell: nn.RNNCellBase, spec: SampleSpec,
+             generator: torch.Generator | None) -> _C:  # fmt: skip
+    """A ``cls`` sharing ``cell``'s parameters and sizes (no copies), sampling by ``spec``."""
+    new = shell(cls, spec, generator)
     sizes = ("input_size", "hidden_size", "bias")
     for name in (*sizes, "weight_ih", "weight_hh", "bias_ih", "bias_hh"):
         setattr(new, name, getattr(cell, name))
+    return new
 
 
-class RandRNNCell(nn.RNNCell):
+def _step_inputs(cell: SampledLayer, x: torch.Tensor, hx: torch.Tensor | None,
+                 hidden_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(W_ih x + b_ih, W_hh h + b_hh, h)``, each product with a fresh sample; ``h = 0``
+    when ``hx`` is ``None``."""
+    if hx is None:
+        hx = x.new_zeros(*x.shape[:-1], hidden_size)
+    c = cast(Any, cell)
+    return (cell._rand_linear(x, c.weight_ih, c.bias_ih),
+            cell._rand_linear(hx, c.weight_hh, c.bias_hh), hx)  # fmt: skip
+
+
+class RandRNNCell(SampledLayer, nn.RNNCell):
     """``nn.RNNCell`` (``relu`` or ``tanh``) with RAD weight gradients, fresh samples per step.
 
     Args:
@@ -68,30 +78,20 @@ class RandRNNCell(nn.RNNCell):
         if nonlinearity not in ("tanh", "relu"):  # nn.RNNCell checks only in its forward
             raise errors.RadInputError(errors.BAD_NONLINEARITY.format(value=nonlinearity))
         super().__init__(input_size, hidden_size, bias, nonlinearity, device=device, dtype=dtype)
-        self.spec, self.generator = _spec_and_gen(fraction, mode, replace, seed)
+        self._init_sampling(fraction, mode, replace, seed)
 
     @classmethod
     def from_cell(
         cls, cell: nn.RNNCell, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandRNNCell:
         """A ``RandRNNCell`` sharing ``cell``'s parameters."""
-        new = cls.__new__(cls)
-        _adopt(new, cell)
+        new = _adopted(cls, cell, spec, generator)
         new.nonlinearity = cell.nonlinearity
-        new.spec, new.generator = spec, generator
         return new
 
     def forward(self, x: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
-        if hx is None:
-            hx = x.new_zeros(*x.shape[:-1], self.hidden_size)
-        name = type(self).__name__
-        pre = rand_linear(
-            x, self.weight_ih, self.bias_ih, spec=self.spec,
-            seed=draw_seed(self.generator, layer=name), layer=name,
-        ) + rand_linear(
-            hx, self.weight_hh, self.bias_hh, spec=self.spec,
-            seed=draw_seed(self.generator, layer=name), layer=name,
-        )  # fmt: skip
+        gi, gh, _ = _step_inputs(self, x, hx, self.hidden_size)
+        pre = gi + gh
         if self.nonlinearity == "relu":
             return _BitReLUFn.apply(pre)
         return torch.tanh(pre)
@@ -151,7 +151,7 @@ class _GRUGatesFn(torch.autograd.Function):
         return torch.cat([d_r, d_z, d_n], -1), torch.cat([d_r, d_z, d_n * r], -1), g * z
 
 
-class RandGRUCell(nn.GRUCell):
+class RandGRUCell(SampledLayer, nn.GRUCell):
     """``nn.GRUCell`` whose two matrix products get RAD weight gradients, fresh per step.
 
     Same gate equations as ``nn.GRUCell``; only ``∂/∂W_ih`` (needs ``x``) and
@@ -173,28 +173,15 @@ class RandGRUCell(nn.GRUCell):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
-        self.spec, self.generator = _spec_and_gen(fraction, mode, replace, seed)
+        self._init_sampling(fraction, mode, replace, seed)
 
     @classmethod
     def from_cell(
         cls, cell: nn.GRUCell, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandGRUCell:
         """A ``RandGRUCell`` sharing ``cell``'s parameters."""
-        new = cls.__new__(cls)
-        _adopt(new, cell)
-        new.spec, new.generator = spec, generator
-        return new
+        return _adopted(cls, cell, spec, generator)
 
     def forward(self, x: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
-        if hx is None:
-            hx = x.new_zeros(*x.shape[:-1], self.hidden_size)
-        name = type(self).__name__
-        gi = rand_linear(
-            x, self.weight_ih, self.bias_ih, spec=self.spec,
-            seed=draw_seed(self.generator, layer=name), layer=name,
-        )  # fmt: skip
-        gh = rand_linear(
-            hx, self.weight_hh, self.bias_hh, spec=self.spec,
-            seed=draw_seed(self.generator, layer=name), layer=name,
-        )  # fmt: skip
+        gi, gh, hx = _step_inputs(self, x, hx, self.hidden_size)
         return _GRUGatesFn.apply(gi, gh, hx)
