@@ -18,6 +18,7 @@ from leangrad.loss import per_example
 __all__ = [
     "MODEL_KINDS",
     "Problem",
+    "StepHead",
     "draw_problem",
     "make_problem",
     "reference_grads",
@@ -45,6 +46,18 @@ the same behind a parameter-free stem (Moonwalk then seeds Phase III with h1, no
 frag1d: ``models.fragmental_cnn1d`` (stride-1 'same' convs: not submersive, Moonwalk needs
 ``fragment=``), lengths not divisible by the block sizes; frag2d: a Chain of
 FragmentalConv2d + LeakyReLU behind a parameter-free stem."""
+
+
+class StepHead(nn.Module):
+    """Read a GRU at every step: (steps, batch, 5) -> (steps * batch, 3 classes), the head
+    of the HighwayNets the contract and planner tests build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h).flatten(0, 1)
 
 
 def _revchain(s: dict[str, int], h: int, w: int) -> nn.Module:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import StepHead
 from leangrad import zoo
 from leangrad.highway import GRULayer, HighwayNet
 from leangrad.loss import PerExample, per_example
@@ -22,20 +23,9 @@ _TOKENS = DataInfo("text", (16,), 20, tokens=True)
 _VOCAB = DataInfo("text", (16,), 1024, tokens=True)  # a vocabulary-sized head: chunked_ce
 
 
-class _StepHead(nn.Module):
-    """Read a GRU at every step: (steps, batch, H) -> (steps * batch, classes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(5, 3)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lin(h).flatten(0, 1)
-
-
 def _highway() -> nn.Module:
     return HighwayNet(nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.25)),
-                      [GRULayer(5, 5), GRULayer(5, 5)], _StepHead())  # fmt: skip
+                      [GRULayer(5, 5), GRULayer(5, 5)], StepHead())  # fmt: skip
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {

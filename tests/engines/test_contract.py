@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
+from helpers import StepHead
 from leangrad import _errors as E
 from leangrad import models
 from leangrad.engines import engine_class
@@ -101,20 +102,9 @@ def _revchain() -> tuple[nn.Module, tuple[int, ...]]:
     return m, (3, 2, 4, 4)
 
 
-class _StepHead(nn.Module):
-    """Read a GRU at every step: (steps, batch, H) -> (steps * batch, classes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(5, 3)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lin(h).flatten(0, 1)
-
-
 def _highway() -> tuple[nn.Module, tuple[int, ...]]:
     stem = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.25))
-    return HighwayNet(stem, [GRULayer(5, 5)], _StepHead()), (6, 2, 4)
+    return HighwayNet(stem, [GRULayer(5, 5)], StepHead()), (6, 2, 4)
 
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[int, ...]]]] = {

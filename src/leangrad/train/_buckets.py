@@ -55,7 +55,7 @@ class GradBuckets:
         self.ctx, self.then, self.cap = ctx, then, bucket_bytes
         self._open: list[_Item] = []
         self._bytes = 0
-        self._flight: deque[tuple[dist.Work | None, torch.Tensor, list[_Item]]] = deque()
+        self._flight: deque[tuple[tuple[dist.Work, torch.Tensor] | None, list[_Item]]] = deque()
         self._seen: set[int] = set()
 
     def on_grad(self, name: str, p: nn.Parameter) -> None:
@@ -85,18 +85,19 @@ class GradBuckets:
         if not self._open:
             return
         items, self._open, self._bytes = self._open, [], 0
-        grads = [p.grad for _, p in items]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
-        work = (dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
-                if self.ctx.enabled else None)  # fmt: skip
-        self._flight.append((work, flat, items))
+        sent = None
+        if self.ctx.enabled:  # one process: nothing to average, nothing to copy
+            flat = torch.cat([p.grad.reshape(-1) for _, p in items])  # type: ignore[union-attr]
+            sent = (dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True), flat)
+        self._flight.append((sent, items))
         if self.then is not None:
             while len(self._flight) > 2:  # per-layer steps: bounded gradients in flight
                 self._complete()
 
     def _complete(self) -> None:
-        work, flat, items = self._flight.popleft()
-        if work is not None:
+        sent, items = self._flight.popleft()
+        if sent is not None:
+            work, flat = sent
             work.wait()
             flat.div_(self.ctx.world_size)
             at = 0
