@@ -511,7 +511,7 @@ def test_inputs_not_tensors(name: str) -> None:
 def test_wrong_input_shape_names_engine_and_shapes(name: str) -> None:
     prob = _mlp_problem()  # expects 5 features
     eng = leangrad.engine(name)
-    x = torch.randn(4, 7, dtype=torch.float64)
+    x = torch.randn(4, 7, dtype=torch.float64, device=prob.inputs[0].device)
     prefix = E.FORWARD_FAILED.format(engine=eng.label, shapes=[(4, 7)], error="")
     with pytest.raises(E.EngineInputError, match=re.escape(prefix)) as info:
         eng.backward(prob.model, x, prob.loss_fn)

@@ -20,6 +20,10 @@ Two PyTorch behaviours are worked around here, at their cause:
   ``forward`` and ``projforward``. :func:`pure_loss` runs the model under
   ``sdpa_kernel(SDPBackend.MATH)``: the same attention written in ops that all have one
   (the same function; the fused kernels differ from it only by rounding).
+- ``nn.RNN``/``nn.LSTM``/``nn.GRU`` on CUDA dispatch to ``_cudnn_rnn``, which has no
+  forward-mode rule either (found on an H200: ``forward`` on the RNN classifier failed
+  there and nowhere else). :func:`pure_loss` turns cuDNN off while a model holding one
+  runs, so PyTorch takes its native recurrent path, written in ops that have one.
 """
 
 from __future__ import annotations
@@ -126,6 +130,19 @@ def _padding_row_constant(
 
 
 @contextlib.contextmanager
+def _cudnn_off(off: bool) -> Iterator[None]:
+    """Within, when ``off``: cuDNN disabled (only that flag; ``torch.backends.cudnn.flags``
+    would reset TF32, benchmark and determinism to its defaults too)."""
+    was = torch.backends.cudnn.enabled
+    if off:
+        torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = was
+
+
+@contextlib.contextmanager
 def contiguous_norms() -> Iterator[None]:
     """Within: ``group_norm`` gets a contiguous copy of its input. Under ``vmap`` the copy is
     contiguous with the vmapped dimension first, which its batching rule needs; under
@@ -166,12 +183,18 @@ def pure_loss(
 ) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]:
     """``f(param_values, buffer_values) -> loss``, a pure function for ``torch.func``; the
     model runs by :func:`call_with` under :func:`contiguous_norms`, with attention by its
-    math kernel (forward-mode AD has rules for it; module docstring)."""
+    math kernel and recurrent layers off cuDNN (forward-mode AD has rules for those;
+    module docstring)."""
     frozen = {n: p.detach() for n, p in model.named_parameters() if n not in params}
     slots = slot_names(model)
+    cudnn = not any(isinstance(m, nn.RNNBase) for m in model.modules())
 
     def run(*xs: torch.Tensor, state: dict[str, torch.Tensor]) -> Any:
-        with contiguous_norms(), sdpa_kernel(SDPBackend.MATH):
+        with (
+            contiguous_norms(),
+            sdpa_kernel(SDPBackend.MATH),
+            _cudnn_off(not cudnn),
+        ):
             return call_with(model, state, xs, slots=slots)
 
     def f(values: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.Tensor:
