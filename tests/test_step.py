@@ -23,6 +23,10 @@ def _adam(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(ps, lr=1e-2)
 
 
+def _sgd(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(ps, lr=0.1)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
@@ -168,3 +172,67 @@ def test_profile_step_measures_a_step_and_the_planner_uses_it() -> None:
     assert prof.engine == "backprop" + _step.PER_LAYER and prof.peak_bytes > 0
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+class _Halving:
+    """A stand-in reducer (one process has nothing to combine): it halves each gradient it
+    is handed, as an average over two processes whose other half is zero would, records the
+    order, and passes the parameter on to ``then``."""
+
+    def __init__(self, then: Callable[[str, nn.Parameter], None] | None) -> None:
+        self.then, self.seen, self.finished = then, [], []  # type: ignore[var-annotated]
+
+    def on_grad(self, name: str, p: nn.Parameter) -> None:
+        self.seen.append(name)
+        assert p.grad is not None
+        p.grad.mul_(0.5)
+        if self.then is not None:
+            self.then(name, p)
+
+    def finish(self, params=()) -> None:  # type: ignore[no-untyped-def]
+        for name, p in params:
+            self.finished.append(name)
+            if p.grad is not None and name not in self.seen:
+                self.on_grad(name, p)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["whole", "per-layer"])
+@pytest.mark.parametrize("engine", ["backprop", "checkpoint"])
+def test_a_reducer_sees_every_gradient_before_the_optimizer(engine: str, per_layer: bool) -> None:
+    """``Step(reduce=...)``: the engine hands each gradient to the reducer, whose ``finish``
+    gets every trainable parameter, and the optimizer steps on what it left: equal to a
+    hand-written loop on half the loss."""
+    made: list[_Halving] = []
+
+    def reduce(then: Callable[[str, nn.Parameter], None] | None) -> _Halving:
+        made.append(_Halving(then))
+        return made[-1]
+
+    x, loss_fn = _batch()
+    model = _model()
+    step = _step.Step(leangrad.engine(engine), _sgd, per_layer=per_layer, reduce=reduce)
+    for _ in range(STEPS):
+        step.run(model, x, loss=loss_fn)
+    ref = _model()  # SGD on half the loss: the halved gradients, stepped
+    opt = _sgd(list(ref.parameters()))
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        (0.5 * loss_fn(ref(x))).backward()
+        opt.step()
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    [reducer] = made  # made once, with the optimizer, and kept across steps
+    names = [n for n, _ in model.named_parameters()]
+    assert reducer.finished == names * STEPS
+    assert sorted(set(reducer.seen)) == sorted(names)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_optimizer_for_makes_the_optimizer_before_the_first_step() -> None:
+    model = _model()
+    step = _step.Step(leangrad.engine("backprop"), _adam, per_layer=True)
+    opt = step.optimizer_for(model)
+    assert isinstance(opt, _step.PerLayerOptimizer) and step.made is opt
+    x, loss_fn = _batch()
+    step.run(model, x, loss=loss_fn)
+    assert step.made is opt  # the same one stepped

@@ -11,6 +11,11 @@ and dropping ``p.grad`` frees the gradient before the next one is made. With bac
 is PyTorch's per-parameter approach (``register_post_accumulate_grad_hook``), here for
 every engine through ``on_grad``.
 
+Across processes a step may also combine gradients as the engine hands them over
+(``reduce``: :class:`leangrad.train.GradBuckets`, bucketed all-reduces overlapping the rest
+of the backward) before the optimizer sees them; :func:`leangrad.train.fit` runs its steps
+this way.
+
 This module sits low: it imports the engines' interface and nothing from ``train``,
 ``bench`` or the planner.
 """
@@ -19,20 +24,35 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from torch import nn
 
 from . import _errors as errors
-from .engines._base import Engine, StepResult
+from .engines._base import Engine, OnGrad, StepResult
 from .engines._loss_fn import LossFn
 
-__all__ = ["PER_LAYER", "MakeOptimizer", "PerLayerOptimizer", "Step"]
+__all__ = ["PER_LAYER", "GradReducer", "MakeOptimizer", "MakeReducer", "PerLayerOptimizer", "Step"]
 
 MakeOptimizer: TypeAlias = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """Builds an optimizer over a list of parameters (e.g. Adam with the learning rate)."""
+
+
+class GradReducer(Protocol):
+    """Combines each gradient across processes as the engine hands it over
+    (:class:`leangrad.train.GradBuckets`); :meth:`finish`, called once the backward has
+    returned, takes what the engine did not hand over and waits for every reduction."""
+
+    def on_grad(self, name: str, p: nn.Parameter) -> None: ...
+
+    def finish(self, params: Iterable[tuple[str, nn.Parameter]] = ()) -> None: ...
+
+
+MakeReducer: TypeAlias = Callable[[OnGrad | None], GradReducer]
+"""Builds a :class:`GradReducer` that calls its argument (the per-layer optimizer's
+``on_grad``, or ``None``) for each parameter once its gradient is combined."""
 
 PER_LAYER = ", step per layer"
 """Label suffix of a step whose optimizer steps each parameter inside ``on_grad``."""
@@ -91,6 +111,8 @@ class _Made:
 
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | PerLayerOptimizer | None = None
+    reducer: GradReducer | None = None
+    params: dict[str, nn.Parameter] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +125,10 @@ class Step:
       ``.grad`` set to ``None`` again (``zero_grad(set_to_none=True)`` before and after);
     - ``per_layer=True``: backward with ``on_grad`` stepping each parameter's own optimizer
       and freeing its gradient (:class:`PerLayerOptimizer`), then the parameters the engine
-      did not hand over.
+      did not hand over;
+    - ``reduce`` set: the engine hands each gradient to the reducer it makes, which combines
+      it across processes and then (per layer) steps it; the whole-step optimizer steps
+      after the reducer's ``finish``.
 
     The optimizer is made on the first step for the model stepped and kept for later steps
     on it (a step on another model makes that model's); :meth:`fresh` is the same step with
@@ -119,6 +144,8 @@ class Step:
         loss: the loss :meth:`run` uses when it is given none (a function from the
             model's output to a scalar; losses built per batch from its targets are passed
             to :meth:`run` instead).
+        reduce: builds the :class:`GradReducer` gradients pass through before the
+            optimizer (made with the optimizer, on the first step); ``None``: none.
     """
 
     engine: Engine
@@ -127,6 +154,7 @@ class Step:
     per_layer: bool = False
     autocast: torch.dtype | None = None
     loss: LossFn | None = None
+    reduce: MakeReducer | None = None
     _made: _Made = dataclasses.field(default_factory=_Made, init=False, repr=False,
                                      compare=False)  # fmt: skip
 
@@ -180,33 +208,45 @@ class Step:
     def _step(self, model: nn.Module, inputs: torch.Tensor | Sequence[torch.Tensor],
               loss_fn: LossFn, *, keep: bool) -> StepResult | None:  # fmt: skip
         result: StepResult | None
-        if self.optimizer is None:
+        if self.optimizer is None and self.reduce is None:
             with self._autocast(inputs):
                 result = self.engine.backward(model, inputs, loss_fn)
             return result if keep else None
-        opt = self._optimizer_for(model)
-        if isinstance(opt, PerLayerOptimizer):
-            with self._autocast(inputs):
-                result = self.engine.backward(model, inputs, loss_fn, on_grad=opt.on_grad)
-            result = result if keep else None
-            opt.finish()
-            return result
-        opt.zero_grad(set_to_none=True)
+        opt = self.optimizer_for(model)
+        made = self._made
+        per_layer = opt if isinstance(opt, PerLayerOptimizer) else None
+        whole = opt if isinstance(opt, torch.optim.Optimizer) else None
+        on_grad = (made.reducer.on_grad if made.reducer is not None
+                   else per_layer.on_grad if per_layer is not None else None)  # fmt: skip
+        if whole is not None:
+            whole.zero_grad(set_to_none=True)
         with self._autocast(inputs):
-            result = self.engine.backward(model, inputs, loss_fn)
+            result = self.engine.backward(model, inputs, loss_fn, on_grad=on_grad)
         result = result if keep else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if made.reducer is not None:  # with what the engine did not hand over
+            made.reducer.finish(made.params.items())
+        elif per_layer is not None:
+            per_layer.finish()
+        if whole is not None:
+            whole.step()
+            whole.zero_grad(set_to_none=True)
         return result
 
-    def _optimizer_for(self, model: nn.Module) -> torch.optim.Optimizer | PerLayerOptimizer:
+    def optimizer_for(self, model: nn.Module) -> torch.optim.Optimizer | PerLayerOptimizer | None:
+        """The optimizer this step uses on ``model`` (and its reducer), made now if it was
+        not made for ``model`` yet: a training loop that saves or loads the optimizer's
+        state before the first step asks for it here."""
         made = self._made
-        if made.optimizer is None or made.model is not model:
-            assert self.optimizer is not None
-            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if made.model is not model:
             made.model = model
-            made.optimizer = (PerLayerOptimizer(params, self.optimizer) if self.per_layer
-                              else self.optimizer(list(params.values())))  # fmt: skip
+            made.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            made.optimizer = (
+                None if self.optimizer is None
+                else PerLayerOptimizer(made.params, self.optimizer) if self.per_layer
+                else self.optimizer(list(made.params.values()))
+            )  # fmt: skip
+            then = made.optimizer.on_grad if isinstance(made.optimizer, PerLayerOptimizer) else None
+            made.reducer = None if self.reduce is None else self.reduce(then)
         return made.optimizer
 
     def _autocast(self, inputs: torch.Tensor | Sequence[torch.Tensor]

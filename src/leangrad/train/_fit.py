@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from .. import _errors as errors
 from .._plan import Plan
 from .._sizes import fmt_bytes
+from .._step import MakeReducer, Step
 from ..data import Dataset
 from ..engines import Engine
 from ..measure import MemoryTracker
@@ -549,22 +550,23 @@ class _Run:
             distributed.broadcast_parameters(self.net, ctx)
             sharded.shard(self.net, self.engine, per_layer=cfg.step_per_layer)
         self.params = {n: p for n, p in self.net.named_parameters() if p.requires_grad}
-        self.plo = PerLayerOptimizer(self.params, self.make_opt) if cfg.step_per_layer else None
-        self.opt = None if self.plo else self.make_opt(list(self.params.values()))
         # an engine whose backward is autograd's trains through PyTorch's DDP (bucketed
         # all-reduce overlapping the backward); the others average after the step
         self.ddp = (distributed.data_parallel(self.net, ctx)
-                    if ctx.enabled and self.plo is None and self.engine.wrapped_models
+                    if ctx.enabled and not cfg.step_per_layer and self.engine.wrapped_models
                     and self.engine.wrapped_why(self.net, "DistributedDataParallel") is None
                     and not self.sharded
                     else None)  # fmt: skip
         # the other engines hand each final gradient to on_grad: averaged in buckets whose
         # all-reduces overlap the rest of the backward (then stepped, per layer)
         bucketed = ctx.enabled and self.ddp is None and not self.sharded
-        self.buckets = (GradBuckets(ctx, then=self.plo.on_grad if self.plo else None)
-                        if bucketed else None)  # fmt: skip
-        self.on_grad = (self.buckets.on_grad if self.buckets is not None
-                        else self.plo.on_grad if self.plo is not None else None)  # fmt: skip
+        self.stepped: nn.Module = self.ddp or self.net  # what the engine runs
+        self.train_step = Step(self.engine, self.make_opt, per_layer=cfg.step_per_layer,
+                            autocast=autocast_dtype(cfg.precision),
+                            reduce=_buckets(ctx) if bucketed else None)  # fmt: skip
+        made = self.train_step.optimizer_for(self.stepped)
+        self.plo = made if isinstance(made, PerLayerOptimizer) else None
+        self.opt = made if isinstance(made, torch.optim.Optimizer) else None
         self.per_step = cfg.batch_size * ctx.world_size
         self.steps_per_epoch = len(self.train) // self.per_step
         if self.steps_per_epoch < 1:
@@ -722,36 +724,16 @@ class _Run:
 
     def _update(self, x: torch.Tensor, y: torch.Tensor, track: bool
                 ) -> torch.Tensor:  # fmt: skip
-        """One optimizer step on (x, y); returns this process's loss."""
-        loss_fn = _loss_fn(y)
-        opt, on_grad = self.opt, self.on_grad
+        """One optimizer step on (x, y) (:class:`leangrad.train.Step`); returns this
+        process's loss."""
         tracker = (MemoryTracker(baseline=(self.net, x, y, _opt_tensors(self._optimizer)))
                    if track else contextlib.nullcontext())  # fmt: skip
         with tracker:
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
-            with self.autocast():
-                res = self.engine.backward(self.ddp or self.net, x, loss_fn, on_grad=on_grad)
-            if self.buckets is not None:  # (with what the engine did not hand over)
-                self.buckets.finish(self.params.items())
-            elif on_grad is not None:  # gradients the engine did not hand over
-                for n, p in self.params.items():
-                    if p.grad is not None:
-                        on_grad(n, p)
-            if self.plo is None:
-                opt.step()  # type: ignore[union-attr]
-                opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+            res = self.train_step.run(self.stepped, x, loss=_loss_fn(y))
         if isinstance(tracker, MemoryTracker):
             rep = tracker.report
             self.peak = max(self.peak or 0, rep.baseline_bytes + rep.peak_bytes)
         return res.loss.detach()
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The run's ``torch.autocast`` (``precision``), or nothing."""
-        dtype = autocast_dtype(self.cfg.precision)
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.dev.type, dtype=dtype)
 
     def _non_finite(self, loss: float, at: _Done) -> NonFiniteLossError:
         if self.metrics is not None:
@@ -871,6 +853,11 @@ class _Run:
             metrics=self.out / "metrics.jsonl" if self.out is not None else None,
             plot=plot, notes=notes,
         )  # fmt: skip
+
+
+def _buckets(ctx: distributed.DistContext) -> MakeReducer:
+    """A :class:`Step`'s ``reduce``: gradients averaged in :class:`GradBuckets`."""
+    return lambda then: GradBuckets(ctx, then=then)
 
 
 def _opt_tensors(opt: Any) -> list[torch.Tensor]:
