@@ -18,7 +18,9 @@ with ``compile=True`` ``torch.compile`` itself, default and with an
 measures each one's peak memory with the allocator-level
 tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
 (medians of interleaved repeats), and returns the fastest that fits, with the table it
-decided from. Nothing fits: it says so and names the smallest peak it found.
+decided from; candidates within timing noise of the fastest are timed again, and a tie
+they still make is broken by a stated rule (:mod:`leangrad._plan_choice`). Nothing fits:
+it says so and names the smallest peak it found.
 
 A step too big to allocate here (backprop's estimate above ``allocate_limit``, or a
 candidate that runs out of memory) is measured on fake tensors instead
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from . import _errors as errors
+from ._plan_choice import Choice, choose
 from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
 from ._plan_measure import Context, Tried, measure, too_big
 from ._sizes import fmt_bytes, free_bytes
@@ -73,8 +76,6 @@ NOT_COPYABLE = (
 )
 BACKPROP = "backprop"
 """The reference a compiled row's time is scaled from (timed beside the candidates)."""
-CLOSE = 0.05
-"""Candidates timed within this fraction of the fastest are timed again, longer."""
 
 
 def candidates(model: nn.Module, *, exact: bool = True,
@@ -140,8 +141,17 @@ def plan(
             optimizer stepped per parameter inside ``on_grad`` (``Plan.per_layer``), which
             frees each gradient as soon as it is used. Measured on a copy of the model.
         engines: ``(name, options)`` to try instead of :func:`candidates`.
-        repeats: timed steps per fitting candidate (medians of interleaved repeats);
-            those within 5% of the fastest are timed again with ``max(5, 2 * repeats)``.
+        repeats: timed steps per fitting candidate (medians of interleaved repeats after
+            one warm-up). When the fastest is within noise of others — the spreads of
+            their repeats overlap, or their medians are within 10% — it and at most two
+            of them (the fastest medians) are timed again, alone, interleaved after a
+            warm-up, for ``max(5, 2 * repeats)`` rounds; nothing else is. The fastest
+            median of that round wins, unless others are within 5% of it: then the tie
+            is broken by the lower peak, then the simpler engine (fewer composed parts,
+            a per-layer optimizer counting as one), then the planner's order, and the
+            chosen row's ``tie_break`` and the message say so (``"within noise of
+            chunked_ce (0.98×): chose by lower peak"``). The margins' reasons:
+            :mod:`leangrad._plan_choice`.
         allocate_limit: bytes a step may allocate here; when backprop's fake-tensor
             estimate is above it, every candidate is estimated, not run (default: the
             device's free memory, :func:`leangrad._sizes.free_bytes`). A candidate that
@@ -248,35 +258,25 @@ def _plan(
             shown.advance()
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     scaled = {t.label: t.time_ratio for t in tried if t.fits and t.time_ratio is not None}
-    times: dict[str, float] = {}
+    choice = Choice(None, {})
     if fitting or scaled:
         shown(f"timing {len(fitting)} candidates side by side")
         steps = {label: _step(e, model, xs, loss_fn) for label, e in fitting.items()}
         if scaled and BACKPROP not in steps:  # the reference compiled rows are scaled from
             steps[BACKPROP] = _step(engine_named(BACKPROP), model, xs, loss_fn)
-        with untouched(model, xs):
-            timed = time_interleaved(steps, repeats=repeats, warmup=1)
-            times = {label: t.median for label, t in timed.items()}
-            reference = times.get(BACKPROP)
-            if BACKPROP not in fitting:
-                times.pop(BACKPROP, None)
-            times.update({lb: ratio * reference for lb, ratio in scaled.items()
-                          if reference is not None})  # fmt: skip
-            best = min(times.values())
-            close = {lb: steps[lb] for lb, t in times.items()
-                     if t <= (1 + CLOSE) * best and lb in steps}  # fmt: skip
-            if len(close) > 1:  # near-equal: a longer second round decides between them
-                shown(f"timing the {len(close)} within {CLOSE:.0%} of the fastest again")
-                again = time_interleaved(close, repeats=max(5, 2 * repeats), warmup=0)
-                times.update({label: t.median for label, t in again.items()})
-    chosen = min(times, key=lambda k: times[k]) if times else None
+        with untouched(model, xs):  # the timer is looked up here: tests replace it
+            choice = choose(steps, fitting=list(fitting), scaled=scaled, reference=BACKPROP,
+                            rows=tried, repeats=repeats, timer=time_interleaved,
+                            progress=shown)  # fmt: skip
+    times, chosen = choice.seconds, choice.label
     if chosen is None:  # nothing fitting could be run here: the first fitting estimate
         chosen = next((t.label for t in tried if t.fits and t.estimate), None)
         fitting = {t.label: t.engine for t in tried if t.label == chosen}
     fitting.update({t.label: t.engine for t in tried if t.label in scaled})
     step = fitting.get(chosen) if chosen else None  # the engine, or a Step around it
     inner = step.engine if isinstance(step, Step) else step
-    table = tuple(_candidate(t, times.get(t.label), chosen, inner) for t in tried)
+    table = tuple(_candidate(t, times.get(t.label), chosen, inner, choice.tie_break)
+                  for t in tried)  # fmt: skip
     row = next((c for c in table if c.engine is not None), None)
     result = _result(table, row, step, budget, exact, model, xs, loss_fn)
     shown.advance()
@@ -285,16 +285,17 @@ def _plan(
                                made_for=made_for)  # fmt: skip
 
 
-def _candidate(t: Tried, seconds: float | None, chosen: str | None,
-               engine: Engine | None) -> Candidate:  # fmt: skip
-    """``t``'s row; the chosen one carries ``engine``, the object that was measured."""
+def _candidate(t: Tried, seconds: float | None, chosen: str | None, engine: Engine | None,
+               tie_break: str | None = None) -> Candidate:  # fmt: skip
+    """``t``'s row; the chosen one carries ``engine``, the object that was measured, and
+    ``tie_break``, how it was chosen among contenders within noise (``None``: fastest)."""
     if t.label != chosen:
         return Candidate(t.label, t.exact, t.peak, seconds, t.verdict, t.name, t.options,
                          t.per_layer, t.estimate, t.compile_seconds)  # fmt: skip
     # a fitting row's note ("fits (estimate)", "fits (RSS-scaled)") stays when it is chosen
     verdict = CHOSEN + t.verdict.removeprefix("fits")
     return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options, t.per_layer,
-                     t.estimate, t.compile_seconds, engine=engine)  # fmt: skip
+                     t.estimate, t.compile_seconds, tie_break, engine=engine)  # fmt: skip
 
 
 def _step(eng: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
@@ -333,11 +334,17 @@ def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budg
         msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
                f"({row.verdict.removeprefix('chosen ').strip('()')}: measured in a fresh "
                f"process), {row.seconds:.4f} s/step; compiles on its first backward (took "
-               f"{row.compile_seconds:.1f} s cold)")  # fmt: skip
+               f"{row.compile_seconds:.1f} s cold){_tie_note(row)}")  # fmt: skip
         return Plan(inner, row.peak_bytes, row.seconds, inner.exact, budget, table, msg,
                     chosen=row)  # fmt: skip
     again = profile_step(step, model, xs, loss_fn, repeats=0).total_bytes
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
-           f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step")  # fmt: skip
+           f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step"
+           f"{_tie_note(row)}")  # fmt: skip
     return Plan(inner, row.peak_bytes, row.seconds, inner.exact, budget, table, msg, again,
                 row.per_layer, chosen=row)  # fmt: skip
+
+
+def _tie_note(row: Candidate) -> str:
+    """The message's tail saying how a tie within noise was broken (``""``: none)."""
+    return "" if row.tie_break is None else f"; {row.tie_break}"

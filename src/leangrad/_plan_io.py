@@ -11,8 +11,8 @@ and leangrad versions — and :meth:`Plan.load` given a model and inputs refuses
 The chosen engine is stored as what :func:`leangrad.engine` makes it from (name and
 options), and rebuilt on load; a compiled row's (``plan(..., compile=True)``) is rebuilt as
 :class:`leangrad._plan_compile.Compiled` with its setting, which compiles afresh on its
-first backward. A row's ``compile_seconds`` is written only where it has one, so plans
-without compiled rows are the same files as before.
+first backward. A row's ``compile_seconds`` and ``tie_break`` are written only where it
+has one, so plans without compiled rows or ties are the same files as before.
 """
 
 from __future__ import annotations
@@ -127,6 +127,10 @@ class Candidate:
             on the CPU, the caching allocator's on CUDA), its ``seconds`` backprop's median
             here scaled by that process's compiled/eager time ratio; its verdict says so
             (``"fits (RSS-scaled)"``).
+        tie_break: on the chosen row only, where the fastest candidates were within timing
+            noise of each other even when timed again: which ones, and the rule that chose
+            (``"within noise of chunked_ce (0.98×): chose by lower peak"``,
+            :mod:`leangrad._plan_choice`); ``None`` where the timing decided.
         engine: the chosen row's engine object, the one the plan measured (with the
             prepared copies it built; ``None`` on every other row). Not compared, not
             written to a plan file (a loaded plan's is rebuilt from ``name`` and
@@ -143,6 +147,7 @@ class Candidate:
     per_layer: bool = False
     estimate: bool = False
     compile_seconds: float | None = None
+    tie_break: str | None = None
     engine: Engine | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
@@ -202,6 +207,12 @@ class Plan:
         object.__setattr__(self, "table", (*self.table[:at], row, *self.table[at + 1 :]))
         object.__setattr__(self, "chosen", row)
 
+    @property
+    def tie_break(self) -> str | None:
+        """How the chosen row was picked among candidates within timing noise of each
+        other (its :attr:`Candidate.tie_break`); ``None`` where the timing decided."""
+        return None if self.chosen is None else self.chosen.tie_break
+
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan to ``path`` as JSON: the chosen engine (as
         ``leangrad.engine(name, **options)`` makes it), the table, budget, message and
@@ -237,9 +248,10 @@ class Plan:
             secs = "" if c.seconds is None else f"{c.seconds:.4f}"
             peak = ("~" if c.estimate else "") + fmt_bytes(c.peak_bytes)
             comp = "" if c.compile_seconds is None else f"{c.compile_seconds:.1f}"
+            tie = "" if c.tie_break is None else f" — {c.tie_break}"
             lines.append(f"{c.label:{width}s}  {'yes' if c.exact else 'no':5s}  "
                          f"{peak:>10s}  {secs:>8s}  {f'{comp:>9s}  ' if compiled else ''}"
-                         f"{c.verdict}")  # fmt: skip
+                         f"{c.verdict}{tie}")  # fmt: skip
         lines.append(self.message)
         if self.wall_seconds is not None:
             lines.append(f"planned in {self.wall_seconds:.1f} s ({len(self.table)} candidates)")
@@ -402,8 +414,9 @@ def load_plan(path: str | os.PathLike[str], *, model: nn.Module | None = None,
 def _encode_row(c: Candidate) -> dict[str, Any]:
     row = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "engine"}
     row["options"] = _encode_options(c.name, c.options)
-    if row["compile_seconds"] is None:  # the field compiled rows add
-        del row["compile_seconds"]
+    for key in ("compile_seconds", "tie_break"):  # fields only some rows have
+        if row[key] is None:
+            del row[key]
     return row
 
 
