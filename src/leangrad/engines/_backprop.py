@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
 import torch
 from torch import nn
 
 from ._base import Engine, LossFn, OnGrad, PlanOffer, PlanOrder, StepResult, forward_loss
 from ._catalog import register
-
-if TYPE_CHECKING:
-    from ._blocks import Blocks
 
 __all__ = ["Backprop"]
 
@@ -31,16 +25,11 @@ class Backprop(Engine):
     autocast = True
     wrapped_models = True  # loss.backward() is DDP's/FSDP's own backward
 
+    plan_offers = (PlanOffer("backprop", {}, PlanOrder.BACKPROP),)
+    """Always: the reference every other candidate is measured against."""
+
     def __init__(self) -> None:
         super().__init__()
-
-    @classmethod
-    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
-                        loss_fn: Callable[[Any], torch.Tensor] | None,
-                        exact: bool) -> list[PlanOffer]:  # fmt: skip
-        """Always: the reference every other candidate is measured against."""
-        del model, found, loss_fn, exact
-        return [PlanOffer("backprop", {}, PlanOrder.BACKPROP)]
 
     def _backward(
         self,

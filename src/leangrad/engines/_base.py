@@ -156,6 +156,10 @@ class Engine(abc.ABC):
     ``"blocks"`` (each block the engine finds, which stays one block:
     :meth:`apply_transforms` says how)."""
 
+    plan_offers: ClassVar[tuple[PlanOffer, ...]] = ()
+    """The fixed candidates :meth:`plan_candidates` returns unless overridden (``backprop``;
+    ``fad`` and ``bits`` on the whole model; the chain engines', on a chain only)."""
+
     @classmethod
     def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
                         loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -163,10 +167,10 @@ class Engine(abc.ABC):
         """The candidates this engine offers :func:`leangrad.plan` on ``model``
         (``found``: its blocks, ``None`` where none were found; ``loss_fn``: the step's
         loss, a :class:`leangrad.loss.PerExample` where declared a mean over examples;
-        ``exact``: only exact candidates wanted). Default: none — an engine the planner
-        should try says so here."""
+        ``exact``: only exact candidates wanted). Default: :attr:`plan_offers` (none
+        unless set) — an engine the planner should try says so there or here."""
         del model, found, loss_fn, exact
-        return []
+        return [offer._replace(options=dict(offer.options)) for offer in cls.plan_offers]
 
     @classmethod
     def plan_last_resorts(cls, model: nn.Module) -> list[PlanOffer]:

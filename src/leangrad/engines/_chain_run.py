@@ -1,7 +1,8 @@
-"""What the chain engines (``moonwalk``, ``revbackprop``) share: the model as a
-:class:`~leangrad.Chain` with checked layers, the stem run once and replayed, the
-head differentiated by autograd, and a :class:`GradSink` that takes each layer's
-parameter gradients as they are formed.
+"""What the chain engines (``moonwalk``, ``revbackprop``) share: their base class
+:class:`ChainEngine` (the model as a :class:`~leangrad.Chain` with checked layers, what
+they rerun, where they are offered), the stem run once and replayed, the head
+differentiated by autograd, and a :class:`GradSink` that takes each layer's parameter
+gradients as they are formed.
 
 Both engines handle a chain ``head(f_L ∘ … ∘ f_1(stem(x)))`` the same way at its
 ends (Moonwalk v1 section 4, whose RevBackprop baseline walks the same chain): the
@@ -11,7 +12,10 @@ stem is replayed under its first run's RNG state instead of keeping x₀.
 
 from __future__ import annotations
 
+import abc
 import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,13 +30,17 @@ from ..layers._base import (
 )
 from ..layers._chain import Chain
 from ._backprop import grad_hooks
-from ._base import LossFn, OnGrad, accumulate_grad, check_loss, run_forward
+from ._base import Engine, LossFn, OnGrad, PlanOffer, accumulate_grad, check_loss, run_forward
 from ._contract import forward_end, random_module
+
+if TYPE_CHECKING:
+    from ._blocks import Blocks
 
 __all__ = [
     "LAYER_ERROR",
     "NOT_A_CHAIN",
     "RANDOM_LAYER",
+    "ChainEngine",
     "GradSink",
     "StemRun",
     "chain_and_layers",
@@ -112,6 +120,49 @@ def chain_and_layers(model: nn.Module, engine: str, *, need: str) -> tuple[Chain
             msg = template.format(layer=layer._describe())
             raise error(LAYER_ERROR.format(index=i, error=msg))
     return chain, layers
+
+
+class ChainEngine(Engine):
+    """Base class of the engines of a :class:`~leangrad.Chain`'s layer rules: they take
+    the model only as a chain whose layers pass :meth:`_layers`' check, rerun its stem and
+    layers (:func:`chain_reruns`), hand each part's gradients over on their own
+    (:func:`chain_revisited`), leave the stem and head to autograd (and so to the
+    transforms), and are offered to the planner on chains only."""
+
+    reruns = True
+    transforms_act_on = "stem_head"
+
+    @classmethod
+    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
+                        loss_fn: Callable[[Any], torch.Tensor] | None,
+                        exact: bool) -> list[PlanOffer]:  # fmt: skip
+        """On a :class:`~leangrad.Chain`: :attr:`~Engine.plan_offers`; elsewhere none."""
+        if not isinstance(model, Chain):
+            return []
+        return super().plan_candidates(model, found=found, loss_fn=loss_fn, exact=exact)
+
+    @abc.abstractmethod
+    def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
+        """The chain and its layers, each checked for this engine's rules; raises a
+        :class:`~leangrad._errors.LeangradError` naming the first that fails and the fix."""
+
+    @property
+    def _reruns_head(self) -> bool:
+        """Whether the head runs again after the forward pass too (moonwalk's pure mode)."""
+        return False
+
+    def supports(self, model: nn.Module) -> str | None:
+        try:
+            self._layers(model)
+        except errors.LeangradError as err:
+            return str(err)
+        return None
+
+    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return chain_reruns(chain_of(model, self.label), head=self._reruns_head)
+
+    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+        return chain_revisited(model, params)
 
 
 class GradSink:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -57,8 +57,8 @@ from ._transforms import (
     kw_options,
 )
 
-__all__ = ["IDLE", "INCOMPATIBLE", "Accumulate", "Bits", "ChunkedCE", "Composed", "Fad", "Rad",
-           "compose"]  # fmt: skip
+__all__ = ["IDLE", "INCOMPATIBLE", "Accumulate", "Bits", "ChunkedCE", "Composed", "Fad",
+           "OnBackprop", "Rad", "compose"]  # fmt: skip
 
 INCOMPATIBLE = "engine {pair!r} cannot work: {why}"
 RAD_FRACTIONS = (0.5, 0.25, 0.1)
@@ -269,8 +269,26 @@ class Composed(Engine):
         return StepResult(loss=res.loss, engine=self.label, info={**res.info, **report})
 
 
+class OnBackprop(Composed):
+    """``backprop`` with one transform, registered as an engine under the transform's
+    name (``"rad"`` is ``backprop+rad``) and labelled as the transform. Subclasses name
+    :attr:`transform` and spell its options out as their own keyword-only ``__init__``
+    arguments (:func:`leangrad.engine` checks a name's options against that signature)."""
+
+    transform: ClassVar[type[Transform]]
+
+    def __init__(self, **options: Any) -> None:
+        t = self.transform(**options)
+        super().__init__(Backprop(), [t])
+        self.options = dict(t.options)
+
+    @property
+    def label(self) -> str:
+        return self.transforms[0].label
+
+
 @register("rad")
-class Rad(Composed):
+class Rad(OnBackprop):
     """``backprop`` with randomized AD (:class:`RadTransform`): unbiased gradients that
     keep ``fraction`` of each linear map's input (Oktay et al., ICLR 2021, section 4).
 
@@ -280,18 +298,13 @@ class Rad(Composed):
     """
 
     exact = False
+    transform = RadTransform
 
     def __init__(
         self, *, fraction: float = 0.1, mode: str = "different", replace: bool = False,
         seed: int | None = None,
     ) -> None:  # fmt: skip
-        t = RadTransform(fraction=fraction, mode=mode, replace=replace, seed=seed)
-        super().__init__(Backprop(), [t])
-        self.options = dict(t.options)
-
-    @property
-    def label(self) -> str:
-        return self.transforms[0].label
+        super().__init__(fraction=fraction, mode=mode, replace=replace, seed=seed)
 
     @classmethod
     def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
@@ -311,7 +324,7 @@ class Rad(Composed):
 
 
 @register("fad")
-class Fad(Composed):
+class Fad(OnBackprop):
     """``backprop`` with nested forward-mode AD of element-wise chains
     (:class:`FadTransform`; paper: nested forward-AD of activations, sections III–IV).
 
@@ -322,23 +335,12 @@ class Fad(Composed):
     """
 
     exact = True
+    transform = FadTransform
+    plan_offers = (PlanOffer("fad", {}, PlanOrder.FAD),)
+    """The whole model nested (checkpointing offers ``checkpoint+fad``)."""
 
     def __init__(self, *, mode: str = "auto", min_ops: int = 2) -> None:
-        t = FadTransform(mode=mode, min_ops=min_ops)
-        super().__init__(Backprop(), [t])
-        self.options = dict(t.options)
-
-    @property
-    def label(self) -> str:
-        return self.transforms[0].label
-
-    @classmethod
-    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
-                        loss_fn: Callable[[Any], torch.Tensor] | None,
-                        exact: bool) -> list[PlanOffer]:  # fmt: skip
-        """The whole model nested (checkpointing offers ``checkpoint+fad``)."""
-        del model, found, loss_fn, exact
-        return [PlanOffer("fad", {}, PlanOrder.FAD)]
+        super().__init__(mode=mode, min_ops=min_ops)
 
 
 def compose(name: str, options: dict[str, Any]) -> Engine:
@@ -389,7 +391,7 @@ def compose(name: str, options: dict[str, Any]) -> Engine:
 
 
 @register("bits")
-class Bits(Composed):
+class Bits(OnBackprop):
     """``backprop`` with exact savings (:class:`BitsTransform`, :mod:`leangrad.bits`):
     1-bit masks for ReLU, LeakyReLU and dropout, average pooling that keeps nothing.
 
@@ -399,25 +401,16 @@ class Bits(Composed):
     """
 
     exact = True
+    transform = BitsTransform
+    plan_offers = (PlanOffer("bits", {}, PlanOrder.BITS),)
+    """The whole model's masks (checkpointing offers ``checkpoint+bits``)."""
 
     def __init__(self) -> None:
-        super().__init__(Backprop(), [BitsTransform()])
-
-    @property
-    def label(self) -> str:
-        return "bits"
-
-    @classmethod
-    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
-                        loss_fn: Callable[[Any], torch.Tensor] | None,
-                        exact: bool) -> list[PlanOffer]:  # fmt: skip
-        """The whole model's masks (checkpointing offers ``checkpoint+bits``)."""
-        del model, found, loss_fn, exact
-        return [PlanOffer("bits", {}, PlanOrder.BITS)]
+        super().__init__()
 
 
 @register("chunked_ce")
-class ChunkedCE(Composed):
+class ChunkedCE(OnBackprop):
     """``backprop`` with a loss that never holds its logits (:class:`ChunkedCETransform`,
     :mod:`leangrad.loss`): the model's final ``nn.Linear`` hands ``F.cross_entropy`` its
     input and weight, and the loss and its gradients are computed in chunks of rows.
@@ -431,15 +424,10 @@ class ChunkedCE(Composed):
     """
 
     exact = True
+    transform = ChunkedCETransform
 
     def __init__(self, *, chunk_size: int | None = None) -> None:
-        t = ChunkedCETransform(chunk_size=chunk_size)
-        super().__init__(Backprop(), [t])
-        self.options = dict(t.options)
-
-    @property
-    def label(self) -> str:
-        return self.transforms[0].label
+        super().__init__(chunk_size=chunk_size)
 
     @classmethod
     def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
@@ -458,7 +446,7 @@ class ChunkedCE(Composed):
 
 
 @register("accumulate")
-class Accumulate(Composed):
+class Accumulate(OnBackprop):
     """``backprop`` over micro-batches, their gradients added in ``.grad`` — gradient
     accumulation (:class:`AccumulateTransform`). Spelled ``checkpoint+accumulate`` with
     per-block checkpointing inside each micro-batch.
@@ -470,15 +458,10 @@ class Accumulate(Composed):
     """
 
     exact = True
+    transform = AccumulateTransform
 
     def __init__(self, *, micro_batches: int = 2) -> None:
-        t = AccumulateTransform(micro_batches=micro_batches)
-        super().__init__(Backprop(), [t])
-        self.options = dict(t.options)
-
-    @property
-    def label(self) -> str:
-        return self.transforms[0].label
+        super().__init__(micro_batches=micro_batches)
 
     @classmethod
     def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,

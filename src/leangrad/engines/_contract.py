@@ -22,7 +22,8 @@ This module holds the shared machinery:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 from .. import _errors as errors
 from ..measure._memory import FORWARD_END, mark
 from ._functional import call_with
-from ._loss_fn import check_loss
+from ._loss_fn import LossFn, ModelRun, check_loss
 
 __all__ = [
     "HOOK_RERUN",
@@ -198,9 +199,9 @@ def refuse_input_grads(engine: str, xs: tuple[torch.Tensor, ...]) -> None:
 def used_parameters(
     model: nn.Module,
     xs: tuple[torch.Tensor, ...],
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: LossFn,
     params: dict[str, nn.Parameter],
-    run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any],
+    run: ModelRun,
     *,
     real: bool = False,
 ) -> dict[str, nn.Parameter]:
@@ -218,15 +219,16 @@ def used_parameters(
     Raises:
         EngineInputError: the loss depends on no trainable parameter.
     """
+    step = _LossForward(model, xs, loss_fn, params, run)
     if real:
-        leaves = _real_leaves(model, xs, loss_fn, params, run)
+        leaves = step.real_leaves()
     else:
         try:
-            leaves = _fake_leaves(model, xs, loss_fn, params, run)
+            leaves = step.fake_leaves()
         except errors.LeangradError:
             raise
         except Exception:
-            leaves = _real_leaves(model, xs, loss_fn, params, run)
+            leaves = step.real_leaves()
     used = {n: p for n, p in params.items() if n in leaves}
     if not used:
         raise errors.EngineInputError(errors.LOSS_NO_GRAD)
@@ -260,53 +262,53 @@ def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
         stack.extend(nxt for nxt, _ in node.next_functions)
 
 
-def _fake_leaves(
-    model: nn.Module,
-    xs: tuple[torch.Tensor, ...],
-    loss_fn: Callable[[Any], torch.Tensor],
-    params: dict[str, nn.Parameter],
-    run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any],
-) -> set[str]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.random.fork_rng(devices=[]):
-        state: dict[str, torch.Tensor] = {}
-        names: dict[int, str] = {}
-        for n, t in [*model.named_parameters(), *model.named_buffers()]:
-            fake = mode.from_tensor(t.detach())
-            if n in params:
-                fake.requires_grad_(True)
-                names[id(fake)] = n
-            state[n] = fake
-        fxs = tuple(mode.from_tensor(x.detach()) for x in xs)
-        with mode, torch.enable_grad():
-            # each attribute slot gets its fake: a weight tied into a second module is
-            # found through either (issue 30)
-            out = run(lambda *a: call_with(model, state, a), fxs)
-            loss = loss_fn(out)
-            return _graph_leaves(loss, names)
-
-
 def _discard(_saved: Any) -> Any:
     """A saved-tensor hook that keeps nothing (the graph is read, never differentiated)."""
     return None
 
 
-def _real_leaves(
-    model: nn.Module,
-    xs: tuple[torch.Tensor, ...],
-    loss_fn: Callable[[Any], torch.Tensor],
-    params: dict[str, nn.Parameter],
-    run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any],
-) -> set[str]:
-    names = {id(p): n for n, p in params.items()}
-    guard = BufferGuard(model)
-    with torch.random.fork_rng(devices=[]), guard, torch.enable_grad():
-        guard.settle()  # every change this forward makes is undone on exit
-        with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
-            loss = loss_fn(run(model, tuple(x.detach() for x in xs)))
-        return _graph_leaves(loss, names)
+@dataclasses.dataclass(frozen=True)
+class _LossForward:
+    """One forward of ``model`` on ``xs`` by ``run`` and ``loss_fn`` on its output, whose
+    autograd graph names the ``params`` (by name) the loss depends on: on fake tensors
+    (:meth:`fake_leaves`) or, where those cannot run the model, for real
+    (:meth:`real_leaves`)."""
+
+    model: nn.Module
+    xs: tuple[torch.Tensor, ...]
+    loss_fn: LossFn
+    params: dict[str, nn.Parameter]
+    run: ModelRun
+
+    def fake_leaves(self) -> set[str]:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.random.fork_rng(devices=[]):
+            state: dict[str, torch.Tensor] = {}
+            names: dict[int, str] = {}
+            for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
+                fake = mode.from_tensor(t.detach())
+                if n in self.params:
+                    fake.requires_grad_(True)
+                    names[id(fake)] = n
+                state[n] = fake
+            fxs = tuple(mode.from_tensor(x.detach()) for x in self.xs)
+            with mode, torch.enable_grad():
+                # each attribute slot gets its fake: a weight tied into a second module is
+                # found through either (issue 30)
+                out = self.run(lambda *a: call_with(self.model, state, a), fxs)
+                loss = self.loss_fn(out)
+                return _graph_leaves(loss, names)
+
+    def real_leaves(self) -> set[str]:
+        names = {id(p): n for n, p in self.params.items()}
+        guard = BufferGuard(self.model)
+        with torch.random.fork_rng(devices=[]), guard, torch.enable_grad():
+            guard.settle()  # every change this forward makes is undone on exit
+            with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
+                loss = self.loss_fn(self.run(self.model, tuple(x.detach() for x in self.xs)))
+            return _graph_leaves(loss, names)
 
 
 class RngReplay:

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _errors as errors
 from ..layers._bits import PackedBits, pack_bits, unpack_bits
+from ._loss_fn import ModelRun
 
 __all__ = ["DropoutTape", "replayed"]
 
@@ -170,9 +171,7 @@ class DropoutTape:
         self.engine = engine
         self.draws: list[_Draw] = []
 
-    def recording(
-        self, run: Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any]
-    ) -> Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any]:
+    def recording(self, run: ModelRun) -> ModelRun:
         def recorded(fn: Callable[..., Any], xs: tuple[torch.Tensor, ...]) -> Any:
             self.draws.clear()
             with _Mode(self, record=True):

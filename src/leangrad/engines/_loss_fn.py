@@ -16,10 +16,13 @@ import torch
 
 from .. import _errors as errors
 
-__all__ = ["LossFn", "check_loss", "run_forward"]
+__all__ = ["LossFn", "ModelRun", "check_loss", "run_forward"]
 
 LossFn: TypeAlias = Callable[[Any], torch.Tensor]
 """Maps the model's output to a scalar loss (it closes over the targets)."""
+ModelRun: TypeAlias = Callable[[Callable[..., Any], tuple[torch.Tensor, ...]], Any]
+"""``run(fn, xs)``: how an engine calls the model ``fn`` on inputs ``xs`` (e.g.
+:func:`run_forward` with its name bound, or a :class:`~._dropout.DropoutTape` recording)."""
 
 
 def run_forward(engine: str, fn: Callable[..., Any], xs: tuple[torch.Tensor, ...]) -> Any:

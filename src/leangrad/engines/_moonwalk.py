@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -70,33 +70,20 @@ from ..layers._base import (
     warn_vijp_precision,
 )
 from ..layers._chain import Chain
-from ._base import (
-    Engine,
-    LossFn,
-    OnGrad,
-    PlanOffer,
-    PlanOrder,
-    StepResult,
-    check_loss,
-    run_forward,
-)
+from ._base import LossFn, OnGrad, PlanOffer, PlanOrder, StepResult, check_loss, run_forward
 from ._catalog import register
 from ._chain_run import (
     LAYER_ERROR,
+    ChainEngine,
     GradSink,
     StemRun,
     chain_of,
-    chain_reruns,
-    chain_revisited,
     head_backward,
     refuse_random_layers,
 )
 from ._checkpoint import split_segments
 from ._contract import RngReplay, batch_coupling, forward_end, random_module, used_parameters
 from ._dropout import DropoutTape
-
-if TYPE_CHECKING:
-    from ._blocks import Blocks
 
 __all__ = ["NEEDS_FRAGMENT", "NO_FRAGMENT_RULE", "Moonwalk", "Seed"]
 
@@ -172,7 +159,7 @@ class Seed:
 
 
 @register("moonwalk")
-class Moonwalk(Engine):
+class Moonwalk(ChainEngine):
     """Moonwalk on a :class:`~leangrad.Chain` of submersive layers; exact gradients.
 
     Args:
@@ -213,20 +200,9 @@ class Moonwalk(Engine):
     """
 
     exact = True
-    reruns = True
-    transforms_act_on = "stem_head"
-
-    @classmethod
-    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
-                        loss_fn: Callable[[Any], torch.Tensor] | None,
-                        exact: bool) -> list[PlanOffer]:  # fmt: skip
-        """On a :class:`~leangrad.Chain`: per layer, in √L segments, and with full
-        fragments."""
-        del found, loss_fn, exact
-        if not isinstance(model, Chain):
-            return []
-        return [PlanOffer("moonwalk", opts, PlanOrder.CHAIN)
-                for opts in ({}, {"segments": "sqrt"}, {"fragment": "full"})]  # fmt: skip
+    plan_offers = tuple(PlanOffer("moonwalk", opts, PlanOrder.CHAIN)
+                        for opts in ({}, {"segments": "sqrt"}, {"fragment": "full"}))  # fmt: skip
+    """On a :class:`~leangrad.Chain`: per layer, in √L segments, and with full fragments."""
 
     def __init__(
         self,
@@ -267,13 +243,6 @@ class Moonwalk(Engine):
         self.chunk_size = self._positive_int("chunk_size", chunk_size)
         self.per_example = per_example
 
-    def supports(self, model: nn.Module) -> str | None:
-        try:
-            self._layers(model)
-        except (errors.LeangradError, NotSubmersiveError) as err:
-            return str(err)
-        return None
-
     def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
         chain = chain_of(model, self.label)
         layers = chain.rule_layers(self.label)
@@ -292,11 +261,9 @@ class Moonwalk(Engine):
             layer.check_fragment(block)
         return chain, layers
 
-    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        return chain_reruns(chain_of(model, self.label), head=self.mode == "pure")
-
-    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
-        return chain_revisited(model, params)
+    @property
+    def _reruns_head(self) -> bool:
+        return self.mode == "pure"  # the head runs under forward mode, then for its backward
 
     @staticmethod
     def _chunk_blocker(chain: Chain, layers: list[ChainLayer]) -> tuple[str, str] | None:

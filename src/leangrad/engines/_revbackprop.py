@@ -14,66 +14,35 @@ drift from autograd's — which the ``moonwalk-v1-stability`` suite measures.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
 import torch
 from torch import nn
 
-from .._errors import LeangradError
 from ..layers._base import ChainLayer
 from ..layers._chain import Chain
-from ._base import Engine, LossFn, OnGrad, PlanOffer, PlanOrder, StepResult, run_forward
+from ._base import LossFn, OnGrad, PlanOffer, PlanOrder, StepResult, run_forward
 from ._catalog import register
 from ._chain_run import (
+    ChainEngine,
     GradSink,
     StemRun,
     chain_and_layers,
-    chain_of,
-    chain_reruns,
-    chain_revisited,
     head_backward,
     refuse_random_layers,
 )
-
-if TYPE_CHECKING:
-    from ._blocks import Blocks
 
 __all__ = ["RevBackprop"]
 
 
 @register("revbackprop")
-class RevBackprop(Engine):
+class RevBackprop(ChainEngine):
     """Reversible backprop on a :class:`~leangrad.Chain` of invertible layers."""
 
     exact = True
-    reruns = True
-    transforms_act_on = "stem_head"
+    plan_offers = (PlanOffer("revbackprop", {}, PlanOrder.CHAIN + 1),)
+    """On a :class:`~leangrad.Chain` (after moonwalk's offers)."""
 
     def __init__(self) -> None:
         super().__init__()
-
-    @classmethod
-    def plan_candidates(cls, model: nn.Module, *, found: Blocks | None,
-                        loss_fn: Callable[[Any], torch.Tensor] | None,
-                        exact: bool) -> list[PlanOffer]:  # fmt: skip
-        """On a :class:`~leangrad.Chain` (after moonwalk's offers)."""
-        del found, loss_fn, exact
-        return [PlanOffer("revbackprop", {}, PlanOrder.CHAIN + 1)] if isinstance(
-            model, Chain) else []  # fmt: skip
-
-    def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        return chain_reruns(chain_of(model, self.label))
-
-    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
-        return chain_revisited(model, params)
-
-    def supports(self, model: nn.Module) -> str | None:
-        try:
-            self._layers(model)
-        except LeangradError as err:
-            return str(err)
-        return None
 
     def _layers(self, model: nn.Module) -> tuple[Chain, list[ChainLayer]]:
         return chain_and_layers(model, self.label, need="invertible")
