@@ -408,25 +408,26 @@ def _build_table() -> tuple[dict[Any, Call], dict[str, Call]]:
         if obj is not None:
             funcs.setdefault(obj, call)
 
+    def register(calls: dict[str, Call], owners: tuple[Any, ...]) -> None:
+        """Each name of ``calls`` as a tensor method, and each owner's attribute of that
+        name (owners in order, then names in order: the first registration of an object
+        wins)."""
+        methods.update(calls)
+        for owner in owners:
+            for attr, call in calls.items():
+                add(getattr(owner, attr, None), call)
+
     for name, prim in PRIMITIVES.items():
-        names = (name, *_ALIASES.get(name, ()))
-        for n in names:
-            plain, inplace = Call(prim), Call(prim, inplace=True)
-            add(getattr(torch, n, None), plain)
-            add(getattr(torch, n + "_", None), inplace)
-            methods[n], methods[n + "_"] = plain, inplace
-            for base in bases:
-                add(getattr(base, n, None), plain)
-                add(getattr(base, n + "_", None), inplace)
+        for n in (name, *_ALIASES.get(name, ())):
+            register({n: Call(prim), n + "_": Call(prim, inplace=True)}, (torch, *bases))
         if name in _DUNDER:
             d = _DUNDER[name]
-            methods[f"__{d}__"] = Call(prim)
-            methods[f"__r{d}__"] = Call(prim, reverse=True)
-            methods[f"__i{d}__"] = Call(prim, inplace=True)
-            for base in bases:
-                add(getattr(base, f"__{d}__", None), Call(prim))
-                add(getattr(base, f"__r{d}__", None), Call(prim, reverse=True))
-                add(getattr(base, f"__i{d}__", None), Call(prim, inplace=True))
+            dunders = {
+                f"__{d}__": Call(prim),
+                f"__r{d}__": Call(prim, reverse=True),
+                f"__i{d}__": Call(prim, inplace=True),
+            }
+            register(dunders, bases)
         if name in _OPERATOR:
             fn, ifn = _OPERATOR[name]
             add(fn, Call(prim))

@@ -88,6 +88,69 @@ class _RecurrentLayer(HighwayStack):
     def direct_grads(self, trace: Trace, dy: torch.Tensor) -> torch.Tensor:
         return dy
 
+    separate_input_gates = False
+    """Whether ``W_ih·x`` gets other gate cotangents than ``W_hh·h`` (the GRU's n gate:
+    :meth:`_input_gates` rewrites them, and ``bias_ih`` gets its own sum)."""
+
+    def _input_gates(self, trace: Trace, w: torch.Tensor, sl: slice, g: torch.Tensor) -> None:
+        """Turn a chunk's ``W_hh·h`` gate cotangents ``g`` into the ``W_ih·x`` ones, in place
+        (only where :attr:`separate_input_gates`)."""
+
+    def _chunk_buffers(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(steps, buffer)`` over chunks of about CHUNK_ROWS rows: the buffer is the chunk's
+        rows of one ``(step, batch, gates, H)`` gate-cotangent buffer, reused across chunks
+        and calls (a few big matmuls, a small buffer)."""
+        s, length, batch = trace.saved, w.shape[0], w.shape[1]
+        step = max(1, min(length, CHUNK_ROWS // max(batch, 1)))
+        if "g" not in s:
+            s["g"] = w.new_empty(step, batch, self.gates, self.hidden_size)
+        for t0 in range(0, length, step):
+            sl = slice(t0, min(t0 + step, length))
+            yield sl, s["g"][: sl.stop - sl.start]
+
+    def _chunks(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(steps, gate cotangents of W_hh·h)`` per chunk of :meth:`_chunk_buffers`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _jw_buffer(trace: Trace, w: torch.Tensor) -> torch.Tensor:
+        """The J-vjp's output buffer, reused across calls (the engine may overwrite it until
+        the next)."""
+        s = trace.saved
+        if "jw" not in s:
+            s["jw"] = torch.empty_like(w)
+        return s["jw"]
+
+    def param_vjp(
+        self, trace: Trace, w: torch.Tensor, dy: torch.Tensor
+    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
+        """Weight, bias and input gradients over chunks of steps: per chunk, two matmuls
+        into the weight gradients and one into ``dx``."""
+        s, hsz = trace.saved, self.hidden_size
+        x, h_prev = s["x"], s["h_prev"]
+        w_ih = self.weight_ih.detach()
+        d_hh, d_ih = torch.zeros_like(self.weight_hh), torch.zeros_like(self.weight_ih)
+        b_hh = torch.zeros_like(self.bias_hh)
+        b_ih = torch.zeros_like(self.bias_ih) if self.separate_input_gates else b_hh
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # x may be a view
+        for sl, g in self._chunks(trace, w):
+            g2 = g.view(-1, self.gates * hsz)
+            d_hh.addmm_(g2.t(), h_prev[sl].reshape(-1, hsz))
+            b_hh += g2.sum(0)
+            if self.separate_input_gates:
+                self._input_gates(trace, w, sl, g)
+                b_ih += g2.sum(0)
+            d_ih.addmm_(g2.t(), x[sl].reshape(-1, x.shape[-1]))
+            torch.mm(g2, w_ih, out=dx[sl].view(-1, x.shape[-1]))
+        s.pop("g", None)
+        if self.residual:
+            dx += dy
+        if b_ih is b_hh:  # one sum serves both biases
+            b_ih = b_hh.clone()
+        grads = {self.weight_hh: d_hh, self.weight_ih: d_ih, self.bias_hh: b_hh,
+                 self.bias_ih: b_ih}  # fmt: skip
+        return {p: g for p, g in grads.items() if p.requires_grad}, dx
+
 
 class GRULayer(_RecurrentLayer):
     """One GRU layer over time (``torch.nn.GRU`` equations, gate order r, z, n).
@@ -173,55 +236,25 @@ class GRULayer(_RecurrentLayer):
             r.copy_(zz)
         s["coef"], s["c_n"] = coef, c_n
 
+    separate_input_gates = True
+
+    def _input_gates(self, trace: Trace, w: torch.Tensor, sl: slice, g: torch.Tensor) -> None:
+        """The n gate's ``W_ih·x`` cotangent is ``w ⊙ c_n`` (``W_hh·h``'s also has ``r``)."""
+        torch.mul(w[sl], trace.saved["c_n"][sl], out=g[:, :, 2])
+
     def _chunks(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
-        """``(steps, gate cotangents of W_hh·h)`` over chunks of about CHUNK_ROWS rows, in
-        one buffer reused across chunks and calls (a few big matmuls, a small buffer)."""
-        s, length, batch = trace.saved, w.shape[0], w.shape[1]
-        step = max(1, min(length, CHUNK_ROWS // max(batch, 1)))
-        if "g" not in s:
-            s["g"] = w.new_empty(step, batch, 3, self.hidden_size)
-        for t0 in range(0, length, step):
-            sl = slice(t0, min(t0 + step, length))
-            n = sl.stop - sl.start
-            g = torch.mul(s["coef"][sl], w[sl].unsqueeze(2), out=s["g"][:n])
-            yield sl, g
+        """``(steps, gate cotangents of W_hh·h)``, ``(steps, batch, 3, H)`` per chunk."""
+        coef = trace.saved["coef"]
+        for sl, out in self._chunk_buffers(trace, w):
+            yield sl, torch.mul(coef[sl], w[sl].unsqueeze(2), out=out)
 
     def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
         """``w_t J_t`` for all t: an element-wise product and a matmul per chunk of steps,
         into a buffer reused across calls (the engine may overwrite it until the next)."""
-        s = trace.saved
-        if "jw" not in s:
-            s["jw"] = torch.empty_like(w)
-        w_hh = self.weight_hh.detach()
+        jw, w_hh = self._jw_buffer(trace, w), self.weight_hh.detach()
         for sl, g in self._chunks(trace, w):
-            torch.mm(g.view(-1, g.shape[-1] * 3), w_hh, out=s["jw"][sl].view(-1, w.shape[-1]))
-        return s["jw"]
-
-    def param_vjp(
-        self, trace: Trace, w: torch.Tensor, dy: torch.Tensor
-    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
-        s, hsz = trace.saved, self.hidden_size
-        x, h_prev = s["x"], s["h_prev"]
-        w_ih = self.weight_ih.detach()
-        d_hh = torch.zeros_like(self.weight_hh)
-        d_ih = torch.zeros_like(self.weight_ih)
-        b_hh = torch.zeros_like(self.bias_hh)
-        b_ih = torch.zeros_like(self.bias_ih)
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # x may be a view
-        for sl, g in self._chunks(trace, w):
-            g2 = g.view(-1, 3 * hsz)
-            d_hh.addmm_(g2.t(), h_prev[sl].reshape(-1, hsz))
-            b_hh += g2.sum(0)
-            torch.mul(w[sl], s["c_n"][sl], out=g[:, :, 2])  # now the W_ih·x cotangent
-            d_ih.addmm_(g2.t(), x[sl].reshape(-1, x.shape[-1]))
-            b_ih += g2.sum(0)
-            torch.mm(g2, w_ih, out=dx[sl].view(-1, x.shape[-1]))
-        s.pop("g", None)
-        if self.residual:
-            dx += dy
-        grads = {self.weight_hh: d_hh, self.weight_ih: d_ih, self.bias_hh: b_hh,
-                 self.bias_ih: b_ih}  # fmt: skip
-        return {p: g for p, g in grads.items() if p.requires_grad}, dx
+            torch.mm(g.view(-1, g.shape[-1] * 3), w_hh, out=jw[sl].view(-1, w.shape[-1]))
+        return jw
 
 
 class LSTMLayer(_RecurrentLayer):
@@ -331,15 +364,10 @@ class LSTMLayer(_RecurrentLayer):
         return a
 
     def _chunks(self, trace: Trace, w: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
-        """``(steps, gate pre-activation cotangents (rows, 4H))`` over chunks of about
-        CHUNK_ROWS rows, in one buffer reused across chunks and calls."""
-        s, length, batch, hsz = trace.saved, w.shape[0], w.shape[1], self.hidden_size
-        step = max(1, min(length, CHUNK_ROWS // max(batch, 1)))
-        if "g" not in s:
-            s["g"] = w.new_empty(step, batch, 4, hsz)
-        for t0 in range(0, length, step):
-            sl = slice(t0, min(t0 + step, length))
-            out, coef = s["g"][: sl.stop - sl.start], s["coef"][sl]
+        """``(steps, gate pre-activation cotangents (rows, 4H))`` per chunk."""
+        s, hsz = trace.saved, self.hidden_size
+        for sl, out in self._chunk_buffers(trace, w):
+            coef = s["coef"][sl]
             wc, wh = w[sl, :, :hsz], w[sl, :, hsz:]
             cot = torch.addcmul(wc, wh, s["q"][sl])  # the cotangent reaching c'
             ig = slice(0, 3, 2)  # the i and g slots (f's slot holds K)
@@ -351,33 +379,10 @@ class LSTMLayer(_RecurrentLayer):
     def j_vjp(self, trace: Trace, w: torch.Tensor) -> torch.Tensor:
         """Into a buffer reused across calls (the engine may overwrite it until the next)."""
         s, hsz = trace.saved, self.hidden_size
-        if "jw" not in s:
-            s["jw"] = torch.empty_like(w)
-        jw, w_hh = s["jw"], self.weight_hh.detach()
+        jw, w_hh = self._jw_buffer(trace, w), self.weight_hh.detach()
         if "qf" not in s:  # made once, by the first J-vjp (k = 0 never needs it)
             s["qf"] = s["q"] * s["coef"][:, :, 1]  # q ⊙ f (f stays in its gate slot)
         torch.mul(w[..., hsz:], s["qf"], out=jw[..., :hsz])  # through c' = f ⊙ c + i ⊙ g
         for sl, g in self._chunks(trace, w):
             jw[sl, :, hsz:] = (g @ w_hh).view(sl.stop - sl.start, -1, hsz)
         return jw
-
-    def param_vjp(
-        self, trace: Trace, w: torch.Tensor, dy: torch.Tensor
-    ) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
-        s, hsz = trace.saved, self.hidden_size
-        x, h_prev = s["x"], s["h_prev"]
-        w_ih = self.weight_ih.detach()
-        d_hh, d_ih = torch.zeros_like(self.weight_hh), torch.zeros_like(self.weight_ih)
-        bias = torch.zeros_like(self.bias_hh)
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # x may be a view
-        for sl, g in self._chunks(trace, w):
-            d_hh.addmm_(g.t(), h_prev[sl].reshape(-1, hsz))
-            d_ih.addmm_(g.t(), x[sl].reshape(-1, x.shape[-1]))
-            bias += g.sum(0)
-            torch.mm(g, w_ih, out=dx[sl].view(-1, x.shape[-1]))
-        s.pop("g", None)
-        if self.residual:
-            dx += dy
-        grads = {self.weight_hh: d_hh, self.weight_ih: d_ih, self.bias_hh: bias,
-                 self.bias_ih: bias.clone()}  # fmt: skip
-        return {p: g for p, g in grads.items() if p.requires_grad}, dx

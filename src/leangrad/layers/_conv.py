@@ -78,15 +78,14 @@ input, median of ``torch.utils.benchmark``):
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._errors import UNKNOWN_NAME, UnknownNameError
-from ._base import ChainLayer, LayerConditionError, check_input_dtype, positive_int
-from ._linear import diag_from_raw, diag_grad_from_raw, triangular_inverse
+from ._base import LayerConditionError, check_input_dtype, positive_int
+from ._linear import TriangularLead, diag_grad_from_raw
 
 __all__ = ["VIJP_MODES", "SubmersiveConv2d"]
 
@@ -150,7 +149,7 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-class SubmersiveConv2d(ChainLayer):
+class SubmersiveConv2d(TriangularLead):
     """A 2D convolution satisfying Lemma 1 by construction, with an exact vijp.
 
     Parameters: ``weight_raw`` (c_out, c_in, k₁, k₂; masked to exactly zero at
@@ -179,11 +178,6 @@ class SubmersiveConv2d(ChainLayer):
             spatial bound ``n > s(n'−1)`` when an input is seen).
     """
 
-    submersive = True
-    vijp_needs_input = False  # the Jacobian is constant
-
-    _mask: torch.Tensor
-
     def __init__(
         self,
         in_channels: int,
@@ -206,20 +200,10 @@ class SubmersiveConv2d(ChainLayer):
         self.vijp_mode = _check_mode(vijp_mode)
         self.has_bias = bias
         self.check()
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        c_out, c_in, (k1, k2), (p1, p2) = out_channels, in_channels, self.kernel_size, self.padding
-        mask = torch.ones(c_out, c_in, k1, k2, **kw)
-        mask[:, :c_out, p1, p2] = torch.triu(mask[:, :c_out, p1, p2], diagonal=1)
-        self.register_buffer("_mask", mask, persistent=False)
-        self.weight_raw = nn.Parameter(torch.empty(c_out, c_in, k1, k2, **kw))
-        nn.init.kaiming_uniform_(self.weight_raw, a=math.sqrt(5))  # nn.Conv2d's default
-        with torch.no_grad():
-            self.weight_raw.mul_(self._mask)
-        self.diag_raw = nn.Parameter(torch.zeros(c_out, **kw))
-        bound = 1.0 / math.sqrt(c_in * k1 * k2)
-        self.bias = (
-            nn.Parameter(torch.empty(c_out, **kw).uniform_(-bound, bound)) if bias else None
-        )
+        c_out, c_in, (k1, k2) = out_channels, in_channels, self.kernel_size
+        weight = torch.empty(c_out, c_in, k1, k2, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Conv2d's default
+        self._init_parameters(weight, bias=bias, bound=1.0 / math.sqrt(c_in * k1 * k2))
 
     def extra_repr(self) -> str:
         return (
@@ -235,14 +219,9 @@ class SubmersiveConv2d(ChainLayer):
             for k, s, p in zip(self.kernel_size, self.stride, self.padding, strict=True)
         )
 
-    def weight(self) -> torch.Tensor:
-        """The effective weight (c_out, c_in, k₁, k₂), differentiable in the raw parameters."""
-        idx = torch.arange(self.out_channels, device=self.diag_raw.device)
-        p1, p2 = self.padding
-        w = self.weight_raw * self._mask
-        return w.index_put(
-            (idx, idx, idx.new_full((), p1), idx.new_full((), p2)), diag_from_raw(self.diag_raw)
-        )
+    def _centre(self) -> tuple[int, ...]:
+        """The centre tap, where ``A`` lies: ``(p₁, p₂)``."""
+        return self.padding
 
     def output_size(self, n: tuple[int, ...]) -> tuple[int, int]:
         """Spatial output size ``n' = ⌊(n + 2p − k)/s⌋ + 1`` for input size ``n``."""
@@ -297,8 +276,7 @@ class SubmersiveConv2d(ChainLayer):
         n_out = self.output_size(tuple(h_in.shape[-2:]))
         with torch.no_grad():
             w = self.weight().to(h_in.dtype)
-            p1, p2 = self.padding
-            inv = triangular_inverse(w[:, : self.out_channels, p1, p2], self._describe())
+            inv = self._lead_inverse(w)
             if mode == "wavefront" or not self.parallel_vijp_valid:
                 return self._vijp_wavefront(w, inv, h_in, n_out)
             s1, s2 = self.stride
@@ -400,9 +378,7 @@ class SubmersiveConv2d(ChainLayer):
         if x is not None:
             self._check_input(x)
         if hasattr(self, "diag_raw"):
-            with torch.no_grad():
-                p1, p2 = self.padding
-                triangular_inverse(self.weight()[:, : self.out_channels, p1, p2], me)
+            self._lead_inverse()
 
     def _check_input(self, x: torch.Tensor) -> None:
         """Shape and Lemma 1 (i)'s ``n > s(n'−1)``; cheap (Python ints only)."""

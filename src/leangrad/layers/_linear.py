@@ -28,7 +28,7 @@ from torch import nn
 
 from ._base import ChainLayer, LayerConditionError, check_input_dtype, positive_int
 
-__all__ = ["SubmersiveLinear"]
+__all__ = ["SubmersiveLinear", "TriangularLead"]
 
 DIAG_CENTRE = 1.0
 DIAG_HALF_SPAN = 0.5
@@ -68,7 +68,7 @@ def diag_grad_from_raw(raw: torch.Tensor) -> torch.Tensor:
     return DIAG_HALF_SPAN * (1.0 - torch.tanh(raw) ** 2)
 
 
-def triangular_inverse(a: torch.Tensor, layer: str) -> torch.Tensor:
+def triangular_inverse(a: torch.Tensor, layer: str, *, stacklevel: int = 3) -> torch.Tensor:
     """``A⁻¹`` of an upper-triangular ``A``; warns naming ``layer`` if ``A`` is ill-conditioned.
 
     The explicit inverse costs O(n³/3) once per call (n = channels, not
@@ -76,7 +76,8 @@ def triangular_inverse(a: torch.Tensor, layer: str) -> torch.Tensor:
     the 1-norm condition number ``κ₁ = ‖A‖₁‖A⁻¹‖₁`` for the warning, raised
     when ``κ₁·eps`` exceeds both :data:`COND_WARN_RTOL` and 100·eps (so that
     half precision warns only for κ₁ > 100). Half-precision ``A`` is inverted
-    in float32 (``solve_triangular`` has no half kernels on CPU).
+    in float32 (``solve_triangular`` has no half kernels on CPU). ``stacklevel``: the
+    warning's, counted from this function (3: the caller of the layer method calling it).
     """
     work = a if a.dtype in (torch.float32, torch.float64) else a.float()
     eye = torch.eye(a.shape[0], dtype=work.dtype, device=a.device)
@@ -95,12 +96,69 @@ def triangular_inverse(a: torch.Tensor, layer: str) -> torch.Tensor:
                 loss=min(kappa * eps, 1.0) if math.isfinite(kappa) else 1.0,
             ),
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
     return inv.to(a.dtype)
 
 
-class SubmersiveLinear(ChainLayer):
+class TriangularLead(ChainLayer):
+    """Base of the submersive dense and convolutional layers: their shared parametrisation.
+
+    The effective weight (:meth:`weight`) is ``weight_raw`` masked so that its leading
+    out × out block ``A`` (for a convolution: at the kernel's centre tap, Lemma 1 (ii)) is
+    strictly upper-triangular, with the diagonal ``diag_from_raw(diag_raw)`` put in: ``A``
+    is upper-triangular with a diagonal in (0.5, 1.5), so its inverse is one triangular
+    solve (:func:`triangular_inverse`).
+    """
+
+    submersive = True
+    vijp_needs_input = False  # the Jacobian is constant
+
+    _mask: torch.Tensor
+    weight_raw: nn.Parameter
+    diag_raw: nn.Parameter
+
+    def _centre(self) -> tuple[int, ...]:
+        """Where ``A`` lies in the weight's axes after (out, in): nowhere for a dense layer,
+        the centre tap (the padding) for a convolution."""
+        return ()
+
+    def _lead(self, n_out: int) -> tuple[slice | int, ...]:
+        """The index of ``A`` in the weight."""
+        return (slice(None), slice(None, n_out), *self._centre())
+
+    def _init_parameters(self, weight: torch.Tensor, *, bias: bool, bound: float) -> None:
+        """Register the mask, ``weight_raw`` (the initialised ``weight``, masked), ``diag_raw``
+        (zeros: a unit diagonal) and a ``bias`` drawn from U(-bound, bound) or ``None``."""
+        n_out = weight.shape[0]
+        kw: dict[str, Any] = {"device": weight.device, "dtype": weight.dtype}
+        mask = torch.ones_like(weight)
+        lead = self._lead(n_out)
+        mask[lead] = torch.triu(mask[lead], diagonal=1)
+        self.register_buffer("_mask", mask, persistent=False)
+        self.weight_raw = nn.Parameter(weight)
+        with torch.no_grad():
+            self.weight_raw.mul_(self._mask)
+        self.diag_raw = nn.Parameter(torch.zeros(n_out, **kw))
+        self.bias = nn.Parameter(torch.empty(n_out, **kw).uniform_(-bound, bound)) if bias else None
+
+    def weight(self) -> torch.Tensor:
+        """The effective weight, differentiable in the raw parameters."""
+        idx = torch.arange(self.diag_raw.shape[0], device=self.diag_raw.device)
+        centre = tuple(idx.new_full((), c) for c in self._centre())
+        w = self.weight_raw * self._mask
+        return w.index_put((idx, idx, *centre), diag_from_raw(self.diag_raw))
+
+    def _lead_inverse(self, w: torch.Tensor | None = None) -> torch.Tensor:
+        """``A⁻¹`` of the effective weight ``w`` (default: :meth:`weight`), without autograd;
+        warns when ``A`` is ill-conditioned."""
+        with torch.no_grad():
+            w = self.weight() if w is None else w
+            lead = w[self._lead(self.diag_raw.shape[0])]
+            return triangular_inverse(lead, self._describe(), stacklevel=4)  # past this frame
+
+
+class SubmersiveLinear(TriangularLead):
     """``y = x Wᵀ + b`` with ``W[:, :out]`` upper-triangular, diagonal in (0.5, 1.5).
 
     Parameters: ``weight_raw`` (out × in; its entries on and below the leading
@@ -124,11 +182,6 @@ class SubmersiveLinear(ChainLayer):
         LayerConditionError: ``out_features > in_features``.
     """
 
-    submersive = True
-    vijp_needs_input = False  # the Jacobian is constant
-
-    _mask: torch.Tensor
-
     def __init__(
         self,
         in_features: int,
@@ -143,30 +196,16 @@ class SubmersiveLinear(ChainLayer):
         self.out_features = positive_int("SubmersiveLinear", "out_features", out_features)
         self.has_bias = bias
         self.check()
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         n_out, n_in = self.out_features, self.in_features
-        mask = torch.ones(n_out, n_in, **kw)
-        mask[:, :n_out] = torch.triu(mask[:, :n_out], diagonal=1)
-        self.register_buffer("_mask", mask, persistent=False)
         bound = 1.0 / math.sqrt(n_in)  # nn.Linear's default init
-        self.weight_raw = nn.Parameter(torch.empty(n_out, n_in, **kw).uniform_(-bound, bound))
-        with torch.no_grad():
-            self.weight_raw.mul_(self._mask)
-        self.diag_raw = nn.Parameter(torch.zeros(n_out, **kw))
-        self.bias = nn.Parameter(torch.empty(n_out, **kw).uniform_(-bound, bound)) if bias else None
+        weight = torch.empty(n_out, n_in, device=device, dtype=dtype).uniform_(-bound, bound)
+        self._init_parameters(weight, bias=bias, bound=bound)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.has_bias}"
         )
-
-    def weight(self) -> torch.Tensor:
-        """The effective weight ``W`` (out × in), differentiable in the raw parameters."""
-        n = self.out_features
-        idx = torch.arange(n, device=self.diag_raw.device)
-        w = self.weight_raw * self._mask
-        return w.index_put((idx, idx), diag_from_raw(self.diag_raw))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -191,9 +230,7 @@ class SubmersiveLinear(ChainLayer):
         """``h'`` with ``h' W = h`` (``h`` in the row space): ``h' = h[..., :out] A⁻¹``."""
         del x
         self._check_input(h_in)
-        with torch.no_grad():
-            a = self.weight()[:, : self.out_features]
-            inv = triangular_inverse(a, self._describe())
+        inv = self._lead_inverse()
         return h_in[..., : self.out_features] @ inv.to(h_in.dtype)
 
     def forward_vjp_params(
@@ -225,8 +262,7 @@ class SubmersiveLinear(ChainLayer):
         if x is not None:
             self._check_input(x)
         if hasattr(self, "diag_raw"):
-            with torch.no_grad():
-                triangular_inverse(self.weight()[:, : self.out_features], self._describe())
+            self._lead_inverse()
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() < 1 or x.shape[-1] != self.in_features:

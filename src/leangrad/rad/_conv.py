@@ -11,14 +11,14 @@ exact; the bias gradient needs nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import _errors as errors
-from ._linear import SampledLayer, shell
+from ._linear import LayerOptions, SampledLayer, adopted
 from ._sampling import SampleSpec
 
 __all__ = ["RandConv2d"]
@@ -91,19 +91,12 @@ class RandConv2d(SampledLayer, nn.Conv2d):
         dilation: int | tuple[int, int] = 1,
         groups: int = 1,
         bias: bool = True,
-        *,
-        fraction: float = 0.1,
-        mode: str = "different",
-        replace: bool = False,
-        seed: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **options: Unpack[LayerOptions],
     ) -> None:
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-            device=device, dtype=dtype,
+            **options,
         )  # fmt: skip
-        self._init_sampling(fraction, mode, replace, seed)
         if (why := self.supports(self)) is not None:
             raise errors.RadInputError(
                 errors.BAD_PADDING.format(layer=type(self).__name__, why=why)
@@ -123,11 +116,8 @@ class RandConv2d(SampledLayer, nn.Conv2d):
         cls, conv: nn.Conv2d, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandConv2d:
         """A ``RandConv2d`` sharing ``conv``'s weight and bias parameters (no copy)."""
-        new = shell(cls, spec, generator)
-        for name in (*conv.__constants__, "transposed", "_reversed_padding_repeated_twice"):
-            setattr(new, name, getattr(conv, name))
-        new.weight, new.bias = conv.weight, conv.bias  # the same Parameter objects
-        return new
+        shared = (*conv.__constants__, "transposed", "_reversed_padding_repeated_twice")
+        return adopted(cls, conv, (*shared, "weight", "bias"), spec, generator)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self._options_repr()}"

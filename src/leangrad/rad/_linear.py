@@ -10,7 +10,7 @@ bias gradient ``Σ g`` needs nothing.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, Unpack, cast
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,18 @@ def rand_linear(
     return _RandLinearFn.apply(x, weight, bias, spec, seed)
 
 
+class LayerOptions(TypedDict, total=False):
+    """The keyword-only options of every RAD layer's constructor, after its ``nn`` base's
+    own arguments (defaults in :meth:`SampledLayer.__init__`, their one home)."""
+
+    fraction: float
+    mode: str
+    replace: bool
+    seed: int | None
+    device: torch.device | str | None
+    dtype: torch.dtype | None
+
+
 class SampledLayer:
     """Mixin of the RAD layers (listed before their ``nn`` base): what each shares, its
     :class:`SampleSpec` and the generator that seeds each call's sample."""
@@ -106,8 +118,20 @@ class SampledLayer:
     spec: SampleSpec
     generator: torch.Generator | None
 
-    def _init_sampling(self, fraction: float, mode: str, replace: bool, seed: int | None) -> None:
-        """Set ``spec`` from the sampling options and ``generator`` from ``seed``."""
+    def __init__(
+        self,
+        *base_args: Any,
+        fraction: float = 0.1,
+        mode: str = "different",
+        replace: bool = False,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Build the ``nn`` base from ``base_args`` (its positional arguments) and the
+        factory arguments, then ``spec`` from the sampling options and ``generator`` from
+        ``seed``."""
+        cast(Any, super()).__init__(*base_args, device=device, dtype=dtype)  # the nn base
         self.spec, self.generator = SampleSpec(fraction, mode, replace), make_generator(seed)
 
     def _options_repr(self) -> str:
@@ -126,13 +150,22 @@ class SampledLayer:
         return rand_linear(x, weight, bias, spec=self.spec, seed=self._draw_seed(), layer=name)
 
 
-def shell(cls: type[_M], spec: SampleSpec, generator: torch.Generator | None) -> _M:
-    """An empty ``cls`` (no parameters yet) holding ``spec`` and ``generator``: the start of
-    ``from_linear``/``from_conv``/``from_cell``, which then share the original's parameters."""
+def adopted(
+    cls: type[_M],
+    source: nn.Module,
+    shared: tuple[str, ...],
+    spec: SampleSpec,
+    generator: torch.Generator | None,
+) -> _M:
+    """A ``cls`` holding ``spec`` and ``generator`` and ``source``'s attributes ``shared``
+    (its sizes and its parameters: the same ``Parameter`` objects, no copies): what
+    ``from_linear``/``from_conv``/``from_cell`` build."""
     new = cls.__new__(cls)
     nn.Module.__init__(new)
     sampled = cast(SampledLayer, new)
     sampled.spec, sampled.generator = spec, generator
+    for name in shared:
+        setattr(new, name, getattr(source, name))
     return new
 
 
@@ -164,26 +197,17 @@ class RandLinear(SampledLayer, nn.Linear):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        *,
-        fraction: float = 0.1,
-        mode: str = "different",
-        replace: bool = False,
-        seed: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **options: Unpack[LayerOptions],
     ) -> None:
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._init_sampling(fraction, mode, replace, seed)
+        super().__init__(in_features, out_features, bias, **options)
 
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandLinear:
         """A ``RandLinear`` sharing ``linear``'s weight and bias parameters (no copy)."""
-        new = shell(cls, spec, generator)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
-        return new
+        shared = ("in_features", "out_features", "weight", "bias")
+        return adopted(cls, linear, shared, spec, generator)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self._options_repr()}"

@@ -13,30 +13,21 @@ which RAD cannot sample away, so its saving is smaller than the IRNN's.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, cast
+from typing import Any, Unpack, cast
 
 import torch
 from torch import nn
 
 from . import _errors as errors
-from ._linear import SampledLayer, shell
+from ._linear import LayerOptions, SampledLayer, adopted
 from ._relu import _BitReLUFn
 from ._sampling import SampleSpec
 
 __all__ = ["RandGRUCell", "RandRNNCell", "irnn_cell"]
 
 
-_C = TypeVar("_C", bound=nn.RNNCellBase)
-
-
-def _adopted(cls: type[_C], cell: nn.RNNCellBase, spec: SampleSpec,
-             generator: torch.Generator | None) -> _C:  # fmt: skip
-    """A ``cls`` sharing ``cell``'s parameters and sizes (no copies), sampling by ``spec``."""
-    new = shell(cls, spec, generator)
-    sizes = ("input_size", "hidden_size", "bias")
-    for name in (*sizes, "weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-        setattr(new, name, getattr(cell, name))
-    return new
+_CELL_SHARED = ("input_size", "hidden_size", "bias", "weight_ih", "weight_hh", "bias_ih", "bias_hh")
+"""What a randomized cell takes from the ``nn`` cell it replaces: sizes and parameters."""
 
 
 def _step_inputs(cell: SampledLayer, x: torch.Tensor, hx: torch.Tensor | None,
@@ -67,27 +58,18 @@ class RandRNNCell(SampledLayer, nn.RNNCell):
         hidden_size: int,
         bias: bool = True,
         nonlinearity: str = "tanh",
-        *,
-        fraction: float = 0.1,
-        mode: str = "different",
-        replace: bool = False,
-        seed: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **options: Unpack[LayerOptions],
     ) -> None:
         if nonlinearity not in ("tanh", "relu"):  # nn.RNNCell checks only in its forward
             raise errors.RadInputError(errors.BAD_NONLINEARITY.format(value=nonlinearity))
-        super().__init__(input_size, hidden_size, bias, nonlinearity, device=device, dtype=dtype)
-        self._init_sampling(fraction, mode, replace, seed)
+        super().__init__(input_size, hidden_size, bias, nonlinearity, **options)
 
     @classmethod
     def from_cell(
         cls, cell: nn.RNNCell, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandRNNCell:
         """A ``RandRNNCell`` sharing ``cell``'s parameters."""
-        new = _adopted(cls, cell, spec, generator)
-        new.nonlinearity = cell.nonlinearity
-        return new
+        return adopted(cls, cell, (*_CELL_SHARED, "nonlinearity"), spec, generator)
 
     def forward(self, x: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
         gi, gh, _ = _step_inputs(self, x, hx, self.hidden_size)
@@ -164,23 +146,16 @@ class RandGRUCell(SampledLayer, nn.GRUCell):
         input_size: int,
         hidden_size: int,
         bias: bool = True,
-        *,
-        fraction: float = 0.1,
-        mode: str = "different",
-        replace: bool = False,
-        seed: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        **options: Unpack[LayerOptions],
     ) -> None:
-        super().__init__(input_size, hidden_size, bias, device=device, dtype=dtype)
-        self._init_sampling(fraction, mode, replace, seed)
+        super().__init__(input_size, hidden_size, bias, **options)
 
     @classmethod
     def from_cell(
         cls, cell: nn.GRUCell, *, spec: SampleSpec, generator: torch.Generator | None = None
     ) -> RandGRUCell:
         """A ``RandGRUCell`` sharing ``cell``'s parameters."""
-        return _adopted(cls, cell, spec, generator)
+        return adopted(cls, cell, _CELL_SHARED, spec, generator)
 
     def forward(self, x: torch.Tensor, hx: torch.Tensor | None = None) -> torch.Tensor:
         gi, gh, hx = _step_inputs(self, x, hx, self.hidden_size)
