@@ -59,7 +59,9 @@ __all__ = [
     "ResBlock",
     "ResNet",
     "UNet",
+    "UNetDown",
     "UNetStage",
+    "UNetUp",
     "Upsample",
     "ViT",
     "batch",
@@ -503,33 +505,78 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
+def _run_block(block: nn.Module, h: torch.Tensor, checkpointing: bool) -> torch.Tensor:
+    """``block(h)``, under ``torch.utils.checkpoint`` (non-reentrant) where asked and grad
+    mode is on."""
+    if checkpointing and torch.is_grad_enabled():
+        out: torch.Tensor = checkpoint(block, h, use_reentrant=False)
+        return out
+    return block(h)
+
+
 class UNetStage(nn.Module):
-    """One resolution of a :class:`UNet`: its ``blocks`` (a :class:`ResBlock`, then an
-    :class:`AttnBlock` where attention is on) and ``resample`` (a stride-2 conv down, an
-    :class:`Upsample` up, ``nn.Identity`` at the path's end). The U-Net's own ``forward``
-    runs them (the skips and per-block checkpointing live there)."""
+    """One resolution of a :class:`UNet` (Ronneberger et al. 2015's contracting and
+    expansive steps): ``enter`` (the stem conv on the first down stage, the
+    :class:`Upsample` from the lower resolution on every up stage but the first, else
+    ``nn.Identity``), then its ``blocks`` (a :class:`ResBlock`, then an :class:`AttnBlock`
+    where attention is on) and, on the down path, ``resample`` (:class:`UNetDown`). A down
+    stage returns ``(skip, h)``: the
+    blocks' output, which the up path concatenates, and its downsampled ``h``; an up stage
+    takes ``(h, skip)`` and returns the blocks' output. Each stage is a function of its
+    own, so a stage is a unit checkpointing can recompute whole: its boundaries are the
+    low-resolution ``h`` and the skip."""
 
     blocks: nn.ModuleList
+    enter: nn.Module
+    checkpointing: bool = False
+    """Run each of ``blocks`` under ``torch.utils.checkpoint`` (set by :class:`UNet`)."""
+
+    def __init__(self, blocks: list[nn.Module], enter: nn.Module | None = None) -> None:
+        super().__init__()
+        self.enter = nn.Identity() if enter is None else enter
+        self.blocks = nn.ModuleList(blocks)
+
+    def _blocks(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = _run_block(block, h, self.checkpointing)
+        return h
+
+
+class UNetDown(UNetStage):
+    """A down-path :class:`UNetStage`: ``(skip, resample(skip))`` of its input, ``resample``
+    a stride-2 conv (``nn.Identity`` at the lowest resolution)."""
+
     resample: nn.Module
 
-    def __init__(self, blocks: list[nn.Module], resample: nn.Module) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
+    def __init__(self, blocks: list[nn.Module], resample: nn.Module,
+                 enter: nn.Module | None = None) -> None:  # fmt: skip
+        super().__init__(blocks, enter)
         self.resample = resample
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        skip = self._blocks(self.enter(h))
+        return skip, self.resample(skip)
+
+
+class UNetUp(UNetStage):
+    """An up-path :class:`UNetStage`: its input upsampled (``enter``), the down path's skip
+    concatenated along the channels, its blocks."""
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self._blocks(torch.cat([self.enter(h), skip], 1))
 
 
 class UNet(nn.Module):
     """A diffusion-style U-Net predicting noise; input and output ``(N, in_channels, image,
     image)``. No timestep embedding (``forward(x)`` only): the layers and skips of a
-    denoiser, without its conditioning.
+    denoiser, without its conditioning. The stem conv opens the first down stage and each
+    up stage but the first opens with its upsampling (:class:`UNetStage`).
 
     Attributes:
         checkpointing: run every :class:`ResBlock` and :class:`AttnBlock` under
             ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` while grad mode
             is on (what diffusers' ``enable_gradient_checkpointing()`` switches on).
     """
-
-    checkpointing: bool = False
 
     def __init__(self, *, image: int = 64, in_channels: int = 3,
                  widths: Sequence[int] = (32, 64, 128), groups: int = 8,
@@ -544,15 +591,15 @@ class UNet(nn.Module):
                              f"{2 ** (len(widths) - 1)}")  # fmt: skip
         attend = {int(w) for w in attention_at}
         last = len(widths) - 1
-        self.checkpointing = False
-        self.stem = nn.Conv2d(in_channels, widths[0], 3, 1, 1)
+        self.in_channels = in_channels
         c = widths[0]
         down: list[UNetStage] = []
         for i, w in enumerate(widths):
             blocks: list[nn.Module] = [ResBlock(c, w, groups)]
             blocks += [AttnBlock(w, groups, head_dim)] if w in attend else []
             resample: nn.Module = nn.Conv2d(w, w, 3, 2, 1) if i < last else nn.Identity()
-            down.append(UNetStage(blocks, resample))
+            stem = nn.Conv2d(in_channels, widths[0], 3, 1, 1) if i == 0 else None
+            down.append(UNetDown(blocks, resample, stem))
             c = w
         self.down = nn.ModuleList(down)
         self.mid = nn.ModuleList([ResBlock(c, c, groups), AttnBlock(c, groups, head_dim),
@@ -562,32 +609,39 @@ class UNet(nn.Module):
             w = widths[i]
             blocks = [ResBlock(c + w, w, groups)]  # the down path's skip concatenated
             blocks += [AttnBlock(w, groups, head_dim)] if w in attend else []
-            up.append(UNetStage(blocks, Upsample(w) if i > 0 else nn.Identity()))
+            up.append(UNetUp(blocks, Upsample(c) if i < last else None))
             c = w
         self.up = nn.ModuleList(up)
         self.out = nn.Sequential(nn.GroupNorm(groups, c), nn.SiLU(),
                                  nn.Conv2d(c, in_channels, 3, 1, 1))  # fmt: skip
+        self.checkpointing = False
 
-    def _block(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(block, h, use_reentrant=False)
-        return block(h)
+    @property
+    def stem(self) -> nn.Conv2d:
+        """The first conv (it opens the first down stage)."""
+        stem = cast("UNetStage", self.down[0]).enter
+        assert isinstance(stem, nn.Conv2d)
+        return stem
+
+    @property
+    def checkpointing(self) -> bool:
+        return cast("UNetStage", self.down[0]).checkpointing
+
+    @checkpointing.setter
+    def checkpointing(self, on: bool) -> None:
+        for stage in [*self.down, *self.up]:
+            cast("UNetStage", stage).checkpointing = bool(on)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
+        h = x
         skips: list[torch.Tensor] = []
-        for stage in cast("list[UNetStage]", self.down):
-            for block in stage.blocks:
-                h = self._block(block, h)
-            skips.append(h)
-            h = stage.resample(h)
+        for stage in self.down:
+            skip, h = stage(h)
+            skips.append(skip)
         for block in self.mid:
-            h = self._block(block, h)
-        for stage in cast("list[UNetStage]", self.up):
-            h = torch.cat([h, skips.pop()], 1)
-            for block in stage.blocks:
-                h = self._block(block, h)
-            h = stage.resample(h)
+            h = _run_block(block, h, self.checkpointing)
+        for stage in self.up:
+            h = stage(h, skips.pop())
         return self.out(h)
 
 
@@ -644,8 +698,8 @@ def batch(name: str, model: nn.Module, size: int, *, length: int = 64, image: in
     gen = torch.Generator().manual_seed(seed)
     dev = next(model.parameters()).device
     if MODELS[name] == "denoise":
-        stem = model.get_submodule("stem")
-        assert isinstance(stem, nn.Conv2d), "the zoo's U-Net starts with a conv stem"
+        assert isinstance(model, UNet), "the zoo's U-Net starts with a conv stem"
+        stem = model.stem
         shape = (size, stem.in_channels, image, image)
         x = torch.randn(shape, generator=gen).to(dev, stem.weight.dtype)
         noise = torch.randn(shape, generator=gen).to(dev, stem.weight.dtype)

@@ -2,7 +2,8 @@
 :meth:`~leangrad.engines._base.Engine.plan_candidates`): per block, ``"auto"``, ``"sqrt"``
 and fewer segments for a sequence; every block, fewer blocks and the fx code of blocks for
 a model run as written; the module transforms under checkpointing; blocks recomputed in
-fragments of the batch, a CNN's stem beside its blocks, two levels; fused recurrent
+fragments of the batch, a CNN's stem beside its blocks, two levels, the stages that group
+a U-Net's blocks (its skips then cross stage boundaries only); fused recurrent
 modules in time chunks (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
 Cost")."""
 
@@ -21,7 +22,7 @@ from ._fragments import split_reason
 from ._time_chunks import fused_recurrent
 
 __all__ = ["FRAGMENTS", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS", "block_offers", "fragment_offers",
-           "stem_modules", "time_chunk_offers"]  # fmt: skip
+           "stage_modules", "stem_modules", "time_chunk_offers"]  # fmt: skip
 
 FRAGMENTS = (2, 4, 8)
 """Fragment counts the planner tries for checkpointed blocks (those up to the batch's
@@ -92,7 +93,49 @@ def fragment_offers(model: nn.Module, found: Blocks,
         out += [("checkpoint", two), ("checkpoint", {**two, "fragments": ks[-1]})]
         if head:
             out += [("checkpoint+chunked_ce", {**two, "fragments": ks[-1]})]
+    stages = stage_modules(model, found)
+    if stages and ks:  # a U-Net: whole stages (and the head) recomputed in fragments
+        every = _in_module_order(model, [*stages, *stem])
+        out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
+        if len(every) >= TWO_LEVEL_BLOCKS:
+            out += [("checkpoint", {"levels": 2, "blocks": every, "fragments": ks[-1]})]
     return _offers(out)
+
+
+def stage_modules(model: nn.Module, found: Blocks) -> list[str]:
+    """The found blocks with each block that a *stage* holds replaced by that stage, or
+    ``[]`` where no block has one: a stage is the nearest module above a block, below the
+    model, that is no ``nn.ModuleList`` / ``nn.Sequential`` and runs a ``forward`` of its
+    own (the zoo's :class:`~leangrad.zoo.UNetStage`, a diffusers down or up block). A
+    U-Net's skips and resampling live in its stages: with the stages as blocks, the tensors
+    kept between them are the low-resolution ones and the skips, and fragments of the
+    batch cover the rest (issue 31)."""
+    if found.sequential or found.runner is not None:
+        return []
+    subs = dict(model.named_modules(remove_duplicate=False))
+    out: list[str] = []
+    for name in found.names:
+        stage = name
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            above = subs.get(".".join(parts[:i]))
+            if above is not None and _own_forward(above):
+                stage = ".".join(parts[:i])  # the outermost one, below the model
+        if stage not in out:
+            out.append(stage)
+    return out if out != list(found.names) else []
+
+
+def _own_forward(module: nn.Module) -> bool:
+    """A module that computes (its class defines ``forward``), not a container."""
+    if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        return False
+    return type(module).forward is not nn.Module.forward
+
+
+def _in_module_order(model: nn.Module, names: list[str]) -> list[str]:
+    order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    return sorted(names, key=lambda n: order.get(n, len(order)))
 
 
 def stem_modules(model: nn.Module, found: Blocks) -> list[str]:
