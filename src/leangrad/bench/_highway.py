@@ -212,7 +212,7 @@ def run_rnn(
     vocab = int(suite.setting("vocab", quick, 64))
     ks = [int(k) for k in suite.setting("ks", quick, [0, 1, 2, 5, 10])]
     seed = int(suite.setting("seed", quick, 0))
-    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     bar = tqdm(jobs, desc=suite.name, disable=not progress)
     for series, length in bar:
@@ -435,7 +435,7 @@ def run_train(
     every = int(suite.setting("eval_every", quick, 20))
     seed = int(suite.setting("seed", quick, 0))
     schedule = suite.setting("schedule", quick, None)
-    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     with num_threads(1):
         for series, value in jobs:
@@ -470,7 +470,7 @@ def run_convergence(
     ks = [int(k) for k in suite.setting("ks", quick, list(range(11)))]
     points = [float(f) for f in suite.setting("points", quick, [0, 0.25, 0.5, 0.75, 1])]
     at = sorted({round(f * steps) for f in points})
-    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     with num_threads(1):
         for series, value in jobs:

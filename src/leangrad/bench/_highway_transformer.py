@@ -268,7 +268,7 @@ def run_transformer(
     seed = int(suite.setting("seed", quick, 0))
     schedule = suite.setting("schedule", quick, None)
     paper_k = suite.setting("paper_k", quick, None)
-    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     for series, layers in jobs:
         task = _task(series.config, int(layers), seed, device)

@@ -268,8 +268,7 @@ def run_depth(
     threads = threads or sorted({1, os.cpu_count() or 1})
     common = {"suite": suite.name, "quick": quick, "machine": machine_info(), "created": _now(),
               "sweep": suite.sweep}  # fmt: skip
-    jobs = [(series, v) for series in suite.series
-            for v in (series.quick_values if quick else series.values)]  # fmt: skip
+    jobs = suite.jobs(quick)
     for _, depth in jobs:  # refuse a bad sample size before any work
         timed_couplings(int(depth), s["forward_couplings"])
     records: list[dict[str, Any]] = []

@@ -48,9 +48,10 @@ from ._suites import Suite
 from ._training import _now
 
 __all__ = [
-    "BAND", "BAND_KEYS", "BAND_NOTE", "Replicate", "bands", "eval_sets", "final_bands",
+    "BAND", "BAND_KEYS", "BAND_NOTE", "Replicate", "SeedStart", "TrainRun", "TrainingSetup",
+    "bands", "eval_sets", "final_bands",
     "fmt_band", "memory_of", "plot_band", "render", "replicates", "run_convergence", "run_pde",
-    "run_variance", "save_figure", "train_lanes",
+    "run_variance", "save_figure", "series_sections", "train_lanes",
 ]  # fmt: skip
 
 
@@ -318,6 +319,79 @@ def eval_sets(
             dataclasses.replace(test, x=test.x[head], y=test.y[head]))  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainRun:
+    """One entry of a training suite's ``runs``: the model and how it is trained."""
+
+    kind: str
+    steps: int
+    every: int
+    lr: float
+    optimizer: str
+
+    @classmethod
+    def of(cls, run: dict[str, Any]) -> TrainRun:
+        return cls(run["model"], int(run["steps"]), int(run["eval_every"]), float(run["lr"]),
+                   str(run.get("optimizer", "adam")))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedStart:
+    """Where every lane of one seed starts: its bootstrapped training set, the sets its
+    curves are measured on (:func:`eval_sets`) and the initial model they all copy."""
+
+    rep: Replicate
+    boot: data.Dataset
+    seen: data.Dataset
+    held_out: data.Dataset
+    base: nn.Module
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSetup:
+    """What ``rad-convergence`` and ``rad-fractions`` read alike from their suite: the
+    batch, the ``runs``, torch threads, the evaluation examples, the seeds
+    (:func:`replicates`) and the data (the dataset split with the suite's ``seed``, on
+    ``device``)."""
+
+    name: str
+    device: str
+    batch: int
+    runs: list[TrainRun]
+    threads: int
+    examples: int | None
+    seeds: list[Replicate]
+    train: data.Dataset
+    test: data.Dataset
+
+    @classmethod
+    def of(cls, suite: Suite, quick: bool, device: str) -> TrainingSetup:
+        seed = int(suite.setting("seed", quick, 0))
+        train, test = _load(str(suite.setting("dataset", quick, "mnist5k")), seed, device)
+        return cls(
+            name=suite.name,
+            device=device,
+            batch=int(suite.setting("batch", quick, 150)),
+            runs=[TrainRun.of(r) for r in suite.setting("runs", quick, [])],
+            threads=int(suite.setting("torch_threads", quick, 1)),
+            examples=suite.setting("eval_examples", quick, None),
+            seeds=replicates(suite, quick),
+            train=train,
+            test=test,
+        )
+
+    def starts(self, kind: str, bar: Any) -> Iterator[SeedStart]:
+        """Every seed's start, in order; the model is drawn after the seed's bootstrap, from
+        ``torch.manual_seed(rep.init_seed)`` (the progress ``bar`` names the seed at work)."""
+        for rep in self.seeds:
+            bar.set_description(f"{self.name} {kind} seed {rep.seed}")
+            boot = rep.bootstrap(self.train)
+            seen, held_out = eval_sets(boot, self.test, self.examples)
+            torch.manual_seed(rep.init_seed)
+            base = rad_model(kind, side=self.train.x.shape[-1]).to(self.device)
+            yield SeedStart(rep, boot, seen, held_out, base)
+
+
 @dataclasses.dataclass
 class _RadTraining(Curves):
     """The RAD training suites: lanes side by side on one batch stream; round 0 measures the
@@ -424,23 +498,18 @@ def run_convergence(
     batch order); per-seed ``rad-training`` records and their ``rad-band`` summaries."""
     machine, created = machine_info(), _now()
     seed = int(suite.setting("seed", quick, 0))
-    batch = int(suite.setting("batch", quick, 150))
     fraction = float(suite.setting("fraction", quick, 0.1))
     modes = list(suite.setting("modes", quick, ["same", "different", "project"]))
-    runs = list(suite.setting("runs", quick, []))
-    threads = int(suite.setting("torch_threads", quick, 1))
-    examples = suite.setting("eval_examples", quick, None)
-    seeds = replicates(suite, quick)
-    train, test = _load(str(suite.setting("dataset", quick, "mnist5k")), seed, device)
+    setup = TrainingSetup.of(suite, quick, device)
+    batch, threads, examples, train = setup.batch, setup.threads, setup.examples, setup.train
     records: list[dict[str, Any]] = []
-    total = sum(int(r["steps"]) * (len(modes) + 2) * len(seeds) for r in runs)
+    total = sum(r.steps * (len(modes) + 2) * len(setup.seeds) for r in setup.runs)
     bar = tqdm(total=total, desc=suite.name, disable=not progress)
     head = {"suite": suite, "kind": "rad-training", "quick": quick}
     with num_threads(threads):
-        for run in runs:
-            kind, steps, every = run["model"], int(run["steps"]), int(run["eval_every"])
-            lr, optimizer = float(run["lr"]), str(run.get("optimizer", "adam"))
-            torch.manual_seed(seeds[0].init_seed)  # memory does not depend on the weights
+        for run in setup.runs:
+            kind, steps, lr, optimizer = run.kind, run.steps, run.lr, run.optimizer
+            torch.manual_seed(setup.seeds[0].init_seed)  # memory does not depend on the weights
             base = rad_model(kind, side=train.x.shape[-1]).to(device)
             probe = randomized(base, fraction, "different", seed)
             target = memory_of(probe, train.x[:batch], train.y[:batch])["saved_bytes"]
@@ -449,15 +518,11 @@ def run_convergence(
             configs += [(f"RAD {fraction} {m}", batch, fraction, m) for m in modes]
             configs.append((f"reduced batch {reduced}", reduced, None, "-"))
             mine: list[dict[str, Any]] = []
-            for rep in seeds:
-                bar.set_description(f"{suite.name} {kind} seed {rep.seed}")
-                boot = rep.bootstrap(train)
-                seen, held_out = eval_sets(boot, test, examples)
-                torch.manual_seed(rep.init_seed)
-                base = rad_model(kind, side=train.x.shape[-1]).to(device)
+            for start in setup.starts(kind, bar):
+                rep = start.rep
                 lanes: dict[int, list[Lane]] = {}
                 for label, b, frac, mode in configs:
-                    model = randomized(base, frac, mode, rep.rad_seed)
+                    model = randomized(start.base, frac, mode, rep.rad_seed)
                     mem = memory_of(model, train.x[:b], train.y[:b])
                     config = {"model": kind, "batch": b, "fraction": frac, "mode": mode,
                               "lr": lr, "optimizer": optimizer, "steps": steps,
@@ -472,8 +537,9 @@ def run_convergence(
                     }))  # fmt: skip
                 for b, group in lanes.items():  # same batch size: side by side, same batches
                     mine += train_lanes(
-                        group, head=head, train=seen, test=held_out, steps=steps, every=every,
-                        batch=b, batch_seed=rep.batch_seed, tick=lambda: bar.update(1),
+                        group, head=head, train=start.seen, test=start.held_out, steps=steps,
+                        every=run.every, batch=b, batch_seed=rep.batch_seed,
+                        tick=lambda: bar.update(1),
                     )  # fmt: skip
             records += mine + bands(mine)
     bar.close()
@@ -620,23 +686,42 @@ def _convergence_message(finals: dict[str, dict[str, Any]]) -> str:
     return f"{best} ends {where} the {reduced} at equal saved bytes"
 
 
+Section = Callable[[str, list[dict[str, Any]]], list[str]]
+"""A part of one series' report section: ``(series, its records) -> Markdown lines``."""
+
+
+def series_sections(
+    recs: list[dict[str, Any]], *, table: Section, figure: Section | None = None,
+    note: tuple[str, ...] = (),
+) -> list[str]:  # fmt: skip
+    """The paragraphs of ``note``, then per series of ``recs`` (:func:`by_series`) its
+    heading, ``figure``'s lines (``None``: no plots) and ``table``'s; each followed by a
+    blank line."""
+    lines = [line for paragraph in note for line in (paragraph, "")]
+    for series, rs in by_series(recs).items():
+        lines += [f"### {series}", ""]
+        if figure is not None:
+            lines += figure(series, rs)
+        lines += [*table(series, rs), ""]
+    return lines
+
+
 def _render_bands(
     suite: str, recs: list[dict[str, Any]], directory: Any, *, plots: bool
 ) -> list[str]:
-    lines: list[str] = [BAND_NOTE, ""]
-    for series, rs in by_series(recs).items():
+    def figure(series: str, rs: list[dict[str, Any]]) -> list[str]:
         seeds = max(len(r["seeds"]) for r in rs)
-        lines += [f"### {series}", ""]
-        if plots:
-            fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
-            plot_band(axes[0], rs, "train_loss", ylabel="train loss (cross-entropy, nats)",
-                      log=True)  # fmt: skip
-            plot_band(axes[1], rs, "test_acc", ylabel="test accuracy")
-            axes[0].legend(fontsize=8)
-            fig.suptitle(f"{suite} — {series}: {_convergence_message(final_bands(rs))}\n"
-                         f"(median, min–max band over {seeds} seeds)")  # fmt: skip
-            lines += save_series_figure(fig, suite, series, directory)
-        lines += [
+        fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
+        plot_band(axes[0], rs, "train_loss", ylabel="train loss (cross-entropy, nats)",
+                  log=True)  # fmt: skip
+        plot_band(axes[1], rs, "test_acc", ylabel="test accuracy")
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{suite} — {series}: {_convergence_message(final_bands(rs))}\n"
+                     f"(median, min–max band over {seeds} seeds)")  # fmt: skip
+        return save_series_figure(fig, suite, series, directory)
+
+    def table(series: str, rs: list[dict[str, Any]]) -> list[str]:
+        lines = [
             "| run | batch | saved | peak | final step | seeds | train loss | test acc | ms/step |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
@@ -648,8 +733,10 @@ def _render_bands(
                 f"| {fmt_band(last, 'test_acc', '.3f')} "
                 f"| {fmt_band(last, 'step_seconds', '.1f', scale=1e3)} |"
             )
-        lines.append("")
-    return lines
+        return lines
+
+    return series_sections(recs, note=(BAND_NOTE,), figure=figure if plots else None,
+                           table=table)  # fmt: skip
 
 
 def _render_pde_bands(
@@ -659,28 +746,28 @@ def _render_pde_bands(
     with the :data:`BAND` shaded (the exact lane is one deterministic run)."""
     finals = final_bands(recs)
     seeds = max(len(r["seeds"]) for r in recs)
-    lines = [
+    note = (
         f"Lines: median over {seeds} replicates of each RAD lane's random samples (same "
         "initial control); shaded: min–max over them. The exact lane is deterministic: one "
-        "run. Table cells: median [min–max] at the last iteration.",
-        "",
-    ]
-    for series, rs in by_series(recs).items():
-        lines += [f"### {series}", ""]
-        if plots:
-            fig, ax = pyplot().subplots(figsize=(7, 4))
-            plot_band(ax, rs, "train_loss", ylabel="control loss", log=True, reference="exact",
-                      xlabel="Adam iteration")  # fmt: skip
-            ax.legend(fontsize=8)
-            least = min((r for r in finals.values() if r.get("fraction", 1) < 1),
-                        key=lambda r: r["fraction"], default=None)  # fmt: skip
-            what = ("loss per iteration" if least is None else
-                    f"storing {least['fraction']:g} of the state, RAD optimises as the exact "
-                    "gradient does")  # fmt: skip
-            ax.set_title(f"{suite}: {what}\n(median, min–max band over {seeds} replicates)",
-                         fontsize=10)  # fmt: skip
-            lines += save_series_figure(fig, suite, series, directory)
-        lines += [
+        "run. Table cells: median [min–max] at the last iteration."
+    )
+
+    def figure(series: str, rs: list[dict[str, Any]]) -> list[str]:
+        fig, ax = pyplot().subplots(figsize=(7, 4))
+        plot_band(ax, rs, "train_loss", ylabel="control loss", log=True, reference="exact",
+                  xlabel="Adam iteration")  # fmt: skip
+        ax.legend(fontsize=8)
+        least = min((r for r in finals.values() if r.get("fraction", 1) < 1),
+                    key=lambda r: r["fraction"], default=None)  # fmt: skip
+        what = ("loss per iteration" if least is None else
+                f"storing {least['fraction']:g} of the state, RAD optimises as the exact "
+                "gradient does")  # fmt: skip
+        ax.set_title(f"{suite}: {what}\n(median, min–max band over {seeds} replicates)",
+                     fontsize=10)  # fmt: skip
+        return save_series_figure(fig, suite, series, directory)
+
+    def table(series: str, rs: list[dict[str, Any]]) -> list[str]:
+        lines = [
             "| run | fraction | saved | peak | final iteration | replicates | loss | train s |",
             "|---|---|---|---|---|---|---|---|",
         ]
@@ -693,8 +780,9 @@ def _render_pde_bands(
                 f"| {last['x']} | {last['n_seeds']} | {fmt_band(last, 'train_loss', '.4g')} "
                 f"| {fmt_band(last, 'train_seconds', '.1f')} |"
             )
-        lines.append("")
-    return lines
+        return lines
+
+    return series_sections(recs, note=(note,), figure=figure if plots else None, table=table)
 
 
 def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
@@ -721,14 +809,13 @@ def _render_variance(recs: list[dict[str, Any]]) -> list[str]:
 def _render_curves(
     suite: str, recs: list[dict[str, Any]], directory: Any, *, plots: bool, log: bool
 ) -> list[str]:
-    lines: list[str] = []
-    for series, rs in by_series(recs).items():
-        lines += [f"### {series}", ""]
-        if plots:
-            path, shown = series_png(suite, series, directory)
-            _curves(rs, f"{suite} — {series}", path, log=log)
-            lines += shown
-        lines += [
+    def figure(series: str, rs: list[dict[str, Any]]) -> list[str]:
+        path, shown = series_png(suite, series, directory)
+        _curves(rs, f"{suite} — {series}", path, log=log)
+        return shown
+
+    def table(series: str, rs: list[dict[str, Any]]) -> list[str]:
+        lines = [
             "| run | batch / fraction | saved | peak | final step | train loss | test acc "
             "| train s |",
             "|---|---|---|---|---|---|---|---|",
@@ -746,8 +833,9 @@ def _render_curves(
                 f"| {last['train_loss']:.4g} | {'' if acc is None else f'{acc:.3f}'} "
                 f"| {'' if secs is None else f'{secs:.1f}'} |"
             )
-        lines.append("")
-    return lines
+        return lines
+
+    return series_sections(recs, figure=figure if plots else None, table=table)
 
 
 def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: bool) -> list[str]:

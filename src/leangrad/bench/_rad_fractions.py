@@ -30,22 +30,20 @@ from .._sizes import fmt_bytes
 from ..measure import num_threads
 from ._rad import (
     BAND,
+    TrainingSetup,
     _forever,
-    _load,
     _record,
     bands,
-    eval_sets,
     final_bands,
     fmt_band,
     memory_of,
     plot_band,
-    rad_model,
     randomized,
-    replicates,
+    series_sections,
     train_lanes,
 )
 from ._rad import BAND_NOTE as _BAND_NOTE
-from ._report import by_series, pyplot, save_figure, series_png
+from ._report import pyplot, save_figure, series_png
 from ._runner import machine_info
 from ._side_by_side import Lane, make_optimizer
 from ._suites import Suite
@@ -118,36 +116,25 @@ def run_fractions(
     at every seed (:func:`fraction_one_check`, curve and weight identity).
     """
     machine, created = machine_info(), _now()
-    seed = int(suite.setting("seed", quick, 0))
-    batch = int(suite.setting("batch", quick, 150))
     mode = str(suite.setting("mode", quick, "different"))
     replace = bool(suite.setting("replace", quick, False))
     fractions = [float(f) for f in suite.setting("fractions", quick, [0.05, 0.1, 0.2, 0.5, 1.0])]
-    runs = list(suite.setting("runs", quick, []))
-    threads = int(suite.setting("torch_threads", quick, 1))
-    examples = suite.setting("eval_examples", quick, None)
-    seeds = replicates(suite, quick)
-    train, test = _load(str(suite.setting("dataset", quick, "mnist5k")), seed, device)
-    side = train.x.shape[-1]
+    setup = TrainingSetup.of(suite, quick, device)
+    batch, threads, examples, train = setup.batch, setup.threads, setup.examples, setup.train
     configs: list[tuple[str, float | None]] = [(BASELINE, None)]
     configs += [(_label(f, mode), f) for f in fractions]
     records: list[dict[str, Any]] = []
-    total = sum(int(r["steps"]) * len(configs) * len(seeds) for r in runs)
+    total = sum(r.steps * len(configs) * len(setup.seeds) for r in setup.runs)
     bar = tqdm(total=total, desc=suite.name, disable=not progress)
     head = {"suite": suite, "kind": "rad-training", "quick": quick}
     with num_threads(threads):
-        for run in runs:
-            kind, steps, every = run["model"], int(run["steps"]), int(run["eval_every"])
-            lr, optimizer = float(run["lr"]), str(run.get("optimizer", "adam"))
+        for run in setup.runs:
+            kind, steps, lr, optimizer = run.kind, run.steps, run.lr, run.optimizer
             mine: list[dict[str, Any]] = []
             checks: list[dict[str, Any]] = []
-            for rep in seeds:
-                bar.set_description(f"{suite.name} {kind} seed {rep.seed}")
-                boot = rep.bootstrap(train)
-                seen, held_out = eval_sets(boot, test, examples)
-                torch.manual_seed(rep.init_seed)
-                base = rad_model(kind, side=side).to(device)
-                x0, y0 = next(_forever(boot, batch, rep.batch_seed))  # the first training batch
+            for start in setup.starts(kind, bar):
+                rep, base = start.rep, start.base
+                x0, y0 = next(_forever(start.boot, batch, rep.batch_seed))  # the first batch
                 check = {"seed": rep.seed, **fraction_one_check(base, x0, y0, mode=mode,
                                                                 seed=rep.rad_seed)}  # fmt: skip
                 lanes: dict[str, Lane] = {}
@@ -167,8 +154,8 @@ def run_fractions(
                         "machine": machine, "created": created, **mem,
                     })  # fmt: skip
                 recs = train_lanes(
-                    list(lanes.values()), head=head, train=seen, test=held_out, steps=steps,
-                    every=every, batch=batch, batch_seed=rep.batch_seed,
+                    list(lanes.values()), head=head, train=start.seen, test=start.held_out,
+                    steps=steps, every=run.every, batch=batch, batch_seed=rep.batch_seed,
                     tick=lambda: bar.update(1),
                 )  # fmt: skip
                 mine += recs
@@ -287,22 +274,21 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
     band = [r for r in records if r.get("kind") == "rad-band"]
     ones = [r for r in records if r.get("kind") == "rad-fraction-one"]
     identical = {r["model"]: r.get("curves_identical") for r in ones}
-    lines = [
+    note = (
         _BAND_NOTE + f" Band: {BAND}.",
-        "",
         "*saved* = bytes autograd keeps for backward at batch 150 (measured; parameters and "
         "targets excluded).",
-        "",
-    ]
-    for model, rs in by_series(band).items():
-        lines += [f"### {model}", ""]
-        if plots:
-            path, shown = series_png(suite, model, directory)
-            _figure(suite, model, rs, path, identical.get(model))
-            lines += shown
+    )
+
+    def figure(model: str, rs: list[dict[str, Any]]) -> list[str]:
+        path, shown = series_png(suite, model, directory)
+        _figure(suite, model, rs, path, identical.get(model))
+        return shown
+
+    def table(model: str, rs: list[dict[str, Any]]) -> list[str]:
         finals = final_bands(rs)
         base = finals.get(BASELINE, {})
-        lines += [
+        lines = [
             "| run | saved | saved / baseline | final step | seeds | train loss | test loss "
             "| test acc | ms/step | time / baseline |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -318,7 +304,9 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
                 f"| {fmt_band(r, 'step_seconds', '.1f', scale=1e3)} "
                 f"| {f'{t / t0:.2f}' if t and t0 else ''} |"
             )
-        lines.append("")
+        return lines
+
+    lines = series_sections(band, note=note, figure=figure if plots else None, table=table)
     if ones:
         lines += _render_fraction_one(ones)
     return lines

@@ -344,11 +344,16 @@ def _moonwalk_v1_fig3_mixed(records: list[Record]) -> str | None:
 _FAILED = re.compile(r"step (\d+): (\w+)")  # "step 230: LayerConditionError: …"
 
 
-@_reads("moonwalk-v1-fig4-training")
-def _moonwalk_v1_fig4(records: list[Record]) -> str | None:
-    series = next(
+def _tanh_series(records: list[Record]) -> str | None:
+    """The series of the Fig. 4/5 run with tanh on each coupling's output (``None``: absent)."""
+    return next(
         (r.get("series") for r in records if (r.get("config") or {}).get("output_tanh")), None
     )
+
+
+@_reads("moonwalk-v1-fig4-training")
+def _moonwalk_v1_fig4(records: list[Record]) -> str | None:
+    series = _tanh_series(records)
     if series is None:
         return None
     parts = []
@@ -368,9 +373,7 @@ def _moonwalk_v1_fig4(records: list[Record]) -> str | None:
 
 @_reads("moonwalk-v1-fig5-error")
 def _moonwalk_v1_fig5(records: list[Record]) -> str | None:
-    series = next(
-        (r.get("series") for r in records if (r.get("config") or {}).get("output_tanh")), None
-    )
+    series = _tanh_series(records)
     if series is None:
         return None
     parts = []

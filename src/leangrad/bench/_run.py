@@ -171,7 +171,7 @@ def _sweep(
 ) -> list[dict[str, Any]]:
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    jobs = [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
+    jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     bar = tqdm(jobs, desc=f"bench {suite.name}", unit="config", disable=not progress)
     for series, value in bar:

@@ -67,6 +67,11 @@ class Suite:
             )
         return [by_label[lb] for lb in series.engines]
 
+    def jobs(self, quick: bool) -> list[tuple[Series, Any]]:
+        """Every (series, swept value) pair of a run, in file order: ``quick_values`` when
+        ``quick``, else ``values``."""
+        return [(s, v) for s in self.series for v in (s.quick_values if quick else s.values)]
+
     def setting(self, key: str, quick: bool, default: Any = None) -> Any:
         """``settings["quick_KEY"]`` in quick mode when present, else ``KEY``, else ``default``."""
         if quick and f"quick_{key}" in self.settings:

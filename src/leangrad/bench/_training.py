@@ -45,7 +45,7 @@ from .. import data, models
 from ..measure import compare_grads, grads_of
 from ._runner import EngineSpec, machine_info, new_record
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
-from ._suites import Series, Suite
+from ._suites import Suite
 
 __all__ = ["run_constrained", "run_stability"]
 
@@ -148,10 +148,6 @@ class _Settings:
                 "seed": self.seed, "dtype": "float32"}  # fmt: skip
 
 
-def _jobs(suite: Suite, quick: bool) -> list[tuple[Series, Any]]:
-    return [(s, v) for s in suite.series for v in (s.quick_values if quick else s.values)]
-
-
 @dataclasses.dataclass
 class _Stability(Curves):
     """v1 stability: every lane's gradient of each batch, at its own weights, vs the oracle."""
@@ -235,7 +231,7 @@ def run_stability(
     every = int(suite.setting("eval_every", quick, 25))
     st = _Settings.of(suite, quick, batch=32)
     train, test = data.digits(device=device).split(st.fraction, seed=st.seed)
-    jobs = _jobs(suite, quick)
+    jobs = suite.jobs(quick)
     total = sum(steps * len(suite.engines_for(s)) for s, _ in jobs)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=total, desc=f"train {suite.name}", unit="step", disable=not progress)
@@ -351,7 +347,7 @@ def run_constrained(
     epochs = int(suite.setting("epochs", quick, 10))
     st = _Settings.of(suite, quick, batch=64)
     dataset, size, train, test = _constrained_data(suite, quick, st, device)
-    jobs = _jobs(suite, quick)
+    jobs = suite.jobs(quick)
     variants = ("constrained", "unconstrained")
     total = len(jobs) * len(variants) * epochs * (len(train) // st.batch)
     records: list[dict[str, Any]] = []
