@@ -17,7 +17,6 @@ from torch import nn
 from . import _errors as errors
 from ._step import PER_LAYER, MakeOptimizer, Step
 from .engines import Engine, engine
-from .engines._compose import Composed
 from .measure import estimate_step, profile_step
 
 __all__ = [
@@ -97,7 +96,7 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
         if not ctx.exact or eng.exact:
             try:
                 why = eng.supports(ctx.model)
-                if why is None and isinstance(eng, Composed):
+                if why is None:
                     why = eng.idle_reason(ctx.model)
             except errors.LeangradError as err:
                 why = str(err)

@@ -55,11 +55,12 @@ import torch
 from torch import nn
 
 from . import _errors as errors
+from ._parallel import check_parallel, fsdp_refusal
 from .engines import Engine
 from .engines import engine as engine_named
 
 __all__ = ["FSDP_CANDIDATES", "FSDP_NO_ENGINE", "FSDP_OVER_BUDGET", "OPTIMIZERS", "RankEstimate",
-           "estimate_per_rank", "fsdp_budget_check", "fsdp_refusal"]  # fmt: skip
+           "estimate_per_rank", "fsdp_budget_check"]  # fmt: skip
 
 OPTIMIZERS = ("sgd", "adam")
 """Optimizers whose state is counted (``leangrad train --optimizer``; SGD as it makes it,
@@ -194,11 +195,9 @@ def estimate_per_rank(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Te
 
     Raises:
         OptionError: ``nproc`` below 1, an unknown ``parallel`` or ``optimizer``, or an
-            engine fsdp cannot train (:func:`fsdp_refusal`).
+            engine fsdp cannot train (:func:`leangrad._parallel.fsdp_refusal`).
         EngineInputError: fsdp finds no blocks in the model (as training would).
     """
-    from .train._sharded import check_parallel
-
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise errors.OptionError(BAD_NPROC.format(value=nproc))
     check_parallel(parallel)
@@ -208,7 +207,7 @@ def estimate_per_rank(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Te
     if mode == "fsdp" and (why := fsdp_refusal(eng, model)) is not None:
         raise errors.OptionError(why)
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    groups = _groups(model, nproc if mode == "fsdp" else 1)
+    groups = _groups(model, eng, nproc if mode == "fsdp" else 1)
     params = sum(g.shard for g in groups)
     grads = sum(g.shard_grad for g in groups)
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
@@ -231,19 +230,6 @@ def estimate_per_rank(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Te
     )  # fmt: skip
 
 
-def fsdp_refusal(eng: Engine, model: nn.Module) -> str | None:
-    """Why ``fit(parallel="fsdp")`` cannot train ``model`` with ``eng`` (it must run FSDP2's
-    own backward: ``wrapped_models``, and whatever the engine's ``wrapped_why`` refuses on
-    an FSDP2 model, e.g. checkpoint's options that regroup blocks), or ``None``."""
-    from .engines._wrapped import FSDP2
-    from .train._sharded import FSDP_ENGINE
-
-    if not eng.wrapped_models:
-        return FSDP_ENGINE.format(engine=eng.label)
-    why = getattr(eng, "wrapped_why", None)  # engines that vet their options per wrapper
-    return why(model, FSDP2) if callable(why) else None
-
-
 def fsdp_budget_check(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Tensor],
                       loss_fn: Callable[[Any], torch.Tensor], *, budget: int, nproc: int,
                       optimizer: str | None, engines: Sequence[str] | None = None,
@@ -252,8 +238,8 @@ def fsdp_budget_check(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Te
     process holding the whole model, so instead the budget is compared with each engine's
     per-rank estimate (:func:`estimate_per_rank`), in the order of ``engines`` (default
     :data:`FSDP_CANDIDATES`: backprop, then checkpoint), skipping those FSDP2 cannot train
-    (:func:`fsdp_refusal`). Returns the first that fits, by name, and its estimate (not
-    timed: the order puts the least recomputation first).
+    (:func:`~leangrad._parallel.fsdp_refusal`). Returns the first that fits, by name, and
+    its estimate (not timed: the order puts the least recomputation first).
 
     Raises:
         OptionError: FSDP2 can train none of ``engines``.
@@ -318,17 +304,16 @@ def _shard_bytes(p: torch.Tensor, nproc: int) -> int:
     return math.ceil(rows / nproc) * per_row * p.dtype.itemsize
 
 
-def _groups(model: nn.Module, nproc: int) -> list[_Group]:
+def _groups(model: nn.Module, eng: Engine, nproc: int) -> list[_Group]:
     """The ``fully_shard`` groups :func:`leangrad.train._sharded.shard` makes — each block
-    with parameters (in :func:`leangrad.blocks`'s order, a block's parameters being those
-    no earlier group took), then the root with the rest — or the whole model as one group
-    when nothing is sharded (``nproc == 1``). The root is last."""
-    from .engines import blocks
-
+    of the engine's with parameters (in :meth:`eng.blocks <leangrad.engines.Engine.blocks>`'s
+    order, a block's parameters being those no earlier group took), then the root with the
+    rest — or the whole model as one group when nothing is sharded (``nproc == 1``). The
+    root is last."""
     taken: set[int] = set()
     members: list[list[nn.Parameter]] = []
     if nproc > 1:
-        found = blocks(model)
+        found = eng.blocks(model)
         for name in found.names:
             module = found.modules[name]
             if module is model:

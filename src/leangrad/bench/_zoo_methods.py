@@ -59,7 +59,6 @@ from torch.utils.checkpoint import checkpoint
 from .. import _errors as errors
 from .. import hf, zoo
 from ..engines import available, engine, engine_class
-from ..engines._compose import Composed
 from ..engines._transforms import TRANSFORMS, AccumulateTransform, batch_coupling
 from ..loss import PerExample
 from ..measure import FORWARD_END, mark
@@ -291,7 +290,7 @@ def _leangrad_row(
         try:
             eng = engine(name, **opts)
             why = eng.supports(model)
-            if why is None and isinstance(eng, Composed):  # not offered under its name
+            if why is None:  # a composition that changes nothing: not offered under its name
                 why = eng.idle_reason(model)
         except Exception as err:  # a bug in supports() is a finding, not a crash
             why = f"supports() raised {type(err).__name__}: {err}"

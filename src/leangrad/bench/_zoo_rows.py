@@ -129,7 +129,6 @@ def _fragment_methods(model: nn.Module,
     """Checkpointing with each block recomputed in ``k`` fragments of the batch (each of
     ``counts``), alone and under chunked cross-entropy; skipped, with the reason, where no
     block can be split or the composition changes nothing."""
-    from ..engines._compose import Composed
     from ..engines._fragments import split_reason
 
     methods: list[Method] = []
@@ -138,10 +137,10 @@ def _fragment_methods(model: nn.Module,
         for name in ("checkpoint", "checkpoint+chunked_ce"):
             eng = engine(name, fragments=k)
             why = eng.supports(model)
-            if why is None and isinstance(eng, Composed):
+            if why is None:
                 why = eng.idle_reason(model)
             if why is None:
-                found = (eng.base if isinstance(eng, Composed) else eng).blocks(model)  # type: ignore[attr-defined]
+                found = eng.blocks(model)
                 reasons = [split_reason([found.modules[n]]) for n in found.names]
                 if all(r is not None for r in reasons):
                     why = f"no block can be split: {reasons[0]}"

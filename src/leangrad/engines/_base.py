@@ -14,18 +14,17 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeAlias
+from typing import Any, ClassVar, NamedTuple, TypeAlias
 
 import torch
 from torch import nn
 
 from .. import _errors as errors
+from ._blocks import Blocks
+from ._blocks import blocks as find_blocks
 from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
 from ._loss_fn import LossFn, check_loss, run_forward
 from ._wrapped import WRAPPED, wrapped_by
-
-if TYPE_CHECKING:
-    from ._blocks import Blocks
 
 __all__ = [
     "Engine",
@@ -201,6 +200,24 @@ class Engine(abc.ABC):
         this engine's (checkpointing: those it finds); default none."""
         del model
         return ()
+
+    def blocks(self, model: nn.Module) -> Blocks:
+        """The blocks of ``model`` as this engine sees them: :func:`leangrad.blocks`'s by
+        default; ``checkpoint`` overrides it with those it checkpoints (its ``blocks=``), a
+        composition with its base engine's. ``fit(parallel="fsdp")`` shards each in an FSDP
+        unit of its own (:func:`leangrad.train._sharded.shard`).
+
+        Raises:
+            EngineInputError: no blocks are found in ``model``.
+        """
+        return find_blocks(model)
+
+    def idle_reason(self, model: nn.Module) -> str | None:
+        """Why this engine, though it supports ``model``, computes there just what a
+        simpler one does (a composition whose transforms change nothing), so that
+        :func:`leangrad.plan` does not offer it; ``None`` (the default) when it does not."""
+        del model
+        return None
 
     def explain_lines(self, model: nn.Module) -> list[str]:
         """What :func:`leangrad.explain` prints about this engine on ``model`` (the

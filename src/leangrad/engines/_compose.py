@@ -71,6 +71,10 @@ BASE_FIRST = (
     "{name!r}: write the base engine first and the transforms after it, e.g. "
     "{suggestion!r}; base engines: {bases}; transforms: {transforms}"
 )
+NOT_IN_TABLE = (
+    "{cls}: its transform {name!r} is not the one TRANSFORMS lists under that name (known: "
+    "{known}); add the transform to leangrad.engines._transforms.TRANSFORMS first"
+)
 TWICE = "{name!r} names the transform {transform!r} twice; apply each transform once"
 AMBIGUOUS = (
     "engine {name!r}: option {option!r} belongs to {owners}; write it as one of "
@@ -153,6 +157,11 @@ class Composed(Engine):
                     "this engine does not seed; make it with the run's options (seed=...)"
                 )
             self.generators[name].set_state(st)
+
+    def blocks(self, model: nn.Module) -> Blocks:
+        """The base engine's blocks of ``model`` (the user's model: the transforms keep a
+        block one block)."""
+        return self.base.blocks(model)
 
     def idle_transforms(self, model: nn.Module) -> list[str]:
         """The transforms that change nothing on ``model``: fad fused no chain (and did not
@@ -273,9 +282,25 @@ class OnBackprop(Composed):
     """``backprop`` with one transform, registered as an engine under the transform's
     name (``"rad"`` is ``backprop+rad``) and labelled as the transform. Subclasses name
     :attr:`transform` and spell its options out as their own keyword-only ``__init__``
-    arguments (:func:`leangrad.engine` checks a name's options against that signature)."""
+    arguments (:func:`leangrad.engine` checks a name's options against that signature).
+
+    The engine's name and ``exact`` are its transform's, read from the transform table
+    (:data:`~leangrad.engines._transforms.TRANSFORMS`): a subclass that names its
+    :attr:`transform` is registered under that name as it is defined
+    (:meth:`__init_subclass__`), so no class spells the name a second time."""
 
     transform: ClassVar[type[Transform]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "transform" not in vars(cls):  # a subclass of Rad, say: Rad's name stays Rad's
+            return
+        name = cls.transform.name
+        if TRANSFORMS.get(name) is not cls.transform:
+            raise ValueError(NOT_IN_TABLE.format(cls=cls.__name__, name=name,
+                                                 known=", ".join(TRANSFORMS)))  # fmt: skip
+        cls.exact = cls.transform.exact
+        register(name)(cls)
 
     def __init__(self, **options: Any) -> None:
         t = self.transform(**options)
@@ -287,7 +312,6 @@ class OnBackprop(Composed):
         return self.transforms[0].label
 
 
-@register("rad")
 class Rad(OnBackprop):
     """``backprop`` with randomized AD (:class:`RadTransform`): unbiased gradients that
     keep ``fraction`` of each linear map's input (Oktay et al., ICLR 2021, section 4).
@@ -297,7 +321,6 @@ class Rad(OnBackprop):
     as ``fraction`` falls; ``fraction=1`` is exact.
     """
 
-    exact = False
     transform = RadTransform
 
     def __init__(
@@ -323,7 +346,6 @@ class Rad(OnBackprop):
         return out
 
 
-@register("fad")
 class Fad(OnBackprop):
     """``backprop`` with nested forward-mode AD of element-wise chains
     (:class:`FadTransform`; paper: nested forward-AD of activations, sections III–IV).
@@ -334,7 +356,6 @@ class Fad(OnBackprop):
     ran (``"fx"`` or the eager fallback, and why) and what was fused.
     """
 
-    exact = True
     transform = FadTransform
     plan_offers = (PlanOffer("fad", {}, PlanOrder.FAD),)
     """The whole model nested (checkpointing offers ``checkpoint+fad``)."""
@@ -390,7 +411,6 @@ def compose(name: str, options: dict[str, Any]) -> Engine:
     return Composed(base, [TRANSFORMS[t](**routed[t]) for t in tnames])
 
 
-@register("bits")
 class Bits(OnBackprop):
     """``backprop`` with exact savings (:class:`BitsTransform`, :mod:`leangrad.bits`):
     1-bit masks for ReLU, LeakyReLU and dropout, average pooling that keeps nothing.
@@ -400,7 +420,6 @@ class Bits(OnBackprop):
     keeps its input anyway it adds 1/32. Packing costs a little time.
     """
 
-    exact = True
     transform = BitsTransform
     plan_offers = (PlanOffer("bits", {}, PlanOrder.BITS),)
     """The whole model's masks (checkpointing offers ``checkpoint+bits``)."""
@@ -409,7 +428,6 @@ class Bits(OnBackprop):
         super().__init__()
 
 
-@register("chunked_ce")
 class ChunkedCE(OnBackprop):
     """``backprop`` with a loss that never holds its logits (:class:`ChunkedCETransform`,
     :mod:`leangrad.loss`): the model's final ``nn.Linear`` hands ``F.cross_entropy`` its
@@ -423,7 +441,6 @@ class ChunkedCE(OnBackprop):
     names what read them.
     """
 
-    exact = True
     transform = ChunkedCETransform
 
     def __init__(self, *, chunk_size: int | None = None) -> None:
@@ -445,7 +462,6 @@ class ChunkedCE(OnBackprop):
         return out
 
 
-@register("accumulate")
 class Accumulate(OnBackprop):
     """``backprop`` over micro-batches, their gradients added in ``.grad`` — gradient
     accumulation (:class:`AccumulateTransform`). Spelled ``checkpoint+accumulate`` with
@@ -457,7 +473,6 @@ class Accumulate(OnBackprop):
     micro-batch still fills the machine).
     """
 
-    exact = True
     transform = AccumulateTransform
 
     def __init__(self, *, micro_batches: int = 2) -> None:

@@ -84,7 +84,9 @@ def convergence(
     left as they were. BatchNorm running statistics are updated by each run, as by any
     training step; pass a copy to keep them.
     """
-    from ..engines import engine  # the engines package imports this one
+    # Lazy on purpose: the highway engine (leangrad.engines) imports this package's
+    # protocol, and convergence, public here, is this package's one use of the engines.
+    from ..engines import engine
 
     exact = reference if reference is not None else _grad_of(
         model, engine("backprop"), inputs, loss_fn

@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import _cli_types as cli_types
 from .._cli_types import check_out_dir
+from .._parallel import PARALLEL
 
 __all__ = ["add_plan_parser", "add_train_parser", "run_plan", "run_train"]
 
@@ -363,7 +364,7 @@ def add_plan_parser(sub: Any) -> None:
                    "--parallel` under torchrun --nproc-per-node N; the batch size is per "
                    "process): parameters, gradients, optimizer state counted, activations "
                    "measured (default without --parallel: ddp)")
-    a.add_argument("--parallel", choices=PARALLEL_CHOICES, default=None,
+    a.add_argument("--parallel", choices=PARALLEL, default=None,
                    help="with --nproc: ddp runs the plan, then prints the per-rank estimate "
                    "of its choice; fsdp prints instead of a plan the per-rank estimate of "
                    "each engine FSDP2 can train (--engines, default backprop) against "
@@ -376,7 +377,7 @@ def run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from .._plan import plan
-    from ..bench._report import fmt_bytes
+    from .._sizes import fmt_bytes
     from ._fit import _loss_fn, _make_optimizer, autocast_dtype
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
@@ -424,8 +425,6 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0 if result.engine is not None else 1
 
 
-PARALLEL_CHOICES = ("ddp", "fsdp")
-"""``leangrad.train._sharded.PARALLEL``, spelled here so that parsing imports no engines."""
 PARALLEL_NEEDS_NPROC = (
     "--parallel {parallel} estimates each of several processes' memory and needs their "
     "number: add --nproc N (e.g. --nproc 2), or drop --parallel"
@@ -466,7 +465,7 @@ def _print_fsdp(args: argparse.Namespace, model: Any, x: Any, loss_fn: Any,
     """``--parallel fsdp``: each named engine's per-rank estimate (one line for an engine
     FSDP2 cannot train); exit code 0 when one fits ``--budget``, else 1."""
     from .. import engines as _engines
-    from .._plan_ranks import fsdp_refusal
+    from .._parallel import fsdp_refusal
 
     codes = []
     for name in names:

@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
+from .._parallel import check_parallel
 from .._plan import Plan
 from .._sizes import fmt_bytes
 from .._step import MakeReducer, Step
@@ -316,7 +317,7 @@ def fit(
                     track_memory_every=track_memory_every, test_fraction=test_fraction,
                     lr=lr)  # fmt: skip
     autocast_dtype(precision)  # a bad precision is refused before any work
-    sharded.check_parallel(parallel)
+    check_parallel(parallel)
     if resume is not None and overwrite:
         raise snapshot.RunDirectoryError(snapshot.RESUME_AND_OVERWRITE)
     if plan is not None and budget is not None and resume is None:

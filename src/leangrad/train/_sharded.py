@@ -46,22 +46,14 @@ import torch
 from torch import nn
 
 from .. import _errors as errors
+from .._parallel import FSDP_ENGINE
 from ..engines import Engine
 from . import _distributed as distributed
 from . import _snapshot as snapshot
 
-__all__ = ["PARALLEL", "load_full_state", "load_sharded", "local", "optimizer_state_keyed",
+__all__ = ["load_full_state", "load_sharded", "local", "optimizer_state_keyed",
            "save_sharded", "shard"]  # fmt: skip
 
-PARALLEL = ("ddp", "fsdp")
-"""How ``fit`` spreads a step over processes (under torchrun; ignored on one process)."""
-
-BAD_PARALLEL = "parallel must be one of {names}, got {value!r}"
-FSDP_ENGINE = (
-    "--parallel fsdp trains through FSDP2's own backward, which {engine} does not run "
-    "(it would keep each process's gradient shard unreduced); use --engine backprop or "
-    "checkpoint (or --budget with --engines backprop,checkpoint), or --parallel ddp"
-)
 FSDP_PER_LAYER = (
     "--parallel fsdp with --step-per-layer ({engine}): FSDP2 reduce-scatters gradients in "
     "its own hooks and leangrad's per-layer steps are not checked against them; drop "
@@ -87,21 +79,15 @@ PER_LAYER_SHARDED = (
 )
 
 
-def check_parallel(value: str) -> str:
-    if value not in PARALLEL:
-        raise errors.OptionError(BAD_PARALLEL.format(names=", ".join(PARALLEL), value=value))
-    return value
-
-
 def shard(model: nn.Module, engine: Engine, *, per_layer: bool) -> None:
-    """``fully_shard`` each discovered block of ``model``, then the model itself: the
-    blocks ``checkpoint`` checkpoints (its ``blocks=``), each inside its own FSDP unit, for
-    that engine; :func:`leangrad.blocks` for backprop. An engine that does not run FSDP2's
+    """``fully_shard`` each block of ``model`` the engine works on, then the model itself:
+    :meth:`engine.blocks <leangrad.engines.Engine.blocks>` — the blocks ``checkpoint``
+    checkpoints (its ``blocks=``), each inside its own FSDP unit; :func:`leangrad.blocks`'s
+    for backprop. An engine that does not run FSDP2's
     own backward, or whose options cannot (:meth:`~leangrad.engines.Engine.wrapped_why`),
     is refused before anything is sharded."""
     from torch.distributed.fsdp import fully_shard
 
-    from ..engines import Checkpoint, blocks
     from ..engines._wrapped import FSDP2
 
     if not engine.wrapped_models:
@@ -110,7 +96,7 @@ def shard(model: nn.Module, engine: Engine, *, per_layer: bool) -> None:
         raise errors.OptionError(FSDP_PER_LAYER.format(engine=engine.label))
     if (why := engine.wrapped_why(model, FSDP2)) is not None:
         raise errors.OptionError(why)
-    found = engine.blocks(model) if isinstance(engine, Checkpoint) else blocks(model)
+    found = engine.blocks(model)
     done: set[int] = set()
     for name in found.names:
         module = found.modules[name]
