@@ -1,7 +1,8 @@
 """``plan(..., compile=True)``: torch.compile as a candidate, measured in a fresh process.
 
 Two compiles in all (each 20+ s on 2 cores): one setting's worker inside a plan, and the
-plan's engine compiling on its first backward. Everything else runs no compile."""
+plan's engine compiling on its first backward. Everything else runs no compile (regional
+compilation's rows: tests/test_plan_regional.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def test_plan_with_compile_has_compiled_rows_and_a_chosen_row_within_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(pc, "COMPILE_BUDGETS", (0.5,))  # one compile: ~25 s here
+    monkeypatch.setattr(pc, "COMPILE_REGIONS", ())
     model, x, loss_fn = _mlp()
     full = profile_step(leangrad.engine("backprop"), model, x, loss_fn, repeats=0).total_bytes
     budget = int(1.5 * full)
@@ -87,7 +89,8 @@ def test_unpicklable_loss_or_model_gives_rows_saying_why() -> None:
     p = leangrad.plan(model, x, lambda out: loss_fn(out), budget=1 << 30, repeats=1,
                       engines=[("backprop", {})], compile=True)  # fmt: skip
     rows = _rows(p)
-    assert set(rows) == {"compile", "compile(activation_memory_budget=0.5)"}
+    assert set(rows) == {"compile", "compile(activation_memory_budget=0.5)",
+                         "compile(regions=blocks)", "compile(regions=checkpoint)"}  # fmt: skip
     for row in rows.values():
         assert row.verdict.startswith("n/a: compile runs in a fresh process, and the loss_fn "
                                       "cannot be pickled")  # fmt: skip
@@ -120,10 +123,14 @@ def test_a_failed_or_timed_out_worker_is_a_failed_row_and_the_plan_goes_on(
     from leangrad.measure import _rss
 
     answers: list[Any] = [subprocess.TimeoutExpired("worker", pc.COMPILE_TIMEOUT_S),
-                          {"failed": "BackendCompilerFailed: inductor raised\nmore"}]  # fmt: skip
+                          {"failed": "BackendCompilerFailed: inductor raised\nmore"},
+                          RuntimeError("Traceback ...\nSegmentation fault\n"),
+                          {"failed": "Unsupported: a graph break"}]  # fmt: skip
+    regions: list[Any] = []
 
     def fake(module: str, payload: dict[str, Any], *, timeout: float) -> Any:
         assert module == pc.WORKER and Path(payload["path"]).is_file()
+        regions.append(payload["regions"])
         answer = answers.pop(0)
         if isinstance(answer, BaseException):
             raise answer
@@ -138,6 +145,10 @@ def test_a_failed_or_timed_out_worker_is_a_failed_row_and_the_plan_goes_on(
     assert rows["compile(activation_memory_budget=0.5)"].verdict == (
         "failed: BackendCompilerFailed: inductor raised"
     )
+    assert regions == [None, None, "blocks", "checkpoint"]
+    assert rows["compile(regions=blocks)"].verdict == pc.WORKER_FAILED.format(
+        why="Segmentation fault")
+    assert rows["compile(regions=checkpoint)"].verdict == "failed: Unsupported: a graph break"
     assert p.engine is not None and p.engine.label == "backprop"
 
 
@@ -170,7 +181,7 @@ def test_a_step_too_small_for_rss_is_not_compiled() -> None:
     p = leangrad.plan(model, x, loss_fn, budget=1 << 30, repeats=1, engines=[("backprop", {})],
                       compile=True)  # fmt: skip
     rows = _rows(p)
-    assert len(rows) == 2 and all(
+    assert len(rows) == 4 and all(
         r.verdict.startswith("n/a: backprop's step allocates") and r.compile_seconds is None
         for r in rows.values())  # fmt: skip
 

@@ -14,7 +14,8 @@ and RevBackprop where the model is a ``leangrad.Chain``, and, only when ``exact=
 randomized AD and Highway-BP — with an ``optimizer``, each also with per-layer optimizer
 steps inside ``on_grad`` (gradients never all live at once: Moonwalk v1, Algorithm 1), and
 with ``compile=True`` ``torch.compile`` itself, default and with an
-``activation_memory_budget``, each measured in a fresh process (:mod:`leangrad._plan_compile`) —
+``activation_memory_budget``, and each block compiled (regional compilation, with and
+without checkpointing), each measured in a fresh process (:mod:`leangrad._plan_compile`) —
 measures each one's peak memory with the allocator-level
 tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
 (medians of interleaved repeats), and returns the fastest that fits, with the table it
@@ -165,9 +166,13 @@ def plan(
             chosen engine under the same autocast (``leangrad train --precision bf16``).
         compile: also try ``torch.compile`` of the whole model, default and with AOT
             autograd's ``activation_memory_budget`` (:data:`leangrad._plan_compile.
-            COMPILE_BUDGETS`), each compiled cold and measured in a fresh process (the
-            model, inputs and loss_fn are pickled for it; where they cannot be, the rows
-            say why): about 20-30 s per setting on a small model, more on a large one.
+            COMPILE_BUDGETS`), and regional compilation: each of the model's blocks
+            compiled, under plain autograd and under checkpointing
+            (:data:`leangrad._plan_compile.COMPILE_REGIONS`; a model whose module tree
+            repeats no block has rows saying so); each compiled cold and measured in a
+            fresh process (the model, inputs and loss_fn are pickled for it; where they
+            cannot be, the rows say why): about 20-30 s per setting on a small model,
+            more on a large one.
             Exact meaning "equal to autograd up to float reassociation" (checked in that
             process). A compile that fails is a row ``failed: <reason>``.
 
@@ -235,9 +240,9 @@ def _plan(
                                                                  loss_fn=loss_fn)  # fmt: skip
     shown = Progress(progress, total=len(first) + 1)  # each candidate, then the timing
     if compile:
-        from ._plan_compile import COMPILE_BUDGETS
+        from ._plan_compile import compile_candidates
 
-        shown.grow(len(COMPILE_BUDGETS))
+        shown.grow(len(compile_candidates()))
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
                    too_big(model, xs, loss_fn, limit))  # fmt: skip
     for candidate in first:  # one at a time: the bar advances per candidate

@@ -1,9 +1,13 @@
 """Compiled candidates of :func:`leangrad.plan` (``plan(..., compile=True)``): ``torch.compile``
 of the whole model, with its default partition and with AOT autograd's
 ``activation_memory_budget`` (the min-cut recomputation of
-``torch._functorch.config.activation_memory_budget``, PyTorch 2.4+), each a row of the
+``torch._functorch.config.activation_memory_budget``, PyTorch 2.4+), and regional
+compilation — each of the model's blocks compiled, under plain autograd
+(``compile(regions=blocks)``) and under leangrad's per-block checkpointing
+(``compile(regions=checkpoint)``; :mod:`leangrad._plan_regional`) — each a row of the
 plan's table beside leangrad's engines, so a plan is never slower than what compile alone
-gives at a budget both meet.
+gives at a budget both meet. A model whose module tree repeats no block has regional rows
+saying so.
 
 How a compiled step is measured. On the CPU, inductor's generated code allocates buffers
 the tracker (a dispatch-mode tracker) never sees, so compile's memory is measurable only as
@@ -11,7 +15,8 @@ the resident set of a fresh process. Each setting therefore runs in its own proc
 (``python -m leangrad._plan_compile``, started by
 :func:`leangrad.measure._rss.run_json_worker`), which loads the model, inputs and loss
 from a ``torch.save`` pickle and runs the zoo suite's measurement of a compile
-(:func:`leangrad.measure._compile.compile_costs`): a cold compile (an empty inductor cache
+(:func:`leangrad.measure._compile.compile_costs`; a regional row's step is
+:class:`Compiled`'s own): a cold compile (an empty inductor cache
 of its own; its seconds are the first step's), the gradient against eager autograd's, the
 peak RSS of a compiled step and of an eager one, and both steps' medians of interleaved
 repeats. The row's peak is backprop's in this process (the tracker's) with its step part
@@ -24,8 +29,8 @@ A model, inputs or loss that cannot be pickled (a lambda, a class defined in ``_
 is a row saying why; a compile that fails (dynamo, inductor) or a worker that runs past
 :data:`COMPILE_TIMEOUT_S` is a row ``failed: <reason>``, and the plan goes on.
 
-The chosen engine, :class:`Compiled`, compiles the model on its first backward (once per
-model, kept) under the same setting.
+The chosen engine, :class:`Compiled`, compiles the model (or its blocks) on its first
+backward (once per model, kept) under the same setting.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 from torch import nn
 
 from ._plan_measure import Context, Tried, failed_verdict
+from ._plan_regional import REGIONS, Regional, regions_why
 from .engines import Engine, engine
 from .engines._backprop import grad_hooks
 from .engines._base import LossFn, OnGrad, StepResult, forward_loss
@@ -50,6 +56,7 @@ from .engines._base import LossFn, OnGrad, StepResult, forward_loss
 __all__ = [
     "COMPILE_BUDGETS",
     "COMPILE_NAME",
+    "COMPILE_REGIONS",
     "COMPILE_TIMEOUT_S",
     "Compiled",
     "compile_candidates",
@@ -62,6 +69,10 @@ COMPILE_NAME = "compile"
 ``leangrad.engine`` does not make it; :class:`Compiled` is the plan's engine)."""
 COMPILE_BUDGETS: tuple[float | None, ...] = (None, 0.5)
 """``activation_memory_budget`` settings tried (``None``: torch.compile's default)."""
+COMPILE_REGIONS: tuple[str, ...] = REGIONS
+"""Regional settings tried, each with the default partition (:mod:`leangrad._plan_regional`):
+``"blocks"`` (each block compiled, plain autograd), ``"checkpoint"`` (each block compiled
+and checkpointed)."""
 COMPILE_TIMEOUT_S = 900
 """Seconds one setting's worker (cold compile, RSS, timing) may take before its row fails."""
 MIN_RSS_BYTES = 1 << 20
@@ -109,20 +120,31 @@ WORKER = "leangrad._plan_compile"
 """The module run as each setting's fresh process."""
 
 
-def compile_options(budget: float | None) -> dict[str, Any]:
-    """The options of the compiled row for ``budget`` (empty for the default)."""
-    return {} if budget is None else {"activation_memory_budget": budget}
+def compile_options(budget: float | None, regions: str | None = None) -> dict[str, Any]:
+    """The options of the compiled row for ``budget`` and ``regions`` (empty for the
+    default: the whole model, its default partition)."""
+    opts: dict[str, Any] = {} if budget is None else {"activation_memory_budget": budget}
+    return opts if regions is None else {**opts, "regions": regions}
 
 
 def compile_candidates() -> list[tuple[str, dict[str, Any]]]:
-    """The compiled rows :func:`leangrad.plan` adds with ``compile=True``."""
-    return [(COMPILE_NAME, compile_options(b)) for b in COMPILE_BUDGETS]
+    """The compiled rows :func:`leangrad.plan` adds with ``compile=True``: the whole model
+    at each of :data:`COMPILE_BUDGETS`, then each of :data:`COMPILE_REGIONS`."""
+    return [(COMPILE_NAME, compile_options(b)) for b in COMPILE_BUDGETS] + [
+        (COMPILE_NAME, compile_options(None, r)) for r in COMPILE_REGIONS
+    ]
 
 
 class Compiled(Engine):
     """Backprop through ``torch.compile(model)``, with AOT autograd's
     ``activation_memory_budget`` patched in while it compiles and runs (``None``: the
     default partition, which saves what the min-cut partitioner chooses).
+
+    With ``regions``, each of the model's blocks is compiled instead of the model
+    (regional compilation, :mod:`leangrad._plan_regional`), in a copy that shares the
+    model's tensors: ``"blocks"`` runs it under plain autograd, ``"checkpoint"`` under
+    leangrad's ``checkpoint`` engine (each block checkpointed); the code between the
+    blocks runs eagerly.
 
     Exact in leangrad's sense: the gradient is autograd's up to float reassociation
     (inductor fuses and reorders reductions; the plan measured the difference). The model
@@ -138,17 +160,28 @@ class Compiled(Engine):
     name = COMPILE_NAME
     exact = True
 
-    def __init__(self, *, activation_memory_budget: float | None = None) -> None:
+    def __init__(self, *, activation_memory_budget: float | None = None,
+                 regions: str | None = None) -> None:  # fmt: skip
         b = activation_memory_budget
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
                               or not 0 < b <= 1):  # fmt: skip
             raise ValueError(BAD_COMPILE_BUDGET.format(value=b))
-        super().__init__(**compile_options(None if b is None else float(b)))
+        self._regional = None if regions is None else Regional(regions)  # checks regions
+        super().__init__(**compile_options(None if b is None else float(b), regions))
         self.budget = None if b is None else float(b)
+        self.regions = regions
         self._compiled: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}
 
+    def supports(self, model: nn.Module) -> str | None:
+        """``None``, or (with ``regions``) why the model has no blocks to compile."""
+        return None if self.regions is None else regions_why(model)
+
     def compiled(self, model: nn.Module) -> Callable[..., Any]:
-        """``torch.compile(model)``, made once per model and kept."""
+        """``torch.compile(model)``, made once per model and kept; with ``regions``, the
+        copy of ``model`` whose blocks are compiled (``checkpoint`` runs its own copy of
+        that, each block wrapped again)."""
+        if self._regional is not None:
+            return self._regional.prepared(model)[0]
         kept = self._compiled.get(id(model))
         if kept is None or kept[0] is not model:
             kept = (model, torch.compile(model))
@@ -159,6 +192,10 @@ class Compiled(Engine):
                   params: dict[str, nn.Parameter],
                   on_grad: OnGrad | None) -> StepResult:  # fmt: skip
         with _budget(self.budget):
+            if self._regional is not None:
+                loss, info = self._regional.backward(self.label, model, inputs, loss_fn,
+                                                     params, on_grad)  # fmt: skip
+                return self._result(loss, **info)
             loss = forward_loss(self.label, self.compiled(model), inputs, loss_fn)
             with grad_hooks(params, on_grad):
                 loss.backward()
@@ -208,6 +245,9 @@ def measure_compiled(ctx: Context, tried: list[Tried], *, repeats: int,
             tried.extend(_row(opts, verdict=f"n/a: {why}") for _, opts in todo)
             return
         for _, opts in todo:
+            if "regions" in opts and (why := regions_why(ctx.model)) is not None:
+                tried.append(_row(opts, verdict=f"n/a: {why}"))
+                continue
             if ctx.progress is not None:
                 ctx.progress(f"compiling {Compiled(**opts).label} in a fresh process")
             tried.append(_measured(opts, path, ctx, ref.baseline_bytes, ref.peak_bytes,
@@ -241,6 +281,7 @@ def _measured(opts: dict[str, Any], path: str, ctx: Context, baseline: int, step
     from .measure._rss import run_json_worker
 
     payload = {"path": path, "budget": opts.get("activation_memory_budget"),
+               "regions": opts.get("regions"),
                "repeats": max(3, repeats), "threads": torch.get_num_threads(),
                "sys_path": [p for p in sys.path if p]}  # fmt: skip
     try:
@@ -298,10 +339,18 @@ def main() -> None:
         return
     from .measure._compile import cold_inductor_cache, compile_costs
 
+    budget, regions = payload.get("budget"), payload.get("regions")
+    step = None
+    if regions is not None:  # the engine's own step: a copy with each block compiled
+        eng = Compiled(activation_memory_budget=budget, regions=regions)
+
+        def step() -> None:
+            eng.backward(model, xs, loss_fn)
+
     try:
         with cold_inductor_cache("leangrad-plan-inductor-"):  # no earlier compile reused
-            out = compile_costs(model, xs, loss_fn, payload.get("budget"),
-                                int(payload["repeats"]))  # fmt: skip
+            out = compile_costs(model, xs, loss_fn, budget, int(payload["repeats"]),
+                                step=step)  # fmt: skip
     except Exception as err:  # a compile failure is the row's finding
         out = {"failed": failed_verdict(err).removeprefix("failed: ")}
     print(json.dumps(out))

@@ -84,18 +84,25 @@ def _call(model: Callable[..., Any], inputs: Any) -> Any:
 
 
 def compile_costs(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor],
-                  budget: float | None, repeats: int) -> dict[str, Any]:  # fmt: skip
+                  budget: float | None, repeats: int, *,
+                  step: Callable[[], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """``torch.compile(model)`` (``budget``: ``activation_memory_budget``, ``None`` for the
     default) beside eager backprop: ``compile_s``, ``grad_max_rel_err``, ``grad_cosine``,
     ``rss``/``rss_eager`` (CPU) or ``cuda_peak``/``cuda_peak_eager`` (CUDA), ``t``/``t_eager``.
-    ``inputs``: one tensor, or a tuple for ``model(*inputs)``."""
+    ``inputs``: one tensor, or a tuple for ``model(*inputs)``. ``step``: another compiled
+    step to measure in its place (forward and backward of ``model``'s loss, compiling on its
+    first call: regional compilation, :mod:`leangrad._plan_regional`); each run starts
+    with the model's ``.grad`` set to None."""
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
     eager = stepper(model, lambda: loss_fn(_call(model, inputs)).backward())
     torch._dynamo.reset()
-    compiled_model: Any = torch.compile(model)
-    compiled = stepper(model, lambda: loss_fn(_call(compiled_model, inputs)).backward())
+    if step is None:
+        compiled_model: Any = torch.compile(model)
+        compiled = stepper(model, lambda: loss_fn(_call(compiled_model, inputs)).backward())
+    else:
+        compiled = stepper(model, step)
     patch = (
         contextlib.nullcontext()
         if budget is None

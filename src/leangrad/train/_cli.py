@@ -351,9 +351,10 @@ def add_plan_parser(sub: Any) -> None:
                    "--step-per-layer when that is chosen)")
     a.add_argument("--lr", type=cli_types.positive_float, default=0.01, help="with --optimizer")
     a.add_argument("--compile", action="store_true",
-                   help="also try torch.compile of the whole model, default and with an "
-                   "activation_memory_budget, each compiled cold and measured in a fresh "
-                   "process (about 20-30 s per setting on a small model)")
+                   help="also try torch.compile: of the whole model, default and with an "
+                   "activation_memory_budget, and of each repeated block (regional "
+                   "compilation, alone and checkpointed), each compiled cold and measured "
+                   "in a fresh process (about 20-60 s per setting on a small model)")
     a.add_argument("--save", default=None, metavar="FILE",
                    help="write the plan to FILE as JSON, for `leangrad train --plan FILE` "
                    "or leangrad.Plan.load (also when nothing fits)")
