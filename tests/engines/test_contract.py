@@ -38,7 +38,7 @@ TOL = 1e-10
 VARIANTS: dict[str, list[dict[str, object]]] = {
     "checkpoint": [{}, {"segments": 2}, {"trace": True}, {"fragments": 2},
                    {"fragments": 3, "sequence_fragments": 2}, {"levels": 2},
-                   {"levels": 2, "fragments": 2}],
+                   {"levels": 2, "fragments": 2}, {"fragments": 2, "fragment_blocks": 1}],
     "forward": [{"chunk_size": 7}],
     "projforward": [{"samples": 3, "chunk_size": 2, "seed": 0}],
     "moonwalk": [

@@ -42,6 +42,7 @@ that group blocks, run blocks again outside their FSDP unit or copy modules are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import random
@@ -64,7 +65,7 @@ from ._checkpoint_plan import block_offers, time_chunk_offers
 from ._fragments import BAD_FRAGMENTS, Fragmenter
 from ._generators import generator_replay
 from ._prepare import PreparedCache, Wrapper, share_copy
-from ._segments import auto_segments, block_sizes
+from ._segments import auto_segments, block_sizes, largest, saved_inside
 from ._signature import untraceable_signature
 from ._time_chunks import BAD_TIME_CHUNKS, chunk_recurrent, fused_recurrent, unchunkable
 from ._two_level import (
@@ -121,6 +122,27 @@ FSDP1_REFUSED = (
     "checkpoint on a FullyShardedDataParallel (FSDP1) model: checkpoint runs through "
     "DistributedDataParallel and FSDP2 only (checked to average its gradients as backprop's); "
     "shard the model with fully_shard (FSDP2), or wrap it in DistributedDataParallel"
+)
+BAD_FRAGMENT_BLOCKS = (
+    "fragment_blocks must be a positive int (that many of the largest checkpointed blocks), "
+    "a list of block names or None (every checkpointed block), got {value!r}"
+)
+FRAGMENT_BLOCKS_NEED_FRAGMENTS = (
+    "fragment_blocks={value!r} names the blocks that run in fragments of the batch, and "
+    "fragments= is not set; add fragments=k (e.g. fragments=4), or drop fragment_blocks="
+)
+FRAGMENT_BLOCKS_UNKNOWN = (
+    "fragment_blocks names {names}, which {model}'s checkpointing does not recompute; the "
+    "recomputed blocks: {known} (name them, or add them to blocks=)"
+)
+NOT_NAMED = "not named by fragment_blocks: runs whole"
+NOT_LARGEST = (
+    "not among the {n} largest (saves {size} inside, the smallest fragmented {smallest}; "
+    "sized on fake tensors at this step's shapes): runs whole"
+)
+UNSIZED = (
+    "fragment_blocks={n}: the blocks could not be sized on fake tensors ({error}); every "
+    "checkpointed block runs in fragments"
 )
 CHUNKS_AND_SEGMENTS = (
     "time_chunks= and segments= cannot be combined: with time_chunks each block is "
@@ -293,6 +315,15 @@ class Checkpoint(Engine):
             couples its examples (training-mode BatchNorm, dropout) or fails the first
             call's probe runs whole; :func:`leangrad.explain` and the step's
             ``info["whole"]`` say which and why. ``None`` (the default): every block whole.
+        fragment_blocks: which checkpointed blocks run in ``fragments`` (the others are
+            recomputed whole, as plain checkpointing): a list of block names, or an int
+            ``n``, the ``n`` blocks that save the most bytes inside (measured on fake
+            tensors at each new input shape, :func:`~leangrad.engines._segments.saved_inside`).
+            Fragments cost time (with training-mode BatchNorm, two extra recomputations of
+            a ResNet block): where a few blocks hold most of the activations (a CNN's first
+            stage at high resolution) fragmenting only those lowers the peak about as much
+            for a fraction of the time. ``None`` (the default): every checkpointed block.
+            The step's ``info["fragmented"]`` lists the blocks chosen.
         sequence_fragments: inside each checkpointed block, run each child module with at
             least two parametrized layers that works position by position (an MLP; the
             first call's probe decides: attention mixes positions and runs whole) in this
@@ -343,6 +374,7 @@ class Checkpoint(Engine):
         fragments: int | None = None,
         sequence_fragments: int | None = None,
         levels: int = 1,
+        fragment_blocks: Sequence[str] | int | None = None,
     ) -> None:
         ok = segments is None or segments in ("sqrt", "auto")
         ok = ok or (isinstance(segments, int) and not isinstance(segments, bool) and segments > 0)
@@ -362,6 +394,7 @@ class Checkpoint(Engine):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 2):  # fmt: skip
                 raise ValueError(BAD_FRAGMENTS.format(value=value))
+        fragment_blocks = _fragment_blocks(fragment_blocks, fragments)
         if levels not in (1, 2) or isinstance(levels, bool) or not isinstance(levels, int):
             raise ValueError(BAD_LEVELS.format(value=levels))
         if levels == 2 and segments == "auto":
@@ -370,8 +403,9 @@ class Checkpoint(Engine):
             raise ValueError(LEVELS_AND_CHUNKS)
         super().__init__(segments=segments, blocks=blocks, trace=trace, time_chunks=time_chunks,
                          fragments=fragments, sequence_fragments=sequence_fragments,
-                         levels=levels)  # fmt: skip
+                         levels=levels, fragment_blocks=fragment_blocks)  # fmt: skip
         self.segments = segments
+        self.fragment_blocks = fragment_blocks
         self.trace = trace
         self.time_chunks = time_chunks
         self.fragments = fragments
@@ -386,6 +420,7 @@ class Checkpoint(Engine):
         self._by_position: PreparedCache[list[nn.Module]] = PreparedCache()
         self._cells: PreparedCache[tuple[TwoLevel, list[_Checkpointed]]] = PreparedCache()
         self._in_place: PreparedCache[list[tuple[nn.Module, _InPlace]]] = PreparedCache()
+        self._chosen: PreparedCache[_Chosen] = PreparedCache()
 
     @property
     def probes(self) -> bool:
@@ -490,7 +525,8 @@ class Checkpoint(Engine):
         runner = Checkpoint(blocks=list(found.names), trace=self.trace, time_chunks=chunks,
                             fragments=self.fragments,
                             sequence_fragments=self.sequence_fragments, levels=self.levels,
-                            segments=self.segments if self.levels == 2 else None)  # fmt: skip
+                            segments=self.segments if self.levels == 2 else None,
+                            fragment_blocks=self.fragment_blocks)  # fmt: skip
         return new, runner
 
     def transform_blocks(self, model: nn.Module) -> tuple[str, ...]:
@@ -563,6 +599,7 @@ class Checkpoint(Engine):
         def via(forward: Callable[..., Any]) -> Callable[..., Any]:
             return forward if wrapper is None else through_ddp(outer, forward)  # DDP's own
 
+        chosen = self._choose(model, found, inputs)
         if self.levels == 2 and found.sequential:
             return self._two_level_sequence(model, found, via, inputs, loss_fn, params,
                                             on_grad)  # fmt: skip
@@ -588,6 +625,7 @@ class Checkpoint(Engine):
                 info["whole"] = {n: m.fragmenter.last for n, m in wrapped.named_modules()
                                  if isinstance(m, _Checkpointed) and m.fragmenter is not None
                                  and m.fragmenter.last is not None}  # fmt: skip
+                info.update(_chosen_info(chosen, info["whole"]))
             return self._result(loss, **info)
         mods: list[Any] = [found.modules[n] for n in found.names]
         groups = self._groups(len(mods))
@@ -627,7 +665,9 @@ class Checkpoint(Engine):
                     return checkpoint(seg, *a, use_reentrant=False,
                                       context_fn=generator_replay(seg.blocks))  # fmt: skip
 
-                if self.fragments is None:
+                names = [found.names[j] for j in group]
+                skip = chosen is not None and not any(chosen.allows(n) for n in names)
+                if self.fragments is None or skip:
                     out = plain(*args)
                     continue
                 key = tuple(id(b) for b in seg.blocks)
@@ -643,7 +683,55 @@ class Checkpoint(Engine):
         with grad_hooks(params, on_grad):
             loss.backward()
         more: dict[str, Any] = {"whole": whole} if self.fragments is not None else {}
+        if self.fragments is not None:
+            more.update(_chosen_info(chosen, whole))
         return self._result(loss, segments=len(groups), **more)
+
+    def _choose(self, model: nn.Module, found: Blocks,
+                inputs: tuple[torch.Tensor, ...]) -> _Chosen | None:  # fmt: skip
+        """With ``fragment_blocks``, the blocks that run in fragments this step (the
+        :class:`_Chosen` the model's block wrappers read): the names given (refused where
+        a name is not recomputed), or the ``n`` recomputed blocks that save the most bytes
+        inside, sized on fake tensors once per input shape (:func:`saved_inside`)."""
+        if self.fragment_blocks is None or self.fragments is None:
+            return None
+        chosen = self._chosen.get(model, lambda _m: _Chosen())
+        recomputed = self.recomputed(found)
+        key = tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
+        if key not in chosen.by_shape:
+            chosen.by_shape[key] = self._select(model, found, recomputed, inputs)
+        chosen.now = chosen.by_shape[key]
+        return chosen
+
+    def _select(self, model: nn.Module, found: Blocks, recomputed: list[str],
+                inputs: tuple[torch.Tensor, ...]) -> _Selection:  # fmt: skip
+        """What :meth:`_choose` sets for one input shape."""
+        if not isinstance(self.fragment_blocks, int):
+            named = list(self.fragment_blocks or [])
+            unknown = [n for n in named if n not in recomputed]
+            if unknown:
+                raise errors.EngineInputError(FRAGMENT_BLOCKS_UNKNOWN.format(
+                    names=unknown, model=type(model).__name__, known=recomputed))  # fmt: skip
+            return _Selection(set(named), {n: NOT_NAMED for n in recomputed if n not in named},
+                              None, None)  # fmt: skip
+        n = self.fragment_blocks
+        if found.sequential:
+            root: nn.Module = model
+            run: Callable[..., object] = _Segment([found.modules[b] for b in found.names])
+        else:
+            root = found.runner if found.runner is not None else model
+            run = root
+        try:
+            sizes = saved_inside(root, run, {b: found.modules[b] for b in recomputed}, inputs)
+        except Exception as err:  # a forward that reads values: every block in fragments
+            first = (str(err).strip().splitlines() or [""])[0][:120]
+            why = UNSIZED.format(n=n, error=f"{type(err).__name__}: {first}")
+            return _Selection(set(recomputed), {}, None, why)
+        top = largest(sizes, n)
+        smallest = min((sizes[b] for b in top), default=0)
+        whole = {b: NOT_LARGEST.format(n=n, size=_fmt(sizes[b]), smallest=_fmt(smallest))
+                 for b in recomputed if b not in top}  # fmt: skip
+        return _Selection(set(top), whole, sizes, None)
 
     def _two_level_sequence(
         self,
@@ -659,7 +747,7 @@ class Checkpoint(Engine):
         after another (the first takes the inputs unpacked, every later one the previous
         output whole), in outer segments (:mod:`leangrad.engines._two_level`); ``via``
         runs the sequence (through DDP's forward, on a DDP model)."""
-        chain, cells = self._cells.get(model, lambda _m: self._two_level_cells(found))
+        chain, cells = self._cells.get(model, lambda m: self._two_level_cells(m, found))
 
         def run(*xs: torch.Tensor) -> object:
             out: object = cells[0](*xs)
@@ -677,6 +765,7 @@ class Checkpoint(Engine):
             frags = [(n, c.fragmenter) for n, c in zip(found.names, cells, strict=True)]
             info["whole"] = {n: f.last for n, f in frags
                              if f is not None and f.last is not None}  # fmt: skip
+            info.update(_chosen_info(self._chosen_now(model), info["whole"]))
         return self._result(loss, **info)
 
     def _in_fsdp_units(
@@ -707,15 +796,39 @@ class Checkpoint(Engine):
             loss.backward()
         return self._result(loss, blocks=len(found), checkpointed=len(names))
 
-    def _two_level_cells(self, found: Blocks) -> tuple[TwoLevel, list[_Checkpointed]]:
+    def fragment_choice(self, model: nn.Module) -> tuple[set[str] | None, dict[str, str]]:
+        """For :func:`leangrad.explain`: the blocks ``fragment_blocks`` runs in fragments and
+        why each other one runs whole; ``(None, {})`` where it is every block, or a number
+        of blocks not yet sized (that happens at the first step, per input shape)."""
+        if self.fragment_blocks is None or self.fragments is None:
+            return None, {}
+        if not isinstance(self.fragment_blocks, int):
+            named = set(self.fragment_blocks)
+            return named, {n: NOT_NAMED for n in self.recomputed(self.blocks(model))
+                           if n not in named}  # fmt: skip
+        chosen = self._chosen_now(_unwrap(model)[0])
+        if chosen is None or not chosen.by_shape:
+            return None, {}
+        return set(chosen.now.names), dict(chosen.now.whole)
+
+    def _chosen_now(self, model: nn.Module) -> _Chosen | None:
+        """The model's :class:`_Chosen` (shared by its block wrappers), or ``None`` without
+        ``fragment_blocks``."""
+        if self.fragment_blocks is None or self.fragments is None:
+            return None
+        return self._chosen.get(model, lambda _m: _Chosen())
+
+    def _two_level_cells(self, model: nn.Module,
+                         found: Blocks) -> tuple[TwoLevel, list[_Checkpointed]]:  # fmt: skip
         chain = TwoLevel(len(found), outer_segments(len(found), self.segments))
+        chosen = self._chosen_now(model)
         cells = []
         for name in found.names:
             block = found.modules[name]
             if self.sequence_fragments is not None:
                 block = by_position(block, self.sequence_fragments)
             cells.append(_Checkpointed(block, trace=self.trace, fragments=self.fragments,
-                                       two_level=chain, name=name))  # fmt: skip
+                                       two_level=chain, name=name, chosen=chosen))  # fmt: skip
         return chain, cells
 
     def _wrap(self, model: nn.Module, found: Blocks) -> nn.Module:
@@ -723,6 +836,7 @@ class Checkpoint(Engine):
         each checkpointed block wrapped."""
         new = share_copy(found.runner if found.runner is not None else model)
         checkpointed = self.recomputed(found)
+        chosen = self._chosen_now(model)
         chain = None
         if self.levels == 2:
             chain = TwoLevel(len(checkpointed), outer_segments(len(checkpointed), self.segments))
@@ -733,10 +847,76 @@ class Checkpoint(Engine):
                 block = by_position(block, self.sequence_fragments)
             new.set_submodule(name, _Checkpointed(block, trace=self.trace,
                                                   fragments=self.fragments, two_level=chain,
-                                                  name=name))  # fmt: skip
+                                                  name=name, chosen=chosen))  # fmt: skip
         if self.time_chunks is not None:
             chunk_recurrent(new, self.time_chunks, skip=tuple(checkpointed))
         return new
+
+
+def _fragment_blocks(value: Sequence[str] | int | str | None,
+                     fragments: int | None) -> list[str] | int | None:  # fmt: skip
+    """``fragment_blocks=`` checked: a list of names, a positive int or ``None`` (from the
+    CLI, ``"a,b"`` or ``"3"``)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = int(value) if value.strip().isdigit() else [
+            v.strip() for v in value.split(",") if v.strip()]  # fmt: skip
+    if isinstance(value, bool) or (isinstance(value, int) and value < 1):
+        raise ValueError(BAD_FRAGMENT_BLOCKS.format(value=value))
+    if not isinstance(value, int):
+        if not isinstance(value, (list, tuple)) or not value or not all(
+                isinstance(v, str) for v in value):  # fmt: skip
+            raise ValueError(BAD_FRAGMENT_BLOCKS.format(value=value))
+        value = list(value)
+    if fragments is None:
+        raise ValueError(FRAGMENT_BLOCKS_NEED_FRAGMENTS.format(value=value))
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Selection:
+    """The checkpointed blocks that run in fragments for one input shape (``names``), why
+    each other one runs whole (``whole``), the sizes that chose them (bytes saved inside
+    each block; ``None`` for a list of names) and why nothing was sized (``note``)."""
+
+    names: set[str]
+    whole: dict[str, str]
+    sizes: dict[str, int] | None
+    note: str | None
+
+
+class _Chosen:
+    """``fragment_blocks`` on one model: the selection of the step running now (``now``,
+    read by the blocks' wrappers), per input shape (``fragment_blocks=n`` is sized once per
+    shape)."""
+
+    def __init__(self) -> None:
+        self.now = _Selection(set(), {}, None, None)
+        self.by_shape: dict[Any, _Selection] = {}
+
+    def allows(self, name: str) -> bool:
+        return name in self.now.names
+
+
+def _chosen_info(chosen: _Chosen | None, whole: dict[str, str]) -> dict[str, Any]:
+    """The step's info under ``fragment_blocks``: the blocks fragmented (``fragmented``),
+    the others added to ``whole`` with why, the sizes that chose them (``block_bytes``);
+    nothing without it."""
+    if chosen is None:
+        return {}
+    sel = chosen.now
+    whole.update(sel.whole)
+    info: dict[str, Any] = {"fragmented": sorted(sel.names)}
+    if sel.sizes is not None:
+        info["block_bytes"] = dict(sel.sizes)
+    if sel.note is not None:
+        info["fragment_note"] = sel.note
+    return info
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 class _Checkpointed(Wrapper):
@@ -747,8 +927,10 @@ class _Checkpointed(Wrapper):
     (:mod:`leangrad.engines._two_level`; ``name`` names the block in its errors)."""
 
     def __init__(self, inner: nn.Module, *, trace: bool, fragments: int | None = None,
-                 two_level: TwoLevel | None = None, name: str = "") -> None:  # fmt: skip
+                 two_level: TwoLevel | None = None, name: str = "",
+                 chosen: _Chosen | None = None) -> None:  # fmt: skip
         super().__init__(inner)
+        self.__dict__["chosen"] = chosen
         self._traced = _Traced(inner) if trace else None
         self.__dict__["fragmenter"] = (None if fragments is None
                                        else Fragmenter([inner], fragments=fragments))  # fmt: skip
@@ -770,6 +952,9 @@ class _Checkpointed(Wrapper):
             return checkpoint(run, *a, use_reentrant=False, context_fn=replay, **kw)
 
         frag: Fragmenter | None = self.__dict__["fragmenter"]
+        chosen: _Chosen | None = self.__dict__["chosen"]
+        if chosen is not None and not chosen.allows(self.__dict__["block_name"]):
+            frag = None  # fragment_blocks: recomputed whole
 
         def call(*a: Any, **kw: Any) -> Any:
             return plain(*a, **kw) if frag is None else frag(run, plain, *a, **kw)

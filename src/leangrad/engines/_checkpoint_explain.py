@@ -35,6 +35,11 @@ class CheckpointLike(Protocol):
     def levels(self) -> int: ...
 
     @property
+    def fragment_blocks(self) -> list[str] | int | None: ...
+
+    def fragment_choice(self, model: nn.Module) -> tuple[set[str] | None, dict[str, str]]: ...
+
+    @property
     def segments(self) -> int | str | None: ...
 
     def blocks(self, model: nn.Module) -> Blocks: ...
@@ -68,13 +73,22 @@ def block_lines(base: CheckpointLike, model: nn.Module, *,
                                                else f"as written: {why}")  # fmt: skip
             (traced if why is None else written).append(name)
     if base.fragments is not None:
+        chosen, whole = base.fragment_choice(model)
         for name in recomputed:
+            if name in whole:  # fragment_blocks left it out
+                status[name] += f", whole: {whole[name]}"
+                continue
             block = [found.modules[name]]
             split = split_reason(block)
             if split is not None:
                 status[name] += f", whole: {split}"
                 continue
             status[name] += f", in {base.fragments} fragments of the batch"
+            if isinstance(base.fragment_blocks, int) and chosen is None:
+                status[name] += (f" if among the {base.fragment_blocks} blocks saving the most "
+                                 "bytes inside (sized on fake tensors at the first step)")
+            elif isinstance(base.fragment_blocks, int):
+                status[name] += f" (among the {base.fragment_blocks} largest)"
             if static_reason(block) is not None:  # BatchNorm: frozen statistics
                 status[name] += (" (training-mode BatchNorm: its statistics frozen, its "
                                  "backward's batch sums gathered in extra passes)")  # fmt: skip

@@ -2,10 +2,10 @@
 :meth:`~leangrad.engines._base.Engine.plan_candidates`): per block, ``"auto"``, ``"sqrt"``
 and fewer segments for a sequence; every block, fewer blocks and the fx code of blocks for
 a model run as written; the module transforms under checkpointing; blocks recomputed in
-fragments of the batch, a CNN's stem beside its blocks, two levels, the stages that group
-a U-Net's blocks (its skips then cross stage boundaries only); fused recurrent
-modules in time chunks (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
-Cost")."""
+fragments of the batch (every block, or a CNN's largest few), a CNN's stem beside its
+blocks, two levels, the stages that group a U-Net's blocks (its skips then cross stage
+boundaries only); fused recurrent modules in time chunks (Chen et al. 2016, "Training
+Deep Nets with Sublinear Memory Cost")."""
 
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ from ._blocks import Blocks
 from ._fragments import split_reason
 from ._time_chunks import fused_recurrent
 
-__all__ = ["FRAGMENTS", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS", "block_offers", "fragment_offers",
-           "stage_modules", "stem_modules", "time_chunk_offers"]  # fmt: skip
+__all__ = ["FRAGMENTS", "LARGEST_BLOCKS", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS", "block_offers",
+           "fragment_offers", "stage_modules", "stem_modules", "time_chunk_offers"]  # fmt: skip
 
 FRAGMENTS = (2, 4, 8)
 """Fragment counts the planner tries for checkpointed blocks (those up to the batch's
 examples, where the loss says how many)."""
+LARGEST_BLOCKS = (1, 2, 3)
+"""``fragment_blocks=n`` the planner tries beside a CNN's stem: the ``n`` checkpointed
+blocks that save the most inside run in fragments (fewest first), sized at the step."""
 TWO_LEVEL_BLOCKS = 4
 """Two-level checkpointing (``levels=2``) is a candidate where at least this many blocks
 were found: below it, ⌈√L⌉ outer segments keep about as many boundaries as one level."""
@@ -86,6 +89,11 @@ def fragment_offers(model: nn.Module, found: Blocks,
         every = [*stem, *found.names]
         out += [("checkpoint", {"blocks": every})]
         out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
+        if not stage_modules(model, found):  # a U-Net's stages are offered below
+            # where a few blocks at high resolution hold most activations (a ResNet's first
+            # stage): only the largest in fragments (fewest first), the others whole
+            out += [("checkpoint", {"blocks": every, "fragments": k, "fragment_blocks": n})
+                    for k in ks[1:] for n in LARGEST_BLOCKS]  # fmt: skip
     if len(found.names) >= TWO_LEVEL_BLOCKS and ks:  # boundaries: the floor under fragments
         two: dict[str, Any] = {"levels": 2}
         if stem:

@@ -13,17 +13,24 @@ with saved-tensor hooks measures ``a_i`` and ``s_i`` (the RNG is forked and stat
 are put back, so the step itself is unchanged); the split is then the best of every
 greedy split under a cap on segment activations, and of every equal split by count
 (so it is never estimated worse than ``checkpoint_sequential`` with any segment count).
+
+:func:`saved_inside` sizes the blocks of any model for ``fragment_blocks=n`` (issue 31):
+the bytes autograd saves inside each block during one forward, on fake tensors (shapes
+only: nothing is allocated or computed, the model's tensors are untouched).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 
-__all__ = ["auto_segments", "block_sizes", "estimate"]
+__all__ = ["auto_segments", "block_sizes", "estimate", "largest", "saved_inside"]
 
 
 def _bytes(t: torch.Tensor, seen: set[int]) -> int:
@@ -107,3 +114,84 @@ def auto_segments(a: Sequence[int], s: Sequence[int]) -> list[range]:
         caps = [caps[round(q * (len(caps) - 1) / 255)] for q in range(256)]
     candidates = [_greedy(c, s) for c in caps] + [_equal(n, k) for k in range(1, n + 1)]
     return min(candidates, key=lambda g: (estimate(g, a, s), len(g)))
+
+
+class _Run(nn.Module):
+    """``fn(*xs)`` as a module over ``root`` (what :func:`torch.func.functional_call`
+    swaps the tensors of)."""
+
+    fn: Callable[..., object]
+
+    def __init__(self, root: nn.Module, fn: Callable[..., object]) -> None:
+        super().__init__()
+        self.root = root
+        self.__dict__["fn"] = fn  # not registered: ``fn`` may be ``root`` itself
+
+    def forward(self, *xs: object) -> object:
+        return self.fn(*xs)
+
+
+def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[str, nn.Module],
+                 inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:  # fmt: skip
+    """The bytes autograd saves inside each of ``modules`` (by name) during ``run(*inputs)``,
+    ``root`` holding every tensor it reads: the internals a block's recomputation holds at
+    once (its inputs, kept by checkpointing anyway, and the parameters and buffers are not
+    counted; a tensor saved twice counts once). Measured on fake tensors under
+    ``FakeTensorMode``: shapes only, nothing allocated, the real parameters, buffers and
+    RNG untouched. Raises what the forward
+    raises on fake tensors (a step that reads values)."""
+    sizes = dict.fromkeys(modules, 0)
+    stack: list[tuple[str, set[int]]] = []  # the running block, its inputs' storages
+    seen: set[int] = set()
+
+    def key(t: torch.Tensor) -> int:
+        return int(t.untyped_storage()._cdata)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if stack and key(t) not in stack[-1][1] and key(t) not in seen:
+            seen.add(key(t))
+            sizes[stack[-1][0]] += t.untyped_storage().nbytes()
+        return t
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            ins = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+            stack.append((name, {key(v) for v in ins}))
+
+        return hook
+
+    def leave(_m: nn.Module, _args: object, _out: object) -> None:
+        stack.pop()
+
+    handles = []
+    for name, module in modules.items():
+        handles += [module.register_forward_pre_hook(enter(name), with_kwargs=True),
+                    module.register_forward_hook(leave)]  # fmt: skip
+    wrapper = _Run(root, run)
+    devices = [x.device for x in inputs if x.device.type == "cuda"]
+    try:
+        mode = FakeTensorMode()
+        with mode:  # fakes made here; swapped in and back outside it (its ops follow them)
+            state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in itertools.chain(
+                wrapper.named_parameters(remove_duplicate=False),
+                wrapper.named_buffers(remove_duplicate=False))}  # fmt: skip
+            fake = tuple(mode.from_tensor(x) for x in inputs)
+        seen.update(key(t) for t in state.values())  # parameters, buffers: not activations
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            functional_call(wrapper, state, fake)
+    finally:
+        for h in handles:
+            h.remove()
+    return sizes
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def largest(sizes: Mapping[str, int], n: int) -> list[str]:
+    """The ``n`` names with the largest sizes (ties: the earlier first), in their order."""
+    order = list(sizes)
+    top = set(sorted(order, key=lambda k: (-sizes[k], order.index(k)))[:n])
+    return [k for k in order if k in top]
