@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from leangrad.bench._fad import METHODS, render, run_fad
-from leangrad.bench._suites import load_suite
+from leangrad.bench._suites import RunSettings, load_suite
 
 TINY = """
 runner = "leangrad.bench._fad:run_fad"
@@ -38,7 +38,7 @@ seq = 8
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     path = tmp_path_factory.mktemp("suite") / "fad.toml"
     path.write_text(TINY)
-    return run_fad(load_suite(str(path)), quick=False, progress=False, threads=[1, 2])
+    return run_fad(load_suite(str(path)), RunSettings(quick=False, progress=False, threads=[1, 2]))
 
 
 def test_records_cover_every_method_and_activation(records: list[dict]) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from leangrad.bench._highway import char_corpus, run_convergence, run_rnn, run_train
 from leangrad.bench._highway_report import render
-from leangrad.bench._suites import load_suite
+from leangrad.bench._suites import RunSettings, load_suite
 
 
 def _tiny(name: str, **settings: object):  # type: ignore[no-untyped-def]
@@ -35,7 +35,7 @@ def test_char_corpus_reads_the_standard_library() -> None:
 
 def test_rnn_suite_records_and_report(tmp_path: Path) -> None:
     suite = _tiny("highway-rnn", hidden=8, batch=2, vocab=11, ks=[0, 7], quick_repeats=1)
-    recs = run_rnn(suite, quick=True, progress=False, threads=[1, 2])
+    recs = run_rnn(suite, RunSettings(quick=True, progress=False, threads=[1, 2]))
     steps = [r for r in recs if r["kind"] == "highway-rnn"]
     labels = {r["engine"] for r in steps}
     assert {"bptt", "nn.GRU", "nn.LSTM", "highway(k=0)", "highway(k=7)", "fpi(k=2)"} <= labels
@@ -57,7 +57,7 @@ def test_rnn_suite_records_and_report(tmp_path: Path) -> None:
 def test_training_suites_records_and_report(runner, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     name = "highway-train" if runner is run_train else "highway-convergence"
     suite = _tiny(name, quick_steps=2, quick_eval_every=1, ks=[0, 1], points=[0, 1])
-    recs = runner(suite, quick=True, progress=False)
+    recs = runner(suite, RunSettings(quick=True, progress=False))
     assert {r["series"] for r in recs} == {"char-gru", "preact-resnet"}
     if runner is run_train:
         labels = {r["engine"] for r in recs}

@@ -22,7 +22,7 @@ from leangrad.bench._highway_transformer import (
     render,
     run_transformer,
 )
-from leangrad.bench._suites import load_suite
+from leangrad.bench._suites import RunSettings, load_suite
 from leangrad.engines import engine
 from leangrad.highway import HighwayNet, PostLNSublayer, PreLNSublayer
 from leangrad.measure import compare_grads, grads_of
@@ -145,7 +145,7 @@ def _tiny_suite():  # type: ignore[no-untyped-def]
 
 def test_the_suite_runs_end_to_end_and_its_report_reads_its_records(tmp_path: Path) -> None:
     suite = _tiny_suite()
-    recs = run_transformer(suite, quick=True, progress=False, threads=[1, 2])
+    recs = run_transformer(suite, RunSettings(quick=True, progress=False, threads=[1, 2]))
     curves = [r for r in recs if r["kind"] == KIND]
     steps = [r for r in recs if r["kind"] == STEP_KIND]
     assert {r["series"] for r in curves} == {"pre-ln-small", "post-ln"}

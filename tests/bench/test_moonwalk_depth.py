@@ -25,7 +25,7 @@ from leangrad.bench._moonwalk_depth import (
     timed_couplings,
     work_bound,
 )
-from leangrad.bench._suites import Suite, load_suite
+from leangrad.bench._suites import RunSettings, Suite, load_suite
 from leangrad.engines._base import LossFn
 from leangrad.measure import compare_grads, grads_of
 
@@ -151,7 +151,7 @@ def test_suite_records_and_report_on_a_tiny_config(tmp_path: Path) -> None:
     suite = load_suite("moonwalk-v1-depth")
     suite.check()  # the runner and the report import
     assert suite.resolve_runner() is run_depth and suite.resolve_report() is render
-    recs = run_depth(_tiny(), quick=True, progress=False, threads=[1])
+    recs = run_depth(_tiny(), RunSettings(quick=True, progress=False, threads=[1]))
     assert [(r["x"], r["threads"]) for r in recs] == [(2, 1), (4, 1)]
     two, four = recs
     for r in recs:
@@ -186,8 +186,8 @@ def test_suite_extrapolates_when_forward_is_not_timed_whole(tmp_path: Path) -> N
     suite = _tiny()
     suite = dataclasses.replace(suite, settings={**suite.settings, "quick_forward_whole": []})
     series = [dataclasses.replace(s, quick_values=[4]) for s in suite.series]
-    (r,) = run_depth(dataclasses.replace(suite, series=series), quick=True, progress=False,
-                     threads=[1])  # fmt: skip
+    settings = RunSettings(quick=True, progress=False, threads=[1])
+    (r,) = run_depth(dataclasses.replace(suite, series=series), settings)
     assert r["forward_extrapolated"] and r["forward_whole_seconds"] is None
     assert r["forward_note"] == f"extrapolated from 152 of {r['params']} directions"
     assert r["forward_seconds"] == pytest.approx(r["forward_measured_seconds"] * r["params"] / 152)

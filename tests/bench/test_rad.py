@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from leangrad.bench import _rad
-from leangrad.bench._suites import load_suite
+from leangrad.bench._suites import RunSettings, load_suite
 
 
 def _tiny(name: str, **settings: object) -> object:
@@ -28,7 +28,7 @@ def test_variance_runner_measures_memory_and_mse(tmp_path: Path) -> None:
         "rad-variance", dataset="digits", models=["mlp", "cnn"], draws=2, pretrain_steps=0,
         estimators=[{"batch": 150}, {"batch": 150, "fraction": 0.1}],
     )  # fmt: skip
-    recs = _rad.run_variance(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    recs = _rad.run_variance(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
     assert [r["engine"] for r in recs] == ["batch 150", "RAD 0.1 different"] * 2
     assert recs[1]["saved_bytes"] <= 0.15 * recs[0]["saved_bytes"]
     assert recs[3]["saved_bytes"] <= 0.15 * recs[2]["saved_bytes"]
@@ -42,7 +42,7 @@ def test_convergence_runner_matches_memory(tmp_path: Path) -> None:
         "rad-convergence", dataset="digits", modes=["different"],
         runs=[{"model": "irnn", "steps": 2, "eval_every": 1, "lr": 1e-3}],
     )  # fmt: skip
-    recs = _rad.run_convergence(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    recs = _rad.run_convergence(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
     labels = list(dict.fromkeys(r["engine"] for r in recs))
     assert labels[:2] == ["baseline", "RAD 0.1 different"]
     assert labels[2].startswith("reduced batch ")
@@ -58,7 +58,7 @@ def test_convergence_runner_matches_memory(tmp_path: Path) -> None:
 def test_pde_runner(tmp_path: Path) -> None:
     suite = _tiny("rad-pde", n=5, steps=24, t_end=0.25, iterations=2, fractions=[1.0, 0.1],
                   seeds=3)  # fmt: skip
-    recs = _rad.run_pde(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    recs = _rad.run_pde(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
     runs = [r for r in recs if r["kind"] == "rad-pde"]
     exact = [r for r in runs if r["engine"] == "exact"]
     randomized = [r for r in runs if r["engine"] == "RAD 0.1"]
@@ -87,7 +87,7 @@ def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> No
     cfg = {"model": "mlp", "fraction": 0.1, "batch": 40}
     suite = _tiny("rad-peer", dataset="digits", batch=40, draws=2, repeats=1, largest_batch=96,
                   crossover=[cfg])  # fmt: skip
-    recs = _rad_peer.run_peer(suite, quick=False, progress=False)  # type: ignore[arg-type]
+    recs = _rad_peer.run_peer(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
     peers = [r for r in recs if r["kind"] == "rad-peer" and not r.get("skipped")]
     assert {r["engine"] for r in peers} == {"backprop", "rad", "rad (with replacement)"}
     assert {r["threads"] for r in peers} == {1, os.cpu_count() or 1}

@@ -15,7 +15,7 @@ from torch import nn
 
 from leangrad import data
 from leangrad.bench import _rad, _rad_fractions
-from leangrad.bench._suites import Suite, load_suite
+from leangrad.bench._suites import RunSettings, Suite, load_suite
 from leangrad.measure import estimator_stats
 
 # Unbiasedness tolerance, as tests/rad/test_layers.py: for an unbiased estimator each
@@ -97,7 +97,7 @@ def test_suite_end_to_end_records_per_seed_curves_and_bands(tmp_path: Path) -> N
         runs=[{"model": "mlp", "steps": 3, "eval_every": 1, "lr": 1e-3},
               {"model": "cnn", "steps": 2, "eval_every": 2, "lr": 1e-3}],
     )  # fmt: skip
-    recs = _rad_fractions.run_fractions(suite, quick=False, progress=False)
+    recs = _rad_fractions.run_fractions(suite, RunSettings(quick=False, progress=False))
     per_seed = [r for r in recs if r["kind"] == "rad-training"]
     bands = [r for r in recs if r["kind"] == "rad-band"]
     seeds = sorted({r["seed"] for r in per_seed})
@@ -137,7 +137,7 @@ def test_convergence_records_bands_over_five_seeds(tmp_path: Path) -> None:
         "rad-convergence", dataset="digits", modes=["different"],
         runs=[{"model": "mlp", "steps": 2, "eval_every": 1, "lr": 1e-3}],
     )  # fmt: skip
-    recs = _rad.run_convergence(suite, quick=False, progress=False)
+    recs = _rad.run_convergence(suite, RunSettings(quick=False, progress=False))
     per_seed = [r for r in recs if r["kind"] == "rad-training"]
     bands = [r for r in recs if r["kind"] == "rad-band"]
     assert sorted({r["seed"] for r in per_seed}) == [0, 1, 2, 3, 4]

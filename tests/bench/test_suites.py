@@ -173,6 +173,59 @@ def test_a_bad_threads_setting_or_a_one_count_runner_is_refused(tmp_path: Path) 
         assert timing_threads(load_suite(name)) == list(dict.fromkeys([1, cores])), name
 
 
+RUNNERS = '''
+from leangrad.bench._suites import runner
+
+SEEN = []
+
+
+@runner(threads=True, only=True)
+def declared(suite, settings):
+    SEEN.append(settings)
+    settings.save([{"series": "saved", "quick": True}])
+    if settings.only == ["stop"]:
+        raise RuntimeError("stopped part-way")
+    return [{"series": name, "quick": True} for name in settings.only or ["all"]]
+
+
+def plain(suite, settings):
+    SEEN.append(settings)
+    return [{"series": "plain"}]
+'''
+
+
+def test_a_runner_gets_one_run_settings_with_what_it_declared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--threads`` and ``--only`` reach a runner declared to take them (its ``save`` writes
+    the file); a runner declared with nothing is refused both, and gets neither."""
+    (tmp_path / "h8_fake_runners.py").write_text(RUNNERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from h8_fake_runners import SEEN  # type: ignore[import-not-found]
+
+    for fn in ("declared", "plain"):
+        (tmp_path / f"{fn}.toml").write_text(f'runner = "h8_fake_runners:{fn}"\n')
+    out = tmp_path / "out"
+    path = run_suite(str(tmp_path / "declared.toml"), out=out, quick=True, progress=False,
+                     threads=[1, 2], only=["a"], device="meta")  # fmt: skip
+    (got,) = SEEN
+    assert (got.quick, got.device, got.progress, got.threads, got.only) == (
+        True, "meta", False, [1, 2], ["a"])  # fmt: skip
+    assert [r["series"] for r in json.loads(path.read_text())] == ["a"]
+    with pytest.raises(RuntimeError, match="stopped part-way"):  # what it saved stays
+        run_suite(str(tmp_path / "declared.toml"), out=out, quick=True, progress=False,
+                  only=["stop"])  # fmt: skip
+    assert [r["series"] for r in json.loads(path.read_text())] == ["a", "saved"]
+    assert timing_threads(load_suite(str(tmp_path / "plain.toml"))) == [1]
+    with pytest.raises(LeangradError, match="'plain' times at one thread count"):
+        run_suite(str(tmp_path / "plain.toml"), out=out, threads=[1, 2], progress=False)
+    with pytest.raises(LeangradError, match="'plain' runs all of its series at once"):
+        run_suite(str(tmp_path / "plain.toml"), out=out, only=["a"], progress=False)
+    assert len(SEEN) == 2
+    run_suite(str(tmp_path / "plain.toml"), out=out, quick=True, progress=False)
+    assert SEEN[-1].threads is None and SEEN[-1].only is None and SEEN[-1].quick is True
+
+
 def test_report_of_an_empty_directory_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(LeangradError, match="run `leangrad bench SUITE --out DIR` first"):
         render_report(tmp_path)

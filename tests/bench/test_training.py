@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from leangrad.bench import RECORD_FIELDS, Suite, load_suite, render_report
+from leangrad.bench import RECORD_FIELDS, RunSettings, Suite, load_suite, render_report
 from leangrad.bench._run import write_records
 from leangrad.bench._training import run_constrained, run_stability
 
@@ -49,7 +49,7 @@ def test_suites_parse_and_name_their_runners() -> None:
 @pytest.fixture(scope="module")
 def stability_records() -> list[dict[str, Any]]:
     suite = _tiny(load_suite("moonwalk-v1-stability"), [1], quick_steps=4, quick_eval_every=2)
-    return run_stability(suite, quick=True, progress=False)
+    return run_stability(suite, RunSettings(quick=True, progress=False))
 
 
 def test_stability_records_and_gradient_errors(stability_records: list[dict[str, Any]]) -> None:
@@ -78,7 +78,7 @@ def test_constrained_records(tmp_path: Path) -> None:
         dataset="digits",
         size=8,
     )
-    recs = run_constrained(suite, quick=True, progress=False)
+    recs = run_constrained(suite, RunSettings(quick=True, progress=False))
     _check_schema(recs, "moonwalk-v2-constrained", "epoch")
     assert {(r["model"], r["x"]) for r in recs} == {
         (m, e) for m in ("constrained", "unconstrained") for e in (0, 1)

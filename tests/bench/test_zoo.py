@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from leangrad import zoo
-from leangrad.bench import RECORD_FIELDS, load_suite
+from leangrad.bench import RECORD_FIELDS, RunSettings, load_suite
 from leangrad.bench._zoo import run_zoo
 from leangrad.bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
 from leangrad.bench._zoo_methods import Method, build, leangrad_methods, pytorch_methods
@@ -50,9 +50,11 @@ def records() -> list[dict[str, Any]]:
     }
     return run_zoo(
         dataclasses.replace(suite, settings=settings),
-        quick=True,
-        progress=False,
-        save=lambda recs: SAVED.append([_series(r) for r in recs]),
+        RunSettings(
+            quick=True,
+            progress=False,
+            save=lambda recs: SAVED.append([_series(r) for r in recs]),
+        ),
     )
 
 
@@ -383,9 +385,10 @@ def test_zoo_on_cuda_without_a_gpu_is_refused_in_one_line() -> None:
     from leangrad import _errors as errors
 
     with pytest.raises(errors.OptionError, match=r"torch\.cuda\.is_available"):
-        run_zoo(load_suite("zoo"), quick=True, device="cuda", progress=False, only=["gpt"])
+        run_zoo(load_suite("zoo"),
+                RunSettings(quick=True, device="cuda", progress=False, only=["gpt"]))  # fmt: skip
     with pytest.raises(errors.OptionError, match="cpu or cuda"):
-        run_zoo(load_suite("zoo"), quick=True, device="mps:x", progress=False)
+        run_zoo(load_suite("zoo"), RunSettings(quick=True, device="mps:x", progress=False))
 
 
 def test_zoo_workloads_follow_the_device_asked_for() -> None:

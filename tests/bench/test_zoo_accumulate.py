@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from leangrad import zoo
-from leangrad.bench import load_suite
+from leangrad.bench import RunSettings, load_suite
 from leangrad.bench._zoo import _ModelRun, run_zoo
 from leangrad.bench._zoo_batch import footprint, micro_batches
 from leangrad.bench._zoo_methods import (
@@ -230,7 +230,8 @@ def test_suite_run_records_and_renders_accumulation_rows() -> None:
         "quick_forward_max_params": 0,
         "quick_skip": {n: "not in this test" for n in engine_names() if n not in keep},
     }
-    records = run_zoo(dataclasses.replace(suite, settings=settings), quick=True, progress=False)
+    quiet = RunSettings(quick=True, progress=False)
+    records = run_zoo(dataclasses.replace(suite, settings=settings), quiet)
     got = {r["engine"]: r for r in records if "accumulate" in r["engine"]}
     assert set(got) == {
         "torch accumulate(2)", "torch accumulate(3)", "torch accumulate(2) + per-block",

@@ -16,7 +16,7 @@ pytest.importorskip("diffusers")
 
 from leangrad import hf
 from leangrad._errors import OptionError
-from leangrad.bench import load_suite
+from leangrad.bench import RunSettings, load_suite
 from leangrad.bench._zoo import run_zoo
 from leangrad.bench._zoo_methods import (
     HF_CHECKPOINTING,
@@ -75,9 +75,10 @@ def test_hf_checkpointing_row_gives_autograds_gradient(name: str) -> None:
 def test_hf_models_run_only_when_named() -> None:
     suite = load_suite("zoo")
     with pytest.raises(OptionError, match=r"opt-in .*hf_gpt2"):
-        run_zoo(suite, quick=True, progress=False, only=["hf_gpt3"])
+        run_zoo(suite, RunSettings(quick=True, progress=False, only=["hf_gpt3"]))
     settings = {**suite.settings, "quick_models": {}, "quick_estimate_models": {}}
-    assert run_zoo(dataclasses.replace(suite, settings=settings), quick=True, progress=False) == []
+    quiet = RunSettings(quick=True, progress=False)
+    assert run_zoo(dataclasses.replace(suite, settings=settings), quiet) == []
 
 
 def test_hf_checkpointing_leaves_no_hook_behind() -> None:

@@ -4,7 +4,7 @@ from ._demo import run_demo
 from ._report import render_report
 from ._run import run_suite, timing_threads
 from ._runner import RECORD_FIELDS, EngineSpec, Record, machine_info, measure_config, new_record
-from ._suites import Suite, list_suites, load_suite
+from ._suites import RunSettings, Suite, list_suites, load_suite
 from ._workloads import Workload, build
 from ._zoo_report import zoo_headline
 
@@ -12,6 +12,7 @@ __all__ = [
     "RECORD_FIELDS",
     "EngineSpec",
     "Record",
+    "RunSettings",
     "Suite",
     "Workload",
     "build",

@@ -31,7 +31,7 @@ from ..measure import MemoryTracker, compare_grads, time_interleaved
 from ..measure._timer import num_threads
 from ._report import fmt_bytes
 from ._runner import machine_info, new_record
-from ._suites import Suite
+from ._suites import RunSettings, Suite
 
 __all__ = ["render", "run_blocks"]
 
@@ -117,16 +117,17 @@ def _grads(model: nn.Module, step: Step) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run_blocks(suite: Suite, *, quick: bool = False, device: str = "cpu",
-               progress: bool = True) -> list[dict[str, Any]]:  # fmt: skip
+def run_blocks(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """One record per (model, method)."""
+    quick, device = settings.quick, settings.device
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     models: dict[str, dict[str, int]] = dict(suite.setting("models", quick, {}))
     segments = [int(s) for s in suite.setting("segments", quick, [2, 3, 4])]
     repeats = suite.repeats(quick)
     records: list[dict[str, Any]] = []
-    bar = tqdm(list(models), desc=f"bench {suite.name}", unit="model", disable=not progress)
+    bar = tqdm(list(models), desc=f"bench {suite.name}", unit="model",
+               disable=not settings.progress)  # fmt: skip
     with num_threads(1):
         for kind in bar:
             size = models[kind]

@@ -52,7 +52,7 @@ from ._fad_models import ACTIVATIONS, Act, fad_model, set_recompute
 from ._report import at_threads, extra_threads
 from ._runner import by_threads, machine_info, new_record, timing_fields
 from ._search import bisect_last_fit
-from ._suites import Suite
+from ._suites import RunSettings, Suite, runner
 
 __all__ = ["run_fad"]
 
@@ -249,13 +249,14 @@ def _compile_ok(base: nn.Module, make: Callable[[int], tuple[Tensor, Tensor]],
     return None
 
 
-def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True,
-            threads: list[int] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+@runner(threads=True)
+def run_fad(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Run the ``fad`` suite; one record per (model, activation, method) plus one
     ``fad-activation`` record per (model, activation). Steps are timed at every count of
-    ``threads`` side by side (``by_threads``; default one thread), the activation alone at
-    the first."""
-    threads = threads or [1]
+    ``settings.threads`` side by side (``by_threads``; default one thread), the activation
+    alone at the first."""
+    quick = settings.quick
+    threads = settings.threads or [1]
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     batch = int(suite.setting("batch", quick, 32))
@@ -269,15 +270,15 @@ def run_fad(suite: Suite, *, quick: bool = False, device: str = "cpu", progress:
     acts = list(suite.setting("activations", quick, list(ACTIVATIONS)))
     jobs = [(k, a) for k in models for a in acts]
     records: list[dict[str, Any]] = []
-    settings = {"batch": batch, "budget_batch": budget_batch, "cap": batch_cap,
-                "repeats": repeats, "act_repeats": act_repeats, "compile": compile_for,
-                "compile_limit": compile_limit, "threads": threads}  # fmt: skip
-    bar = tqdm(jobs, desc=f"bench {suite.name}", unit="config", disable=not progress)
+    options = {"batch": batch, "budget_batch": budget_batch, "cap": batch_cap,
+               "repeats": repeats, "act_repeats": act_repeats, "compile": compile_for,
+               "compile_limit": compile_limit, "threads": threads}  # fmt: skip
+    bar = tqdm(jobs, desc=f"bench {suite.name}", unit="config", disable=not settings.progress)
     with num_threads(threads[0]):
         for kind, act in bar:
             records += _run_config(
-                suite, kind, act, models[kind], quick=quick, device=device,
-                settings=settings, machine=machine, created=created, bar=bar,
+                suite, kind, act, models[kind], quick=quick, device=settings.device,
+                settings=options, machine=machine, created=created, bar=bar,
             )  # fmt: skip
     bar.close()
     return records

@@ -16,7 +16,7 @@ from ..measure import MemoryBudgetExceeded, MemoryTracker
 from ._report import _fmt, fmt_bytes, sweep_section
 from ._runner import EngineSpec, machine_info, new_record
 from ._search import bisect_last_fit
-from ._suites import Suite
+from ._suites import RunSettings, Suite
 from ._workloads import build
 
 __all__ = [
@@ -137,10 +137,9 @@ def deepest_fitting(
             lo, hi = hi, hi + 1
 
 
-def run_depth_at_budget(
-    suite: Suite, *, quick: bool, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_depth_at_budget(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """For each engine, the deepest network whose training step fits the budget."""
+    quick, device = settings.quick, settings.device
     budget = int(float(suite.setting("budget_mib", quick)) * MiB)
     max_depth = int(suite.setting("max_depth", quick, 256))
     extra = int(suite.setting("extra_probes", quick, 2))
@@ -148,7 +147,8 @@ def run_depth_at_budget(
     machine = machine_info()
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     records = []
-    bar = tqdm(suite.engines, desc="depth-at-budget", unit="engine", disable=not progress)
+    bar = tqdm(suite.engines, desc="depth-at-budget", unit="engine",
+               disable=not settings.progress)  # fmt: skip
     for spec in bar:
         label = spec.display
         bar.set_description(f"depth-at-budget {label}")

@@ -62,8 +62,8 @@ from ..measure import (
     time_interleaved,
 )
 from ._runner import EngineSpec, by_threads, machine_info, new_record, timing_fields
-from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
-from ._suites import Series, Suite
+from ._side_by_side import Curves, Lane, make_optimizer, same_start, train_side_by_side
+from ._suites import RunSettings, Series, Suite, runner
 
 __all__ = ["char_corpus", "run_convergence", "run_rnn", "run_train"]
 
@@ -192,20 +192,15 @@ def _forward_fn(
     return fwd
 
 
-def run_rnn(
-    suite: Suite,
-    *,
-    quick: bool = False,
-    device: str = "cpu",
-    progress: bool = True,
-    threads: list[int] | None = None,
-) -> list[dict[str, Any]]:
+@runner(threads=True)
+def run_rnn(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Time, memory and gradient quality of highway (each k) vs BPTT vs nn.GRU/nn.LSTM.
 
-    Steps are timed at every count of ``threads`` side by side (default one thread): the
-    record's time fields are the first count's, ``by_threads`` has every count's (with
-    ``step_speedup`` and ``backward_speedup`` at that count)."""
-    threads = threads or [1]
+    Steps are timed at every count of ``settings.threads`` side by side (default one
+    thread): the record's time fields are the first count's, ``by_threads`` has every
+    count's (with ``step_speedup`` and ``backward_speedup`` at that count)."""
+    quick, device = settings.quick, settings.device
+    threads = settings.threads or [1]
     repeats = int(suite.setting("repeats", quick, 5))
     batch = int(suite.setting("batch", quick, 32))
     hidden = int(suite.setting("hidden", quick, 128))
@@ -214,7 +209,7 @@ def run_rnn(
     seed = int(suite.setting("seed", quick, 0))
     jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
-    bar = tqdm(jobs, desc=suite.name, disable=not progress)
+    bar = tqdm(jobs, desc=suite.name, disable=not settings.progress)
     for series, length in bar:
         cell = series.config.get("cell", "gru")
         bar.set_description(f"{suite.name} {cell} L={length}")
@@ -427,10 +422,9 @@ def _train_methods(
     return methods
 
 
-def run_train(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_train(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train one model per method from the same initialisation on the same batches."""
+    quick = settings.quick
     steps = int(suite.setting("steps", quick, 200))
     every = int(suite.setting("eval_every", quick, 20))
     seed = int(suite.setting("seed", quick, 0))
@@ -439,17 +433,13 @@ def run_train(
     records: list[dict[str, Any]] = []
     with num_threads(1):
         for series, value in jobs:
-            task = _task(series.config, int(value), seed, device)
+            task = _task(series.config, int(value), seed, settings.device)
             lr = float(series.config.get("lr", 1e-3))
             makers = _train_methods(suite, series, schedule, steps)
-            lanes = []
-            for label in makers:
-                model = copy.deepcopy(task["model"])
-                lanes.append(
-                    Lane(label, model, make_optimizer(task["opt"], model.parameters(), lr))
-                )
+            lanes = same_start(task["model"], makers, task["opt"], lr)
             config = {**series.config, suite.sweep: value, "steps": steps, "lr": lr, "threads": 1}
-            bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}", disable=not progress)
+            bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}",
+                       disable=not settings.progress)  # fmt: skip
             curves = _HighwayTrain(suite, quick, series.name, config, steps, every,
                                    task["evaluate"], bar, makers)  # fmt: skip
             rounds = zip(range(1, steps + 1), task["batches"], strict=False)
@@ -461,10 +451,9 @@ def run_train(
 # --- highway-convergence ---------------------------------------------------------------
 
 
-def run_convergence(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_convergence(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train with backprop; at several fractions of training, gradient quality per k."""
+    quick = settings.quick
     steps = int(suite.setting("steps", quick, 200))
     seed = int(suite.setting("seed", quick, 0))
     ks = [int(k) for k in suite.setting("ks", quick, list(range(11)))]
@@ -474,14 +463,14 @@ def run_convergence(
     records: list[dict[str, Any]] = []
     with num_threads(1):
         for series, value in jobs:
-            task = _task(series.config, int(value), seed, device)
+            task = _task(series.config, int(value), seed, settings.device)
             model = task["model"]
             opt = make_optimizer(
                 task["opt"], model.parameters(), float(series.config.get("lr", 1e-3))
             )
             bp = make_engine("backprop")
             bar = tqdm(range(steps + 1), desc=f"{suite.name} {series.name}",
-                       disable=not progress)  # fmt: skip
+                       disable=not settings.progress)  # fmt: skip
             for step, (inputs, loss_fn) in zip(bar, task["batches"], strict=False):
                 if step in at:
                     for baseline in ("highway", "fpi"):

@@ -41,8 +41,8 @@ from ._highway import (
 )
 from ._report import at_threads, extra_threads, pyplot, save_figure
 from ._runner import by_threads, timing_fields
-from ._side_by_side import Lane, make_optimizer, train_side_by_side
-from ._suites import Series, Suite
+from ._side_by_side import Lane, same_start, train_side_by_side
+from ._suites import RunSettings, Series, Suite, runner
 
 __all__ = ["BAD_NORM", "PAPER_GAMMA", "gpt_char_lm", "render", "run_transformer"]
 
@@ -242,14 +242,8 @@ def _step_records(
             for label in fns]  # fmt: skip
 
 
-def run_transformer(
-    suite: Suite,
-    *,
-    quick: bool = False,
-    device: str = "cpu",
-    progress: bool = True,
-    threads: list[int] | None = None,
-) -> list[dict[str, Any]]:
+@runner(threads=True)
+def run_transformer(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train the transformer once per method from the same initialisation on the same
     batches (one torch thread, float32, Adam), then time each method's step.
 
@@ -262,7 +256,8 @@ def run_transformer(
     """
     from tqdm.auto import tqdm
 
-    threads = threads or [1]
+    quick = settings.quick
+    threads = settings.threads or [1]
     steps = int(suite.setting("steps", quick, 400))
     every = int(suite.setting("eval_every", quick, 25))
     seed = int(suite.setting("seed", quick, 0))
@@ -271,19 +266,17 @@ def run_transformer(
     jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     for series, layers in jobs:
-        task = _task(series.config, int(layers), seed, device)
+        task = _task(series.config, int(layers), seed, settings.device)
         lr = float(series.config.get("lr", 1e-3))
         makers = _train_methods(suite, series, schedule, steps)
-        lanes = []
-        for label in makers:
-            model = copy.deepcopy(task.model)
-            lanes.append(Lane(label, model, make_optimizer("adam", model.parameters(), lr)))
+        lanes = same_start(task.model, makers, "adam", lr)
         config = {**series.config, suite.sweep: layers, "blocks": 2 * int(layers),
                   "steps": steps, "lr": lr, "optimizer": "adam", "threads": 1,
                   "paper_k": paper_k, "schedule": schedule,
                   "gamma": next(m.gamma for m in task.model.modules()
                                 if isinstance(m, PreLNSublayer | PostLNSublayer))}  # fmt: skip
-        bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}", disable=not progress)
+        bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}",
+                   disable=not settings.progress)  # fmt: skip
         curves = _Curves(suite, quick, series.name, config, steps, every, task.evaluate, bar,
                          makers, probe=task.probe, exact=suite.reference)  # fmt: skip
         with num_threads(1):

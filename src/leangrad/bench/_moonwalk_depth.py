@@ -78,7 +78,7 @@ from .. import engines
 from ..layers import AdditiveCoupling, Chain, SwapHalves
 from ..measure import Timing, compare_grads, grads_of, time_across_threads
 from ._runner import machine_info, new_record
-from ._suites import Suite
+from ._suites import RunSettings, Suite, runner
 from ._training import _now
 from ._workloads import Workload, build
 
@@ -252,27 +252,22 @@ def _settings(suite: Suite, quick: bool) -> dict[str, Any]:
     }
 
 
-def run_depth(
-    suite: Suite,
-    *,
-    quick: bool = False,
-    device: str = "cpu",
-    progress: bool = True,
-    threads: list[int] | None = None,
-) -> list[dict[str, Any]]:
+@runner(threads=True)
+def run_depth(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """One record per depth and thread count: P, d, the bound, Forward's and pure
     Moonwalk's seconds, their ratio, ratio / bound, gradient errors (module docstring)."""
-    if device != "cpu":
-        raise errors.OptionError(NOT_CPU.format(device=device))
+    if settings.device != "cpu":
+        raise errors.OptionError(NOT_CPU.format(device=settings.device))
+    quick = settings.quick
     s = _settings(suite, quick)
-    threads = threads or sorted({1, os.cpu_count() or 1})
+    threads = settings.threads or sorted({1, os.cpu_count() or 1})
     common = {"suite": suite.name, "quick": quick, "machine": machine_info(), "created": _now(),
               "sweep": suite.sweep}  # fmt: skip
     jobs = suite.jobs(quick)
     for _, depth in jobs:  # refuse a bad sample size before any work
         timed_couplings(int(depth), s["forward_couplings"])
     records: list[dict[str, Any]] = []
-    bar = tqdm(jobs, desc=suite.name, unit="depth", disable=not progress)
+    bar = tqdm(jobs, desc=suite.name, unit="depth", disable=not settings.progress)
     for series, depth in bar:
         bar.set_postfix_str(f"{depth} couplings")
         config = {**series.config, suite.sweep: int(depth), "forward_chunk_size":

@@ -38,7 +38,7 @@ from ..measure._timer import num_threads
 from ._plan_peers import HOOKED, Step, make_sgd, optimizer_in_backward, peers, workload
 from ._report import fmt_bytes
 from ._runner import machine_info, new_record
-from ._suites import Suite
+from ._suites import RunSettings, Suite
 
 __all__ = ["render", "run_plan_suite"]
 
@@ -62,12 +62,11 @@ class _Stepper:
         self._step()
 
 
-def run_plan_suite(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_plan_suite(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """One record per (model, budget, side) and per (model, side) for the smallest peak."""
-    if device != "cpu":
+    if settings.device != "cpu":
         raise ValueError("the plan suite runs on cpu in this version")
+    quick = settings.quick
     ctx = {
         "suite": suite.name,
         "quick": quick,
@@ -80,7 +79,8 @@ def run_plan_suite(
     }
     models: dict[str, dict[str, int]] = dict(suite.setting("models", quick, {}))
     records: list[dict[str, Any]] = []
-    bar = tqdm(list(models), desc=f"bench {suite.name}", unit="model", disable=not progress)
+    bar = tqdm(list(models), desc=f"bench {suite.name}", unit="model",
+               disable=not settings.progress)  # fmt: skip
     with num_threads(1):
         for kind in bar:
             records += _run_model(kind, models[kind], ctx, bar)

@@ -44,7 +44,7 @@ from ._report import by_series, pyplot, save_figure, save_series_figure, series_
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
-from ._suites import Suite
+from ._suites import RunSettings, Suite
 from ._training import _now
 
 __all__ = [
@@ -179,10 +179,9 @@ def _estimators(suite: Suite, quick: bool) -> list[dict[str, Any]]:
     return out
 
 
-def run_variance(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_variance(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Gradient MSE vs the full-data gradient, beside measured memory (Fig. 5)."""
+    quick, device = settings.quick, settings.device
     machine, created = machine_info(), _now()
     seed = int(suite.setting("seed", quick, 0))
     draws = int(suite.setting("draws", quick, 50))
@@ -191,7 +190,8 @@ def run_variance(
     train, _ = _load(str(suite.setting("dataset", quick, "mnist5k")), seed, device)
     ests = _estimators(suite, quick)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=len(models) * len(ests) * draws, desc=suite.name, disable=not progress)
+    bar = tqdm(total=len(models) * len(ests) * draws, desc=suite.name,
+               disable=not settings.progress)  # fmt: skip
     for kind in models:
         torch.manual_seed(seed)
         base = rad_model(kind, side=train.x.shape[-1]).to(device)
@@ -490,12 +490,11 @@ def bands(records: list[dict[str, Any]], *, kind: str = "rad-training",
     return out
 
 
-def run_convergence(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_convergence(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train loss vs iteration at equal measured memory (Fig. 6 and the RNN analogue), at
     every seed of :func:`replicates` (bootstrapped training set, own init, RAD samples and
     batch order); per-seed ``rad-training`` records and their ``rad-band`` summaries."""
+    quick, device = settings.quick, settings.device
     machine, created = machine_info(), _now()
     seed = int(suite.setting("seed", quick, 0))
     fraction = float(suite.setting("fraction", quick, 0.1))
@@ -504,7 +503,7 @@ def run_convergence(
     batch, threads, examples, train = setup.batch, setup.threads, setup.examples, setup.train
     records: list[dict[str, Any]] = []
     total = sum(r.steps * (len(modes) + 2) * len(setup.seeds) for r in setup.runs)
-    bar = tqdm(total=total, desc=suite.name, disable=not progress)
+    bar = tqdm(total=total, desc=suite.name, disable=not settings.progress)
     head = {"suite": suite, "kind": "rad-training", "quick": quick}
     with num_threads(threads):
         for run in setup.runs:
@@ -551,15 +550,14 @@ PDE_SEED_STRIDE = 100_000
 so the replicates' streams never overlap (iteration i of one is not i+1 of another)."""
 
 
-def run_pde(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_pde(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Adam on the reaction-diffusion control from exact and RAD gradients (Fig. 7): the
     exact lane once (deterministic), each RAD fraction over ``seeds`` replicates of its
     random samples from the same initial control; per-replicate ``rad-pde`` records and
     their ``rad-pde-band`` summaries (median and :data:`BAND` of the loss per iteration)."""
     from ..rad._pde import ReactionDiffusion, optimize, pde_gradient
 
+    quick = settings.quick
     machine, created = machine_info(), _now()
     seed = int(suite.setting("seed", quick, 0))
     seeds = int(suite.setting("seeds", quick, 1))
@@ -572,10 +570,10 @@ def run_pde(
         t_end=float(suite.setting("t_end", quick, 2.0)),
         D=float(suite.setting("D", quick, 0.25)),
     )
-    theta0 = problem.initial_theta(seed=seed, device=device)
+    theta0 = problem.initial_theta(seed=seed, device=settings.device)
     lanes = [(f, r) for f in fractions for r in range(1 if f >= 1.0 else seeds)]
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=iterations * len(lanes), desc=suite.name, disable=not progress)
+    bar = tqdm(total=iterations * len(lanes), desc=suite.name, disable=not settings.progress)
     for fraction, rep in lanes:
         label = "exact" if fraction >= 1.0 else f"RAD {fraction}"
         stream = seed + rep * PDE_SEED_STRIDE

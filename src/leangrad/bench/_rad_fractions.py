@@ -46,7 +46,7 @@ from ._rad import BAND_NOTE as _BAND_NOTE
 from ._report import pyplot, save_figure, series_png
 from ._runner import machine_info
 from ._side_by_side import Lane, make_optimizer
-from ._suites import Suite
+from ._suites import RunSettings, Suite
 from ._training import _now
 
 __all__ = ["BASELINE", "fraction_one_check", "render", "run_fractions"]
@@ -106,26 +106,25 @@ def _same_training(
     return {"curves_identical": curve(one) == curve(BASELINE), "weights_equal_at_end": weights}
 
 
-def run_fractions(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_fractions(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train each model with backprop and RAD at each fraction, at every seed (Figs. 9-10).
 
     Per-seed ``rad-training`` curves, their ``rad-band`` summaries (median and :data:`BAND`
     over the seeds) and, per model, one ``rad-fraction-one`` record: the fraction-1.0 check
     at every seed (:func:`fraction_one_check`, curve and weight identity).
     """
+    quick = settings.quick
     machine, created = machine_info(), _now()
     mode = str(suite.setting("mode", quick, "different"))
     replace = bool(suite.setting("replace", quick, False))
     fractions = [float(f) for f in suite.setting("fractions", quick, [0.05, 0.1, 0.2, 0.5, 1.0])]
-    setup = TrainingSetup.of(suite, quick, device)
+    setup = TrainingSetup.of(suite, quick, settings.device)
     batch, threads, examples, train = setup.batch, setup.threads, setup.examples, setup.train
     configs: list[tuple[str, float | None]] = [(BASELINE, None)]
     configs += [(_label(f, mode), f) for f in fractions]
     records: list[dict[str, Any]] = []
     total = sum(r.steps * len(configs) * len(setup.seeds) for r in setup.runs)
-    bar = tqdm(total=total, desc=suite.name, disable=not progress)
+    bar = tqdm(total=total, desc=suite.name, disable=not settings.progress)
     head = {"suite": suite, "kind": "rad-training", "quick": quick}
     with num_threads(threads):
         for run in setup.runs:

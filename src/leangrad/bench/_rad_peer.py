@@ -43,7 +43,7 @@ from ..measure._rss import measure_rss
 from ._rad import _flat, _full_gradient, memory_of, rad_model
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
-from ._suites import Suite
+from ._suites import RunSettings, Suite, runner
 from ._training import _now
 
 __all__ = ["OFFICIAL_ENV", "official_mlp", "peer_model", "render", "run_peer"]
@@ -131,21 +131,18 @@ def _rss(payload: dict[str, Any]) -> int | None:
     return rep.rss_peak - rep.rss_before
 
 
-def run_peer(
-    suite: Suite,
-    *,
-    quick: bool = False,
-    device: str = "cpu",
-    progress: bool = True,
-    threads: list[int] | None = None,
-) -> list[dict[str, Any]]:
+@runner(threads=True)
+def run_peer(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """The peer rows, then the crossover rows (module docstring)."""
-    if device != "cpu":
-        raise ValueError(f"the rad-peer suite runs on cpu in this version, got {device!r}")
+    quick, progress = settings.quick, settings.progress
+    if settings.device != "cpu":
+        raise ValueError(
+            f"the rad-peer suite runs on cpu in this version, got {settings.device!r}"
+        )
     common = {"suite": suite.name, "quick": quick, "machine": machine_info(), "created": _now()}
     seed = int(suite.setting("seed", quick, 0))
     train = data.load(str(suite.setting("dataset", quick, "mnist5k"))).split(0.8, seed=seed)[0]
-    threads = threads or sorted({1, os.cpu_count() or 1})
+    threads = settings.threads or sorted({1, os.cpu_count() or 1})
     records = _peer_rows(suite, quick, train, common, progress, threads)
     return records + _crossover_rows(suite, quick, train, common, progress)
 

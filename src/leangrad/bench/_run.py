@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import inspect
 import json
 import os
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from tqdm.auto import tqdm
 
 from .. import _errors as errors
 from ._runner import machine_info, measure_config
-from ._suites import Suite, load_suite
+from ._suites import RunSettings, Suite, load_suite, runner_options
 
 __all__ = ["MIXED", "NO_ONLY", "ONE_THREAD_COUNT", "UNKNOWN_SERIES", "run_suite",
            "timing_threads", "write_records"]  # fmt: skip
@@ -77,10 +76,8 @@ def timing_threads(
 
 
 def _times_at_threads(suite: Suite) -> bool:
-    """A sweep suite, or a runner that takes ``threads``."""
-    if suite.runner is None:
-        return True
-    return "threads" in inspect.signature(suite.resolve_runner()).parameters
+    """A sweep suite, or a runner declared with ``runner(threads=True)``."""
+    return suite.runner is None or runner_options(suite.resolve_runner()).threads
 
 
 def run_suite(
@@ -109,8 +106,9 @@ def run_suite(
     them into ``out/name.json``: the records of the series run are replaced, the others
     kept. A file from the other mode (``--quick`` or not) is refused, not mixed.
 
-    A runner that takes ``save`` (the zoo) writes the file after each of its series, so a
-    long run that is stopped keeps every series it finished.
+    A runner gets these as a :class:`~leangrad.bench._suites.RunSettings`; one that calls
+    its ``save`` (the zoo) writes the file after each of its series, so a long run that is
+    stopped keeps every series it finished.
     """
     suite = load_suite(name)
     counts = timing_threads(suite, quick=quick, threads=threads)
@@ -123,16 +121,18 @@ def run_suite(
 
     if suite.runner is not None:
         runner = suite.resolve_runner()
-        kwargs: dict[str, Any] = {}
-        if "save" in inspect.signature(runner).parameters:
-            kwargs["save"] = lambda records: write_records(merged(records), path)
-        if only is not None:
-            if "only" not in inspect.signature(runner).parameters:
-                raise errors.OptionError(NO_ONLY.format(suite=suite.name))
-            kwargs["only"] = list(only)
-        if "threads" in inspect.signature(runner).parameters:
-            kwargs["threads"] = counts
-        records = runner(suite, quick=quick, device=device, progress=progress, **kwargs)
+        takes = runner_options(runner)
+        if only is not None and not takes.only:
+            raise errors.OptionError(NO_ONLY.format(suite=suite.name))
+        settings = RunSettings(
+            quick=quick,
+            device=device,
+            progress=progress,
+            threads=counts if takes.threads else None,
+            only=list(only) if only is not None else None,
+            save=lambda records: write_records(merged(records), path),
+        )
+        records = runner(suite, settings)
     else:
         if only is not None:
             suite = dataclasses.replace(suite, series=_pick(suite, only))

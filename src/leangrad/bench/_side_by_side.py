@@ -11,6 +11,7 @@ the failure rule are shared here.
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Curves", "Lane", "make_optimizer", "train_side_by_side"]
+__all__ = ["Curves", "Lane", "make_optimizer", "same_start", "train_side_by_side"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,3 +110,13 @@ def make_optimizer(
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
     raise ValueError(f"optimizer must be 'adam' or 'sgd', got {name!r}")
+
+
+def same_start(model: nn.Module, labels: Iterable[str], optimizer: str, lr: float) -> list[Lane]:
+    """One lane per label, each training its own copy of ``model`` (the same initialisation)
+    with its own ``optimizer`` (:func:`make_optimizer`) at ``lr``."""
+    lanes = []
+    for label in labels:
+        mine = copy.deepcopy(model)
+        lanes.append(Lane(label, mine, make_optimizer(optimizer, mine.parameters(), lr)))
+    return lanes

@@ -8,6 +8,10 @@ labels. A suite with ``runner = "module:function"`` is run by that function
 instead (for suites that train rather than sweep), and a suite with
 ``report = "module:function"`` renders its own section of ``leangrad report``:
 ``function(suite_name, records, directory, plots=bool) -> list[str]`` (Markdown lines).
+
+A runner is ``function(suite, settings) -> list[dict]`` (records), ``settings`` a
+:class:`RunSettings`; :func:`runner` declares which of ``--threads`` and ``--only`` it
+honours (by default neither: it times at one thread count and runs all of its series).
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import tomllib
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import _errors as errors
 from ._runner import EngineSpec
 
-__all__ = ["Series", "Suite", "list_suites", "load_suite"]
+__all__ = ["RunSettings", "RunnerOptions", "Series", "Suite", "list_suites", "load_suite",
+           "runner", "runner_options"]  # fmt: skip
 
 BAD_SUITE = (
     "suite {name!r} ({source}): {problem}; write it like the suites shipped in "
@@ -30,6 +36,66 @@ BAD_SUITE = (
 )
 NO_SUITE_FILE = "suite file {path} does not exist; name a .toml file or one of: {known}"
 BAD_HOOK = "suite {name!r}: its {what} {spec!r} cannot be imported ({error})"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """How ``leangrad bench`` runs a suite: what a suite runner reads besides the suite.
+
+    Attributes:
+        quick: use the suite's ``quick_*`` values and settings (``--quick``).
+        device: where the models run (``--device``), e.g. ``"cpu"`` or ``"cuda"``.
+        progress: show a progress bar.
+        threads: the torch thread counts to time at side by side (``--threads``, else the
+            suite's ``threads`` setting); ``None``: the runner's own default. Only given to
+            a runner declared with ``runner(threads=True)``.
+        only: run just these series (``--only``); ``None``: all of them. Only given to a
+            runner declared with ``runner(only=True)``.
+        save: called with the records so far, to write them while a long run goes on (a
+            runner may call it after each series); ``None``: nothing to call.
+    """
+
+    quick: bool = False
+    device: str = "cpu"
+    progress: bool = True
+    threads: list[int] | None = None
+    only: list[str] | None = None
+    save: Callable[[list[dict[str, Any]]], object] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOptions:
+    """What a suite runner honours beyond ``quick``, ``device`` and ``progress``.
+
+    Attributes:
+        threads: it times at every count of ``RunSettings.threads`` side by side (else it
+            times at one thread count, and ``--threads`` with several is refused).
+        only: it runs just the series of ``RunSettings.only`` (else ``--only`` is refused).
+    """
+
+    threads: bool = False
+    only: bool = False
+
+
+_OPTIONS = "leangrad_runner_options"
+_F = TypeVar("_F", bound="Callable[[Suite, RunSettings], list[dict[str, Any]]]")
+
+
+def runner(*, threads: bool = False, only: bool = False) -> Callable[[_F], _F]:
+    """Declare the :class:`RunnerOptions` of a suite runner (returns it unchanged)."""
+
+    def declare(fn: _F) -> _F:
+        setattr(fn, _OPTIONS, RunnerOptions(threads=threads, only=only))
+        return fn
+
+    return declare
+
+
+def runner_options(fn: Callable[..., Any]) -> RunnerOptions:
+    """The options ``fn`` was declared with by :func:`runner`; none if it was not."""
+    options = getattr(fn, _OPTIONS, RunnerOptions())
+    assert isinstance(options, RunnerOptions)
+    return options
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ from .. import data, models
 from ..measure import compare_grads, grads_of
 from ._runner import EngineSpec, machine_info, new_record
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
-from ._suites import Suite
+from ._suites import RunSettings, Suite
 
 __all__ = ["run_constrained", "run_stability"]
 
@@ -222,10 +222,9 @@ def _engine_lanes(base: nn.Module, specs: Sequence[EngineSpec], settings: _Setti
     return lanes
 
 
-def run_stability(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_stability(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train one RevNet per engine side by side; gradient error vs the float64 oracle."""
+    quick, device = settings.quick, settings.device
     stamp = {"machine": machine_info(), "created": _now()}
     steps = int(suite.setting("steps", quick, 300))
     every = int(suite.setting("eval_every", quick, 25))
@@ -234,7 +233,7 @@ def run_stability(
     jobs = suite.jobs(quick)
     total = sum(steps * len(suite.engines_for(s)) for s, _ in jobs)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=total, desc=f"train {suite.name}", unit="step", disable=not progress)
+    bar = tqdm(total=total, desc=f"train {suite.name}", unit="step", disable=not settings.progress)
     for series, depth in jobs:
         name = f"{series.name}-{suite.sweep}{depth}"
         config = {**series.config, suite.sweep: depth, "steps": steps, "eval_every": every,
@@ -339,10 +338,9 @@ def _constrained_data(
     return dataset, size, train, test
 
 
-def run_constrained(
-    suite: Suite, *, quick: bool = False, device: str = "cpu", progress: bool = True
-) -> list[dict[str, Any]]:
+def run_constrained(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Constrained vs unconstrained conv nets, trained with backprop, per epoch."""
+    quick, device = settings.quick, settings.device
     stamp = {"machine": machine_info(), "created": _now()}
     epochs = int(suite.setting("epochs", quick, 10))
     st = _Settings.of(suite, quick, batch=64)
@@ -351,7 +349,7 @@ def run_constrained(
     variants = ("constrained", "unconstrained")
     total = len(jobs) * len(variants) * epochs * (len(train) // st.batch)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=total, desc=f"train {suite.name}", unit="batch", disable=not progress)
+    bar = tqdm(total=total, desc=f"train {suite.name}", unit="batch", disable=not settings.progress)
     for series, value in jobs:
         name = f"{series.name}-{suite.sweep}{value}"
         config = {**series.config, suite.sweep: value, "dataset": dataset, "size": size,

@@ -49,7 +49,7 @@ from .._plan import plan
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
 from ._runner import machine_info
-from ._suites import Suite
+from ._suites import RunSettings, Suite, runner
 from ._zoo_batch import estimable, footprint, max_batch
 from ._zoo_methods import Method, Skipped, build, call
 from ._zoo_report import render
@@ -75,31 +75,24 @@ ESTIMATE_TOLERANCE = 0.01
 within this fraction of the tracker's total."""
 
 
-def run_zoo(
-    suite: Suite,
-    *,
-    quick: bool = False,
-    device: str = "cpu",
-    progress: bool = True,
-    only: list[str] | None = None,
-    save: Callable[[list[dict[str, Any]]], object] | None = None,
-) -> list[dict[str, Any]]:
+@runner(only=True)
+def run_zoo(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Run the suite: one record per (model, method), measured, skipped or failed, and per
     (GPU-sized model, method) estimated on fake tensors.
 
     Args:
         suite: the parsed ``zoo.toml`` (sizes and settings as data).
-        quick: use the ``quick_*`` settings (small sizes, one model compiled).
-        device: ``"cpu"`` or ``"cuda"``: where the models run. On CUDA the tracker reads the
-            CUDA allocator (peaks above what was allocated before the step), compile's peak
-            too, and no fresh-process RSS is taken; max-batch searches by fake-tensor
-            estimates where those are within :data:`ESTIMATE_TOLERANCE` of the allocator at the
-            base batch, else by real steps on the GPU.
-        progress: a progress bar naming the model and the step at work.
-        only: run just these models (measured and estimated sizes of each); the opt-in
-            Hugging Face models (``hf_models``) run only when named here.
-        save: called with the records so far after each model, so a stopped run of hours
-            keeps the models it finished (``run_suite`` writes them to its file).
+        settings: ``quick``: use the ``quick_*`` settings (small sizes, one model compiled).
+            ``device``: ``"cpu"`` or ``"cuda"``: where the models run. On CUDA the tracker
+            reads the CUDA allocator (peaks above what was allocated before the step),
+            compile's peak too, and no fresh-process RSS is taken; max-batch searches by
+            fake-tensor estimates where those are within :data:`ESTIMATE_TOLERANCE` of the
+            allocator at the base batch, else by real steps on the GPU.
+            ``progress``: a progress bar naming the model and the step at work.
+            ``only``: run just these models (measured and estimated sizes of each); the
+            opt-in Hugging Face models (``hf_models``) run only when named here.
+            ``save``: called with the records so far after each model, so a stopped run of
+            hours keeps the models it finished (``run_suite`` writes them to its file).
 
     Returns:
         The records: :data:`~leangrad.bench.RECORD_FIELDS` plus ``suite``, ``series`` (the
@@ -110,6 +103,7 @@ def run_zoo(
         OptionError: ``only`` names a model the suite does not have, or ``device`` is
             neither cpu nor an available cuda.
     """
+    quick, device, only, save = settings.quick, settings.device, settings.only, settings.save
     try:
         kind = torch.device(device).type
     except RuntimeError:
@@ -118,7 +112,7 @@ def run_zoo(
         raise errors.OptionError(BAD_DEVICE.format(device=device))
     if kind == "cuda" and not torch.cuda.is_available():
         raise errors.OptionError(NO_CUDA.format(version=torch.__version__))
-    settings = {k: suite.setting(k, quick) for k in suite.settings if not k.startswith("quick_")}
+    values = {k: suite.setting(k, quick) for k in suite.settings if not k.startswith("quick_")}
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     common = {
         "suite": suite.name,
@@ -127,7 +121,7 @@ def run_zoo(
         "sweep": "method",
         "created": created,
     }
-    ctx = Context(quick, common, settings, suite.repeats(quick), device=str(device))
+    ctx = Context(quick, common, values, suite.repeats(quick), device=str(device))
     models: dict[str, dict[str, Any]] = dict(ctx.get("models", {}))
     estimates: dict[str, dict[str, Any]] = dict(ctx.get("estimate_models", {}))
     opt_in: dict[str, dict[str, Any]] = dict(ctx.get("hf_models", {}))
@@ -146,7 +140,7 @@ def run_zoo(
         total=len(models) + len(estimates),
         desc=f"bench {suite.name}",
         unit="model",
-        disable=not progress,
+        disable=not settings.progress,
     )
     with num_threads(1):
         for name, size in models.items():
