@@ -254,6 +254,26 @@ def test_out_check_leaves_nothing_behind(tmp_path: Path) -> None:
     assert not (tmp_path / "new").exists()
 
 
+def test_out_check_does_not_call_a_directory_another_rank_made_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun every rank probes the same run directory at once: one that another
+    rank makes just after this rank looked is a directory, not "a file" (seen in CI: rank 0
+    refused ``--out leangrad-run`` as a file while rank 1 probed it)."""
+    out = tmp_path / "run"
+    real = Path.is_dir
+
+    def is_dir(self: Path) -> bool:
+        found = real(self)
+        if self == out and not found and not out.exists():
+            out.mkdir()  # the other rank's probe, between this rank's two looks
+        return found
+
+    monkeypatch.setattr(Path, "is_dir", is_dir)
+    cli.check_out_dir(out)  # no error
+    assert out.is_dir()
+
+
 def test_train_into_a_file_writes_nothing(places: dict[str, str]) -> None:
     before = Path(places["file"]).read_text()
     assert main(["train", *QUICK, "--out", places["file"]]) == 2

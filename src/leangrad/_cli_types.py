@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,9 +127,20 @@ def thread_list(raw: str) -> list[int | str]:
     return out
 
 
+def _not_a_dir(path: str | Path) -> bool:
+    """``path`` exists and is no directory, read in one ``stat``: under torchrun the other
+    ranks probe the same directory at once (each makes and removes it, below), so two
+    separate checks ("exists", then "is a directory") could see it appear or vanish
+    between them and call a directory a file."""
+    try:
+        return not stat.S_ISDIR(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def out_dir(raw: str) -> str:
     """A directory to write into: it may exist, but not as a file."""
-    if os.path.exists(raw) and not os.path.isdir(raw):
+    if _not_a_dir(raw):
         raise argparse.ArgumentTypeError(f"{raw!r} is a file; name a directory")
     return raw
 
@@ -153,14 +165,14 @@ def check_out_dir(path: str | Path, option: str = "--out") -> None:
         if not os.access(p, os.W_OK | os.X_OK):
             raise OptionError(OUT_NOT_WRITABLE.format(option=option, path=p))
         return
-    if p.exists():  # a file: argparse's type check names it; a library caller gets this
+    if _not_a_dir(p):  # a file: argparse's type check names it; a library caller gets this
         raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=p))
     made: list[Path] = []
     q = p
     while not q.exists() and q != q.parent:
         made.append(q)
         q = q.parent
-    if q.exists() and not q.is_dir():
+    if _not_a_dir(q):
         raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=q))
     try:
         p.mkdir(parents=True, exist_ok=True)  # exist_ok: torchrun ranks probe at once
