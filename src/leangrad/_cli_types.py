@@ -134,7 +134,7 @@ def _not_a_dir(path: str | Path) -> bool:
     between them and call a directory a file."""
     try:
         return not stat.S_ISDIR(os.stat(path).st_mode)
-    except FileNotFoundError:
+    except OSError:  # absent, or under a file (ENOTDIR): nothing there to be a file
         return False
 
 
