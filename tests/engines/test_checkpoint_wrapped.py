@@ -107,9 +107,12 @@ for kind, (x, y) in data.items():
     out["ref"][kind] = {"grads": {n: p.grad.flatten().tolist() for n, p in m.named_parameters()},
                         "linears": count.n}  # a half batch makes the same calls
     cases = [("ddp", {}), ("ddp", {"trace": True}), ("ddp", {"levels": 2}),
-             ("ddp", {"fragments": 2}), ("fsdp", {}), ("fsdp", {"trace": True})]
+             ("ddp", {"fragments": 2}), ("ddp", {"fragments": 2, "fragment_blocks": 1}),
+             ("fsdp", {}), ("fsdp", {"trace": True})]
     if kind == "mlp":
         cases.append(("ddp", {"segments": 2}))
+    else:  # a named block on two levels (the largest-n sizing runs in the case above)
+        cases.append(("ddp", {"fragments": 2, "fragment_blocks": ["blocks.1"], "levels": 2}))
     for wrapper, opts in cases:
         model = build(kind)
         wrapped = DistributedDataParallel(model) if wrapper == "ddp" else sharded(model)
@@ -119,13 +122,15 @@ for kind, (x, y) in data.items():
             wrapped.zero_grad(set_to_none=True)
             seen.clear()
             with Linears() as count:
-                eng.backward(wrapped, x[half], lambda o: F.cross_entropy(o, y[half]),
-                             on_grad=lambda n, p: seen.__setitem__(plain(n), full(p.grad)))
+                res = eng.backward(wrapped, x[half], lambda o: F.cross_entropy(o, y[half]),
+                                   on_grad=lambda n, p: seen.__setitem__(plain(n),
+                                                                         full(p.grad)))
             counts.append(count.n)
         case = {"grads": {plain(n): full(p.grad).flatten().tolist()
                           for n, p in wrapped.named_parameters()},
                 "seen": {n: g.flatten().tolist() for n, g in seen.items()},
-                "linears": counts}
+                "linears": counts, "fragmented": res.info.get("fragmented"),
+                "whole": sorted(res.info.get("whole", {}))}
         if wrapper == "fsdp" and opts.get("trace"):  # every block ran as its fx trace
             entries = eng._in_place._cache[model][1]
             case["traced"] = [isinstance(t, torch.fx.GraphModule) for _, f in entries
@@ -133,7 +138,8 @@ for kind, (x, y) in data.items():
         out["cases"][f"{wrapper} {kind} {json.dumps(opts, sort_keys=True)}"] = case
 
 x, y = data["mlp"]
-for opts in [{"segments": 2}, {"levels": 2}, {"fragments": 2}, {"sequence_fragments": 2}]:
+for opts in [{"segments": 2}, {"levels": 2}, {"fragments": 2}, {"sequence_fragments": 2},
+             {"fragments": 2, "fragment_blocks": 1}]:
     try:
         leangrad.engine("checkpoint", **opts).backward(
             sharded(build("mlp")), x[half], lambda o: F.cross_entropy(o, y[half]))
@@ -201,7 +207,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 def test_gradients_equal_one_process_backprop(ranks: list[dict]) -> None:
     for rank in ranks:
-        assert len(rank["cases"]) == 13
+        assert len(rank["cases"]) == 16
         for case, got in rank["cases"].items():
             ref = rank["ref"][case.split()[1]]["grads"]
             assert set(got["grads"]) == set(ref) == set(got["seen"]), case
@@ -226,12 +232,32 @@ def test_blocks_are_recomputed(ranks: list[dict]) -> None:
             assert traced == [True] * (2 if kind == "mlp" else 3), traced
 
 
+def test_ddp_fragment_blocks_fragments_only_the_blocks_chosen(ranks: list[dict]) -> None:
+    """Under DDP ``fragment_blocks`` picks its blocks as on the bare model (the largest, sized
+    on fake tensors of ``ddp.module``; or the one named) and the others run whole; the
+    gradients are checked with every other case's
+    (:func:`test_gradients_equal_one_process_backprop`)."""
+    recomputed = {"mlp": ["0", "1"], "net": ["blocks.0", "blocks.1", "blocks.2"]}
+    for rank in ranks:
+        for kind, names in recomputed.items():
+            got = rank["cases"][f'ddp {kind} {{"fragment_blocks": 1, "fragments": 2}}']
+            assert len(got["fragmented"]) == 1 and got["fragmented"][0] in names, got
+            assert got["whole"] == sorted(set(names) - set(got["fragmented"])), got
+        named = rank["cases"]['ddp net {"fragment_blocks": ["blocks.1"], "fragments": 2, '
+                              '"levels": 2}']  # fmt: skip
+        assert named["fragmented"] == ["blocks.1"]
+        assert named["whole"] == ["blocks.0", "blocks.2"]
+
+
 def test_fsdp2_refuses_what_it_cannot_take(ranks: list[dict]) -> None:
     for rank in ranks:
         for opts, why in rank["refused"].items():
             option = next(iter(json.loads(opts)))
             assert "FSDP2 (fully_shard)" in why and f"drop {option}=" in why, why
             assert "DistributedDataParallel" in why, why
+        # fragment_blocks needs fragments: the fix drops both, not fragments alone
+        both = rank["refused"][json.dumps({"fragments": 2, "fragment_blocks": 1})]
+        assert "drop fragments=2, fragment_blocks=1" in both, both
         assert "segments=2" in rank["fit_refused"], rank["fit_refused"]
 
 

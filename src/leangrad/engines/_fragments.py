@@ -141,7 +141,7 @@ class _Call:
 
     def piece(self, tensors: Sequence[torch.Tensor], a: int, b: int) -> list[torch.Tensor]:
         d = self.dim
-        return [t.narrow(d, a, b - a) if s else t
+        return [_rows(t, d, a, b) if s else t
                 for t, s in zip(tensors, self.split, strict=True)]  # fmt: skip
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -161,6 +161,16 @@ class _Call:
 
 
 _TENSOR = object()  # marks where a tensor stood among a call's output leaves
+
+
+def _rows(t: torch.Tensor, dim: int, a: int, b: int) -> torch.Tensor:
+    """Rows ``a:b`` of ``t`` along ``dim``, contiguous where ``t`` is: the piece a block
+    gets is laid out as the whole it would get. A cut along the batch of a contiguous
+    tensor is contiguous already; one along the sequence is not, and code that calls
+    ``.view`` on its input (GPT-2's ``Conv1D`` flattens it with ``x.view(-1, x.size(-1))``)
+    fails on it. The copy is one fragment of the input (or of the output's gradient)."""
+    piece = t.narrow(dim, a, b - a)
+    return piece.contiguous() if t.is_contiguous() else piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,11 +242,11 @@ class _Recompute:
         call, n = self.call, self.call.n_tensors
         mode: Any = contextlib.nullcontext() if self.stats is None else frozen_stats(self.stats)
         with torch.enable_grad(), _autocast(self.autocast), mode:
-            part = [t.narrow(call.dim, a, b - a).detach().requires_grad_(need) if s else w
+            part = [_rows(t, call.dim, a, b).detach().requires_grad_(need) if s else w
                     for t, w, s, need in zip(self.inputs, self.whole, call.split,
                                              self.needs[:n], strict=True)]  # fmt: skip
             outs = call.run(part)
-            pairs = [(o, g.narrow(d, a, b - a))
+            pairs = [(o, _rows(g, d, a, b))
                      for o, g, d in zip(outs, self.grads, call.out_dims, strict=True)
                      if g is not None and o.requires_grad]  # fmt: skip
         seen = [] if self.stats is None else mode.seen

@@ -21,14 +21,14 @@ only: nothing is allocated or computed, the model's tensors are untouched).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functional_call
 
 __all__ = ["auto_segments", "block_sizes", "estimate", "largest", "saved_inside"]
 
@@ -116,19 +116,33 @@ def auto_segments(a: Sequence[int], s: Sequence[int]) -> list[range]:
     return min(candidates, key=lambda g: (estimate(g, a, s), len(g)))
 
 
-class _Run(nn.Module):
-    """``fn(*xs)`` as a module over ``root`` (what :func:`torch.func.functional_call`
-    swaps the tensors of)."""
-
-    fn: Callable[..., object]
-
-    def __init__(self, root: nn.Module, fn: Callable[..., object]) -> None:
-        super().__init__()
-        self.root = root
-        self.__dict__["fn"] = fn  # not registered: ``fn`` may be ``root`` itself
-
-    def forward(self, *xs: object) -> object:
-        return self.fn(*xs)
+@contextlib.contextmanager
+def _fakes_swapped(root: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+    """Every parameter and buffer of ``root`` replaced by a fake of it (a tensor held by
+    several modules or names: one fake) while the context is open, and put back after it,
+    once per module and slot. Not ``torch.func.functional_call``: it swaps by name, and a module
+    registered under two names (a block used twice, ``nn.Sequential(lin, act, lin)``) is
+    swapped twice — its second swap saves the first's fake as the "original", which it then
+    puts back, leaving the user's model holding fake tensors (torch 2.13)."""
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    fakes: dict[int, torch.Tensor] = {}
+    for m in root.modules():  # each module once, however many names it has
+        tables: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
+        for table in tables:
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in fakes:
+                    with mode:
+                        fakes[id(t)] = mode.from_tensor(t)
+                slots.append((table, name, t))
+    try:
+        for table, name, t in slots:
+            table[name] = fakes[id(t)]
+        yield
+    finally:
+        for table, name, t in slots:
+            table[name] = t
 
 
 def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[str, nn.Module],
@@ -138,11 +152,16 @@ def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[s
     once (its inputs, kept by checkpointing anyway, and the parameters and buffers are not
     counted; a tensor saved twice counts once). Measured on fake tensors under
     ``FakeTensorMode``: shapes only, nothing allocated, the real parameters, buffers and
-    RNG untouched. Raises what the forward
-    raises on fake tensors (a step that reads values)."""
-    sizes = dict.fromkeys(modules, 0)
-    stack: list[tuple[str, set[int]]] = []  # the running block, its inputs' storages
-    seen: set[int] = set()
+    RNG untouched (:func:`_fakes_swapped`). A block called more than once (one module at
+    several places of the model, under one name or several) is sized by its largest call,
+    what one recomputation of it holds, and every name of it gets that size. Raises what
+    the forward raises on fake tensors (a step that reads values)."""
+    names_of: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        names_of.setdefault(id(module), []).append(name)
+    by_module = dict.fromkeys(names_of, 0)
+    stack: list[tuple[int, set[int], list[int]]] = []  # the running block, its inputs'
+    seen: set[int] = set()  # storages, the bytes its call saved so far
 
     def key(t: torch.Tensor) -> int:
         return int(t.untyped_storage()._cdata)
@@ -150,40 +169,39 @@ def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[s
     def pack(t: torch.Tensor) -> torch.Tensor:
         if stack and key(t) not in stack[-1][1] and key(t) not in seen:
             seen.add(key(t))
-            sizes[stack[-1][0]] += t.untyped_storage().nbytes()
+            stack[-1][2][0] += t.untyped_storage().nbytes()
         return t
 
-    def enter(name: str) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            ins = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-            stack.append((name, {key(v) for v in ins}))
-
-        return hook
+    def enter(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ins = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        stack.append((id(m), {key(v) for v in ins}, [0]))
 
     def leave(_m: nn.Module, _args: object, _out: object) -> None:
-        stack.pop()
+        at, _, saved = stack.pop()
+        by_module[at] = max(by_module[at], saved[0])
 
     handles = []
-    for name, module in modules.items():
-        handles += [module.register_forward_pre_hook(enter(name), with_kwargs=True),
+    for names in names_of.values():  # one pair of hooks per module, not per name
+        module = modules[names[0]]
+        handles += [module.register_forward_pre_hook(enter, with_kwargs=True),
                     module.register_forward_hook(leave)]  # fmt: skip
-    wrapper = _Run(root, run)
     devices = [x.device for x in inputs if x.device.type == "cuda"]
     try:
         mode = FakeTensorMode()
-        with mode:  # fakes made here; swapped in and back outside it (its ops follow them)
-            state: dict[str, torch.Tensor] = {n: mode.from_tensor(t) for n, t in itertools.chain(
-                wrapper.named_parameters(remove_duplicate=False),
-                wrapper.named_buffers(remove_duplicate=False))}  # fmt: skip
+        with mode:
             fake = tuple(mode.from_tensor(x) for x in inputs)
-        seen.update(key(t) for t in state.values())  # parameters, buffers: not activations
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, _same):
-            functional_call(wrapper, state, fake)
+        with _fakes_swapped(root, mode):
+            # parameters, buffers: not activations
+            seen.update(key(t) for m in root.modules()
+                        for t in (*m._parameters.values(), *m._buffers.values())
+                        if t is not None)  # fmt: skip
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, _same), mode:
+                run(*fake)
     finally:
         for h in handles:
             h.remove()
-    return sizes
+    return {n: by_module[i] for i, names in names_of.items() for n in names}
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

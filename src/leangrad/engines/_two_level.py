@@ -38,7 +38,10 @@ the RNG streams and generators where it found them; BatchNorm's running statisti
 the rebuild moves are put back at the end of the step, as for every recomputation
 (:class:`~leangrad.engines._contract.BufferGuard`). A kept input changed in place after the
 forward used it is refused when its segment is rebuilt (as checkpoint's own saved inputs
-are).
+are). A block call made inside another one (a block's wrapper reached inside another
+block) is not a link of the chain: it runs as it is, recomputed with the block around it;
+chained, it would have been taken for the next block and its output rebuilt in place of
+the outer block's (a wrong gradient).
 """
 
 from __future__ import annotations
@@ -282,6 +285,7 @@ class _Run:
         self.current: _Segment | None = None
         self.current_id = -1
         self.last: list[tuple[weakref.ref[torch.Tensor], int] | None] = []
+        self.running = False  # a block call is under way: a call now is nested in it
 
     def _link(self, x: torch.Tensor) -> int | None:
         """The index of the previous call's output leaf that ``x`` is, unchanged."""
@@ -292,6 +296,17 @@ class _Run:
 
     def call(self, block: nn.Module, name: str, fn: Callable[..., Any],
              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # fmt: skip
+        if self.running:  # nested in a block call: recomputed with it, never a boundary
+            return fn(*args, **kwargs)
+        self.running = True
+        try:
+            return self._chain(block, name, fn, args, kwargs)
+        finally:
+            self.running = False
+
+    def _chain(self, block: nn.Module, name: str, fn: Callable[..., Any],
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # fmt: skip
+        """One block call, chained into the outer segments (:meth:`call`)."""
         index = self.calls
         self.calls += 1
         leaves, spec = pytree.tree_flatten((args, kwargs))
