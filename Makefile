@@ -27,7 +27,7 @@ demo: install
 	$(VENV)/bin/leangrad demo
 
 test: install-dev
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests tools
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 

@@ -42,7 +42,7 @@ from ._suites import RunSettings, Suite
 
 __all__ = ["render", "run_plan_suite"]
 
-WORKER = "leangrad.bench._plan_worker"
+WORKER = "leangrad.bench._worker"
 NOT_MEASURED = (
     "Rockmate: not measured — rockmate 2.0.0 installs beside torch 2.13.0 but does not "
     "import (its dependency rkgb 2.0.0 on PyPI lacks the rkgb.core subpackage), and it "
@@ -172,7 +172,13 @@ def _run_model(
     compiled = {
         b: run_json_worker(
             WORKER,
-            {"mode": "compile", "kind": kind, "size": size, "budget": b, "repeats": ctx["repeats"]},
+            {
+                "mode": "plan-compile",
+                "kind": kind,
+                "size": size,
+                "budget": b,
+                "repeats": ctx["repeats"],
+            },
         )
         for b in ctx["compile"]
     }
@@ -236,7 +242,7 @@ def _leangrad_side(
     rss = run_json_worker(
         WORKER,
         {
-            "mode": "engine",
+            "mode": "plan-engine",
             "kind": kind,
             "size": size,
             "engine": row.name,

@@ -204,8 +204,13 @@ def _measure_memory(
     tick(f"memory {rec['engine']}")
     if rss and rss_supported() and device == "cpu":
         r = run_rss_worker(
-            "leangrad.bench._rss_worker",
-            {"config": dict(rec["config"]), "engine": spec.name, "options": spec.options},
+            "leangrad.bench._worker",
+            {
+                "mode": "rss",
+                "config": dict(rec["config"]),
+                "engine": spec.name,
+                "options": spec.options,
+            },
         )
         rec["rss_peak_bytes"] = r.peak_above
         rec["rss_exceeds_tracker"] = r.peak_above > prof.peak_bytes * (1 + RSS_TOLERANCE)

@@ -1,5 +1,5 @@
 """Records of the ``zoo`` suite (:mod:`leangrad.bench._zoo`) that are not measured in its own
-process: fresh-process RSS and ``torch.compile`` (:mod:`leangrad.bench._zoo_worker`), and
+process: fresh-process RSS and ``torch.compile`` (:mod:`leangrad.bench._worker`), and
 GPU-sized configurations estimated on fake tensors; with the helpers the runner shares
 (its settings, one record, the methods for a model).
 """
@@ -29,7 +29,7 @@ __all__ = [
     "record",
 ]
 
-WORKER = "leangrad.bench._zoo_worker"
+WORKER = "leangrad.bench._worker"
 HIGHWAY_CHANGED = (
     "gru_lm as a leangrad.highway.HighwayNet: leangrad's GRULayer (nn.GRU's equations and "
     "gate order, one step at a time, hand-written J-vjps) instead of the fused nn.GRU, "
@@ -177,6 +177,7 @@ def fresh_process(
         ctx.get("compile_budgets", ["default"]) if name in ctx.get("compile_models", []) else []
     )
     payload = {
+        "mode": "zoo",
         "model": name,
         "size": size,
         "repeats": ctx.repeats,

@@ -1,5 +1,5 @@
 """What ``torch.compile`` costs, measured in the process that calls it (a fresh one: the
-zoo suite's worker, :mod:`leangrad.bench._zoo_worker`, and ``plan(compile=True)``'s,
+bench's worker, :mod:`leangrad.bench._worker`, and ``plan(compile=True)``'s,
 :mod:`leangrad._plan_compile`).
 
 :func:`compile_costs` compiles a model afresh — the first step's seconds (dynamo, AOT
@@ -63,13 +63,23 @@ def _warm_cuda(step: Callable[[], None], model: torch.nn.Module, device: torch.d
     return int(torch.cuda.max_memory_allocated(device)) - start
 
 
-def stepper(model: torch.nn.Module, run: Callable[[], None]) -> Callable[[], None]:
-    """``run`` with the model's ``.grad`` set to None first (as after ``zero_grad``)."""
+def stepper(
+    model: torch.nn.Module,
+    run: Callable[[], None],
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Callable[[], None]:
+    """``run`` with the model's ``.grad`` set to None first (as after ``zero_grad``); with
+    ``optimizer``, a training step: then ``optimizer.step()`` and
+    ``optimizer.zero_grad(set_to_none=True)``, so the next step starts with no ``.grad``."""
 
     def step() -> None:
         for p in model.parameters():
             p.grad = None
         run()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     return step
 

@@ -2,7 +2,7 @@
 
 Run as a file, not a module, so the same measurement runs against another checkout::
 
-    python src/leangrad/bench/_gaps.py --before OLD/src --out results/gaps.json
+    python tools/gaps.py --before OLD/src --out results/gaps.json
 
 For each row and thread count (1 and the machine's cores) it starts one worker process per
 version, alternating before/after, with ``PYTHONPATH`` set to that version's ``src``; a
@@ -274,7 +274,8 @@ def _run(src: str, row: str, threads: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="src/ of the version before")
-    ap.add_argument("--after", default=os.path.join(os.path.dirname(__file__), "..", ".."))
+    ap.add_argument("--after", help="src/ of the version after (default: this checkout's)",
+                    default=os.path.join(os.path.dirname(__file__), "..", "src"))  # fmt: skip
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--out")
     ap.add_argument("--worker")
