@@ -15,7 +15,8 @@ from torch import nn
 
 import leangrad
 from leangrad import zoo
-from leangrad.bench._zoo_methods import NOT_A_SEQUENCE, build, pytorch_methods
+from leangrad.bench._models import build
+from leangrad.bench._zoo_methods import NOT_A_SEQUENCE, pytorch_methods
 from leangrad.loss import PerExample
 from leangrad.measure import compare_grads
 

@@ -22,7 +22,7 @@ import torch
 
 import leangrad
 from leangrad import blocks
-from leangrad.bench._zoo_methods import build
+from leangrad.bench._models import build
 from leangrad.loss import PerExample
 from leangrad.measure import compare_grads
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from leangrad import blocks, engine
-from leangrad.bench._zoo_methods import Method, build
+from leangrad.bench._models import build
+from leangrad.bench._zoo_methods import Method
 from leangrad.engines._checkpoint_plan import stage_modules, stem_modules
 from leangrad.measure import profile_step, time_interleaved
 

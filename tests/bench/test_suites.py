@@ -58,8 +58,8 @@ def test_build_is_deterministic_and_dtype_independent() -> None:
 
 
 def test_build_rejects_unknown_model_and_dtype() -> None:
-    with pytest.raises(UnknownNameError, match=r"unknown model 'vit'; known models: mlp, conv"):
-        build({"model": "vit"})
+    with pytest.raises(UnknownNameError, match=r"unknown model 'nope'; known models: mlp, conv"):
+        build({"model": "nope"})
     with pytest.raises(UnknownNameError, match=r"unknown dtype 'float8'"):
         build({**TINY, "dtype": "float8"})
 

@@ -16,9 +16,10 @@ import torch
 
 from leangrad import zoo
 from leangrad.bench import RECORD_FIELDS, RunSettings, load_suite
+from leangrad.bench._models import build
 from leangrad.bench._zoo import run_zoo
 from leangrad.bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
-from leangrad.bench._zoo_methods import Method, build, leangrad_methods, pytorch_methods
+from leangrad.bench._zoo_methods import Method, leangrad_methods, pytorch_methods
 from leangrad.bench._zoo_report import best_within, headline_table, largest_batch, render
 from leangrad.cli import main
 

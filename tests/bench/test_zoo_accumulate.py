@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from leangrad import zoo
 from leangrad.bench import RunSettings, load_suite
+from leangrad.bench._models import build
 from leangrad.bench._zoo import _ModelRun, run_zoo
 from leangrad.bench._zoo_batch import footprint, micro_batches
 from leangrad.bench._zoo_methods import (
     NOT_PER_EXAMPLE,
     TOO_FEW_EXAMPLES,
     Method,
-    build,
     call,
     leangrad_methods,
     pytorch_methods,

@@ -17,11 +17,10 @@ pytest.importorskip("diffusers")
 from leangrad import hf
 from leangrad._errors import OptionError
 from leangrad.bench import RunSettings, load_suite
+from leangrad.bench._models import HF_MODELS, build
 from leangrad.bench._zoo import run_zoo
 from leangrad.bench._zoo_methods import (
     HF_CHECKPOINTING,
-    HF_MODELS,
-    build,
     call,
     hf_checkpointing,
     pytorch_methods,

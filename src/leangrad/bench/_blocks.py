@@ -21,14 +21,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from tqdm.auto import tqdm
 
-from .. import engine, zoo
+from .. import engine
 from ..measure import MemoryTracker, compare_grads, time_interleaved
 from ..measure._timer import num_threads
+from ._models import Inputs, Parts, Workload, build
+from ._plan_peers import SUITE_MODELS
 from ._report import fmt_bytes
 from ._runner import machine_info, new_record
 from ._suites import RunSettings, Suite
@@ -36,42 +37,10 @@ from ._suites import RunSettings, Suite
 __all__ = ["render", "run_blocks"]
 
 Step = Callable[[], None]
-Parts = tuple[Callable[[], torch.Tensor], list[nn.Module], Callable[[torch.Tensor], torch.Tensor]]
-"""A model cut for the hand-written peers: its stem (a thunk), its blocks, its head."""
 
 
-def _gpt_parts(model: zoo.GPT, idx: torch.Tensor) -> Parts:
-    t = idx.shape[1]
-    return (lambda: model.tok(idx) + model.pos[:t], list(model.blocks),
-            lambda x: model.head(model.ln_f(x)))  # fmt: skip
-
-
-def _resnet_parts(model: zoo.ResNet, x: torch.Tensor) -> Parts:
-    blocks = [b for stage in model.stages for b in stage.children()]
-    return (lambda: model.stem(x), blocks,
-            lambda h: model.head(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1)))  # fmt: skip
-
-
-def _workload(
-    kind: str, size: dict[str, int]
-) -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Parts]:
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    batch = size["batch"]
-    if kind == "gpt":
-        model = zoo.gpt(vocab=size["vocab"], dim=size["dim"], layers=size["layers"],
-                        heads=size["heads"], context=size["context"])  # fmt: skip
-        idx = torch.randint(0, size["vocab"], (batch, size["context"]), generator=gen)
-        tgt = torch.randint(0, size["vocab"], (batch, size["context"]), generator=gen)
-        return model, idx, (lambda out: zoo.GPT.loss(out, tgt)), _gpt_parts(model, idx)
-    resnet = zoo.resnet(size["depth"], width=size["width"], classes=10)
-    x = torch.randn(batch, 3, size["image"], size["image"], generator=gen)
-    y = torch.randint(0, 10, (batch,), generator=gen)
-    return resnet, x, (lambda out: F.cross_entropy(out, y)), _resnet_parts(resnet, x)
-
-
-def _methods(model: nn.Module, inp: torch.Tensor, loss_fn: Callable, parts: Any,  # type: ignore[type-arg]
-             segments: list[int]) -> dict[str, Step]:  # fmt: skip
+def _methods(wl: Workload, parts: Parts, segments: list[int]) -> dict[str, Step]:
+    model, inp, loss_fn = wl.model, wl.inputs, wl.loss_fn
     stem, blocks, head = parts
     eng = engine("checkpoint")
 
@@ -102,7 +71,7 @@ def _methods(model: nn.Module, inp: torch.Tensor, loss_fn: Callable, parts: Any,
     return out
 
 
-def _peak(model: nn.Module, inp: torch.Tensor, step: Step) -> int:
+def _peak(model: nn.Module, inp: Inputs, step: Step) -> int:
     for p in model.parameters():  # .grad preallocated: the step's own bytes are measured
         p.grad = torch.zeros_like(p)
     step()  # warm-up (the engine's prepared copy is made here, once)
@@ -131,9 +100,10 @@ def run_blocks(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     with num_threads(1):
         for kind in bar:
             size = models[kind]
-            model, inp, loss_fn, parts = _workload(kind, size)
-            model, inp = model.to(device), inp.to(device)
-            methods = _methods(model, inp, loss_fn, parts, segments)
+            wl = build(SUITE_MODELS[kind], size, device=device)
+            model, inp, parts = wl.model, wl.inputs, wl.parts
+            assert parts is not None, "the suite's models are cut into stem, blocks and head"
+            methods = _methods(wl, parts, segments)
             peaks = {n: _peak(model, inp, s) for n, s in methods.items()}
             ref = _grads(model, methods["backprop"])
             errs = {n: compare_grads(_grads(model, s), ref).max_rel_err

@@ -8,7 +8,7 @@ of the ``plan`` suite (issue 13), each a whole training step (backward and SGD s
   pass by ``Tensor.register_post_accumulate_grad_hook`` (PyTorch's "optimizer step in
   backward" recipe: each gradient freed once used);
 - ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` — run in a
-  fresh process by :mod:`leangrad.bench._plan_worker`, since inductor's buffers are
+  fresh process by :mod:`leangrad.bench._worker`, since inductor's buffers are
   invisible to the tracker and need the resident-set measurement.
 """
 
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -28,13 +27,24 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._blocks import _workload as _blocks_workload
+from ._models import LossFn, Parts, build
 
-__all__ = ["HOOKED", "Step", "make_sgd", "optimizer_in_backward", "peers", "workload"]
+__all__ = [
+    "HOOKED",
+    "SUITE_MODELS",
+    "Step",
+    "make_sgd",
+    "optimizer_in_backward",
+    "peers",
+    "workload",
+]
 
 Step = Callable[[], None]
 HOOKED = " + optimizer in backward"
 """Suffix of a peer whose optimizer steps inside the backward pass (gradient hooks)."""
+SUITE_MODELS = {"resnet": "blocks_resnet", "gpt": "blocks_gpt", "mlp": "dropout_mlp"}
+"""The ``blocks`` and ``plan`` suites' model keys (their suite files' tables, their
+records' series) -> registry names (:data:`leangrad.bench._models.MODELS`)."""
 _SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
          torch.ops.aten.convolution.default}  # fmt: skip
 
@@ -44,23 +54,13 @@ def make_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
 
-def workload(kind: str, size: dict[str, int]):  # type: ignore[no-untyped-def]
-    """The blocks suite's ResNet and GPT, and an MLP with dropout as an nn.Sequential:
-    ``(model, inputs, loss_fn, (stem, blocks, head))``, the same for the same size."""
-    if kind in ("gpt", "resnet"):
-        return _blocks_workload(kind, size)
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    w, layers, b = size["width"], size["layers"], size["batch"]
-    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(size["features"], w), nn.ReLU(),
-                                             nn.Dropout(0.1))]  # fmt: skip
-    blocks += [nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Dropout(0.1))
-               for _ in range(layers - 1)]  # fmt: skip
-    model = nn.Sequential(*blocks, nn.Linear(w, 10))
-    x = torch.randn(b, size["features"], generator=gen)
-    y = torch.randint(0, 10, (b,), generator=gen)
-    return model, x, (lambda out: F.cross_entropy(out, y)), (lambda: x, list(model)[:-1],
-                                                              model[-1])  # fmt: skip
+def workload(kind: str, size: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, LossFn, Parts]:
+    """The ``blocks`` and ``plan`` suites' model ``kind`` (:data:`SUITE_MODELS`) at
+    ``size``: ``(model, inputs, loss_fn, (stem, blocks, head))``, the same for the same
+    size (:func:`leangrad.bench._models.build`)."""
+    wl = build(SUITE_MODELS.get(kind, kind), size)
+    assert isinstance(wl.inputs, torch.Tensor) and wl.parts is not None
+    return wl.model, wl.inputs, wl.loss_fn, wl.parts
 
 
 def optimizer_in_backward(model: nn.Module) -> None:

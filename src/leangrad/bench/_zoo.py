@@ -13,7 +13,7 @@ Per model (ResNet-18-style CNN, GPT, BERT, LSTM and GRU LMs, the GRU LM as a
 - PyTorch (:mod:`leangrad.bench._zoo_methods`): per-block, selective and
   ``checkpoint_sequential`` checkpointing (recurrent LMs: the recurrent module whole, or
   time chunks), bfloat16 autocast; ``torch.compile`` default and with
-  ``activation_memory_budget``, in a fresh process (:mod:`leangrad.bench._zoo_worker`);
+  ``activation_memory_budget``, in a fresh process (:mod:`leangrad.bench._worker`);
 - gradient accumulation over k micro-batches (the suite's ``micro_batches``), on both
   sides: leangrad's ``accumulate`` and ``checkpoint+accumulate`` engines, and the loop a
   PyTorch user writes by hand, alone and with per-block checkpointing inside each
@@ -48,10 +48,11 @@ from .. import _errors as errors
 from .._plan import plan
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
+from ._models import build
 from ._runner import machine_info
 from ._suites import RunSettings, Suite, runner
 from ._zoo_batch import estimable, footprint, max_batch
-from ._zoo_methods import Method, Skipped, build, call
+from ._zoo_methods import Method, Skipped, call
 from ._zoo_report import render
 from ._zoo_rows import (
     Context,

@@ -17,8 +17,9 @@ from typing import Any
 from ..engines import available, engine_class
 from ..engines._transforms import AccumulateTransform
 from ..measure import estimate_memory, profile_step
+from ._models import build
 from ._search import bisect_last_fit
-from ._zoo_methods import Method, build
+from ._zoo_methods import Method
 
 __all__ = [
     "NOT_ESTIMABLE",

@@ -57,12 +57,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as errors
-from .. import hf, zoo
+from .. import zoo
 from ..engines import available, engine, engine_class
 from ..engines._transforms import TRANSFORMS, AccumulateTransform, batch_coupling
 from ..loss import PerExample
 from ..measure import FORWARD_END, mark
-from ._blocks import _gpt_parts, _resnet_parts
+from ._models import HF_MODELS, Inputs, LossFn, Workload, build, gpt_parts, resnet_parts
 from ._plan_peers import peers
 
 __all__ = [
@@ -80,29 +80,6 @@ __all__ = [
     "pytorch_methods",
 ]
 
-LossFn = Callable[[Any], torch.Tensor]
-Inputs = torch.Tensor | tuple[torch.Tensor, ...]
-UNKNOWN_MODEL = "zoo suite: unknown model {name!r} in the suite file; known: {known}"
-_CTOR = {
-    "resnet": ("depth", "width"),
-    "gpt": ("vocab", "dim", "layers", "heads", "context"),
-    "bert": ("vocab", "dim", "layers", "heads", "context"),
-    "lstm_lm": ("vocab", "embed", "hidden", "layers"),
-    "gru_lm": ("vocab", "embed", "hidden", "layers"),
-    "highway_gru_lm": ("vocab", "embed", "hidden", "layers"),
-    "vit": ("image", "patch", "dim", "layers", "heads"),
-    "llama": ("vocab", "dim", "layers", "heads", "context", "hidden"),
-    "gpt_50k": ("vocab", "dim", "layers", "heads", "context"),
-    "unet": ("image", "in_channels", "widths", "groups", "attention_at", "head_dim"),
-}
-HF_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "hf_gpt2": ("gpt2", ("vocab", "dim", "layers", "heads", "context")),
-    "hf_llama": ("llama", ("vocab", "dim", "layers", "heads", "kv_heads", "ffn", "context")),
-    "hf_bert": ("bert", ("vocab", "dim", "layers", "heads", "context")),
-    "hf_unet": ("unet", ("image", "widths", "layers_per_block", "groups", "head_dim")),
-}
-"""Opt-in zoo model name -> (:data:`leangrad.hf.MODELS` name, its size keys); needs the
-``[hf]`` extra. Float32, the libraries' defaults (SDPA attention, dropout as configured)."""
 HF_CHECKPOINTING = "hf_checkpointing"
 """The label of the libraries' own gradient checkpointing row."""
 ACCUMULATE_ENGINES = ("accumulate", "checkpoint+accumulate")
@@ -113,9 +90,6 @@ NOT_PER_EXAMPLE = (
     "cannot be weighted to add up to the whole batch's gradient"
 )
 TOO_FEW_EXAMPLES = "{k} micro-batches but the batch has {batch} examples"
-_BUILDERS: dict[str, Callable[..., nn.Module]] = {"gpt_50k": zoo.gpt}
-"""Zoo model names built by another name's constructor (``gpt_50k``: the zoo's GPT at a
-real vocabulary)."""
 NOT_A_SEQUENCE = (
     "{model} is not a stem, a sequence of blocks and a head (skip connections join its down "
     "and up paths), so the recipes written over that sequence (checkpoint_sequential, "
@@ -129,53 +103,9 @@ NO_BLOCKS_TO_WRAP = (
 _TRANSFORM_ORDER = ("fad", "bits", "rad")
 
 
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """A zoo model, its offline batch and loss (seeded: the same for the same size).
-    ``inputs``: one tensor, or a tuple (``model(*inputs)``: the UNet's sample and
-    timestep)."""
-
-    model: nn.Module
-    inputs: Inputs
-    loss_fn: LossFn
-
-
 def call(model: Callable[..., Any], inputs: Inputs) -> Any:
     """``model(inputs)`` for one tensor, ``model(*inputs)`` for a tuple."""
     return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-
-
-def build(
-    name: str, size: dict[str, Any], *, batch: int | None = None, device: str = "cpu"
-) -> Workload:
-    """Zoo model ``name`` at ``size`` (constructor keys plus ``batch`` and, for token
-    models, ``length`` or ``context``), with ``batch`` overriding the size's, on
-    ``device`` (built on the CPU from the same seed, then moved: the same weights and
-    batch on every device)."""
-    if name not in _CTOR and name not in HF_MODELS:
-        known = ", ".join([*_CTOR, *HF_MODELS])
-        raise errors.UnknownNameError(UNKNOWN_MODEL.format(name=name, known=known))
-    n = int(size["batch"] if batch is None else batch)
-    length = int(size.get("length", size.get("context", 64)))
-    if name in HF_MODELS:
-        base, keys = HF_MODELS[name]
-        opts = {k: tuple(size[k]) if k == "widths" else size[k] for k in keys if k in size}
-        lib_model: nn.Module = hf.model(base, **opts, seed=0)
-        if torch.device(device).type != "cpu":
-            lib_model.to(device)
-        xs, hf_loss = hf.batch(base, lib_model, n, length=length)
-        return Workload(lib_model, xs, hf_loss)
-    kw = {k: size[k] for k in _CTOR[name] if k in size}
-    torch.manual_seed(0)
-    if name in ("lstm_lm", "gru_lm"):
-        model: nn.Module = zoo.rnn_lm(name.removesuffix("_lm"), **kw)
-    else:
-        ctor: Callable[..., nn.Module] = _BUILDERS.get(name) or getattr(zoo, name)
-        model = ctor(**kw)
-    if torch.device(device).type != "cpu":  # (fake tensors, built under a mode, stay put)
-        model.to(device)
-    x, loss_fn = zoo.batch(name, model, n, length=length, image=int(size.get("image", 32)))
-    return Workload(model, x, loss_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,8 +359,8 @@ def _vit_parts(model: zoo.ViT, x: torch.Tensor) -> tuple[Any, list[nn.Module], A
 
 
 _PARTS: dict[type, Callable[[Any, torch.Tensor], Any]] = {
-    zoo.GPT: _gpt_parts,
-    zoo.ResNet: _resnet_parts,
+    zoo.GPT: gpt_parts,
+    zoo.ResNet: resnet_parts,
     zoo.BERT: _bert_parts,
     zoo.ViT: _vit_parts,
     zoo.Llama: _llama_parts,
