@@ -335,9 +335,9 @@ def test_two_levels_do_not_chain_a_block_call_nested_in_another(
     """The chain's own guard, with the nested blocks left in (as before the finder's
     fix): a block called inside another is no link of the chain, so no boundary is
     rebuilt from it, and the gradient is exact."""
-    from leangrad.engines import _checkpoint
+    from leangrad.engines import _blocks
 
-    monkeypatch.setattr(_checkpoint, "outermost", lambda _model, found, given: found)
+    monkeypatch.setattr(_blocks, "outermost", lambda _model, found, given: found)
     model, x, loss_fn = _shared_mlp(torch.float64)
     assert len(leangrad.engine("checkpoint").blocks(model)) == 6  # extra.0 .. 2 kept
     res = _check(model, x, loss_fn, levels=2)

@@ -8,7 +8,9 @@ its own ``forward``, a stem, ``self.blocks``, a head — says so in its module t
 repeated units are the children of an ``nn.ModuleList`` / ``nn.Sequential`` that repeat
 a type (ResNet stages' residual blocks, a transformer's layers). :func:`blocks` finds
 them and says how; ``blocks=`` (a list of submodule names) overrides the search. Where the
-module tree repeats nothing, the ``torch.fx`` graph is cut at its articulation points.
+module tree repeats nothing, the ``torch.fx`` graph is cut at its articulation points. No
+block sits inside another, even where one module is reached under a second name
+(:func:`outermost`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from .. import _errors as errors
 
-__all__ = ["NO_BLOCKS", "Blocks", "blocks", "children", "submodules"]
+__all__ = ["ALIASED_BLOCKS", "NO_BLOCKS", "Blocks", "blocks", "children", "outermost", "submodules"]
 
 NO_BLOCKS = (
     "found no repeated blocks in {model}: no nn.ModuleList or nn.Sequential in its module "
@@ -36,6 +38,11 @@ UNKNOWN_BLOCK = (
     "blocks= names {name!r}, which is not a submodule of {model}; its submodules: {known}"
 )
 NESTED_BLOCKS = "blocks= names {inner!r} inside {outer!r}; a block cannot contain another block"
+ALIASED_BLOCKS = (
+    "blocks= names {inner!r}, whose parent module is also inside block {outer!r} (one module "
+    "reached by two names): checkpointing {inner!r} in place would checkpoint it inside "
+    "{outer!r} too, and a block cannot contain another block; name only one of them"
+)
 
 
 def children(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -108,14 +115,18 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
             ``False`` that case raises instead.
 
     Returns:
-        A :class:`Blocks` (printable).
+        A :class:`Blocks` (printable). A found unit inside another found block (a module
+        of that block reached under a second name) is left to that block; ``how`` names
+        it (:func:`outermost`).
 
     Raises:
-        EngineInputError: a given name is not a submodule, or nothing repeats.
+        EngineInputError: a given name is not a submodule or sits inside another given
+            block (by its name, or by a second name of a module of that block), or nothing
+            repeats.
     """
     subs = submodules(model)
     if names is not None:
-        return _given(model, subs, names)
+        return outermost(model, _given(model, subs, names), given=True)
     blocks_fn = getattr(model, "checkpoint_blocks", None)
     if callable(blocks_fn):
         listed = list(blocks_fn())
@@ -132,7 +143,50 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
         return split
     how = "repeated children of " + "; ".join(hows)
     found_list = _one_name_per_slot(subs, found_list)
-    return Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
+    units = Blocks(tuple(found_list), False, how, {n: subs[n] for n in found_list})
+    return outermost(model, units, given=False)
+
+
+def outermost(model: nn.Module, found: Blocks, *, given: bool) -> Blocks:
+    """``found`` without the blocks that sit inside another block under a second name.
+
+    A block is used (checkpointed, compiled, sharded) in place, in the slot of its parent
+    module. Where that parent is also inside another block (``self.extra = self.blocks[0]
+    .mlp`` makes ``extra.0``, the first Linear of ``blocks.0``'s MLP, a repeated unit of
+    ``extra``), wrapping it would wrap it inside that block too, and the two wrappers would
+    run one inside the other: ``checkpoint(levels=2)`` chained the nested calls as links
+    of its chain (a wrong gradient), ``trace=True`` met the inner wrapper. Found blocks:
+    the inner ones are left to the block that holds them (recomputed with it; their other
+    uses run as written), and ``how`` says so. Blocks given by ``blocks=``: refused
+    (:data:`ALIASED_BLOCKS`); a name whose own slot is outside every block (``extra``
+    itself) is no nesting and is kept. A sequence of blocks (called one after another by
+    the model or its runner, never one inside another) and the pieces of an fx split are
+    returned as they are.
+
+    Raises:
+        EngineInputError: ``given`` and a named block sits inside another.
+    """
+    if found.sequential or found.runner is not None or len(found) < 2:
+        return found
+    subs = submodules(model)
+    inside: dict[int, str] = {}  # id of every module inside a block -> that block
+    for name in found.names:
+        for m in found.modules[name].modules():
+            inside.setdefault(id(m), name)
+    dropped: dict[str, str] = {}  # inner block -> the block holding it
+    for name in found.names:
+        outer = inside.get(id(subs[name.rpartition(".")[0]]))
+        if outer is None or outer == name:
+            continue
+        if given:
+            raise errors.EngineInputError(ALIASED_BLOCKS.format(inner=name, outer=outer))
+        dropped[name] = outer
+    if not dropped:
+        return found
+    keep = tuple(n for n in found.names if n not in dropped)
+    left = ", ".join(f"{n} (in {outer})" for n, outer in dropped.items())
+    how = f"{found.how}; left to the blocks holding them: {left}"
+    return Blocks(keep, False, how, {n: found.modules[n] for n in keep})
 
 
 def _names_of(model: nn.Module, listed: list[nn.Module]) -> tuple[str, ...]:

@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import _errors as errors
 from ._backprop import grad_hooks
 from ._base import Engine, LossFn, OnGrad, PlanOffer, StepResult, forward_loss
-from ._blocks import Blocks, blocks
+from ._blocks import ALIASED_BLOCKS, Blocks, blocks
 from ._catalog import register
 from ._checkpoint_explain import block_lines
 from ._checkpoint_plan import block_offers, time_chunk_offers
@@ -79,7 +79,7 @@ from ._two_level import (
 from ._wrapped import DDP, FSDP1, FSDP2, forward_replaced, through_ddp, wrapped_by
 
 __all__ = ["ALIASED_BLOCKS", "BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint",
-           "model_blocks", "outermost", "split_segments", "trace_block", "traced",
+           "model_blocks", "split_segments", "trace_block", "traced",
            "untraceable_signature"]  # fmt: skip
 
 BAD_SEGMENTS = (
@@ -144,11 +144,6 @@ NOT_LARGEST = (
 UNSIZED = (
     "fragment_blocks={n}: the blocks could not be sized on fake tensors ({error}); every "
     "checkpointed block runs in fragments"
-)
-ALIASED_BLOCKS = (
-    "blocks= names {inner!r}, whose parent module is also inside block {outer!r} (one module "
-    "reached by two names): checkpointing {inner!r} in place would checkpoint it inside "
-    "{outer!r} too, and a block cannot contain another block; name only one of them"
 )
 CHUNKS_AND_SEGMENTS = (
     "time_chunks= and segments= cannot be combined: with time_chunks each block is "
@@ -446,15 +441,13 @@ class Checkpoint(Engine):
     def _find(self, model: nn.Module) -> Blocks:
         if self.time_chunks is None:  # FSDP2: the fx split would be a copy (wrapped_why)
             graph = _unwrap(model)[1] != FSDP2
-            return outermost(model, blocks(model, names=self.block_names, graph=graph),
-                             given=self.block_names is not None)  # fmt: skip
+            return blocks(model, names=self.block_names, graph=graph)
         if not fused_recurrent(model):
             raise errors.EngineInputError(
                 NO_RECURRENT.format(value=self.time_chunks, model=type(model).__name__)
             )
         try:  # the module tree's blocks; where it repeats nothing, the chunks alone
-            return outermost(model, blocks(model, names=self.block_names, graph=False),
-                             given=self.block_names is not None)  # fmt: skip
+            return blocks(model, names=self.block_names, graph=False)
         except errors.EngineInputError:
             if self.block_names is not None:
                 raise
@@ -510,8 +503,6 @@ class Checkpoint(Engine):
         ``bits``; fused recurrent modules in time chunks
         (:mod:`leangrad.engines._checkpoint_plan`)."""
         del exact
-        if found is not None:  # the blocks checkpoint would find (blocks inside others left)
-            found = outermost(model, found, given=False)
         offers = block_offers(model, found, loss_fn) if found is not None else []
         return offers + time_chunk_offers(model)
 
@@ -522,9 +513,7 @@ class Checkpoint(Engine):
         the model (or of its fx split) with each block replaced, run by a checkpointing
         engine told their names; with only time chunks, the whole model."""
         chunks = self.time_chunks
-        found = (outermost(model, blocks(model, names=self.block_names),
-                           given=self.block_names is not None)
-                 if chunks is None else self.blocks(model))  # fmt: skip
+        found = blocks(model, names=self.block_names) if chunks is None else self.blocks(model)
         if found.sequential and chunks is None:
             mods = [transform(n, found.modules[n]) for n in found.names]
             return nn.Sequential(*mods), self
@@ -867,41 +856,6 @@ class Checkpoint(Engine):
         if self.time_chunks is not None:
             chunk_recurrent(new, self.time_chunks, skip=tuple(checkpointed))
         return new
-
-
-def outermost(model: nn.Module, found: Blocks, *, given: bool) -> Blocks:
-    """``found`` without the blocks that sit inside another block under a second name, on
-    a model run as written. Each block is wrapped in place, in the slot of its parent
-    module; where that parent is also inside another block (``self.extra = self.blocks[0]
-    .mlp`` makes ``extra.0`` the first Linear of ``blocks.0``), wrapping it would wrap it
-    inside that block too, and the two wrappers would run one inside the other: with
-    ``levels=2`` the nested calls broke the chain of boundaries (a wrong gradient), with
-    ``trace=True`` the trace met the inner wrapper. Found blocks: the inner ones are left to
-    the block that holds them (recomputed with it; their other uses run plain), and
-    ``how`` says so. Blocks given by ``blocks=``: refused (:data:`ALIASED_BLOCKS`). A
-    sequence of blocks (they are called one after another, never one inside another) and
-    the pieces of an fx split are returned as they are."""
-    if found.sequential or found.runner is not None or len(found) < 2:
-        return found
-    subs = dict(model.named_modules(remove_duplicate=False))
-    inside: dict[int, str] = {}  # id of every module inside a block -> that block
-    for name in found.names:
-        for m in found.modules[name].modules():
-            inside.setdefault(id(m), name)
-    dropped: dict[str, str] = {}  # inner block -> the block holding it
-    for name in found.names:
-        outer = inside.get(id(subs[name.rpartition(".")[0]]))
-        if outer is None or outer == name:
-            continue
-        if given:
-            raise errors.EngineInputError(ALIASED_BLOCKS.format(inner=name, outer=outer))
-        dropped[name] = outer
-    if not dropped:
-        return found
-    keep = tuple(n for n in found.names if n not in dropped)
-    left = ", ".join(f"{n} (in {outer})" for n, outer in dropped.items())
-    how = f"{found.how}; left to the blocks holding them: {left}"
-    return Blocks(keep, False, how, {n: found.modules[n] for n in keep})
 
 
 def _fragment_blocks(value: Sequence[str] | int | str | None,
