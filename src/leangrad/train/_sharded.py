@@ -59,6 +59,12 @@ FSDP_PER_LAYER = (
     "its own hooks and leangrad's per-layer steps are not checked against them; drop "
     "--step-per-layer, or use --parallel ddp"
 )
+FSDP_ALIASED = (
+    "--parallel fsdp: {blocks}: a block whose parameters are also reached outside it is not "
+    "an FSDP unit of its own (FSDP2 would shard them twice); the root unit shards them "
+    "instead, gathered for the whole step (exact, more memory) — to shard such a block "
+    "alone, drop the second name (call the block's submodule through the block)"
+)
 SHARDS_BAD = (
     "{path}: sharded checkpoint is damaged ({why}); earlier checkpoints in {dir} are "
     "untouched — resume from one of them with --resume PATH"
@@ -83,7 +89,9 @@ def shard(model: nn.Module, engine: Engine, *, per_layer: bool) -> None:
     """``fully_shard`` each block of ``model`` the engine works on, then the model itself:
     :meth:`engine.blocks <leangrad.engines.Engine.blocks>` — the blocks ``checkpoint``
     checkpoints (its ``blocks=``), each inside its own FSDP unit; :func:`leangrad.blocks`'s
-    for backprop. An engine that does not run FSDP2's
+    for backprop. A block whose parameters are also reached outside it (a submodule under a
+    second name) is left to the root's unit, with a warning (:data:`FSDP_ALIASED`): FSDP2
+    cannot shard a parameter in two units. An engine that does not run FSDP2's
     own backward, or whose options cannot (:meth:`~leangrad.engines.Engine.wrapped_why`),
     is refused before anything is sharded."""
     from torch.distributed.fsdp import fully_shard
@@ -97,14 +105,41 @@ def shard(model: nn.Module, engine: Engine, *, per_layer: bool) -> None:
     if (why := engine.wrapped_why(model, FSDP2)) is not None:
         raise errors.OptionError(why)
     found = engine.blocks(model)
-    done: set[int] = set()
-    for name in found.names:
-        module = found.modules[name]
-        if module is model or id(module) in done or not any(True for _ in module.parameters()):
-            continue
-        done.add(id(module))  # a block registered under two names is sharded once
+    units, aliased = _units(model, [found.modules[n] for n in found.names])
+    if aliased:
+        warnings.warn(FSDP_ALIASED.format(blocks="; ".join(aliased)), stacklevel=2)
+    for module in units:
         fully_shard(module)
     fully_shard(model)
+
+
+def _units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
+    """The blocks to ``fully_shard`` one by one (each once, however many names it has; none
+    without parameters), and what keeps each other block out: a parameter of it reached by
+    a path outside every name of the block (a submodule or parameter registered again
+    elsewhere, e.g. ``self.alias = self.layers[1].fc``, or a submodule two blocks share).
+    FSDP2 would shard such a parameter twice (the block's unit, then the root's or another
+    block's reaching it again) and fail inside ``fully_shard``; left to the root, it is
+    sharded once and the gradients are the plain model's."""
+    paths: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(n)
+    names: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(n)
+    units: list[nn.Module] = []
+    aliased: list[str] = []
+    for module in dict.fromkeys(blocks):  # a block registered under two names: once
+        if module is model or not any(True for _ in module.parameters()):
+            continue
+        own = tuple(f"{n}." for n in names[id(module)])
+        outside = [n for p in module.parameters() for n in paths[id(p)] if not n.startswith(own)]
+        if outside:
+            aliased.append(f"{names[id(module)][0]} (also as {', '.join(outside[:3])}"
+                           f"{', ...' if len(outside) > 3 else ''})")  # fmt: skip
+        else:
+            units.append(module)
+    return units, aliased
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
