@@ -38,6 +38,7 @@ from leangrad._plan import candidates
 from leangrad._plan_regional import CompiledBlock, Regional, regions_why
 from leangrad.engines._blocks import ALIASED_BLOCKS
 from leangrad.loss import per_example
+from shared_models import SharedMLP
 
 LossFn = Callable[[Any], torch.Tensor]
 Case = tuple[nn.Module, torch.Tensor, LossFn]
@@ -46,26 +47,6 @@ TOL = 1e-10
 
 
 # ------------------------------------------------------------------------------ models
-class SharedMLP(nn.Module):
-    """The tied GPT (output layer = token embedding) whose second block holds the first
-    one's MLP, which also runs once more after the blocks under the name ``extra``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.g = zoo.gpt(vocab=12, dim=8, layers=3, heads=2, context=8).to(DT)
-        self.g.head.weight = self.g.tok.weight
-        self.g.blocks[1].mlp = self.g.blocks[0].mlp
-        self.extra = self.g.blocks[0].mlp
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        g = self.g
-        x = g.tok(idx) + g.pos[: idx.shape[1]]
-        for block in g.blocks:
-            x = block(x)
-        return g.head(g.ln_f(x + self.extra(x)))
-
-
 class Block(nn.Module):
     """A residual block whose ``fc`` is an ``nn.Sequential`` repeating ``nn.Linear``, and
     a layer its forward never uses (its ``.grad`` stays None)."""

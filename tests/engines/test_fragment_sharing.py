@@ -42,6 +42,7 @@ from leangrad._plan import candidates
 from leangrad.engines import _fragments
 from leangrad.engines._blocks import blocks
 from leangrad.engines._checkpoint_plan import stage_modules
+from shared_models import CallsTwice, SharedMLP
 
 LossFn = Callable[[Any], torch.Tensor]
 Case = tuple[nn.Module, torch.Tensor, LossFn]
@@ -149,21 +150,6 @@ def _shared_list(dt: torch.dtype) -> Case:
     return SharedList().to(dt), torch.randn(6, 5, 4, dtype=dt), _square
 
 
-class CallsTwice(nn.Module):
-    """Written the ordinary way, calling one submodule twice, no repeated container: the fx
-    graph split finds its blocks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.a(x))
-        x = torch.tanh(self.b(x))
-        x = torch.sin(torch.tanh(self.a(x)) * 2)
-        return self.c(x)
-
-
 def _calls_twice(dt: torch.dtype) -> Case:
     torch.manual_seed(0)
     return CallsTwice().to(dt), torch.randn(6, 3, dtype=dt), _square
@@ -195,24 +181,6 @@ def _gpt(dt: torch.dtype, *, tie: bool = True, block_twice: bool = False) -> Cas
         model.blocks[2] = model.blocks[0]
     x, loss_fn = zoo.batch("gpt", model, 4, length=6)
     return model, x, loss_fn
-
-
-class SharedMLP(nn.Module):
-    """The tied GPT whose second block holds the first one's MLP, which also runs once more
-    after the blocks (outside every block)."""
-
-    def __init__(self, dt: torch.dtype) -> None:
-        super().__init__()
-        self.g = _gpt(dt)[0]
-        self.g.blocks[1].mlp = self.g.blocks[0].mlp
-        self.extra = self.g.blocks[0].mlp
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        g = self.g
-        x = g.tok(idx) + g.pos[: idx.shape[1]]
-        for block in g.blocks:
-            x = block(x)
-        return g.head(g.ln_f(x + self.extra(x)))
 
 
 def _shared_mlp(dt: torch.dtype) -> Case:

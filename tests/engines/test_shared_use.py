@@ -28,6 +28,7 @@ import leangrad
 from leangrad import layers as L
 from leangrad import zoo
 from leangrad.engines import engine_class
+from shared_models import CallsTwice
 
 LossFn = Callable[[Any], torch.Tensor]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -104,21 +105,6 @@ def _shared_batchnorm(dt: torch.dtype) -> nn.Module:
     return nn.Sequential(lin, bn, nn.Tanh(), nn.Linear(3, 3), lin, bn, nn.Tanh()).to(dt)
 
 
-class _CallsTwice(nn.Module):
-    """A model written the ordinary way that calls one submodule twice (no repeated
-    container: the fx graph split finds its blocks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.a(x))
-        x = torch.tanh(self.b(x))
-        x = torch.sin(torch.tanh(self.a(x)) * 2)
-        return self.c(x)
-
-
 class _SharedList(nn.Module):
     """A ModuleList holding one block twice, and a second name for the whole list."""
 
@@ -184,7 +170,7 @@ def test_other_engines_on_a_shared_module(kind: str, name: str) -> None:
 )  # fmt: skip
 def test_checkpoint_on_a_model_calling_a_module_twice(options: dict[str, Any]) -> None:
     torch.manual_seed(0)
-    model = _CallsTwice().double()
+    model = CallsTwice().double()
     _check(model, torch.randn(4, 3, dtype=torch.float64), _square, "checkpoint", **options)
 
 
