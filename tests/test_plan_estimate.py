@@ -123,7 +123,9 @@ def test_other_errors_are_not_taken_for_running_out_of_memory(monkeypatch) -> No
 
 
 def test_near_equal_candidates_are_timed_again_longer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Medians within 5% of the fastest get a second, longer round that decides."""
+    """Medians within 5% of the fastest get a second, longer round that decides (one
+    timed round a call: the race and the first round's second, then three more for the
+    two within noise; their medians are over all five)."""
     model, idx, loss_fn = _gpt()
     calls: list[tuple[list[str], int]] = []
     third = "checkpoint(blocks=['blocks.0'])"
@@ -132,15 +134,15 @@ def test_near_equal_candidates_are_timed_again_longer(monkeypatch) -> None:  # t
 
     def fake_timing(fns, *, repeats, warmup, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((sorted(fns), repeats))
-        table = first if len(calls) == 1 else second
+        table = first if len(fns) == 3 else second  # the first round's, or the second's
         return {k: Timing(table[k], table[k], table[k], None, repeats) for k in fns}
 
     monkeypatch.setattr(planner, "time_interleaved", fake_timing)
     p = leangrad.plan(model, idx, loss_fn, budget=2**30, repeats=2,
                       engines=[("backprop", {}), ("checkpoint", {}),
                                ("checkpoint", {"blocks": ["blocks.0"]})])  # fmt: skip
-    assert calls == [(sorted(["backprop", "checkpoint", third]), 2),
-                     (["backprop", "checkpoint"], 5)]  # fmt: skip
+    assert calls == [(sorted(["backprop", "checkpoint", third]), 1)] * 2 + [
+        (["backprop", "checkpoint"], 1)] * 3  # fmt: skip
     assert p.engine is not None and p.engine.label == "checkpoint" and p.seconds == 1.00
     assert {c.label: c.seconds for c in p.table}[third] == 1.50
 
