@@ -3,6 +3,10 @@ shared use, fragments on shared modules and aliased blocks (one home for each mo
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -43,3 +47,35 @@ class SharedMLP(nn.Module):
         for block in g.blocks:
             x = block(x)
         return g.head(g.ln_f(x + self.extra(x)))
+
+
+def beside_autograd(model: nn.Module, x: torch.Tensor,
+                    loss_fn: Callable[[torch.Tensor], torch.Tensor], step: Callable[[], Any],
+                    ) -> tuple[Any, torch.Tensor, nn.Module]:  # fmt: skip
+    """``step()`` (an engine's backward on ``model``) beside ``loss_fn(model(x)).backward()``
+    on a deep copy (which keeps the sharing), both from RNG seed 0; asserts the user's
+    Parameters and module tree are left as they were (no stand-in, no swapped module).
+    Returns the step's result, autograd's loss, and the copy (its ``.grad`` and buffers
+    are autograd's)."""
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(0)
+    want_loss = loss_fn(ref(x))
+    want_loss.backward()
+    params = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
+    mods = [(n, id(m)) for n, m in model.named_modules(remove_duplicate=False)]
+    torch.manual_seed(0)
+    res = step()
+    assert [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)] == params
+    assert [(n, id(m)) for n, m in model.named_modules(remove_duplicate=False)] == mods
+    assert all(type(p) is nn.Parameter for p in model.parameters()), "a stand-in was left"
+    return res, want_loss, ref
+
+
+def tiny_gpt_step() -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The planner tests' GPT (4 layers, width 32, 4 × 32 tokens) and its loss, seeded."""
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=32, dim=32, layers=4, heads=2, context=32)
+    idx = torch.randint(0, 32, (4, 32))
+    tgt = torch.randint(0, 32, (4, 32))
+    return model, idx, lambda out: zoo.GPT.loss(out, tgt)

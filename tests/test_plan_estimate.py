@@ -15,20 +15,14 @@ import torch.nn.functional as F
 import leangrad
 import leangrad._plan as planner
 import leangrad._plan_measure as measuring
-from leangrad import zoo
 from leangrad._plan import BAD_SETTING, NOT_TIMED
 from leangrad._plan_measure import ESTIMATED
 from leangrad._sizes import BAD_BYTES, parse_bytes
 from leangrad.measure import estimate_step, profile_step
 from leangrad.measure._timer import Timing
+from shared_models import tiny_gpt_step
 
-
-def _gpt():  # type: ignore[no-untyped-def]
-    torch.manual_seed(0)
-    model = zoo.gpt(vocab=32, dim=32, layers=4, heads=2, context=32)
-    idx = torch.randint(0, 32, (4, 32))
-    tgt = torch.randint(0, 32, (4, 32))
-    return model, idx, lambda out: zoo.GPT.loss(out, tgt)
+_gpt = tiny_gpt_step
 
 
 def test_parse_bytes() -> None:

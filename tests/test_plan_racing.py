@@ -22,10 +22,10 @@ import leangrad
 import leangrad._plan as planner
 import leangrad._plan_choice as pc
 import leangrad._plan_measure as measuring
-from leangrad import zoo
 from leangrad._plan_measure import ESTIMATE_MARGIN, ESTIMATED, Tried
 from leangrad._sizes import fmt_bytes
 from leangrad.measure import Timing, estimate_step, profile_step
+from shared_models import tiny_gpt_step
 
 
 class Clock:
@@ -146,12 +146,7 @@ def test_the_race_scales_a_compiled_row_from_the_reference() -> None:
 # -- through leangrad.plan: steps counted per candidate -----------------------------------
 
 
-def _gpt():  # type: ignore[no-untyped-def]
-    torch.manual_seed(0)
-    model = zoo.gpt(vocab=32, dim=32, layers=4, heads=2, context=32)
-    idx = torch.randint(0, 32, (4, 32))
-    tgt = torch.randint(0, 32, (4, 32))
-    return model, idx, lambda out: zoo.GPT.loss(out, tgt)
+_gpt = tiny_gpt_step
 
 
 B0, B01, FRAG = ("checkpoint(blocks=['blocks.0'])", "checkpoint(blocks=['blocks.0', 'blocks.1'])",

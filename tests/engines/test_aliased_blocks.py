@@ -22,7 +22,6 @@ Nothing here asserts a time.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +37,7 @@ from leangrad._plan import candidates
 from leangrad._plan_regional import CompiledBlock, Regional, regions_why
 from leangrad.engines._blocks import ALIASED_BLOCKS
 from leangrad.loss import per_example
-from shared_models import SharedMLP
+from shared_models import SharedMLP, beside_autograd
 
 LossFn = Callable[[Any], torch.Tensor]
 Case = tuple[nn.Module, torch.Tensor, LossFn]
@@ -146,19 +145,9 @@ def _check(model: nn.Module, x: torch.Tensor, loss_fn: LossFn, eng: leangrad.Eng
     """``eng`` on ``model`` against ``loss_fn(model(x)).backward()`` on a deep copy (which
     keeps the sharing): every ``.grad`` (None-ness; the value where ``exact``), and the
     user's Parameters and module tree left as they were."""
-    model.zero_grad(set_to_none=True)
-    ref = copy.deepcopy(model)
-    torch.manual_seed(0)
-    want_loss = loss_fn(ref(x))
-    want_loss.backward()
+    res, want_loss, ref = beside_autograd(model, x, loss_fn,
+                                          lambda: eng.backward(model, x, loss_fn))
     want = dict(ref.named_parameters(remove_duplicate=False))
-    params = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
-    mods = [(n, id(m)) for n, m in model.named_modules(remove_duplicate=False)]
-    torch.manual_seed(0)
-    res = eng.backward(model, x, loss_fn)
-    assert [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)] == params
-    assert [(n, id(m)) for n, m in model.named_modules(remove_duplicate=False)] == mods
-    assert all(type(p) is nn.Parameter for p in model.parameters()), "a stand-in was left"
     if exact:
         assert abs(res.loss.item() - want_loss.item()) <= TOL * max(1.0, abs(want_loss.item()))
     for n, p in model.named_parameters(remove_duplicate=False):
