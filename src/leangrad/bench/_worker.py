@@ -9,7 +9,7 @@ measures; it prints one JSON line. Nothing but ``torch.compile``'s steps is time
   engine named in the payload (:func:`._workloads.build`); one warm-up step, its gradients
   freed, then one step under :func:`~leangrad.measure._rss.measure_rss`:
   ``{"rss_before": ..., "rss_peak": ...}``;
-- ``"zoo"`` (:mod:`leangrad.bench._zoo_rows`): the zoo model (:func:`._zoo_methods.build`,
+- ``"zoo"`` (:mod:`leangrad.bench._zoo_rows`): the zoo model (:func:`._models.build`,
   seeded: the same model and batch as the suite's process). ``"methods"``: each method's
   step (gradients set to ``None`` first, two warm-up steps), then the peak of the resident
   set during one more above the resident set before it. ``"compile"``: for each
@@ -66,7 +66,8 @@ def _rss(payload: Payload) -> Payload:
 
 def _zoo(payload: Payload) -> Payload:
     """A zoo model: each method's warm RSS, then torch.compile at each budget."""
-    from ._zoo_methods import Method, build
+    from ._models import build
+    from ._zoo_methods import Method
 
     wl = build(payload["model"], payload["size"], device=payload.get("device", "cpu"))
     model, x, loss_fn = wl.model, wl.inputs, wl.loss_fn

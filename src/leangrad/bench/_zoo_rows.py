@@ -16,9 +16,10 @@ from ..engines import engine
 from ..engines._time_chunks import fused_recurrent
 from ..measure import StepProfile
 from ..measure._rss import run_json_worker
+from ._models import build
 from ._runner import RECORD_FIELDS
 from ._zoo_batch import estimable, footprint, max_batch
-from ._zoo_methods import Method, Skipped, build, leangrad_methods, pytorch_methods
+from ._zoo_methods import Method, Skipped, leangrad_methods, pytorch_methods
 
 __all__ = [
     "Context",
