@@ -71,3 +71,11 @@ def beside_autograd(model: nn.Module, x: torch.Tensor,
     assert all(type(p) is nn.Parameter for p in model.parameters()), "a stand-in was left"
     return res, want_loss, ref
 
+
+def tiny_gpt_step() -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The planner tests' GPT (4 layers, width 32, 4 × 32 tokens) and its loss, seeded."""
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=32, dim=32, layers=4, heads=2, context=32)
+    idx = torch.randint(0, 32, (4, 32))
+    tgt = torch.randint(0, 32, (4, 32))
+    return model, idx, lambda out: zoo.GPT.loss(out, tgt)

@@ -75,7 +75,9 @@ def test_plan_fits_half_of_backprops_step_memory_exactly() -> None:
     assert p.remeasured_peak_bytes is not None
     assert abs(p.remeasured_peak_bytes - p.peak_bytes) <= 0.05 * p.peak_bytes  # predicted
     rows = {c.label: c for c in p.table}
-    assert rows["backprop"].verdict == "over budget"
+    # twice the budget on its fake-tensor estimate: not run (test_plan_racing.py)
+    assert rows["backprop"].verdict == "over budget (estimate)"
+    assert rows["backprop"].peak_bytes == full  # the estimate is the tracker's peak
     assert sum(c.verdict == "chosen" for c in p.table) == 1
     assert "chosen: " in str(p) and "backprop" in str(p)
     # the plan's engine is an engine: exact gradients on the user's model
@@ -93,7 +95,8 @@ def test_plan_says_when_nothing_fits_and_names_the_smallest_peak() -> None:
     smallest = min(c.peak_bytes for c in p.table if c.peak_bytes is not None)
     assert p.message.startswith("nothing fits 1 KiB: the smallest peak found is")
     assert fmt_bytes(smallest) in p.message
-    assert all(c.verdict in ("over budget",) or c.verdict.startswith("n/a") for c in p.table)
+    assert all(c.verdict in ("over budget", "over budget (estimate)")
+               or c.verdict.startswith("n/a") for c in p.table)  # fmt: skip
 
 
 def test_plan_adds_estimators_only_when_asked() -> None:

@@ -7,7 +7,8 @@ is given, none is measured or asserted."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -29,18 +30,34 @@ def _t(median: float, low: float | None = None, high: float | None = None) -> Ti
 
 
 class FakeTimer:
-    """Stands in for ``time_interleaved``: round ``i`` answers ``rounds[i]`` for the labels
-    it is given, and every call is recorded (labels, repeats, warm-up); nothing runs."""
+    """Stands in for ``time_interleaved``: each label's timed calls are answered, in order,
+    by the next of its given seconds (``repeats`` of them a call: the median, fastest and
+    slowest of those), whatever the calls' pattern; every call is recorded (labels in the
+    order given, repeats, warm-up); nothing runs."""
 
-    def __init__(self, *rounds: Mapping[str, Spread]) -> None:
-        self.rounds = rounds
+    def __init__(self, seconds: Mapping[str, Sequence[float]]) -> None:
+        self.seconds = {k: list(v) for k, v in seconds.items()}
+        self.used: dict[str, int] = dict.fromkeys(seconds, 0)
         self.calls: list[tuple[list[str], int, int]] = []
 
     def __call__(self, fns: Mapping[str, Callable[[], object]], *, repeats: int,
                  warmup: int, **_: object) -> dict[str, Timing]:  # fmt: skip
-        table = self.rounds[len(self.calls)]
-        self.calls.append((sorted(fns), repeats, warmup))
-        return {k: Timing(*table[k], None, repeats) for k in fns}
+        self.calls.append((list(fns), repeats, warmup))
+        out = {}
+        for k in fns:
+            got = self.seconds[k][self.used[k]: self.used[k] + repeats]
+            assert len(got) == repeats, f"{k}: no more seconds given"
+            self.used[k] += repeats
+            out[k] = Timing(statistics.median(got), min(got), max(got), None, repeats)
+        return out
+
+
+def rounds(first: Spread, then: float | None = None, *, again: int = 6) -> list[float]:
+    """A label's seconds: the first round's three repeats (the race's first: the fastest of
+    the three, so a race never drops a row the test meant to keep), then ``again`` rounds at
+    ``then``."""
+    median, low, high = first
+    return [low, median, high] + ([] if then is None else [then] * again)
 
 
 def _row(label: str, peak: int, *, name: str | None = None, per_layer: bool = False) -> Tried:
@@ -75,28 +92,35 @@ def test_contenders_are_the_fastest_and_at_most_a_few_within_noise() -> None:
 
 
 def test_a_clear_first_round_is_not_timed_again() -> None:
-    timer = FakeTimer({"backprop": (1.00, 0.98, 1.02), "checkpoint": (1.30, 1.25, 1.35)})
+    timer = FakeTimer({"backprop": rounds((1.00, 0.98, 1.02)),
+                       "checkpoint": rounds((1.30, 1.25, 1.35))})  # fmt: skip
     got = _choose(timer, [_row("backprop", 300), _row("checkpoint", 100)])
-    assert len(timer.calls) == 1 and timer.calls[0] == (["backprop", "checkpoint"], 3, 1)
+    # the race's round, then the first round's other two, rotated; no warm-up, no 2nd round
+    assert timer.calls == [(["backprop", "checkpoint"], 1, 0), (["checkpoint", "backprop"], 1, 0),
+                           (["backprop", "checkpoint"], 1, 0)]  # fmt: skip
     assert got.label == "backprop" and got.contenders == () and got.tie_break is None
-    assert got.seconds == {"backprop": 1.00, "checkpoint": 1.30}
+    assert got.seconds == {"backprop": 1.00, "checkpoint": 1.30} and got.raced == {}
 
 
 def test_only_the_contenders_are_timed_again_and_the_longer_round_decides() -> None:
     """Medians 8% apart with overlapping spreads (the first round ranked them wrongly):
-    the two are timed again, interleaved after a warm-up with max(5, 2 * repeats) rounds;
-    the clearly slower third is not; the second round's clear winner is chosen."""
-    first = {"chunked_ce": (1.08, 0.97, 1.20), "checkpoint+chunked_ce": (1.00, 0.96, 1.10),
-             "checkpoint": (1.60, 1.55, 1.65)}  # fmt: skip
-    second = {"chunked_ce": (0.99, 0.98, 1.00), "checkpoint+chunked_ce": (1.11, 1.10, 1.12)}
-    timer = FakeTimer(first, second)
+    the two are timed again, interleaved, one round a call and no warm-up (they have just
+    run), until each has max(5, 2 * repeats) rounds, the first round's 4 included; the
+    clearly slower third is not; the medians over all those rounds pick the winner."""
+    timer = FakeTimer({"chunked_ce": [0.97, 1.08, 1.08, 1.20] + [0.99] * 4,
+                       "checkpoint+chunked_ce": [0.96, 1.00, 1.00, 1.10] + [1.11] * 4,
+                       "checkpoint": [1.25, 1.30, 1.30, 1.35]})  # fmt: skip
     rows = [_row("chunked_ce", 280), _row("checkpoint+chunked_ce", 110), _row("checkpoint", 50)]
     got = _choose(timer, rows, repeats=4)
-    assert timer.calls == [(sorted(first), 4, 1),
-                           (sorted(second), max(pc.RETIME_REPEATS, 2 * 4), 1)]  # fmt: skip
+    again = max(pc.RETIME_REPEATS, 2 * 4) - 4
+    assert [(sorted(c[0]), c[1], c[2]) for c in timer.calls] == [
+        (sorted(timer.seconds), 1, 0)] * 4 + [
+        (["checkpoint+chunked_ce", "chunked_ce"], 1, 0)] * again  # fmt: skip
     assert got.label == "chunked_ce" and got.tie_break is None
     assert got.contenders == ("checkpoint+chunked_ce", "chunked_ce")
-    assert got.seconds == {"chunked_ce": 0.99, "checkpoint+chunked_ce": 1.11, "checkpoint": 1.60}
+    assert got.seconds == {"chunked_ce": 0.99,  # median of the 8: 0.97, 0.99 x4, 1.08 ...
+                           "checkpoint+chunked_ce": pytest.approx((1.10 + 1.11) / 2),
+                           "checkpoint": 1.30}  # fmt: skip
 
 
 @pytest.mark.parametrize(("rows", "chosen", "rule"), [
@@ -112,10 +136,10 @@ def test_a_tie_that_remains_is_broken_by_the_stated_rule(rows: list[Tried], chos
                                                          rule: str) -> None:  # fmt: skip
     a, b = (r.label for r in rows)
     second_a, second_b = 1.00, 1.00 + pc.TIE / 2  # still within TIE after the longer round
-    timer = FakeTimer({a: (1.00, 0.9, 1.1), b: (1.05, 0.95, 1.15)},
-                      {a: (second_a, 0.99, 1.01), b: (second_b, 1.0, 1.03)})  # fmt: skip
+    timer = FakeTimer({a: rounds((1.00, 0.9, 1.1), second_a),
+                       b: rounds((1.05, 0.95, 1.15), second_b)})  # fmt: skip
     got = _choose(timer, rows)
-    assert rule in pc.RULES and len(timer.calls) == 2
+    assert rule in pc.RULES and len(timer.calls) == 3 + 3  # the first round's 3, 3 more
     other = b if chosen == a else a
     ratio = (second_b / second_a) if other == b else (second_a / second_b)
     assert got.label == chosen
@@ -124,8 +148,8 @@ def test_a_tie_that_remains_is_broken_by_the_stated_rule(rows: list[Tried], chos
 
 
 def test_the_fastest_wins_outside_the_tie_margin_whatever_its_peak() -> None:
-    timer = FakeTimer({"a": (1.00, 0.9, 1.1), "b": (1.02, 0.95, 1.15)},
-                      {"a": (1.00, 0.99, 1.01), "b": (1.00 + 2 * pc.TIE, 1.0, 1.2)})  # fmt: skip
+    timer = FakeTimer({"a": rounds((1.00, 0.9, 1.1), 1.00),
+                       "b": rounds((1.02, 0.95, 1.15), 1.00 + 2 * pc.TIE)})  # fmt: skip
     got = _choose(timer, [_row("a", 900), _row("b", 100)])
     assert got.label == "a" and got.tie_break is None and got.contenders == ("a", "b")
 
@@ -134,11 +158,13 @@ def test_a_compiled_contender_is_rescaled_from_backprop_timed_beside_it() -> Non
     """A compiled row is not timed here: it contends with its ratio times backprop's
     timing, and backprop (here only the reference) is timed again beside the others."""
     rows = [_row("checkpoint", 100), _row("compile", 90)]
-    timer = FakeTimer({"backprop": (1.00, 0.9, 1.1), "checkpoint": (0.82, 0.8, 0.84)},
-                      {"backprop": (1.20, 1.2, 1.2), "checkpoint": (0.84, 0.83, 0.85)})  # fmt: skip
+    timer = FakeTimer({"backprop": rounds((1.00, 0.9, 1.1), 1.20),
+                       "checkpoint": rounds((0.82, 0.8, 0.84), 0.84)})  # fmt: skip
     got = _choose(timer, rows, scaled={"compile": 0.80})
-    assert timer.calls[1][0] == ["backprop", "checkpoint"]  # the reference, not "compile"
-    assert got.seconds["compile"] == pytest.approx(0.80 * 1.20)
+    assert sorted(timer.calls[-1][0]) == ["backprop", "checkpoint"]  # the reference, not "compile"
+    assert len(timer.calls) == 3 + 3
+    backprop = (1.10 + 1.20) / 2  # the median of its 6 rounds: 0.9, 1.0, 1.1, 1.2 x3
+    assert got.seconds["compile"] == pytest.approx(0.80 * backprop)
     assert "backprop" not in got.seconds  # only the reference: not a candidate
     assert got.label == "checkpoint" and got.tie_break is None
 
@@ -158,15 +184,15 @@ def test_plan_reports_the_tie_break_in_row_message_table_and_file(
     again; checkpoint's lower peak decides, and the plan says so everywhere."""
     model, idx, loss_fn = _gpt()
     third = "checkpoint(blocks=['blocks.0'])"
-    first = {"backprop": (1.00, 0.95, 1.10), "checkpoint": (1.08, 1.02, 1.12),
-             third: (1.50, 1.45, 1.55)}  # fmt: skip
-    timer = FakeTimer(first, {"backprop": (1.00, 0.99, 1.01), "checkpoint": (1.03, 1.02, 1.04)})
+    timer = FakeTimer({"backprop": [0.95, 1.05] + [1.00] * 5,  # repeats=2: medians 1.00,
+                       "checkpoint": [1.04, 1.12] + [1.03] * 5,  # 1.08 (spreads overlap)
+                       third: [1.40, 1.60]})  # fmt: skip
     monkeypatch.setattr(planner, "time_interleaved", timer)
     p = leangrad.plan(model, idx, loss_fn, budget=2**30, repeats=2,
                       engines=[("backprop", {}), ("checkpoint", {}),
                                ("checkpoint", {"blocks": ["blocks.0"]})])  # fmt: skip
-    assert [c[0] for c in timer.calls] == [sorted(["backprop", "checkpoint", third]),
-                                           ["backprop", "checkpoint"]]  # fmt: skip
+    everyone = sorted(["backprop", "checkpoint", third])  # the race, then one more round
+    assert [sorted(c[0]) for c in timer.calls] == [everyone] * 2 + [["backprop", "checkpoint"]] * 3
     rows = {c.label: c for c in p.table}
     assert rows["checkpoint"].peak_bytes < rows["backprop"].peak_bytes  # type: ignore[operator]
     note = "within noise of backprop (0.97×): chose by lower peak"
@@ -183,7 +209,7 @@ def test_plan_reports_the_tie_break_in_row_message_table_and_file(
 def test_a_plan_without_a_tie_says_nothing_of_one(monkeypatch: pytest.MonkeyPatch,
                                                    tmp_path: Path) -> None:  # fmt: skip
     model, idx, loss_fn = _gpt()
-    timer = FakeTimer({"backprop": (1.00, 0.98, 1.02), "checkpoint": (1.40, 1.35, 1.45)})
+    timer = FakeTimer({"backprop": [1.00], "checkpoint": [1.40]})
     monkeypatch.setattr(planner, "time_interleaved", timer)
     p = leangrad.plan(model, idx, loss_fn, budget=2**30, repeats=1,
                       engines=[("backprop", {}), ("checkpoint", {})])  # fmt: skip

@@ -23,6 +23,18 @@ decided from; candidates within timing noise of the fastest are timed again, and
 they still make is broken by a stated rule (:mod:`leangrad._plan_choice`). Nothing fits:
 it says so and names the smallest peak it found.
 
+Where the time goes (issue 31, item 6: a full-size zoo plan in ≤ 3 minutes): steps, a few
+seconds each at full size. A plan spends them only where they decide: a candidate whose
+fake-tensor estimate is well over the budget is not run, and one whose first step fits is
+not run twice (:mod:`leangrad._plan_measure`); the timing's first round is a race, one
+round for all and the rest only for those not far behind
+(:data:`leangrad._plan_choice.RACE`); the second round keeps the first round's rounds of
+its contenders; no round runs a warm-up of its own (each candidate's peak measurement
+warmed it); the chosen step's peak is re-measured without another warm-up. Counted on the
+zoo's Llama at twice the quick size's width and context (28 rows; one thread): at 0.5×
+(10 fit) 115 real steps before, 64 after and 18 fake-tensor ones; at 0.25× (8 fit) 107,
+then 47 and 18.
+
 A step too big to allocate here (backprop's estimate above ``allocate_limit``, or a
 candidate that runs out of memory) is measured on fake tensors instead
 (:func:`leangrad.measure.estimate_step`: shapes only, nothing allocated); such rows are
@@ -42,7 +54,7 @@ import torch
 from torch import nn
 
 from . import _errors as errors
-from ._plan_choice import Choice, choose
+from ._plan_choice import RACED_OUT, Choice, choose
 from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
 from ._plan_measure import Context, Tried, measure, too_big
 from ._sizes import fmt_bytes, free_bytes
@@ -142,17 +154,18 @@ def plan(
             optimizer stepped per parameter inside ``on_grad`` (``Plan.per_layer``), which
             frees each gradient as soon as it is used. Measured on a copy of the model.
         engines: ``(name, options)`` to try instead of :func:`candidates`.
-        repeats: timed steps per fitting candidate (medians of interleaved repeats after
-            one warm-up). When the fastest is within noise of others — the spreads of
-            their repeats overlap, or their medians are within 10% — it and at most two
-            of them (the fastest medians) are timed again, alone, interleaved after a
-            warm-up, for ``max(5, 2 * repeats)`` rounds; nothing else is. The fastest
-            median of that round wins, unless others are within 5% of it: then the tie
-            is broken by the lower peak, then the simpler engine (fewer composed parts,
-            a per-layer optimizer counting as one), then the planner's order, and the
-            chosen row's ``tie_break`` and the message say so (``"within noise of
-            chunked_ce (0.98×): chose by lower peak"``). The margins' reasons:
-            :mod:`leangrad._plan_choice`.
+        repeats: timed steps per fitting candidate (medians of interleaved repeats; the
+            first round is a race: where steps take 0.5 s or more, a candidate more than
+            1.5× the fastest's one round is out after it, its row saying so). When the
+            fastest is within noise of others — the spreads of their repeats overlap, or
+            their medians are within 10% — it and at most two of them (the fastest
+            medians) are timed again, interleaved, until each has ``max(5, 2 * repeats)``
+            rounds (its first ``repeats`` included); nothing else is. The fastest median
+            of those wins, unless others are within 5% of it: then the tie is broken by
+            the lower peak, then the simpler engine (fewer composed parts, a per-layer
+            optimizer counting as one), then the planner's order, and the chosen row's
+            ``tie_break`` and the message say so (``"within noise of chunked_ce (0.98×):
+            chose by lower peak"``). The margins' reasons: :mod:`leangrad._plan_choice`.
         allocate_limit: bytes a step may allocate here; when backprop's fake-tensor
             estimate is above it, every candidate is estimated, not run (default: the
             device's free memory, :func:`leangrad._sizes.free_bytes`). A candidate that
@@ -244,7 +257,7 @@ def _plan(
 
         shown.grow(len(compile_candidates()))
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
-                   too_big(model, xs, loss_fn, limit))  # fmt: skip
+                   too_big(model, xs, loss_fn, limit), autocast)  # fmt: skip
     for candidate in first:  # one at a time: the bar advances per candidate
         measure([candidate], ctx, tried)
         shown.advance()
@@ -270,6 +283,8 @@ def _plan(
         if scaled and BACKPROP not in steps:  # the reference compiled rows are scaled from
             steps[BACKPROP] = _step(engine_named(BACKPROP), model, xs, loss_fn)
         with untouched(model, xs):  # the timer is looked up here: tests replace it
+            for label in steps.keys() - fitting.keys():  # the reference, made just now: the
+                steps[label]()  # rounds run no warm-up (the candidates' is their peak's)
             choice = choose(steps, fitting=list(fitting), scaled=scaled, reference=BACKPROP,
                             rows=tried, repeats=repeats, timer=time_interleaved,
                             progress=shown)  # fmt: skip
@@ -280,8 +295,8 @@ def _plan(
     fitting.update({t.label: t.engine for t in tried if t.label in scaled})
     step = fitting.get(chosen) if chosen else None  # the engine, or a Step around it
     inner = step.engine if isinstance(step, Step) else step
-    table = tuple(_candidate(t, times.get(t.label), chosen, inner, choice.tie_break)
-                  for t in tried)  # fmt: skip
+    table = tuple(_candidate(t, times.get(t.label), chosen, inner, choice.tie_break,
+                             choice.raced.get(t.label)) for t in tried)  # fmt: skip
     row = next((c for c in table if c.engine is not None), None)
     result = _result(table, row, step, budget, exact, model, xs, loss_fn)
     shown.advance()
@@ -291,11 +306,13 @@ def _plan(
 
 
 def _candidate(t: Tried, seconds: float | None, chosen: str | None, engine: Engine | None,
-               tie_break: str | None = None) -> Candidate:  # fmt: skip
+               tie_break: str | None = None, raced: float | None = None) -> Candidate:  # fmt: skip
     """``t``'s row; the chosen one carries ``engine``, the object that was measured, and
-    ``tie_break``, how it was chosen among contenders within noise (``None``: fastest)."""
+    ``tie_break``, how it was chosen among contenders within noise (``None``: fastest); a
+    row the race dropped (``raced``: its one round over the fastest's) says so."""
     if t.label != chosen:
-        return Candidate(t.label, t.exact, t.peak, seconds, t.verdict, t.name, t.options,
+        verdict = t.verdict if raced is None else f"{t.verdict}; {RACED_OUT.format(ratio=raced)}"
+        return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options,
                          t.per_layer, t.estimate, t.compile_seconds)  # fmt: skip
     # a fitting row's note ("fits (estimate)", "fits (RSS-scaled)") stays when it is chosen
     verdict = CHOSEN + t.verdict.removeprefix("fits")
@@ -324,7 +341,8 @@ def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budg
         else:
             best = min(measured, key=lambda c: c.peak_bytes or 0)
             msg = NOTHING_FITS.format(
-                budget=fmt_bytes(budget), best=fmt_bytes(best.peak_bytes), engine=best.label,
+                budget=fmt_bytes(budget), engine=best.label,
+                best=("~" if best.estimate else "") + fmt_bytes(best.peak_bytes),  # an estimate
                 inexact=", or allow estimators (exact=False / --inexact)" if exact else "",
             )  # fmt: skip
         return Plan(None, None, None, None, budget, table, msg)
@@ -342,7 +360,7 @@ def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budg
                f"{row.compile_seconds:.1f} s cold){_tie_note(row)}")  # fmt: skip
         return Plan(inner, row.peak_bytes, row.seconds, inner.exact, budget, table, msg,
                     chosen=row)  # fmt: skip
-    again = profile_step(step, model, xs, loss_fn, repeats=0).total_bytes
+    again = profile_step(step, model, xs, loss_fn, repeats=0, warmup=0).total_bytes  # warm
     msg = (f"chosen: {row.label} — peak {fmt_bytes(row.peak_bytes)} of {fmt_bytes(budget)} "
            f"(re-measured {fmt_bytes(again)}), {row.seconds:.4f} s/step"
            f"{_tie_note(row)}")  # fmt: skip

@@ -1,39 +1,76 @@
 """How :func:`leangrad.plan` picks among the candidates that fit once they are timed, and
 what it does when the fastest are within timing noise of each other.
 
-The rule, in two rounds:
+The rule, in two rounds (the first raced):
 
 1. Every fitting candidate is timed side by side (:func:`leangrad.measure.time_interleaved`:
-   medians of ``repeats`` interleaved rounds after one warm-up). The fastest median leads.
-   A candidate is *within noise* of it when the spreads of their repeats overlap (its
-   fastest repeat is no slower than the leader's slowest) or its median is within
+   medians of ``repeats`` interleaved rounds). The first round is a race: one interleaved
+   round of every candidate, and a candidate whose time in it is more than :data:`RACE`
+   times the fastest's is out — its row keeps that one round's time and says so
+   (:data:`RACED_OUT`) — and only the others run the remaining ``repeats - 1`` rounds
+   (interleaved, the order rotated each round as ``time_interleaved`` rotates it; a
+   candidate's median is over all its rounds, the race's included). The fastest median
+   leads. A candidate is *within noise* of it when the spreads of their repeats overlap
+   (its fastest repeat is no slower than the leader's slowest) or its median is within
    :data:`CLOSE` of the leader's. A compiled row, timed in a fresh process and scaled from
-   backprop's timing here, has backprop's spread scaled by the same ratio.
+   backprop's timing here, has backprop's spread scaled by the same ratio (in the race too).
 2. No candidate within noise: the leader is chosen. Otherwise the leader and those within
    noise of it — at most :data:`MOST_CONTENDERS`, the fastest medians first — are timed
-   again, alone and interleaved (round-robin, order rotated each round, after one warm-up
-   round), with ``max(RETIME_REPEATS, 2 * repeats)`` rounds (backprop is timed beside them
-   as the reference when a compiled row is among them); nothing else is timed again. The
-   fastest median of that round wins unless another contender's median is within
-   :data:`TIE` of it; then they are indistinguishable and the tie is broken
-   deterministically: the **lower peak**, then the **simpler engine** (fewer composed parts,
-   an optimizer stepped inside ``on_grad`` counting as one), then the **planner's order**
-   (least recomputation first). The chosen row's ``tie_break`` says so:
+   again, alone and interleaved (round-robin, order rotated each round), until each has
+   ``max(RETIME_REPEATS, 2 * repeats)`` rounds, its first round's ``repeats`` included
+   (backprop is timed beside them as the reference when a compiled row is among them);
+   nothing else is timed again. The fastest median over those rounds wins unless another
+   contender's median is within :data:`TIE` of it; then they are indistinguishable and the
+   tie is broken deterministically: the **lower peak**, then the **simpler engine** (fewer
+   composed parts, an optimizer stepped inside ``on_grad`` counting as one), then the
+   **planner's order** (least recomputation first). The chosen row's ``tie_break`` says so:
    ``"within noise of chunked_ce (0.98×): chose by lower peak"``.
+
+The second round keeps the first round's rounds of its contenders (issue 31, item 6): they
+are the same steps timed the same way (interleaved, one repeat each), so they are as good
+evidence as new ones, and a contender now runs
+``max(RETIME_REPEATS, 2 * repeats) - repeats`` more steps instead of
+``max(RETIME_REPEATS, 2 * repeats)`` plus a warm-up; its median is over as many rounds as
+the second round's alone was.
+
+Warm-up: none of these rounds runs one of its own. Every row timed here ran before the first
+round — its peak was measured on a real step, after a warm-up step where its first step
+differs (:mod:`leangrad._plan_measure`), so the engine's first-call work (a fragment probe,
+a trace, prepared copies), the allocator and caches are done — and the planner runs a row
+it has not run yet (the reference backprop when only compiled rows need it) once before
+the race; the second round's contenders have just run the first round's. (Before issue
+31's item 6 each round ran its own warm-up round: a step per candidate that decided
+nothing.)
 
 Why these margins: the first round is medians of a few repeats, and steps that do the same
 work differ by up to ~9% there (``results/issue31/full-size.json``: leangrad's per-block
 checkpointing of the full-size GPT at 1.06× backprop's time, PyTorch's at 0.97×, the same
 peak), so a gap under :data:`CLOSE` (10%) in that round is no evidence, and a spread that
-overlaps is none either. The second round is longer and every contender runs next to every
-other, so its medians order steps more reliably, but same-work pairs still differ by a few
-percent (the suites' "1.19× vs 1.21×: equal within noise"): a gap under :data:`TIE` (5%) is
-taken as none, and then the lower peak, which buys headroom for the same time, decides.
+overlaps is none either. The second round's medians are over twice as many rounds (five at
+least), in every one of which every contender ran next to every other, so they order steps
+more reliably, but same-work pairs still differ by a few percent (the suites' "1.19× vs
+1.21×: equal within noise"): a gap under :data:`TIE` (5%) is taken as none, and then the
+lower peak, which buys headroom for the same time, decides.
+
+Why the race is safe: :data:`RACE` (1.5×) is five times the noise above. A candidate it
+drops would have had to be slowed by a third or more in its one round, or the fastest sped
+up as much, to have been a contender at all (within :data:`CLOSE` of the leader) under the
+full rule; steps that do the same work never differed by that much in one round here. It
+exists for the full-size plans (issue 31, item 6): a candidate twice as slow as the fastest
+(micro-batching over 8 with checkpointing, a fragment count too fine) spent a warm-up and
+``repeats`` whole steps only to lose; now one. That noise is of steps that take seconds,
+though: where the fastest's round took less than :data:`RACE_FROM`, nothing is raced out
+(every candidate runs every round, as without the race). One round of a short step is at
+the mercy of whatever else the machine runs — on a tiny GPT (15-30 ms a step) on a 2-core
+machine busy with other processes, one round put backprop at 1.74× the fastest
+(``rad(fraction=0.25)``) where medians of nine interleaved rounds put it first, 0.5-0.7×
+rad's — and a short step's rounds are cheap to keep.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -41,8 +78,8 @@ from ._plan_measure import Tried
 from .measure import Timing
 
 __all__ = [
-    "CLOSE", "MOST_CONTENDERS", "RETIME_REPEATS", "RULES", "TIE", "WITHIN_NOISE",
-    "Choice", "Timer", "choose", "contenders", "within_noise",
+    "CLOSE", "MOST_CONTENDERS", "RACE", "RACED_OUT", "RACE_FROM", "RETIME_REPEATS", "RULES",
+    "TIE", "WITHIN_NOISE", "Choice", "Timer", "choose", "contenders", "within_noise",
 ]
 
 CLOSE = 0.10
@@ -52,7 +89,16 @@ TIE = 0.05
 MOST_CONTENDERS = 3
 """At most this many candidates (the fastest medians first) are timed again."""
 RETIME_REPEATS = 5
-"""The second round times at least this many interleaved rounds (``2 * repeats`` if more)."""
+"""A contender's second-round median is over at least this many interleaved rounds
+(``2 * repeats`` if more), its first round's included."""
+RACE = 1.5
+"""The race: a candidate whose one timed round is more than this times the fastest's is out
+(the module docstring says why that is safe)."""
+RACE_FROM = 0.5
+"""Seconds: the race drops nothing where the fastest's round took less (why: the module
+docstring)."""
+RACED_OUT = "raced out: {ratio:.2f}× the fastest in one round"
+"""What a raced-out row's verdict adds (its time is that one round's)."""
 RULES = ("lower peak", "simpler engine", "the planner's order")
 """The tie-break, in order: what decides between indistinguishable contenders."""
 WITHIN_NOISE = "within noise of {others}: chose by {rule}"
@@ -76,12 +122,14 @@ class Choice:
         contenders: the labels timed again (empty: the first round decided).
         tie_break: the chosen row's note when the second round could not tell the
             contenders apart (:data:`WITHIN_NOISE`), else ``None``.
+        raced: each raced-out row's one-round time over the fastest's (:data:`RACE`).
     """
 
     label: str | None
     seconds: dict[str, float]
     contenders: tuple[str, ...] = ()
     tie_break: str | None = None
+    raced: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def within_noise(timing: Timing, leader: Timing, *, margin: float = CLOSE) -> bool:
@@ -110,46 +158,90 @@ def choose(
     repeats: int,
     timer: Timer,
     progress: Callable[[str], None] | None = None,
+    race: float | None = RACE,
 ) -> Choice:
     """Time the fitting candidates and choose one by the rule of this module.
 
     Args:
         steps: label -> one step, for every row timed in this process (``reference``
-            among them whenever ``scaled`` is not empty).
+            among them whenever ``scaled`` is not empty), each run here before (the
+            rounds run no warm-up of their own).
         fitting: the labels of ``steps`` that are candidates (the reference may be in
             ``steps`` only to scale the compiled rows from).
         scaled: a compiled row's label -> its time over the reference's.
         reference: the label ``scaled`` is relative to (``"backprop"``).
         rows: the plan's rows, in the planner's order (peaks and names for the tie-break).
-        repeats: the first round's timed rounds.
-        timer: :func:`leangrad.measure.time_interleaved` (tests give a fake one).
+        repeats: the first round's timed rounds (the race's one included).
+        timer: :func:`leangrad.measure.time_interleaved` (tests give a fake one), called
+            once per round (one timed repeat, no warm-up).
         progress: told when the second round starts.
+        race: :data:`RACE`; ``None`` races nothing (every candidate runs every round: the
+            rule without the race, which tests compare it with); nor does a race whose
+            fastest round took less than :data:`RACE_FROM` seconds.
     """
-    first = timer(steps, repeats=repeats, warmup=1)
-    timings = _candidate_timings(first, fitting, scaled, reference)
-    if not timings:
+    samples: dict[str, list[float]] = {}
+    _add(samples, timer(steps, repeats=1, warmup=0))  # the race: round 0
+    single = _candidate_timings(_timings(samples), fitting, scaled, reference)
+    if not single:
         return Choice(None, {})
-    seconds = {lb: t.median for lb, t in timings.items()}
+    fastest = min(t.median for t in single.values())
+    racing = race is not None and fastest >= RACE_FROM
+    raced = {lb: t.median / fastest for lb, t in single.items()
+             if racing and t.median > (race or 0) * fastest}  # fmt: skip
+    alive = [lb for lb in single if lb not in raced]
+    rest = {lb: steps[lb] for lb in alive if lb in steps}
+    if any(lb in scaled for lb in alive):
+        rest[reference] = steps[reference]
+    for r in range(1, repeats):
+        _add(samples, _round(timer, rest, r))
+    timings = _candidate_timings(_timings(samples), alive,
+                                 {lb: v for lb, v in scaled.items() if lb in alive},
+                                 reference)  # fmt: skip
+    seconds = {lb: single[lb].median for lb in raced} | {lb: t.median for lb, t in timings.items()}
     near = contenders(timings)
     if len(near) == 1:
-        return Choice(near[0], seconds)
+        return Choice(near[0], seconds, raced=raced)
     again = {lb: steps[lb] for lb in near if lb in steps}
     if any(lb in scaled for lb in near):
         again[reference] = steps[reference]
     if progress is not None:
         progress(f"timing the {len(near)} within noise of the fastest again, interleaved")
-    second = timer(again, repeats=max(RETIME_REPEATS, 2 * repeats), warmup=1)
-    retimed = _candidate_timings(second, near, {lb: scaled[lb] for lb in near if lb in scaled},
+    pooled = {lb: list(samples[lb]) for lb in again}  # their first round's, then more
+    for r in range(repeats, max(RETIME_REPEATS, 2 * repeats)):
+        _add(pooled, _round(timer, again, r))
+    retimed = _candidate_timings(_timings(pooled), near,
+                                 {lb: scaled[lb] for lb in near if lb in scaled},
                                  reference)  # fmt: skip
     seconds.update({lb: t.median for lb, t in retimed.items()})
     best = min(near, key=lambda lb: seconds[lb])  # the first of equal medians: stable
     tied = [lb for lb in near if seconds[lb] <= (1 + TIE) * seconds[best]]
     if len(tied) == 1:
-        return Choice(best, seconds, tuple(near))
+        return Choice(best, seconds, tuple(near), raced=raced)
     chosen, rule = _tie_break(tied, rows)
     others = ", ".join(f"{lb} ({seconds[lb] / seconds[chosen]:.2f}×)"
                        for lb in tied if lb != chosen)  # fmt: skip
-    return Choice(chosen, seconds, tuple(near), WITHIN_NOISE.format(others=others, rule=rule))
+    return Choice(chosen, seconds, tuple(near), WITHIN_NOISE.format(others=others, rule=rule),
+                  raced)  # fmt: skip
+
+
+def _round(timer: Timer, fns: Mapping[str, Callable[[], object]], r: int) -> Mapping[str, Timing]:
+    """Round ``r``: each of ``fns`` timed once, in the order rotated left by ``r`` (the
+    rotation :func:`~leangrad.measure.time_interleaved` gives its round ``r``), no warm-up."""
+    names = list(fns)
+    order = names[r % len(names):] + names[: r % len(names)]
+    return timer({lb: fns[lb] for lb in order}, repeats=1, warmup=0)
+
+
+def _add(samples: dict[str, list[float]], timed: Mapping[str, Timing]) -> None:
+    """Append one round's times (one timed repeat each) to ``samples``."""
+    for lb, t in timed.items():
+        samples.setdefault(lb, []).append(t.median)
+
+
+def _timings(samples: Mapping[str, list[float]]) -> dict[str, Timing]:
+    """Each label's rounds as one :class:`~leangrad.measure.Timing` (median, spread)."""
+    return {lb: Timing(statistics.median(s), min(s), max(s), None, len(s))
+            for lb, s in samples.items()}  # fmt: skip
 
 
 def _candidate_timings(timed: Mapping[str, Timing], fitting: Sequence[str],

@@ -2,7 +2,45 @@
 after backward or per layer inside ``on_grad``), its peak — for real with
 :func:`leangrad.measure.profile_step`, or on fake tensors with
 :func:`leangrad.measure.estimate_step` where the step cannot be allocated here — and the
-row of the plan's table that records it."""
+row of the plan's table that records it.
+
+A candidate whose fake-tensor estimate is above the budget by more than
+:data:`ESTIMATE_MARGIN` is over budget without being run (issue 31, item 6: a full-size
+plan spent most of its time stepping candidates that could never fit, two steps each);
+its row says ``over budget (estimate)``. Every other candidate is measured for real as
+before, so no decision that a measurement made (fits, or over by less than the margin)
+rests on an estimate now. Why that is safe: the estimate is the same tracker on fake
+tensors (``tests/test_plan_estimate.py``). On the quick zoo's candidates (every model,
+every engine fake tensors can run) it was the real peak to 0.1% except: 0.2-0.8× on the
+LSTM LM (fake tensors miss the fused ``nn.LSTM`` kernel's workspace), 0.92-0.96× for the
+HighwayNet GRU's fragments, 0.99× on the U-Net, and above it by at most 0.8% (gradient
+accumulation on the U-Net and the GRU LMs). Low only sends a candidate to be measured;
+:data:`ESTIMATE_MARGIN` (10%) is twelve times the largest excess. It is not used where the
+estimate counts what a measurement's warm-up step leaves out: an optimizer's state (made
+by its first step) and autocast's cache of cast weights — there every candidate is
+measured, as before; nor for forward-mode engines (never estimated), nor for engines that
+probe on their first step (:attr:`~leangrad.engines.Engine.probes`): their estimate runs a
+fake warm-up step too, and fragments multiply a step's operators, which is what a fake
+step costs — on the full-size zoo Llama 2.4-9.4 s each, as long as measuring them for real
+(about 6.5 s). Any other estimate there took 0.3-1.7 s (5.7 s for checkpointing with 8
+micro-batches) against about 5.8 s for a real measurement, on one thread; on small models
+an estimate costs about as much as a step, and steps are cheap there.
+
+A real measurement (:func:`~leangrad.measure.profile_step`, ``repeats=0``) tracks a step
+after a warm-up step where the first step is known to do more than later ones: an engine
+that says so (:attr:`~leangrad.engines.Engine.probes`: ``checkpoint(fragments=...)``
+probes each block on its first step, up to 2.3× the later peak on the quick ResNet), an
+optimizer (its state is made by the first step) and autocast (its cache of cast weights
+lasts the plan). Any other step's first step is tracked, without a warm-up, and where it
+fits the budget its peak is the row's: one step instead of two (issue 31, item 6). Where
+it does not fit, the step is tracked again — now warm, as after a warm-up — and that
+decides, as before. A first step that does undeclared extra work can only make a fitting
+row's peak higher than its later steps' (``checkpoint(blocks=..., trace=True)`` on the
+quick GPT and BERT: 4.7% higher), never make a fit that a warm step would not; on the
+other candidates of the quick ResNet, GPT, BERT and RNN LMs the first step's peak is the
+later steps'. Either way the candidate has run before it is timed, which is the timing's
+warm-up (:mod:`leangrad._plan_choice` runs none of its own).
+"""
 
 from __future__ import annotations
 
@@ -20,12 +58,15 @@ from .engines import Engine, engine
 from .measure import estimate_step, profile_step
 
 __all__ = [
-    "ESTIMATED", "FAILED", "PER_LAYER", "Context", "Tried", "failed_verdict",
-    "measure", "too_big",
+    "ESTIMATED", "ESTIMATE_MARGIN", "FAILED", "PER_LAYER", "Context", "Tried",
+    "failed_verdict", "measure", "too_big",
 ]
 
 ESTIMATED = "estimate"
-"""Verdict suffix of a row measured on fake tensors (too big to allocate here)."""
+"""Verdict suffix of a row measured on fake tensors (too big to allocate here, or
+confidently over budget)."""
+ESTIMATE_MARGIN = 0.10
+"""A candidate whose fake-tensor estimate is above ``(1 + this)`` × the budget is not run."""
 
 
 """The planner's former name of :class:`leangrad._step.Step` (``Step(engine, make,
@@ -60,6 +101,8 @@ class Context:
     optimizer: MakeOptimizer | None
     progress: Callable[[str], None] | None
     estimate_only: bool
+    autocast: bool = False
+    """Planning under ``torch.autocast`` (its cast cache: no estimate decides alone)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +158,11 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
                 continue
             if ctx.progress is not None:
                 ctx.progress(f"peak of {step.label}")
+            over = _over_by_estimate(step, name, opts, per_layer, ctx)
+            if over is not None:
+                tried.append(row(engine=step, peak=over, verdict=f"over budget ({ESTIMATED})",
+                                 estimate=True))  # fmt: skip
+                continue
             try:
                 peak, est = _peak(step, name, opts, per_layer, ctx)
             except errors.LeangradError as err:
@@ -150,12 +198,46 @@ def _make_step(name: str, opts: dict[str, Any], optimizer: MakeOptimizer | None,
     return Step(eng, optimizer, per_layer=per_layer)
 
 
+def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
+                      ctx: Context) -> int | None:  # fmt: skip
+    """The step's fake-tensor estimate (total bytes) where it is above the budget by more
+    than :data:`ESTIMATE_MARGIN`, else ``None``: measure it (the module docstring says
+    where this is not asked, and why)."""
+    eng = step.engine if isinstance(step, Step) else step
+    if ctx.estimate_only or ctx.optimizer is not None or ctx.autocast:
+        return None
+    if eng.forward_mode or eng.probes:
+        return None
+    try:
+        est = estimate_step(_make_step(name, opts, ctx.optimizer, per_layer), ctx.model,
+                            ctx.xs, ctx.loss_fn).total_bytes  # fmt: skip
+    except Exception:  # an op fake tensors cannot run, or the candidate's own failure:
+        return None  # the real measurement says which
+    return est if est > (1 + ESTIMATE_MARGIN) * ctx.budget else None
+
+
+def _measured(step: Any, ctx: Context) -> int:
+    """The step's total bytes, tracked for real: its first step where that fits the budget,
+    else (or where the first step is known to differ) a step after a warm-up (the module
+    docstring says why)."""
+
+    def tracked(warmup: int) -> int:
+        return profile_step(step, ctx.model, ctx.xs, ctx.loss_fn, repeats=0,
+                            warmup=warmup).total_bytes  # fmt: skip
+
+    eng = step.engine if isinstance(step, Step) else step
+    if eng.probes or ctx.optimizer is not None or ctx.autocast:
+        return tracked(1)
+    first = tracked(0)
+    return first if first <= ctx.budget else tracked(0)  # the second: warm, as tracked(1)
+
+
 def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
           ctx: Context) -> tuple[int, bool]:  # fmt: skip
     """The step's total bytes, and whether they are a fake-tensor estimate."""
     if not ctx.estimate_only:
         try:
-            return profile_step(step, ctx.model, ctx.xs, ctx.loss_fn, repeats=0).total_bytes, False
+            return _measured(step, ctx), False
         except Exception as err:  # only running out of memory falls back to an estimate
             if not _out_of_memory(err):
                 raise

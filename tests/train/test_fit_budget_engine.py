@@ -69,6 +69,34 @@ def test_budget_trains_the_measured_engine_and_copies_the_model_at_most_once(
     assert res.steps == again.steps == 3
 
 
+def test_a_per_layer_plan_gives_its_saving_without_measuring_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A budget only the per-layer step fits: the run's gradient-memory saving is the
+    plan's two rows (no second measurement on two more deep copies), and equals what
+    :func:`leangrad.train.measure_grad_memory` measures on its own copies."""
+    plans, _, _ = _spy(monkeypatch)
+    train.fit("mlp", budget="1GiB", plan_engines=["backprop"], **KW)
+    rows = {c.per_layer: c.peak_bytes for c in plans[0].table}
+    assert rows[True] is not None and rows[False] is not None and rows[True] < rows[False]
+    monkeypatch.undo()
+    plans, _, copies = _spy(monkeypatch)
+    res = train.fit("mlp", budget=(rows[True] + rows[False]) // 2, plan_engines=["backprop"],
+                    **KW)  # fmt: skip
+    monkeypatch.undo()
+    assert copies[0] <= 1, f"train --budget deep-copied the model {copies[0]} times"
+    assert res.config.step_per_layer and plans[0].per_layer
+    mem = res.grad_memory
+    assert mem is not None and mem.saving_bytes == rows[False] - rows[True] > 0
+    ds = train.load_data(KW["data"], **KW["data_options"])
+    x, y = ds.x[: KW["batch_size"]], ds.y[: KW["batch_size"]]
+    again = train.measure_grad_memory(res.model, leangrad.engine("backprop"), x,
+                                      lambda out: F.cross_entropy(out, y),
+                                      lambda ps: torch.optim.SGD(ps, lr=0.1))  # fmt: skip
+    assert (mem.full_peak_bytes, mem.per_layer_peak_bytes, mem.grad_bytes) == (
+        again.full_peak_bytes, again.per_layer_peak_bytes, again.grad_bytes)
+
+
 def test_fit_with_a_plan_object_trains_its_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     model = leangrad.models.mlp(64, 16, 1, 10)
     ds = train.load_data("synthetic", n=160)

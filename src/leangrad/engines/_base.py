@@ -231,8 +231,8 @@ class Engine(abc.ABC):
     @property
     def probes(self) -> bool:
         """``True`` when the engine's first step on a model does extra work later steps
-        skip (``checkpoint(fragments=...)`` probes each block once): a measurement warms it
-        up first (:func:`leangrad.measure.estimate_step`)."""
+        skip (``checkpoint(fragments=...)`` probes each block once, ``trace=True`` traces
+        it): a measurement warms it up first (:func:`leangrad.measure.estimate_step`)."""
         return False
 
     @property

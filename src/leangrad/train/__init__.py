@@ -12,7 +12,8 @@ Quick use::
 - :func:`model_names`, :func:`data_names`, :func:`build_model`, :func:`load_data` —
   the registries (plus ``"module:factory"`` specs);
 - :func:`save_checkpoint`, :func:`load_checkpoint` — the checkpoint format;
-- :func:`measure_grad_memory` — what per-layer steps save, measured;
+- :func:`measure_grad_memory` — what per-layer steps save, measured
+  (:func:`grad_memory_of_plan`: read from a plan that measured both ways);
 - :class:`Step` — one training step as a value (engine, optimizer after backward or per
   layer, autocast), what the planner measures;
 - :func:`leangrad.plan` (``leangrad plan``) — which engine fits a memory budget, measured.
@@ -29,7 +30,7 @@ from ._distributed import (
 )
 from ._fit import evaluate, fit
 from ._metrics import plot_metrics, read_metrics
-from ._perlayer import GradMemory, PerLayerOptimizer, measure_grad_memory
+from ._perlayer import GradMemory, PerLayerOptimizer, grad_memory_of_plan, measure_grad_memory
 from ._registry import DataInfo, build_model, data_names, load_data, model_names, parse_options
 from ._snapshot import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 
@@ -50,6 +51,7 @@ __all__ = [
     "data_names",
     "evaluate",
     "fit",
+    "grad_memory_of_plan",
     "init_distributed",
     "list_checkpoints",
     "load_checkpoint",

@@ -58,22 +58,20 @@ from ._config import (
     TrainConfig,
 )
 from ._metrics import MetricsWriter, plot_metrics
-from ._perlayer import GradMemory, PerLayerOptimizer, measure_grad_memory
+from ._perlayer import GradMemory, PerLayerOptimizer, grad_memory_of_plan, measure_grad_memory
 from ._registry import build_model, data_info, load_data
 
 __all__ = ["FitResult", "NonFiniteLossError", "TrainConfig", "evaluate", "fit"]
 
 BAD_SETTING = "{name} must be {want}, got {value!r}"
-BUDGET_AND_ENGINE = (
-    "budget= chooses the engine and its options; do not also give engine options "
-    "({options}): drop --engine-opt, or drop --budget and name the engine"
+_CHOOSES_ENGINE = (
+    "{flag}= chooses the engine and its options; do not also give engine options "
+    "({{options}}): drop --engine-opt, or drop --{flag} and name the engine"
 )
+BUDGET_AND_ENGINE = _CHOOSES_ENGINE.format(flag="budget")
+PLAN_AND_ENGINE = _CHOOSES_ENGINE.format(flag="plan")
 PLAN_AND_BUDGET = (
     "plan= trains with a saved plan's engine and budget= plans one now; give one of them"
-)
-PLAN_AND_ENGINE = (
-    "plan= chooses the engine and its options; do not also give engine options ({options}): "
-    "drop --engine-opt, or drop --plan and name the engine"
 )
 PLAN_FITS_NOTHING = "{path}: the plan chose no engine ({message}); plan again with a larger budget"
 NON_FINITE_STATE = (
@@ -344,12 +342,15 @@ def fit(
     if isinstance(model, str):
         net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
     planned: Engine | None = None  # the engine object a plan measured, trained as it is
+    saving: GradMemory | None = None  # what its per-layer steps save, as the plan measured
     if budget is not None and resume is None:
-        cfg, planned = _planned(cfg, net, ds, dev, budget,  # type: ignore[arg-type]
-                                progress=progress, engines=plan_engines, ctx=ctx)  # fmt: skip
+        cfg, planned, saving = _planned(cfg, net, ds, dev, budget,  # type: ignore[arg-type]
+                                        progress=progress, engines=plan_engines,
+                                        ctx=ctx)  # fmt: skip
     if plan is not None and resume is None:
         cfg, planned = _from_plan(cfg, net, ds, dev, plan)  # type: ignore[arg-type]
     run = _Run(cfg, net, ds, dev, ctx, engine=planned)  # type: ignore[arg-type]
+    run.grad_memory = saving
     if resume is not None:
         run.resume(resume)
     else:
@@ -401,9 +402,11 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
              budget: int | str, *, progress: bool, engines: Sequence[str] | None = None,
              ctx: distributed.DistContext | None = None,
-             ) -> tuple[TrainConfig, Engine | None]:  # fmt: skip
-    """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed), and
-    the engine object the plan measured (``None`` where this rank builds it by name).
+             ) -> tuple[TrainConfig, Engine | None, GradMemory | None]:  # fmt: skip
+    """``cfg`` with the engine :func:`leangrad.plan` chooses for ``budget`` (printed), the
+    engine object the plan measured (``None`` where this rank builds it by name), and
+    what its per-layer steps save as the plan measured it (``None``: measured in the run,
+    on copies — a whole-model step, or a rank other than 0).
 
     Under several processes rank 0 plans alone and sends its choice — name, options,
     per-layer stepping — to every rank, so all build the same step (each planning on its
@@ -416,10 +419,11 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     choice: list[Any] = [None, None]  # (name, options, per-layer), or None and rank 0's refusal
     failed: errors.LeangradError | None = None
     measured: Engine | None = None  # rank 0's: not sent (an engine need not pickle)
+    saving: GradMemory | None = None
     if ctx.rank == 0:
         try:
-            *sent, measured = _plan_choice(cfg, net, ds, dev, budget, progress=progress,
-                                           engines=engines)  # fmt: skip
+            *sent, measured, saving = _plan_choice(cfg, net, ds, dev, budget,
+                                                   progress=progress, engines=engines)  # fmt: skip
             choice[0] = tuple(sent)
         except errors.LeangradError as err:
             failed, choice[1] = err, str(err)
@@ -431,16 +435,18 @@ def _planned(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     name, options, per_layer = choice[0]
     cfg = dataclasses.replace(cfg, engine=name, engine_options=dict(options),
                               step_per_layer=cfg.step_per_layer or per_layer)  # fmt: skip
-    return cfg, measured
+    return cfg, measured, saving
 
 
 def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
                  budget: int | str, *, progress: bool,
                  engines: Sequence[str] | None,
-                 ) -> tuple[str, dict[str, Any], bool, Engine | None]:  # fmt: skip
+                 ) -> tuple[str, dict[str, Any], bool, Engine | None,
+                            GradMemory | None]:  # fmt: skip
     """The engine's name, options and per-layer stepping :func:`leangrad.plan` chooses
-    (printed), and the engine object it measured (``None`` under FSDP2, whose check
-    estimates engines by name).
+    (printed), the engine object it measured (``None`` under FSDP2, whose check
+    estimates engines by name), and what per-layer steps save where the plan measured
+    both ways (:func:`~leangrad.train.grad_memory_of_plan`).
 
     The plan measures ``net`` as the run will hold it (on ``dev``, in the run's dtype) and
     leaves it as it was: it steps its optimizer on its own deep copy, the only one made.
@@ -461,7 +467,7 @@ def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.devic
                                       budget=limit, nproc=cfg.world_size,
                                       optimizer=cfg.optimizer, engines=engines)  # fmt: skip
         print(est if progress else est.summary(limit), flush=True)
-        return name, {}, False, None
+        return name, {}, False, None, None
     result = plan(net, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)), budget=limit,
                   optimizer=make, autocast=autocast_dtype(cfg.precision),
                   engines=None if engines is None else [(n, {}) for n in engines])  # fmt: skip
@@ -469,7 +475,8 @@ def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.devic
     row = result.chosen
     if row is None:
         raise errors.EngineInputError(result.message)
-    return row.name, dict(row.options), result.per_layer, row.engine
+    return (row.name, dict(row.options), result.per_layer, row.engine,
+            grad_memory_of_plan(result, net, x))  # fmt: skip
 
 
 def _from_plan(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,

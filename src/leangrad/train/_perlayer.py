@@ -7,7 +7,9 @@ backprop this is PyTorch's per-parameter approach
 (``register_post_accumulate_grad_hook``), here for every engine through
 ``on_grad``. :func:`measure_grad_memory` measures what it saves with the tracker, running
 each way as a :class:`leangrad._step.Step` (where :class:`PerLayerOptimizer` and
-``MakeOptimizer`` now live; they are re-exported here and from :mod:`leangrad.train`).
+``MakeOptimizer`` now live; they are re-exported here and from :mod:`leangrad.train`);
+:func:`grad_memory_of_plan` reads it from a plan that measured both ways (``train
+--budget``: no second measurement, no copies).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import dataclasses
 import torch
 from torch import nn
 
+from .._plan_io import Plan
 from .._step import MakeOptimizer, PerLayerOptimizer, Step
 from ..engines._base import Engine, LossFn
-from ..measure import MemoryTracker
+from ..measure import MemoryTracker, baseline_bytes
 
-__all__ = ["GradMemory", "MakeOptimizer", "PerLayerOptimizer", "measure_grad_memory"]
+__all__ = ["GradMemory", "MakeOptimizer", "PerLayerOptimizer", "grad_memory_of_plan",
+           "measure_grad_memory"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,27 @@ class GradMemory:
     @property
     def saving_fraction(self) -> float:
         return self.saving_bytes / self.full_peak_bytes if self.full_peak_bytes else 0.0
+
+
+def grad_memory_of_plan(
+    plan: Plan, model: nn.Module, inputs: torch.Tensor | tuple[torch.Tensor, ...]
+) -> GradMemory | None:
+    """What per-layer steps save, read from ``plan``'s table where it chose a per-layer
+    step and measured the same engine stepped after backward (the two rows'
+    :attr:`~leangrad.Candidate.peak_bytes`, less the baseline ``model`` and ``inputs``
+    hold, as :func:`measure_grad_memory` counts them); ``None`` where it did not (a
+    whole-model step chosen, or either row an estimate or unmeasured)."""
+    row = plan.chosen
+    if row is None or not row.per_layer or row.peak_bytes is None or row.estimate:
+        return None
+    whole = next((c for c in plan.table if not c.per_layer and c.name == row.name
+                  and c.options == row.options and c.peak_bytes is not None
+                  and not c.estimate), None)  # fmt: skip
+    if whole is None or whole.peak_bytes is None:
+        return None
+    base = baseline_bytes(model, inputs)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return GradMemory(whole.peak_bytes - base, row.peak_bytes - base, grad_bytes, row.label)
 
 
 def measure_grad_memory(

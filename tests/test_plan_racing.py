@@ -1,0 +1,269 @@
+"""``leangrad.plan`` spends its steps only where they decide (issue 31, item 6): the first
+timing round is a race (a candidate far behind after one round is out, its row saying
+so), a candidate whose fake-tensor estimate is well over the budget is never run, one
+whose first step fits is tracked once, and no timing round runs a warm-up of its own (the
+second round's pooling of the first's rounds: ``tests/test_plan_noise.py``). Counted,
+never timed: the clock is a fake that runs every step it is given and answers given
+seconds; the steps each candidate runs are counted where the planner makes its engines."""
+
+from __future__ import annotations
+
+import collections
+import random
+import statistics
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+import leangrad
+import leangrad._plan as planner
+import leangrad._plan_choice as pc
+import leangrad._plan_measure as measuring
+from leangrad._plan_measure import ESTIMATE_MARGIN, ESTIMATED, Tried
+from leangrad._sizes import fmt_bytes
+from leangrad.measure import Timing, estimate_step, profile_step
+from shared_models import tiny_gpt_step
+
+
+class Clock:
+    """Stands in for ``time_interleaved``: runs each function ``warmup + repeats`` times
+    (``run=True``) and answers each label's next ``repeats`` given seconds; records every
+    call (labels in order, repeats, warm-up)."""
+
+    def __init__(self, seconds: Mapping[str, Sequence[float]], *, run: bool = True) -> None:
+        self.seconds = {k: list(v) for k, v in seconds.items()}
+        self.used: dict[str, int] = dict.fromkeys(seconds, 0)
+        self.calls: list[tuple[list[str], int, int]] = []
+        self.run = run
+
+    def __call__(self, fns: Mapping[str, Callable[[], object]], *, repeats: int,
+                 warmup: int, **_: object) -> dict[str, Timing]:  # fmt: skip
+        self.calls.append((list(fns), repeats, warmup))
+        out = {}
+        for k, fn in fns.items():
+            for _ in range(warmup + repeats if self.run else 0):
+                fn()
+            got = self.seconds[k][self.used[k]: self.used[k] + repeats]
+            assert len(got) == repeats, f"{k}: no more seconds given"
+            self.used[k] += repeats
+            out[k] = Timing(statistics.median(got), min(got), max(got), None, repeats)
+        return out
+
+    def timed(self, label: str) -> int:
+        """How many timed rounds ``label`` ran."""
+        return self.used[label]
+
+
+def _row(label: str, peak: int) -> Tried:
+    return Tried(object(), label, True, peak, "fits", label, {})
+
+
+def _choose(clock: Clock, labels: Sequence[str], *, repeats: int = 3,
+            race: float | None = pc.RACE) -> pc.Choice:  # fmt: skip
+    steps: dict[str, Callable[[], object]] = {lb: (lambda: None) for lb in labels}
+    rows = [_row(lb, 100 + i) for i, lb in enumerate(labels)]
+    return pc.choose(steps, fitting=list(labels), scaled={}, reference="backprop", rows=rows,
+                     repeats=repeats, timer=clock, race=race)  # fmt: skip
+
+
+def test_the_race_drops_a_candidate_far_behind_after_one_round() -> None:
+    """Four candidates; the one 1.6× the fastest in the race's round runs no other round,
+    keeps that round's time and is reported; the rest run all ``repeats`` rounds, and the
+    choice is the one the rule without the race makes."""
+    seconds = {"a": [1.00, 1.02, 0.98], "b": [1.30, 1.28, 1.31], "c": [1.60, 1.62, 1.58],
+               "d": [1.45, 1.50, 1.40]}  # fmt: skip
+    raced, full = Clock(seconds, run=False), Clock(seconds, run=False)
+    got = _choose(raced, list(seconds))
+    assert got.raced == {"c": pytest.approx(1.60)} and got.seconds["c"] == 1.60
+    assert raced.timed("c") == 1 and all(raced.timed(k) == 3 for k in "abd")
+    assert raced.calls[0] == (["a", "b", "c", "d"], 1, 0)  # the race: one round, no warm-up
+    assert all(c[1:] == (1, 0) and "c" not in c[0] for c in raced.calls[1:])
+    assert [c[0] for c in raced.calls[1:]] == [["b", "d", "a"], ["d", "a", "b"]]  # rotated
+    whole = _choose(full, list(seconds), race=None)  # the rule without the race
+    assert whole.raced == {} and all(full.timed(k) == 3 for k in "abcd")
+    assert (got.label, got.contenders) == (whole.label, whole.contenders) == ("a", ())
+    assert got.seconds == {**whole.seconds, "c": 1.60}  # the rest: the same medians
+
+
+def test_a_candidate_just_inside_the_race_margin_runs_every_round() -> None:
+    clock = Clock({"a": [1.00] * 3, "b": [pc.RACE * 1.00] * 3}, run=False)  # exactly 1.5×
+    got = _choose(clock, ["a", "b"])
+    assert got.raced == {} and clock.timed("b") == 3 and got.label == "a"
+
+
+def test_short_steps_are_not_raced() -> None:
+    """Below RACE_FROM seconds one round is at the mercy of the machine: everyone runs
+    every round, and the medians decide as without the race."""
+    short = pc.RACE_FROM / 10
+    clock = Clock({"a": [short] * 9, "b": [2 * short, 1.05 * short, 1.05 * short] + [
+        1.2 * short] * 6}, run=False)  # fmt: skip
+    got = _choose(clock, ["a", "b"])
+    assert got.raced == {} and clock.timed("b") == 3 + 3  # within noise: 6 rounds in all
+    assert got.contenders == ("a", "b") and got.label == "a"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_race_chooses_what_the_full_rule_chooses_when_the_dropped_are_slower(
+    seed: int,
+) -> None:  # fmt: skip
+    """Random scenarios: step times with ±9% noise (the module's measured spread), some
+    candidates close to the fastest (so the second round and the tie-break run), some
+    truly ≥ 1.8× slower. Each label's seconds are the same sequence with and without the
+    race: the chosen row, the contenders and the tie-break are identical, and every
+    candidate the race dropped is one of the slow ones."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 9)
+    true = {f"e{i}": rng.choice([1.0, 1.0 + rng.uniform(0, 0.15), rng.uniform(1.8, 3.0)])
+            for i in range(n)}  # fmt: skip
+    true["e0"] = 1.0  # one fastest at least
+    seconds = {k: [t * rng.uniform(0.91, 1.09) for _ in range(3 + 6)] for k, t in true.items()}
+    raced, full = Clock(seconds, run=False), Clock(seconds, run=False)
+    got = _choose(raced, list(seconds))
+    whole = _choose(full, list(seconds), race=None)
+    assert (got.label, got.contenders, got.tie_break) == (
+        whole.label, whole.contenders, whole.tie_break)  # fmt: skip
+    assert all(true[k] >= 1.8 for k in got.raced)
+    assert sum(raced.used.values()) <= sum(full.used.values())
+
+
+def test_the_race_scales_a_compiled_row_from_the_reference() -> None:
+    """A compiled row (not timed here) races at its ratio times backprop's round: at 1.7×
+    it is out, and backprop, its reference only, is not timed further for it."""
+    clock = Clock({"backprop": [1.0] * 3, "checkpoint": [0.9] * 3}, run=False)
+    rows = [_row("checkpoint", 100), _row("compile", 90)]
+    steps: dict[str, Callable[[], object]] = {"checkpoint": lambda: None,
+                                              "backprop": lambda: None}  # fmt: skip
+    got = pc.choose(steps, fitting=["checkpoint"], scaled={"compile": 1.7}, reference="backprop",
+                    rows=rows, repeats=3, timer=clock)  # fmt: skip
+    assert got.raced == {"compile": pytest.approx(1.7 / 0.9)} and got.label == "checkpoint"
+    assert clock.timed("backprop") == 1 and clock.timed("checkpoint") == 3
+    assert got.seconds["compile"] == pytest.approx(1.7)
+
+
+# -- through leangrad.plan: steps counted per candidate -----------------------------------
+
+
+_gpt = tiny_gpt_step
+
+
+B0, B01, FRAG = ("checkpoint(blocks=['blocks.0'])", "checkpoint(blocks=['blocks.0', 'blocks.1'])",
+                 "checkpoint(fragments=2)")  # fmt: skip
+ENGINES = [("backprop", {}), ("checkpoint", {"blocks": ["blocks.0"]}),
+           ("checkpoint", {"blocks": ["blocks.0", "blocks.1"]}), ("checkpoint", {}),
+           ("checkpoint", {"fragments": 2})]  # fmt: skip
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[tuple[str, str]]]:
+    """(label, "real" or "fake") -> steps, for every engine the planner makes."""
+    steps: collections.Counter[tuple[str, str]] = collections.Counter()
+    make = measuring.engine
+
+    def counting(name: str, **opts: Any) -> Any:
+        eng = make(name, **opts)
+        inner = eng.backward
+
+        def backward(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            xs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+            steps[(eng.label, "fake" if is_fake(xs[0]) else "real")] += 1
+            return inner(model, inputs, *args, **kwargs)
+
+        eng.backward = backward  # type: ignore[method-assign]
+        return eng
+
+    monkeypatch.setattr(measuring, "engine", counting)
+    yield steps
+
+
+def test_plan_runs_a_candidate_only_where_a_step_decides(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """At 900 kB on the tiny GPT (totals: backprop 1.51 MB, blocks.0 1.23 MB, blocks.0-1
+    948 kB, checkpoint 770 kB, fragments=2 681 kB): backprop and blocks.0 are over by more
+    than the margin on their estimates and never run (fragments=2, which probes, is not
+    estimated); blocks.0-1, over by 5%, is measured
+    (its first step over budget: tracked again, warm — 2 steps); checkpoint fits on its
+    first step (1), fragments=2, which probes on its first, after a warm-up (2); both are
+    raced and timed with no warm-up rounds (3), and the chosen one re-measured once (1).
+    The same plan took 20 steps before (every peak 2, every round a warm-up, the
+    re-measurement 2); 12 now."""
+    model, idx, loss_fn = _gpt()
+    clock = Clock({"checkpoint": [1.0] * 3, FRAG: [1.3] * 3})
+    monkeypatch.setattr(planner, "time_interleaved", clock)
+    p = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
+    real = {lb: n for (lb, kind), n in counted.items() if kind == "real"}
+    assert real == {B01: 2, "checkpoint": 1 + 3 + 1, FRAG: 2 + 3}
+    fake = {lb: n for (lb, kind), n in counted.items() if kind == "fake"}
+    # backprop's first: can anything be allocated here? FRAG probes: never estimated
+    assert fake == {"backprop": 1 + 1, B0: 1, B01: 1, "checkpoint": 1}
+    assert sum(real.values()) == 12
+    rows = {c.label: c for c in p.table}
+    for label, (name, opts) in (("backprop", ENGINES[0]), (B0, ENGINES[1])):
+        assert rows[label].verdict == f"over budget ({ESTIMATED})" and rows[label].estimate
+        assert rows[label].seconds is None
+        assert rows[label].peak_bytes == profile_step(  # the estimate is the tracker's peak
+            leangrad.engine(name, **opts), model, idx, loss_fn, repeats=0).total_bytes
+    assert rows[B01].verdict == "over budget" and not rows[B01].estimate
+    assert rows[B01].peak_bytes is not None and rows[B01].peak_bytes <= (
+        1 + ESTIMATE_MARGIN) * 900_000  # fmt: skip
+    assert p.engine is not None and p.engine.label == "checkpoint" and p.seconds == 1.0
+    assert rows[FRAG].verdict == "fits" and rows[FRAG].seconds == 1.3
+    assert [c[1:] for c in clock.calls] == [(1, 0)] * 3  # the race, two rounds, no warm-up
+
+
+def test_plan_reports_a_raced_out_row(monkeypatch: pytest.MonkeyPatch,
+                                      counted: collections.Counter[tuple[str, str]],
+                                      ) -> None:  # fmt: skip
+    """The fragments at 1.6× the fastest in the race's round: one timed step, that round's
+    time in its row, and a verdict that says why; printing and saving the plan keep it."""
+    model, idx, loss_fn = _gpt()
+    clock = Clock({"checkpoint": [1.0] * 3, FRAG: [1.6]})
+    monkeypatch.setattr(planner, "time_interleaved", clock)
+    p = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
+    rows = {c.label: c for c in p.table}
+    assert counted[(FRAG, "real")] == 2 + 1 and clock.timed(FRAG) == 1
+    note = pc.RACED_OUT.format(ratio=1.6)
+    assert note == "raced out: 1.60× the fastest in one round"
+    assert rows[FRAG].verdict == f"fits; {note}"
+    assert rows[FRAG].seconds == 1.6 and note in str(p)
+    assert p.engine is not None and p.engine.label == "checkpoint"
+
+
+def test_an_estimate_decides_nothing_where_it_counts_what_a_warm_step_does_not(
+    counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """With an optimizer (its state is made on the first step, which the fake step counts
+    and the warmed-up real one does not), every candidate is measured for real as
+    before: no row is an estimate, and none is skipped."""
+    model, idx, loss_fn = _gpt()
+    p = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=1, engines=ENGINES[:2],
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))  # fmt: skip
+    assert all(not c.estimate for c in p.table) and p.engine is None
+    assert all(c.verdict == "over budget" for c in p.table)
+    fake = {key: n for key, n in counted.items() if key[1] == "fake"}
+    assert fake == {("backprop", "fake"): 1}  # only whether anything can be allocated here
+    assert counted[("backprop", "real")] == counted[(B0, "real")] == 2 * 2  # 2 kinds, 2 steps
+
+
+def test_the_estimate_that_skips_a_candidate_is_the_real_trackers() -> None:
+    """The shortcut rests on this: on the tiny GPT every candidate's fake-tensor estimate
+    equals its real (warmed-up) peak, fragments (which probe on their first step) included."""
+    model, idx, loss_fn = _gpt()
+    for name, opts in ENGINES:
+        est = estimate_step(leangrad.engine(name, **opts), model, idx, loss_fn).total_bytes
+        real = profile_step(leangrad.engine(name, **opts), model, idx, loss_fn, repeats=0)
+        assert est == real.total_bytes, name
+
+
+def test_nothing_fits_names_an_estimated_smallest_peak_as_one() -> None:
+    """At 1 KiB every candidate is over on its estimate and none is run: the message's
+    smallest peak is marked as an estimate (``~``), as the table marks it."""
+    model, idx, loss_fn = _gpt()
+    p = leangrad.plan(model, idx, loss_fn, budget=1024, repeats=1, engines=ENGINES[:4])
+    assert p.engine is None and all(c.estimate for c in p.table)
+    smallest = min(p.table, key=lambda c: c.peak_bytes or 0)
+    assert p.message.startswith(f"nothing fits 1 KiB: the smallest peak found is ~"
+                                f"{fmt_bytes(smallest.peak_bytes)} ({smallest.label})")
