@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .. import _errors as errors
 from ..layers._bits import PackedBits, pack_bits, unpack_bits
+from ._functional import CallMode
 from ._loss_fn import ModelRun
 
 __all__ = ["DropoutTape", "replayed"]
@@ -98,21 +98,14 @@ class _Draw:
         return x.mul_(self.a).add_(self.b) if inplace else x * self.a + self.b
 
 
-class _Mode(TorchFunctionMode):
+class _Mode(CallMode):
     leangrad_plain_ops = True  # lean layers (bits.BitDropout) call F.dropout: it is recorded
 
     def __init__(self, tape: DropoutTape, *, record: bool) -> None:
         super().__init__()
         self.tape, self.record, self.index = tape, record, 0
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func not in _DRAWS:
             return func(*args, **kwargs)
         x, p, training, inplace = _call_args(func, args, kwargs)

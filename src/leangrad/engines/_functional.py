@@ -43,6 +43,7 @@ from ._loss_fn import LossFn, check_loss, run_forward
 
 __all__ = [
     "BatchedBuffers",
+    "CallMode",
     "call_with",
     "contiguous_norms",
     "jvp_with_buffers",
@@ -86,10 +87,10 @@ def call_with(
     return functional_call(model, full, args, tie_weights=False)
 
 
-class _ContiguousNorms(TorchFunctionMode):
-    """Hands ``group_norm`` a contiguous copy of its input (see :func:`contiguous_norms`),
-    and ``F.embedding`` a weight whose ``padding_idx`` row is constant
-    (:func:`_padding_row_constant`)."""
+class CallMode(TorchFunctionMode):
+    """A ``TorchFunctionMode`` that hands each torch call to :meth:`call`, its keyword
+    arguments always a dict (PyTorch passes ``None`` for none); subclasses define
+    :meth:`call`, which runs the call or what stands in for it."""
 
     def __torch_function__(
         self,
@@ -98,7 +99,19 @@ class _ContiguousNorms(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        return self.call(func, args, kwargs or {})
+
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)``, or what the mode runs in its place."""
+        raise NotImplementedError
+
+
+class _ContiguousNorms(CallMode):
+    """Hands ``group_norm`` a contiguous copy of its input (see :func:`contiguous_norms`),
+    and ``F.embedding`` a weight whose ``padding_idx`` row is constant
+    (:func:`_padding_row_constant`)."""
+
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if (
             (func is F.group_norm or func is torch.group_norm)
             and args

@@ -158,6 +158,24 @@ class Seed:
     forward mode began, so that its backward after Phase III draws the same masks."""
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What the phases of one step share: the stem's run (and through it the chain), the
+    loss function, and where the parameter gradients go."""
+
+    stem: StemRun
+    loss_fn: LossFn
+    sink: GradSink
+
+    @property
+    def chain(self) -> Chain:
+        return self.stem.chain
+
+    def head_backward(self, engine: str, x_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and h_L, the head run by autograd from the chain's output x_L."""
+        return head_backward(engine, self.chain, x_last, self.loss_fn, self.sink)
+
+
 @register("moonwalk")
 class Moonwalk(ChainEngine):
     """Moonwalk on a :class:`~leangrad.Chain` of submersive layers; exact gradients.
@@ -370,14 +388,15 @@ class Moonwalk(ChainEngine):
                 model, inputs, loss_fn, params, lambda fn, xs: run_forward(self.label, fn, xs),
                 real=True,
             )
-        seed = self._seed(layers, stem, loss_fn, sink, seed_h1=seed_h1, keep=keep)
+        run = _Run(stem, loss_fn, sink)
+        seed = self._seed(run, layers, seed_h1=seed_h1, keep=keep)
         x_last = self._phase_three(layers[seed.start :], seed, sink)
         if self.mode == "pure" and not self.per_example:
             # Forward mode gave h₀ but no head gradients: the head's backward from x_L,
             # drawing the masks its runs under forward mode drew.
             assert seed.head_rng is not None
             seed.head_rng.before_run()
-            head_backward(self.label, chain, x_last, loss_fn, sink)
+            run.head_backward(self.label, x_last)
         info = dict(seed.info)
         if not seed_h1 and self.stem_chunks != 1:  # say why chunking the stem did not apply
             why = self._no_h1_seed(layers, bool(sink.of(chain, chain.stem)), stem.input_grads)
@@ -396,27 +415,23 @@ class Moonwalk(ChainEngine):
         return "an input wants a gradient, which needs h0 whole"
 
     # -- seeding: the loss and the cotangent Phase III starts from ------------------
-    def _seed(
-        self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink, *,
-        seed_h1: bool, keep: set[int],
-    ) -> Seed:  # fmt: skip
+    def _seed(self, run: _Run, layers: list[ChainLayer], *, seed_h1: bool, keep: set[int]
+              ) -> Seed:  # fmt: skip
         """The loss J and where Phase III starts. ``seed_h1``: :meth:`_seed_h1`. Otherwise
         h₀ = ∂J/∂x₀ by Phases I and II (mixed) or forward mode (pure) gives the stem its
         gradients, and Phase III starts at x₀, h₀ — or at x₁, h₁ when the first layer's
         vijp ignores x₀ (a conv): h₀ is then freed before x₀ is replayed."""
         if seed_h1:
-            return self._seed_h1(layers, stem, loss_fn, sink, keep={i - 1 for i in keep if i})
-        chain = stem.chain
+            return self._seed_h1(run, layers, keep={i - 1 for i in keep if i})
+        chain, stem, sink = run.chain, run.stem, run.sink
         head_rng = None
         if self.mode == "mixed":
-            loss, h0, kept = self._phase_one_two(
-                chain, layers, stem.take(), loss_fn, sink, keep=keep
-            )
+            loss, h0, kept = self._phase_one_two(run, layers, stem.take(), keep=keep)
             info = self._kept_info(kept)
         else:
             info = {}
             kept = [None] * len(layers)
-            loss, h0, head_rng = self._pure_h0(chain, layers, stem.take(), loss_fn, sink)
+            loss, h0, head_rng = self._pure_h0(run, layers, stem.take())
         if not layers or layers[0].vijp_needs_input:
             x0 = stem.backward(h0, sink)  # replayed: x0 was not kept meanwhile
             assert x0 is not None
@@ -437,20 +452,17 @@ class Moonwalk(ChainEngine):
         del x, h
         return Seed(loss=loss, start=1, state=state, kept=kept, info=info, head_rng=head_rng)
 
-    def _seed_h1(self, layers: list[ChainLayer], stem: StemRun, loss_fn: LossFn, sink: GradSink,
-                 *, keep: set[int]) -> Seed:  # fmt: skip
+    def _seed_h1(self, run: _Run, layers: list[ChainLayer], *, keep: set[int]) -> Seed:
         """v2 section 4.3's alternative seed, when the first layer's vijp ignores x₀ and
         the stem takes no gradient: Phase II stops at h₁, and x₀ is rebuilt only to form
         g₁, in ``stem_chunks`` batch chunks, so the full-size x₀ never lives whole."""
-        chain = stem.chain
+        chain, stem, sink = run.chain, run.stem, run.sink
         chunks, chunk_info = self._chunks(chain, layers)
         # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
         # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
         with torch.no_grad():
             x1, chunks, chunk_info = self._x1(stem, layers[0], chunks, chunk_info)
-            loss, h1, kept = self._phase_one_two(
-                chain, layers[1:], x1, loss_fn, sink, keep=keep
-            )  # fmt: skip
+            loss, h1, kept = self._phase_one_two(run, layers[1:], x1, keep=keep)
         info = {**self._kept_info(kept), **chunk_info}
         x = self._first_layer(stem, layers[0], h1, sink, chunks=chunks)
         state = [x, h1]
@@ -485,18 +497,10 @@ class Moonwalk(ChainEngine):
 
     # -- Phase I + II: h0 through minimal residuals ------------------------------
     def _phase_one_two(
-        self,
-        chain: Chain,
-        layers: list[ChainLayer],
-        x0: torch.Tensor,
-        loss_fn: LossFn,
-        sink: GradSink,
-        *,
-        stop: int = 0,
-        keep: Collection[int] = (),
+        self, run: _Run, layers: list[ChainLayer], x0: torch.Tensor, *, keep: Collection[int] = ()
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-        """Loss, h_stop (h₀ by default: the backward stops at layer ``stop``'s output) and
-        what each layer keeps of its output cotangent for Phase III (``fragment=``)."""
+        """Loss, the cotangent of ``x0`` (the input of ``layers``) and what each layer keeps
+        of its output cotangent for Phase III (``fragment=``; ``keep``: the whole one)."""
         n = len(layers)
         keep_all = self.segments is None  # else: keep segment inputs, recompute residuals
         if self.segments is None:
@@ -518,7 +522,7 @@ class Moonwalk(ChainEngine):
                     if keep_all:
                         residuals[i] = layers[i].residual(x, y)
                     x = y
-        loss, h = head_backward(self.label, chain, x, loss_fn, sink)
+        loss, h = run.head_backward(self.label, x)
         del x
         with torch.no_grad():
             for gi in reversed(range(len(groups))):
@@ -533,20 +537,14 @@ class Moonwalk(ChainEngine):
                         xb = y
                     del xb, y
                 for i in reversed(group):
-                    if i >= stop:
-                        kept[i] = h if i in keep else self._kept(layers[i], h)
-                        h = layers[i].vjp_input(residuals[i], h)
+                    kept[i] = h if i in keep else self._kept(layers[i], h)
+                    h = layers[i].vjp_input(residuals[i], h)
                     residuals[i] = None
         return loss, h, kept
 
     # -- pure mode: h0 by forward mode --------------------------------------------
     def _pure_h0(
-        self,
-        chain: Chain,
-        layers: list[ChainLayer],
-        x0: torch.Tensor,
-        loss_fn: LossFn,
-        sink: GradSink,
+        self, run: _Run, layers: list[ChainLayer], x0: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, RngReplay | None]:
         """Loss and h₀ by forward mode: one jvp per input coordinate (``per_example``: per
         coordinate of one example, for all examples at once, against h_L from the head).
@@ -575,7 +573,7 @@ class Moonwalk(ChainEngine):
         if self.per_example:
             with torch.no_grad():
                 x_last = run_body(x0)
-            loss, h_last = head_backward(self.label, chain, x_last, loss_fn, sink)
+            loss, h_last = run.head_backward(self.label, x_last)
             del x_last
             per = x0[0].numel()
 
@@ -588,7 +586,7 @@ class Moonwalk(ChainEngine):
             return loss, cols.t().reshape(x0.shape), None
 
         def full(x: torch.Tensor) -> torch.Tensor:
-            return check_loss(loss_fn(chain.head(run_body(x))), needs_graph=False)
+            return check_loss(run.loss_fn(run.chain.head(run_body(x))), needs_graph=False)
 
         tape = DropoutTape(self.label)
         cuda = [x0.device] if x0.device.type == "cuda" else []
