@@ -426,8 +426,10 @@ class Checkpoint(Engine):
     @property
     def probes(self) -> bool:
         # fragments probe each block on the first step; a trace is made on the first step,
-        # whose peak is then higher than the later steps' (4.7% on the quick GPT and BERT)
-        return self.fragments is not None or self.sequence_fragments is not None or self.trace
+        # whose peak is then higher than the later steps' (4.7% on the quick GPT and BERT);
+        # segments="auto" runs a measuring forward on the first step of each input shape
+        return (self.fragments is not None or self.sequence_fragments is not None
+                or self.trace or self.segments == "auto")  # fmt: skip
 
     def blocks(self, model: nn.Module) -> Blocks:
         """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`; on a

@@ -33,12 +33,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 __all__ = ["auto_segments", "block_sizes", "estimate", "largest", "saved_inside"]
 
 
+def _key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage: its C++ object, not ``data_ptr()``, which is 0 for
+    every fake tensor (a step estimated on fake tensors would count one tensor and call the
+    rest seen) and warns there."""
+    return int(t.untyped_storage()._cdata)
+
+
 def _bytes(t: torch.Tensor, seen: set[int]) -> int:
-    st = t.untyped_storage()
-    if st.data_ptr() in seen:
+    if _key(t) in seen:
         return 0
-    seen.add(st.data_ptr())
-    return st.nbytes()
+    seen.add(_key(t))
+    return t.untyped_storage().nbytes()
 
 
 def block_sizes(
@@ -163,18 +169,15 @@ def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[s
     stack: list[tuple[int, set[int], list[int]]] = []  # the running block, its inputs'
     seen: set[int] = set()  # storages, the bytes its call saved so far
 
-    def key(t: torch.Tensor) -> int:
-        return int(t.untyped_storage()._cdata)
-
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if stack and key(t) not in stack[-1][1] and key(t) not in seen:
-            seen.add(key(t))
+        if stack and _key(t) not in stack[-1][1] and _key(t) not in seen:
+            seen.add(_key(t))
             stack[-1][2][0] += t.untyped_storage().nbytes()
         return t
 
     def enter(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ins = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-        stack.append((id(m), {key(v) for v in ins}, [0]))
+        stack.append((id(m), {_key(v) for v in ins}, [0]))
 
     def leave(_m: nn.Module, _args: object, _out: object) -> None:
         at, _, saved = stack.pop()
@@ -192,7 +195,7 @@ def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[s
             fake = tuple(mode.from_tensor(x) for x in inputs)
         with _fakes_swapped(root, mode):
             # parameters, buffers: not activations
-            seen.update(key(t) for m in root.modules()
+            seen.update(_key(t) for m in root.modules()
                         for t in (*m._parameters.values(), *m._buffers.values())
                         if t is not None)  # fmt: skip
             with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
