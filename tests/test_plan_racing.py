@@ -214,6 +214,31 @@ def test_plan_runs_a_candidate_only_where_a_step_decides(
     assert [c[1:] for c in clock.calls] == [(1, 0)] * 3  # the race, two rounds, no warm-up
 
 
+def test_an_engine_that_probes_but_estimates_cheaply_is_estimated_first(
+    counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """``trace=True`` and ``segments="auto"`` do extra work on their first step
+    (:attr:`~leangrad.engines.Engine.probes`), but a fake step of theirs costs what any
+    other engine's does (not :attr:`~leangrad.engines.Engine.costly_estimate`): well over
+    the budget on its estimate (a fake warm-up step, then the tracked one), such a candidate
+    is never run for real; fragments still are."""
+    model, idx, loss_fn = _gpt()
+    engines = [("checkpoint", {"blocks": ["blocks.0"], "trace": True}),
+               ("checkpoint", {"blocks": ["blocks.0"], "fragments": 2})]  # fmt: skip
+    for name, opts in engines:
+        eng = leangrad.engine(name, **opts)
+        assert eng.probes and eng.costly_estimate is ("fragments" in opts)
+    p = leangrad.plan(model, idx, loss_fn, budget=600_000, repeats=1, engines=engines)
+    traced = "checkpoint(blocks=['blocks.0'],trace=True)"
+    rows = {c.label: c for c in p.table}
+    assert rows[traced].verdict == f"over budget ({ESTIMATED})" and rows[traced].estimate
+    assert counted[(traced, "real")] == 0 and counted[(traced, "fake")] == 2
+    assert rows[traced].peak_bytes == profile_step(leangrad.engine(*engines[0][:1],
+        **engines[0][1]), model, idx, loss_fn, repeats=0).total_bytes  # fmt: skip
+    fragged = "checkpoint(blocks=['blocks.0'],fragments=2)"
+    assert counted[(fragged, "real")] == 2 and counted[(fragged, "fake")] == 0
+
+
 def test_plan_reports_a_raced_out_row(monkeypatch: pytest.MonkeyPatch,
                                       counted: collections.Counter[tuple[str, str]],
                                       ) -> None:  # fmt: skip

@@ -18,12 +18,14 @@ accumulation on the U-Net and the GRU LMs). Low only sends a candidate to be mea
 :data:`ESTIMATE_MARGIN` (10%) is twelve times the largest excess. It is not used where the
 estimate counts what a measurement's warm-up step leaves out: an optimizer's state (made
 by its first step) and autocast's cache of cast weights — there every candidate is
-measured, as before; nor for forward-mode engines (never estimated), nor for engines that
-probe on their first step (:attr:`~leangrad.engines.Engine.probes`): their estimate runs a
-fake warm-up step too, and fragments multiply a step's operators, which is what a fake
-step costs — on the full-size zoo Llama 2.4-9.4 s each, as long as measuring them for real
-(about 6.5 s). Any other estimate there took 0.3-1.7 s (5.7 s for checkpointing with 8
-micro-batches) against about 5.8 s for a real measurement, on one thread; on small models
+measured, as before; nor for forward-mode engines (never estimated), nor for engines whose
+estimate costs as much as a step (:attr:`~leangrad.engines.Engine.costly_estimate`):
+fragments multiply a step's operators, which is what a fake step costs, and they probe on
+their first step, so their estimate runs a fake warm-up step too — on the full-size zoo
+Llama 2.4-9.4 s each, as long as measuring them for real (about 6.5 s). Any other estimate
+there took 0.3-1.7 s (5.7 s for checkpointing with 8 micro-batches) against about 5.8 s for
+a real measurement, on one thread, the other engines that probe on their first step
+(``trace=True``, ``segments="auto"``: a fake warm-up step first) included; on small models
 an estimate costs about as much as a step, and steps are cheap there.
 
 A real measurement (:func:`~leangrad.measure.profile_step`, ``repeats=0``) tracks a step
@@ -206,7 +208,7 @@ def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: boo
     eng = step.engine if isinstance(step, Step) else step
     if ctx.estimate_only or ctx.optimizer is not None or ctx.autocast:
         return None
-    if eng.forward_mode or eng.probes:
+    if eng.forward_mode or eng.costly_estimate:
         return None
     try:
         est = estimate_step(_make_step(name, opts, ctx.optimizer, per_layer), ctx.model,

@@ -236,6 +236,14 @@ class Engine(abc.ABC):
         return False
 
     @property
+    def costly_estimate(self) -> bool:
+        """``True`` when a fake-tensor estimate of a step costs about as much as the step
+        (``checkpoint(fragments=...)``: fragments multiply a step's operators, and a fake
+        operator costs what a real one does at small sizes); the planner then measures it
+        for real instead of asking the estimate first (:mod:`leangrad._plan_measure`)."""
+        return False
+
+    @property
     def label(self) -> str:
         """The name with its non-default options, e.g. ``checkpoint(segments=4)``."""
         params = _init_parameters(type(self))

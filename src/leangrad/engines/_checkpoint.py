@@ -431,6 +431,10 @@ class Checkpoint(Engine):
         return (self.fragments is not None or self.sequence_fragments is not None
                 or self.trace or self.segments == "auto")  # fmt: skip
 
+    @property
+    def costly_estimate(self) -> bool:
+        return self.fragments is not None or self.sequence_fragments is not None
+
     def blocks(self, model: nn.Module) -> Blocks:
         """The blocks this engine checkpoints on ``model`` (see :func:`leangrad.blocks`; on a
         DDP model, those of ``ddp.module``, by their names there); found once per model (a

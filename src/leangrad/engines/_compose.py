@@ -133,6 +133,10 @@ class Composed(Engine):
     def probes(self) -> bool:
         return self.base.probes
 
+    @property
+    def costly_estimate(self) -> bool:
+        return self.base.costly_estimate
+
     def autocast_why(self) -> str | None:
         """The base engine's reason, else the first transform not checked under autocast."""
         if (why := self.base.autocast_why()) is not None:
