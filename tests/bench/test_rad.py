@@ -6,7 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from leangrad.bench import _rad
+from leangrad.bench import _rad, _rad_paper
 from leangrad.bench._suites import RunSettings, load_suite
 
 
@@ -16,11 +16,19 @@ def _tiny(name: str, **settings: object) -> object:
 
 
 def test_suites_load_and_name_their_runner_and_renderer() -> None:
-    for name, fn in (("rad-variance", "run_variance"), ("rad-convergence", "run_convergence"),
-                     ("rad-pde", "run_pde")):  # fmt: skip
+    """The MNIST suites run from _rad, the paper-only ones (PDE, official peer) from
+    _rad_paper."""
+    for name, module, fn, report in (
+        ("rad-variance", _rad, "run_variance", _rad.render),
+        ("rad-convergence", _rad, "run_convergence", _rad.render),
+        ("rad-fractions", _rad, "run_fractions", _rad.render),
+        ("rad-pde", _rad_paper, "run_pde", _rad_paper.render_pde),
+        ("rad-peer", _rad_paper, "run_peer", _rad_paper.render_peer),
+    ):
         suite = load_suite(name)
-        assert suite.runner == f"leangrad.bench._rad:{fn}"
-        assert suite.resolve_report() is _rad.render
+        assert suite.runner == f"{module.__name__}:{fn}"
+        assert suite.resolve_runner() is getattr(module, fn)
+        assert suite.resolve_report() is report
 
 
 def test_variance_runner_measures_memory_and_mse(tmp_path: Path) -> None:
@@ -58,7 +66,7 @@ def test_convergence_runner_matches_memory(tmp_path: Path) -> None:
 def test_pde_runner(tmp_path: Path) -> None:
     suite = _tiny("rad-pde", n=5, steps=24, t_end=0.25, iterations=2, fractions=[1.0, 0.1],
                   seeds=3)  # fmt: skip
-    recs = _rad.run_pde(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
+    recs = _rad_paper.run_pde(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
     runs = [r for r in recs if r["kind"] == "rad-pde"]
     exact = [r for r in runs if r["engine"] == "exact"]
     randomized = [r for r in runs if r["engine"] == "RAD 0.1"]
@@ -73,7 +81,7 @@ def test_pde_runner(tmp_path: Path) -> None:
     assert band["train_loss_min"] == min(final.values())
     assert band["train_loss_max"] == max(final.values())
     assert band["train_loss_min"] <= band["train_loss_median"] <= band["train_loss_max"]
-    lines = _rad.render("rad-pde", recs, tmp_path, plots=True)
+    lines = _rad_paper.render_pde("rad-pde", recs, tmp_path, plots=True)
     assert (tmp_path / "plots" / "rad-pde-reaction-diffusion.png").exists()
     assert any("| RAD 0.1 |" in line and "[" in line for line in lines)
 
@@ -81,13 +89,11 @@ def test_pde_runner(tmp_path: Path) -> None:
 def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Without the official code its row is skipped, saying how to get it; the crossover is
     the first batch where RAD's tracker peak is below backprop's (checked against a scan)."""
-    from leangrad.bench import _rad_peer
-
-    monkeypatch.delenv(_rad_peer.OFFICIAL_ENV, raising=False)
+    monkeypatch.delenv(_rad_paper.OFFICIAL_ENV, raising=False)
     cfg = {"model": "mlp", "fraction": 0.1, "batch": 40}
     suite = _tiny("rad-peer", dataset="digits", batch=40, draws=2, repeats=1, largest_batch=96,
                   crossover=[cfg])  # fmt: skip
-    recs = _rad_peer.run_peer(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
+    recs = _rad_paper.run_peer(suite, RunSettings(quick=False, progress=False))  # type: ignore[arg-type]
     peers = [r for r in recs if r["kind"] == "rad-peer" and not r.get("skipped")]
     assert {r["engine"] for r in peers} == {"backprop", "rad", "rad (with replacement)"}
     assert {r["threads"] for r in peers} == {1, os.cpu_count() or 1}
@@ -97,7 +103,7 @@ def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> No
     assert by["rad"]["saved_bytes"] < 0.2 * by["backprop"]["saved_bytes"]
     skipped = [r for r in recs if r.get("skipped")]
     assert [r["engine"] for r in skipped] == ["official"]
-    assert _rad_peer.OFFICIAL_ENV in skipped[0]["skipped"]
+    assert _rad_paper.OFFICIAL_ENV in skipped[0]["skipped"]
     (cross,) = [r for r in recs if r["kind"] == "rad-crossover"]
     b = cross["crossover_batch"]
     assert b is not None and 1 <= b <= 96 and cross["peak_ratio_at_crossover"] < 1
@@ -114,7 +120,7 @@ def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> No
         model = copy.deepcopy(base)
         rad.randomize(model, fraction=0.1, seed=1)
         x, y = train.x[: b - 1], train.y[: b - 1]
-        mine, theirs = (_rad_peer._memory(m, x, y)["peak_bytes"] for m in (model, base))
+        mine, theirs = (_rad_paper._memory(m, x, y)["peak_bytes"] for m in (model, base))
         assert mine >= theirs
-    lines = _rad_peer.render("rad-peer", recs, tmp_path, plots=False)
+    lines = _rad_paper.render_peer("rad-peer", recs, tmp_path, plots=False)
     assert any("| 1 | rad |" in line for line in lines) and any("| mlp |" in x for x in lines)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leangrad import data
-from leangrad.bench import _rad, _rad_fractions
+from leangrad.bench import _rad
 from leangrad.bench._suites import RunSettings, Suite, load_suite
 from leangrad.measure import estimator_stats
 
@@ -48,7 +48,7 @@ def test_fraction_one_without_replacement_is_backprop_bit_for_bit(kind: str) -> 
     got = _grads(_rad.randomized(base, 1.0, "different", 1, replace=False), x, y)
     assert got.keys() == ref.keys() and len(ref) == len(list(base.parameters()))
     assert all(torch.equal(got[n], ref[n]) for n in ref)
-    check = _rad_fractions.fraction_one_check(base, x, y, mode="different", seed=1)
+    check = _rad.fraction_one_check(base, x, y, mode="different", seed=1)
     assert check["grads_equal"] and check["grad_max_abs_diff"] == 0.0
     below = _grads(_rad.randomized(base, 0.9, "different", 1), x, y)  # the check can fail
     assert not all(torch.equal(below[n], ref[n]) for n in ref)
@@ -97,7 +97,7 @@ def test_suite_end_to_end_records_per_seed_curves_and_bands(tmp_path: Path) -> N
         runs=[{"model": "mlp", "steps": 3, "eval_every": 1, "lr": 1e-3},
               {"model": "cnn", "steps": 2, "eval_every": 2, "lr": 1e-3}],
     )  # fmt: skip
-    recs = _rad_fractions.run_fractions(suite, RunSettings(quick=False, progress=False))
+    recs = _rad.run_fractions(suite, RunSettings(quick=False, progress=False))
     per_seed = [r for r in recs if r["kind"] == "rad-training"]
     bands = [r for r in recs if r["kind"] == "rad-band"]
     seeds = sorted({r["seed"] for r in per_seed})
@@ -125,7 +125,7 @@ def test_suite_end_to_end_records_per_seed_curves_and_bands(tmp_path: Path) -> N
         assert len(r["per_seed"]) == 5
         assert r["grads_equal"] and r["grads_equal_with_replacement"]
         assert r["curves_identical"] and r["weights_equal_at_end"]
-    lines = _rad_fractions.render("rad-fractions", recs, tmp_path, plots=True)
+    lines = _rad.render("rad-fractions", recs, tmp_path, plots=True)
     assert (tmp_path / "plots" / "rad-fractions-mlp.png").exists()
     assert (tmp_path / "plots" / "rad-fractions-cnn.png").exists()
     assert any(line.startswith("| RAD 0.2 different |") for line in lines)
