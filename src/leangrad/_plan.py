@@ -174,8 +174,10 @@ def plan(
             progress bar over the candidates on stderr instead (then the timing phase).
         autocast: plan the step as it will run, under ``torch.autocast`` with this dtype
             (e.g. ``torch.bfloat16``) on the inputs' device: every candidate is measured
-            and timed under it, exact meaning "equal to autograd under the same
-            autocast"; engines not checked under autocast are rows saying so. Run the
+            and timed under it, each step in an autocast context of its own as a training
+            loop enters one per step (so the step's cast copies of the weights count in
+            its peak), exact meaning "equal to autograd under the same autocast"; engines
+            not checked under autocast are rows saying so. Run the
             chosen engine under the same autocast (``leangrad train --precision bf16``).
         compile: also try ``torch.compile`` of the whole model, default and with AOT
             autograd's ``activation_memory_budget`` (:data:`leangrad._plan_compile.
@@ -208,17 +210,15 @@ def plan(
         raise errors.EngineInputError(PLAN_WRAPPED.format(wrapper=wrapper[0],
                                                           unwrap=wrapper[1]))  # fmt: skip
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    device = xs[0].device if xs else next(model.parameters()).device
     if not isinstance(compile, bool):
         raise ValueError(BAD_SETTING.format(name="compile", want="True or False", value=compile))
     if autocast is None:
         return _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
                      engines=engines, repeats=repeats, allocate_limit=allocate_limit,
                      progress=progress, compile=compile)  # fmt: skip
-    with torch.autocast(device.type, dtype=autocast):
-        found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
-                      engines=engines, repeats=repeats, allocate_limit=allocate_limit,
-                      progress=progress, compile=compile, autocast=True)  # fmt: skip
+    found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
+                  engines=engines, repeats=repeats, allocate_limit=allocate_limit,
+                  progress=progress, compile=compile, autocast=autocast)  # fmt: skip
     made_for = {**(found.made_for or {}), "autocast": str(autocast).removeprefix("torch.")}
     return dataclasses.replace(found, made_for=made_for)
 
@@ -236,9 +236,10 @@ def _plan(
     allocate_limit: int | None,
     progress: Callable[[str], None] | bool | None,
     compile: bool = False,
-    autocast: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Plan:
-    """:func:`plan`'s search, its arguments checked (under the caller's autocast)."""
+    """:func:`plan`'s search, its arguments checked (each step under ``autocast``, in a
+    context of its own, where given)."""
     start = time.perf_counter()
     made_for = fingerprint(model, xs)  # what Plan.load checks a model and batch against
     device = xs[0].device if xs else next(model.parameters()).device
@@ -271,7 +272,7 @@ def _plan(
         from ._plan_compile import measure_compiled
 
         before = len(tried)
-        measure_compiled(ctx, tried, repeats=repeats, autocast=autocast)
+        measure_compiled(ctx, tried, repeats=repeats, autocast=autocast is not None)
         for _ in tried[before:]:
             shown.advance()
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}

@@ -17,7 +17,7 @@ HighwayNet GRU's fragments, 0.99× on the U-Net, and above it by at most 0.8% (g
 accumulation on the U-Net and the GRU LMs). Low only sends a candidate to be measured;
 :data:`ESTIMATE_MARGIN` (10%) is twelve times the largest excess. It is not used where the
 estimate counts what a measurement's warm-up step leaves out: an optimizer's state (made
-by its first step) and autocast's cache of cast weights — there every candidate is
+by its first step) and autocast (not compared with real steps) — there every candidate is
 measured, as before; nor for forward-mode engines (never estimated), nor for engines whose
 estimate costs as much as a step (:attr:`~leangrad.engines.Engine.costly_estimate`):
 fragments multiply a step's operators, which is what a fake step costs, and they probe on
@@ -30,18 +30,19 @@ an estimate costs about as much as a step, and steps are cheap there.
 
 A real measurement (:func:`~leangrad.measure.profile_step`, ``repeats=0``) tracks a step
 after a warm-up step where the first step is known to do more than later ones: an engine
-that says so (:attr:`~leangrad.engines.Engine.probes`: ``checkpoint(fragments=...)``
-probes each block on its first step, up to 2.3× the later peak on the quick ResNet), an
-optimizer (its state is made by the first step) and autocast (its cache of cast weights
-lasts the plan). Any other step's first step is tracked, without a warm-up, and where it
-fits the budget its peak is the row's: one step instead of two (issue 31, item 6). Where
-it does not fit, the step is tracked again — now warm, as after a warm-up — and that
-decides, as before. A first step that does undeclared extra work can only make a fitting
-row's peak higher than its later steps' (``checkpoint(blocks=..., trace=True)`` on the
-quick GPT and BERT: 4.7% higher), never make a fit that a warm step would not; on the
-other candidates of the quick ResNet, GPT, BERT and RNN LMs the first step's peak is the
-later steps'. Either way the candidate has run before it is timed, which is the timing's
-warm-up (:mod:`leangrad._plan_choice` runs none of its own).
+that says so (:attr:`~leangrad.engines.Engine.probes`: ``checkpoint(fragments=...)`` probes
+each block on its first step, up to 2.3× the later peak on the quick ResNet), an optimizer
+(its state is made by the first step) and autocast (kept as it was measured before each
+step had its own autocast context). Any other step's first step is tracked, without a
+warm-up, and where it fits the budget its peak is the row's: one step instead of two (issue
+31, item 6). Where it does not fit, the step is tracked again — now warm, as after a
+warm-up — and that decides, as before. A first step that does undeclared extra work can
+only make a fitting row's peak higher than its later steps' (as
+``checkpoint(trace=True)``'s did, 4.7% higher on the quick GPT and BERT, until it declared
+its tracing a probe), never make a fit that a warm step would not; on the other candidates
+of the quick ResNet, GPT, BERT and RNN LMs the first step's peak is the later steps'.
+Either way the candidate has run before it is timed, which is the timing's warm-up
+(:mod:`leangrad._plan_choice` runs none of its own).
 """
 
 from __future__ import annotations
@@ -103,8 +104,12 @@ class Context:
     optimizer: MakeOptimizer | None
     progress: Callable[[str], None] | None
     estimate_only: bool
-    autocast: bool = False
-    """Planning under ``torch.autocast`` (its cast cache: no estimate decides alone)."""
+    autocast: torch.dtype | None = None
+    """Planning under ``torch.autocast`` with this dtype: every step runs in its own
+    context (:class:`~leangrad._step.Step`), as ``train --precision`` runs it, so its cast
+    copies of the weights are made inside it and count in its peak (one context around
+    the whole plan kept them cached from the first step on, and no later step counted
+    them). No estimate decides alone there (not compared with a real step's peak)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +157,7 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
         else:
             why = "not exact (plan with exact=False to allow estimators)"
         for per_layer in kinds:
-            step = _make_step(name, opts, ctx.optimizer, per_layer, eng)
+            step = _make_step(name, opts, ctx, per_layer, eng)
             row = functools.partial(Tried, label=step.label, exact=eng.exact, name=name,
                                     options=dict(opts), per_layer=bool(per_layer))  # fmt: skip
             if why is not None:
@@ -191,13 +196,16 @@ def failed_verdict(err: BaseException) -> str:
     return FAILED.format(kind=type(err).__name__, error=first[0][:200] if first else "")
 
 
-def _make_step(name: str, opts: dict[str, Any], optimizer: MakeOptimizer | None,
-               per_layer: bool | None, eng: Engine | None = None) -> Any:  # fmt: skip
-    """The candidate's engine, wrapped in a :class:`~leangrad._step.Step` with an optimizer."""
+def _make_step(name: str, opts: dict[str, Any], ctx: Context, per_layer: bool | None,
+               eng: Engine | None = None) -> Any:  # fmt: skip
+    """The candidate's engine, wrapped in a :class:`~leangrad._step.Step` with an optimizer
+    or under autocast (each step its own context)."""
     eng = eng if eng is not None else engine(name, **opts)
-    if optimizer is None or per_layer is None:
+    if ctx.autocast is not None:
+        return Step(eng, ctx.optimizer, per_layer=bool(per_layer), autocast=ctx.autocast)
+    if ctx.optimizer is None or per_layer is None:
         return eng
-    return Step(eng, optimizer, per_layer=per_layer)
+    return Step(eng, ctx.optimizer, per_layer=per_layer)
 
 
 def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
@@ -211,7 +219,7 @@ def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: boo
     if eng.forward_mode or eng.costly_estimate:
         return None
     try:
-        est = estimate_step(_make_step(name, opts, ctx.optimizer, per_layer), ctx.model,
+        est = estimate_step(_make_step(name, opts, ctx, per_layer), ctx.model,
                             ctx.xs, ctx.loss_fn).total_bytes  # fmt: skip
     except Exception:  # an op fake tensors cannot run, or the candidate's own failure:
         return None  # the real measurement says which
@@ -248,7 +256,7 @@ def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
         # (torch 2.13): never estimated
         raise errors.EngineInputError("too big to allocate here, and forward-mode engines are not "
                                  "estimated on fake tensors")
-    fresh = _make_step(name, opts, ctx.optimizer, per_layer)  # no real state in a fake step
+    fresh = _make_step(name, opts, ctx, per_layer)  # no real state in a fake step
     try:
         return estimate_step(fresh, ctx.model, ctx.xs, ctx.loss_fn).total_bytes, True
     except errors.LeangradError:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
+import leangrad._step
 from leangrad import zoo
 from leangrad._errors import EngineInputError
 from leangrad.loss import per_example
@@ -124,6 +125,34 @@ def test_plan_under_autocast_measures_and_records_it() -> None:
     assert forward.verdict.startswith("n/a") and "torch.autocast" in forward.verdict
     with pytest.raises(ValueError, match="autocast"):
         leangrad.plan(model, x, loss_fn, budget=budget, autocast=torch.int8)
+
+
+def test_plan_under_autocast_counts_each_steps_cast_weights() -> None:
+    """A training loop enters autocast once per step, so each step makes its bfloat16
+    copies of the weights and holds them until the step ends. The plan measures each step
+    in a context of its own: a wide layer's row counts its 2 MiB cast copy (the peak equals
+    a ``Step`` under autocast, run cold), where one context around the whole plan kept the
+    copy cached from the first step and no later step counted it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+                                torch.nn.Linear(1024, 4))  # fmt: skip
+    x, y = torch.randn(2, 1024), torch.randint(0, 4, (2,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    p = leangrad.plan(model, x, loss_fn, budget=1 << 30, repeats=1,
+                      engines=[("backprop", {})], autocast=torch.bfloat16)  # fmt: skip
+    [row] = p.table
+    step = leangrad._step.Step(leangrad.engine("backprop"), autocast=torch.bfloat16)
+    alone = leangrad.measure.profile_step(step, model, x, loss_fn, repeats=0)
+    assert row.peak_bytes == alone.total_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # one context: the copies cached
+        cached = leangrad.measure.profile_step(leangrad.engine("backprop"), model, x, loss_fn,
+                                               repeats=0)  # fmt: skip
+    cast = 2 * sum(p.numel() for p in model.parameters() if p.dim() > 1)  # bfloat16 copies
+    assert row.peak_bytes - cached.total_bytes >= cast - 2 * 4 * 1024  # the 2 MiB, counted
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_train_and_plan_under_bf16_from_the_command_line(tmp_path: Any, capsys: Any) -> None:
