@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import datetime
 import gc
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,10 +11,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..measure import MemoryBudgetExceeded, MemoryTracker
-from ._report import _fmt, fmt_bytes, sweep_section
+from ._rad import md_table
+from ._report import _fmt, by_series, fmt_bytes, sweep_section
 from ._runner import EngineSpec, machine_info, new_record
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite
+from ._training import _now
 from ._workloads import build
 
 __all__ = [
@@ -38,37 +38,30 @@ def report_fragmental(
 ) -> list[str]:
     """The usual sweep tables, plus kept cotangent bytes relative to full checkpointing."""
     lines: list[str] = []
-    by_series: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by_series[r.get("series", "")].append(r)
-    for series, recs in by_series.items():
+    for series, recs in by_series(records).items():
         lines += sweep_section(suite, series, recs, directory, plots=plots)
-        kept = {
-            (r["engine"], r["x"]): (r.get("engine_info") or {}).get("kept_cotangent_bytes")
-            for r in recs
-        }
+        kept = {(r["engine"], r["x"]): (r.get("engine_info") or {}).get("kept_cotangent_bytes")
+                for r in recs}  # fmt: skip
         peaks = {(r["engine"], r["x"]): r.get("peak_bytes") for r in recs}
         engines = sorted({e for e, _ in kept if kept[(e, _)] is not None})
         if not engines:
             continue
-        xs = sorted({x for _, x in kept})
+
+        def ratio(a: Any, b: Any) -> str:
+            return _fmt(a / b if a is not None and b else None, ".3f")
+
+        rows = [(e, x, fmt_bytes(kept.get((e, x))),
+                 ratio(kept.get((e, x)), kept.get(("moonwalk(fragment=full)", x))),
+                 ratio(peaks.get((e, x)), peaks.get(("backprop", x))))
+                for e in engines for x in sorted({x for _, x in kept})]  # fmt: skip
+        head = ("engine", recs[0].get("sweep", "x"), "kept", "kept / full", "peak / backprop")
         lines += [
             "Cotangent bytes Moonwalk keeps from Phase II for Phase III (measured on the "
             "kept storages), ratio to `fragment=full`, and peak ratio to backprop:",
             "",
-            f"| engine | {recs[0].get('sweep', 'x')} | kept | kept / full | peak / backprop |",
-            "|---|---|---|---|---|",
+            *md_table(head, rows),
+            "",
         ]
-        for e in engines:
-            for x in xs:
-                k, full = kept.get((e, x)), kept.get(("moonwalk(fragment=full)", x))
-                p, bp = peaks.get((e, x)), peaks.get(("backprop", x))
-                lines.append(
-                    f"| {e} | {x} | {fmt_bytes(k)} "
-                    f"| {_fmt(k / full if k is not None and full else None, '.3f')} "
-                    f"| {_fmt(p / bp if p is not None and bp else None, '.3f')} |"
-                )
-        lines.append("")
     return lines
 
 
@@ -144,8 +137,8 @@ def run_depth_at_budget(suite: Suite, settings: RunSettings) -> list[dict[str, A
     max_depth = int(suite.setting("max_depth", quick, 256))
     extra = int(suite.setting("extra_probes", quick, 2))
     config = dict(suite.setting("config", quick))
-    machine = machine_info()
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    head = {"kind": "depth_at_budget", "suite": suite.name, "series": "budget", "sweep": "depth"}
+    tail = {"quick": quick, "machine": machine_info(), "created": _now()}
     records = []
     bar = tqdm(suite.engines, desc="depth-at-budget", unit="engine",
                disable=not settings.progress)  # fmt: skip
@@ -159,26 +152,11 @@ def run_depth_at_budget(suite: Suite, settings: RunSettings) -> list[dict[str, A
 
         depth, probes = deepest_fitting(fits, max_depth=max_depth, extra_probes=extra)
         at = next((p for p in probes if p["depth"] == depth), None)
-        rec = new_record(
-            kind="depth_at_budget",
-            suite=suite.name,
-            series="budget",
-            sweep="depth",
-            x=depth,
-            engine=label,
-            engine_name=spec.name,
-            options=spec.options,
-            config=config,
-            budget_bytes=budget,
-            max_depth=depth,
-            capped=depth >= max_depth,
-            total_bytes_at_max=at["total_bytes"] if at else None,
-            probes=probes,
-            quick=quick,
-            machine=machine,
-            created=created,
-        )
-        records.append(rec)
+        mine = dict(x=depth, engine=label, engine_name=spec.name, options=spec.options,
+                    config=config, budget_bytes=budget, max_depth=depth,
+                    capped=depth >= max_depth, total_bytes_at_max=at and at["total_bytes"],
+                    probes=probes)  # fmt: skip
+        records.append(new_record(head, mine, tail))
     by_name = {r["engine"]: r["max_depth"] for r in records}
     for r in records:
         for ref in ("backprop", "checkpoint(segments=sqrt)"):
@@ -194,23 +172,13 @@ def report_depth_at_budget(
     del directory, plots
     if not records:
         return []
-    budget = records[0]["budget_bytes"]
-    lines = [
-        f"Budget: {fmt_bytes(budget)} for everything live during the step "
-        f"(`{records[0]['config']}`). Paper (24 GB GPU): backprop 10, checkpointing 16, "
-        "Moonwalk B=16 22 layers.",
-        "",
-        "| engine | deepest depth that fits | live at that depth | × backprop "
-        "| × checkpoint | probes (depth: fits) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in records:
-        capped = " (search cap)" if r.get("capped") else ""
-        probes = ", ".join(f"{p['depth']}:{'✓' if p['fits'] else '✗'}" for p in r["probes"])
-        lines.append(
-            f"| {r['engine']} | {r['max_depth']}{capped} | {fmt_bytes(r['total_bytes_at_max'])} "
-            f"| {_fmt(r.get('ratio_to_backprop'), '.2f')} "
-            f"| {_fmt(r.get('ratio_to_checkpoint'), '.2f')} | {probes} |"
-        )
-    lines.append("")
-    return lines
+    head = ("engine", "deepest depth that fits", "live at that depth", "× backprop",
+            "× checkpoint", "probes (depth: fits)")  # fmt: skip
+    rows = [(r["engine"], f"{r['max_depth']}{' (search cap)' if r.get('capped') else ''}",
+             fmt_bytes(r["total_bytes_at_max"]), _fmt(r.get("ratio_to_backprop"), ".2f"),
+             _fmt(r.get("ratio_to_checkpoint"), ".2f"),
+             ", ".join(f"{p['depth']}:{'✓' if p['fits'] else '✗'}" for p in r["probes"]))
+            for r in records]  # fmt: skip
+    return [f"Budget: {fmt_bytes(records[0]['budget_bytes'])} for everything live during the "
+            f"step (`{records[0]['config']}`). Paper (24 GB GPU): backprop 10, checkpointing "
+            "16, Moonwalk B=16 22 layers.", "", *md_table(head, rows), ""]  # fmt: skip

@@ -60,12 +60,13 @@ recorded (``extrapolation_error``), to show that the scaling holds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,9 @@ from .. import _errors as errors
 from .. import engines
 from ..layers import AdditiveCoupling, Chain, SwapHalves
 from ..measure import Timing, compare_grads, grads_of, time_across_threads
-from ._runner import machine_info, new_record
+from ._rad import md_table
+from ._report import _fmt, pyplot, save_figure
+from ._runner import _reference_grads, _step, machine_info, new_record
 from ._suites import RunSettings, Suite, runner
 from ._training import _now
 from ._workloads import Workload, build
@@ -215,22 +218,9 @@ def _freeze_except(model: Chain, keep: list[int]) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _reference(config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Autograd's gradient of the same step in float64."""
-    wl = build({**config, "dtype": "float64"})
-    loss = wl.loss_fn(wl.model(*wl.inputs))
-    params = dict(wl.model.named_parameters())
-    return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
-
-
-def _step(engine: engines.Engine, model: nn.Module, wl: Workload) -> Callable[[], None]:
-    loss_fn = wl.loss_fn
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        engine.backward(model, wl.inputs, loss_fn)
-
-    return step
+def _on(wl: Workload, model: nn.Module) -> Workload:
+    """``wl``'s step on another copy of its model (the same inputs and loss)."""
+    return dataclasses.replace(wl, model=model)
 
 
 def _errors(model: nn.Module, ref: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -296,13 +286,13 @@ def _measure_depth(config: dict[str, Any], s: dict[str, Any], *,
     pure = engines.engine("moonwalk", mode="pure", per_example=True,
                           chunk_size=s["moonwalk_chunk"])  # fmt: skip
     mw_model = copy.deepcopy(wl.model)
-    steps = {LABEL_FORWARD: _step(fwd, sub, wl), LABEL_PURE: _step(pure, mw_model, wl)}
+    steps = {LABEL_FORWARD: _step(fwd, _on(wl, sub)), LABEL_PURE: _step(pure, _on(wl, mw_model))}
     full_model = copy.deepcopy(wl.model) if whole else None
     if full_model is not None:
-        steps["forward (all directions)"] = _step(fwd, full_model, wl)
+        steps["forward (all directions)"] = _step(fwd, _on(wl, full_model))
     timings = time_across_threads(steps, threads=threads, repeats=s["repeats"],
                                   warmup=s["warmup"])  # fmt: skip
-    ref = _reference(config)
+    ref = _reference_grads(config, "cpu")  # autograd's gradient of the same step in float64
     f_err, f_cos = _errors(sub, ref)
     m_err, m_cos = _errors(mw_model, ref)
     fixed: dict[str, Any] = {
@@ -365,10 +355,6 @@ def _times(ts: Mapping[str, Timing], bound: WorkBound, timed: int, threads: int
 # -- report -------------------------------------------------------------------------
 
 
-def _f(v: Any, spec: str) -> str:
-    return "—" if v is None else format(v, spec)
-
-
 def _by_threads(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     out: dict[int, list[dict[str, Any]]] = {}
     for r in records:
@@ -392,32 +378,25 @@ def _targets(n: int, rs: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+_TABLE = ("couplings", "P", "d", "bound P/(2d)", "counted", "Forward s", "pure Moonwalk s",
+          "ratio", "ratio / bound", "paper", "Forward timed on")  # fmt: skip
+
+
 def _table(rs: list[dict[str, Any]]) -> list[str]:
-    lines = ["| couplings | P | d | bound P/(2d) | counted | Forward s | pure Moonwalk s "
-             "| ratio | ratio / bound | paper | Forward timed on |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rs:
-        paper = r.get("paper_speedup")
-        lines.append(
-            f"| {r['couplings']} | {r['params']} | {r['input_size']} | {r['bound']:.1f}× "
-            f"| {r['counted_ratio']:.1f}× | {r['forward_seconds']:.3g}"
-            f"{'*' if r['forward_extrapolated'] else ''} | {r['moonwalk_seconds']:.3g} "
-            f"| {r['speedup']:.1f}× | {r['speedup_over_bound']:.2f} "
-            f"| {_f(paper, '.0f')}{'×' if paper else ''} | {r['forward_note']} |"
-        )
-    return lines
+    return md_table(_TABLE, (
+        (r["couplings"], r["params"], r["input_size"], f"{r['bound']:.1f}×",
+         f"{r['counted_ratio']:.1f}×",
+         f"{r['forward_seconds']:.3g}{'*' if r['forward_extrapolated'] else ''}",
+         f"{r['moonwalk_seconds']:.3g}", f"{r['speedup']:.1f}×",
+         f"{r['speedup_over_bound']:.2f}",
+         f"{_fmt(r.get('paper_speedup'), '.0f')}{'×' if r.get('paper_speedup') else ''}",
+         r["forward_note"]) for r in rs))  # fmt: skip
 
 
-def _plot(path: Path, groups: dict[int, list[dict[str, Any]]]) -> bool:
-    try:
-        import matplotlib
+def _plot(path: Path, groups: dict[int, list[dict[str, Any]]]) -> None:
+    from matplotlib.ticker import NullFormatter
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import NullFormatter
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.4))
     first = next(iter(groups.values()))
     xs = [r["couplings"] for r in first]
     ax.plot(xs, [r["bound"] for r in first], "k--", label="bound P/(2d)")
@@ -439,11 +418,7 @@ def _plot(path: Path, groups: dict[int, list[dict[str, Any]]]) -> bool:
                  fontsize=10)  # fmt: skip
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    save_figure(fig, path)
 
 
 def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: bool) -> list[str]:
@@ -497,6 +472,7 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
               ""]  # fmt: skip
     if plots:
         png = Path("plots") / f"{suite}.png"
-        if _plot(Path(directory) / png, groups):
+        with contextlib.suppress(ImportError):  # no matplotlib (the [plot] extra): no plot
+            _plot(Path(directory) / png, groups)
             lines += [f"![{suite}]({png.as_posix()})", ""]
     return lines

@@ -16,6 +16,7 @@ backpropagation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 import tomllib
@@ -540,19 +541,10 @@ def _rad_training(records: list[Record], model: str) -> str | None:
             f"{red['engine']} {cell(red)}{bl}")  # fmt: skip
 
 
-@_reads("rad-fig6-mlp")
-def _rad_fig6_mlp(records: list[Record]) -> str | None:
-    return _rad_training(records, "mlp")
-
-
-@_reads("rad-fig6-cnn")
-def _rad_fig6_cnn(records: list[Record]) -> str | None:
-    return _rad_training(records, "cnn")
-
-
-@_reads("rad-fig6-rnn")
-def _rad_fig6_rnn(records: list[Record]) -> str | None:
-    return _rad_training(records, "irnn")
+_FIG6_MODELS = {"mlp": "mlp", "cnn": "cnn", "rnn": "irnn"}
+"""Fig. 6's rows ``rad-fig6-<key>``, read alike: the model each is of."""
+_EXTRACTORS.update({f"rad-fig6-{row}": functools.partial(_rad_training, model=model)
+                    for row, model in _FIG6_MODELS.items()})  # fmt: skip
 
 
 @_reads("rad-fig10-fractions")
@@ -667,19 +659,9 @@ def _speedups(records: list[Record], cell: str, length: int) -> str | None:
     return f"{one} (1 thread){more}"
 
 
-@_reads("highway-table3-lstm256")
-def _highway_lstm256(records: list[Record]) -> str | None:
-    return _speedups(records, "lstm", 256)
-
-
-@_reads("highway-table3-gru256")
-def _highway_gru256(records: list[Record]) -> str | None:
-    return _speedups(records, "gru", 256)
-
-
-@_reads("highway-table3-gru1024")
-def _highway_gru1024(records: list[Record]) -> str | None:
-    return _speedups(records, "gru", 1024)
+# Table 3's three cells, read alike (as @_reads would register them)
+_EXTRACTORS.update({f"highway-table3-{cell}{n}": functools.partial(_speedups, cell=cell, length=n)
+                    for cell, n in (("lstm", 256), ("gru", 256), ("gru", 1024))})  # fmt: skip
 
 
 @_reads("highway-fig2-resnet")

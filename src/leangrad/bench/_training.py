@@ -44,23 +44,16 @@ from tqdm.auto import tqdm
 from .. import data, models
 from ..measure import compare_grads, grads_of
 from ._runner import EngineSpec, machine_info, new_record
-from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
+from ._side_by_side import Curves, Lane, make_optimizer, same_start, train_side_by_side
 from ._suites import RunSettings, Suite
 
 __all__ = ["run_constrained", "run_stability"]
 
+NOT_FINITE = "batch loss is {loss}"
+
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def _record(
-    suite: Suite, series: str, sweep: str, x: int, quick: bool, **fields: Any
-) -> dict[str, Any]:
-    head = dict(kind="training", suite=suite.name, series=series, sweep=sweep, x=x,
-                train_loss=None, train_acc=None, test_acc=None, failed=None,
-                quick=quick)  # fmt: skip
-    return new_record(head, fields)
 
 
 @torch.no_grad()
@@ -72,6 +65,19 @@ def _evaluate(model: nn.Module, ds: data.Dataset, batch: int = 512) -> tuple[flo
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += int((out.argmax(1) == y).sum().item())
     return loss_sum / len(ds), correct / len(ds)
+
+
+def _train_step(lane: Lane, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One cross-entropy gradient by ``lane``'s engine into its model's ``.grad``; its loss.
+
+    Raises:
+        FloatingPointError: the loss is not finite (the lane stops there).
+    """
+    lane.model.zero_grad(set_to_none=True)
+    loss = float(lane.engine.backward(lane.model, x, lambda out: F.cross_entropy(out, y)).loss)
+    if not math.isfinite(loss):
+        raise FloatingPointError(NOT_FINITE.format(loss=loss))
+    return loss
 
 
 def _forever(
@@ -149,33 +155,37 @@ class _Settings:
 
 
 @dataclasses.dataclass
-class _Stability(Curves):
-    """v1 stability: every lane's gradient of each batch, at its own weights, vs the oracle."""
+class _Run(Curves):
+    """What both suites' rounds share: one series' records (``sweep`` = the round's unit)
+    and its train and test sets."""
 
     suite: Suite
     quick: bool
     name: str
     config: dict[str, Any]
-    steps: int
-    every: int
     train: data.Dataset
     test: data.Dataset
     bar: Any
-    ref: nn.Module | None = None
-    stamp: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stamp: dict[str, Any]
 
     def record(self, lane: Lane, r: int) -> dict[str, Any]:
-        return _record(self.suite, self.name, "step", r, self.quick, **lane.fields,
-                       config=self.config, **self.stamp)  # fmt: skip
+        head = dict(kind="training", suite=self.suite.name, series=self.name, sweep=self.unit,
+                    x=r, train_loss=None, train_acc=None, test_acc=None, failed=None,
+                    quick=self.quick)  # fmt: skip
+        return new_record(head, lane.fields, {"config": self.config}, self.stamp)
+
+
+@dataclasses.dataclass
+class _Stability(_Run):
+    """v1 stability: every lane's gradient of each batch, at its own weights, vs the oracle."""
+
+    steps: int
+    every: int
+    ref: nn.Module | None
 
     def advance(self, lane: Lane, r: int, batch: Any) -> tuple[float, float]:
-        x, y = batch
-        lane.model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        res = lane.engine.backward(lane.model, x, lambda out, y=y: F.cross_entropy(out, y))
-        loss = float(res.loss)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"batch loss is {loss}")
+        loss = _train_step(lane, *batch)
         dt = time.perf_counter() - t0
         lane.seconds += dt
         return loss, dt
@@ -208,17 +218,12 @@ class _Stability(Curves):
 
 def _engine_lanes(base: nn.Module, specs: Sequence[EngineSpec], settings: _Settings) -> list[Lane]:
     """One lane per engine spec, each on its own copy of ``base``."""
-    lanes = []
-    for spec in specs:
-        model = copy.deepcopy(base)
-        engine = spec.make()
-        reason = engine.supports(model)
-        opt = make_optimizer(settings.optimizer, model.parameters(), settings.lr)
-        lanes.append(Lane(
-            spec.display, model, opt,
-            fields={"engine": spec.display, "engine_name": spec.name, "options": spec.options},
-            engine=engine, failed=f"not applicable: {reason}" if reason else None,
-        ))  # fmt: skip
+    lanes = same_start(base, [s.display for s in specs], settings.optimizer, settings.lr)
+    for lane, spec in zip(lanes, specs, strict=True):
+        lane.engine = spec.make()
+        lane.fields = {"engine": spec.display, "engine_name": spec.name, "options": spec.options}
+        reason = lane.engine.supports(lane.model)
+        lane.failed = f"not applicable: {reason}" if reason else None
     return lanes
 
 
@@ -244,7 +249,7 @@ def run_stability(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             stability_model(series.config, depth).to(device), suite.engines_for(series), st
         )
         ref = next((ln.model for ln in lanes if ln.fields["engine_name"] == "backprop"), None)
-        curves = _Stability(suite, quick, name, config, steps, every, train, test, bar, ref, stamp)
+        curves = _Stability(suite, quick, name, config, train, test, bar, stamp, steps, every, ref)
         rounds = zip(range(steps + 1), _forever(train, st.batch, st.seed), strict=False)
         records += train_side_by_side(lanes, rounds, curves)
         last = {r["engine"]: r for r in records if r["series"] == name}
@@ -281,23 +286,11 @@ def constrained_model(config: Mapping[str, Any], constrained: bool) -> nn.Module
 
 
 @dataclasses.dataclass
-class _Constrained(Curves):
+class _Constrained(_Run):
     """v2 constrained: round 0 measures the initialisation, round e trains epoch e."""
 
-    suite: Suite
-    quick: bool
-    name: str
-    config: dict[str, Any]
     settings: _Settings
-    train: data.Dataset
-    test: data.Dataset
-    bar: Any
-    stamp: dict[str, Any] = dataclasses.field(default_factory=dict)
     unit: str = "epoch"
-
-    def record(self, lane: Lane, r: int) -> dict[str, Any]:
-        return _record(self.suite, self.name, "epoch", r, self.quick, **lane.fields,
-                       config=self.config, **self.stamp, failed=None)  # fmt: skip
 
     def advance(self, lane: Lane, r: int, batch: Any) -> None:
         if r == 0:
@@ -306,10 +299,7 @@ class _Constrained(Curves):
         try:
             for x, y in self.train.batches(st.batch, shuffle=True, seed=st.seed + r,
                                            drop_last=True):  # fmt: skip
-                lane.model.zero_grad(set_to_none=True)
-                res = lane.engine.backward(lane.model, x, lambda out, y=y: F.cross_entropy(out, y))
-                if not math.isfinite(float(res.loss)):
-                    raise FloatingPointError(f"batch loss is {float(res.loss)}")
+                _train_step(lane, x, y)
                 lane.opt.step()
                 self.bar.update(1)
         finally:
@@ -355,7 +345,7 @@ def run_constrained(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]
         config = {**series.config, suite.sweep: value, "dataset": dataset, "size": size,
                   "train_examples": len(train), "test_examples": len(test), "epochs": epochs,
                   **st.config()}  # fmt: skip
-        curves = _Constrained(suite, quick, name, config, st, train, test, bar, stamp)
+        curves = _Constrained(suite, quick, name, config, train, test, bar, stamp, st)
         for spec in suite.engines_for(series):
             for variant in variants:  # one lane at a time: records ordered by lane
                 bar.set_description(f"{suite.name} {name} {variant}")
