@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from leangrad.bench._highway import char_corpus, run_convergence, run_rnn, run_train
+from leangrad.bench._highway import run_convergence, run_rnn, run_train
+from leangrad.bench._highway_paper import char_corpus
 from leangrad.bench._highway_report import render
 from leangrad.bench._suites import RunSettings, load_suite
 
@@ -45,7 +46,9 @@ def test_rnn_suite_records_and_report(tmp_path: Path) -> None:
         assert [e["threads"] for e in r["by_threads"]] == [1, 2]  # side by side in one run
         assert r["by_threads"][0]["step_speedup"] == r["step_speedup"]
         assert all(e["step_speedup"] > 0 for e in r["by_threads"])
-    exact = [r for r in steps if r["engine"] in ("bptt", "highway(k=7)")]
+    # nn.GRU/nn.LSTM compared under their own parameter names (TorchLM.renamed)
+    exact = [r for r in steps if r["engine"] in ("bptt", "highway(k=7)", "nn.GRU", "nn.LSTM")]
+    assert len(exact) == 6
     assert all(r["grad_max_rel_err"] < 1e-5 and r["grad_cosine"] > 1 - 1e-9 for r in exact)
     assert {r["engine"] for r in recs if r["kind"] == "scan"} == {"parallel", "sequential"}
     text = "\n".join(render("highway-rnn", recs, tmp_path, plots=False))
@@ -71,4 +74,10 @@ def test_training_suites_records_and_report(runner, tmp_path: Path) -> None:  # 
         assert all(-1 <= r["grad_cosine"] <= 1 + 1e-9 for r in recs)
     text = "\n".join(render(name, recs, tmp_path, plots=True))
     assert "### char-gru" in text and "### preact-resnet" in text
+    if runner is run_train:  # one table per series; test accuracy where measured (digits)
+        digits = text.split("### preact-resnet")[1].splitlines()
+        header = next(line for line in digits if line.startswith("| method |"))
+        assert "| held-out loss | vs backprop | test acc | training s |" in header
+        row = next(line for line in digits if line.startswith("| highway(k=0) |"))
+        assert row.count("|") == header.count("|")
     assert any(p.suffix == ".png" for p in (tmp_path / "plots").iterdir())

@@ -13,15 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from leangrad._errors import OptionError
-from leangrad.bench._highway import _lm_loss
-from leangrad.bench._highway_transformer import (
-    BAD_NORM,
-    KIND,
-    STEP_KIND,
-    gpt_char_lm,
-    render,
-    run_transformer,
-)
+from leangrad.bench._highway import KIND, STEP_KIND, run_transformer
+from leangrad.bench._highway_paper import BAD_NORM, gpt_char_lm, lm_loss
+from leangrad.bench._highway_report import render
 from leangrad.bench._suites import RunSettings, load_suite
 from leangrad.engines import engine
 from leangrad.highway import HighwayNet, PostLNSublayer, PreLNSublayer
@@ -102,7 +96,7 @@ def test_forward_equals_a_plain_pytorch_forward(norm: str) -> None:
 def _highway_error(net: HighwayNet, k: int, baseline: str = "highway") -> float:
     ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(1))
     targets = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(2))
-    loss_fn = _lm_loss(targets, VOCAB)
+    loss_fn = lm_loss(targets, VOCAB)
     net.zero_grad(set_to_none=True)
     F.cross_entropy(_plain_forward(net, ids).reshape(-1, VOCAB), targets.reshape(-1)).backward()
     exact = grads_of(net)  # autograd through the plain forward: an independent oracle

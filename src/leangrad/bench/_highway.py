@@ -1,22 +1,26 @@
-"""Highway-BP suites (issue 7): speed and memory on RNNs, training curves, convergence in k.
+"""Highway-BP suites (issues 7, 29): speed and memory on RNNs, training curves, convergence in k.
 
-Runners (``runner = "leangrad.bench._highway:FN"``), all on one thread, float32:
+Runners (``runner = "leangrad.bench._highway:FN"``), float32; the paper's models and data
+are in :mod:`._highway_paper`, the report in :mod:`._highway_report`:
 
 - :func:`run_rnn` (``highway-rnn``, paper Table 3/6 + Appendix D): a character-level
   GRU/LSTM model (embedding -> layer -> linear head, a loss at every step) at several
   sequence lengths L; one training step (forward + gradients) of autograd BPTT through the
   same layer, ``nn.GRU``/``nn.LSTM`` with the same weights, and highway for each k, timed
   interleaved; the forward alone is timed too, so *backward = step − forward* of each
-  method. Peak memory by the allocator-level tracker; gradient cosine/error against
-  autograd's float64 gradient. Also times the two CumSumProd scans (``kind = "scan"``).
+  method. Peak memory by the allocator-level tracker and the gradient cosine/error against
+  autograd's float64 gradient (:func:`~leangrad.measure.profile_step`). Also times the
+  two CumSumProd scans (``kind = "scan"``).
 - :func:`run_train` (``highway-train``, Figs. 2, 4, 5): a char-level GRU language model
   on the Python standard library's own sources and a pre-activation ResNet on digits,
   trained by backprop, FPI and highway for several k from the same initialisation on the
-  same batches: loss against step and against wall time.
-- :func:`run_convergence` (``highway-convergence``, Fig. 6): the same models trained by
-  backprop; at several points of training, cosine/error/norm share per k.
-
-:func:`leangrad.bench._highway_report.render` writes their section of ``leangrad report``.
+  same batches, one thread: loss against step and against wall time.
+- :func:`run_transformer` (``highway-transformer``, Table 2, Figs. 3, 6c): the same for a
+  GPT-2-style character transformer, plus at every evaluation the cosine between each
+  method's gradient and backprop's at the same weights, then each method's step time over
+  backprop's at every thread count (interleaved medians).
+- :func:`run_convergence` (``highway-convergence``, Fig. 6): the models of highway-train
+  trained by backprop; at several points of training, cosine/error/norm share per k.
 """
 
 from __future__ import annotations
@@ -27,11 +31,8 @@ import datetime
 import functools
 import itertools
 import math
-import sysconfig
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -42,135 +43,71 @@ from tqdm.auto import tqdm
 from .. import data
 from ..engines import engine as make_engine
 from ..highway import (
-    GRULayer,
     HighwayNet,
     HighwayStack,
     KSchedule,
-    LSTMLayer,
-    PreActBlock,
-    ResidualStack,
+    PostLNSublayer,
+    PreLNSublayer,
     convergence,
     cumsumprod_parallel,
     cumsumprod_sequential,
 )
 from ..measure import (
-    MemoryTracker,
     compare_grads,
     grads_of,
     num_threads,
+    profile_step,
     time_across_threads,
     time_interleaved,
+)
+from ._highway_paper import (
+    Batch,
+    TorchLM,
+    char_corpus,
+    char_lm,
+    gpt_char_lm,
+    lm_loss,
+    lm_windows,
+    preact_resnet,
 )
 from ._runner import EngineSpec, by_threads, machine_info, new_record, timing_fields
 from ._side_by_side import Curves, Lane, make_optimizer, same_start, train_side_by_side
 from ._suites import RunSettings, Series, Suite, runner
 
-__all__ = ["char_corpus", "run_convergence", "run_rnn", "run_train"]
+__all__ = ["KIND", "STEP_KIND", "run_convergence", "run_rnn", "run_train", "run_transformer"]
 
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+KIND = "highway-transformer"
+STEP_KIND = "highway-transformer-step"
+_lm_loss, _TorchLM = lm_loss, TorchLM  # the names tools/gaps.py imports from here
 
 
 def _base(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
+    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return new_record(
-        dict(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=_now()),
+        dict(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=created),
         fields,
     )
 
 
-# --- models and data -------------------------------------------------------------------
-
-
-def char_lm(cell: str, vocab: int, hidden: int, layers: int = 1) -> HighwayNet:
-    """Embedding -> ``layers`` GRU/LSTM layers (residuals between them) -> linear head."""
-    cls = GRULayer if cell == "gru" else LSTMLayer
-    stacks = [cls(hidden, hidden, residual=i > 0) for i in range(layers)]
-    return HighwayNet(nn.Embedding(vocab, hidden), stacks, nn.Linear(hidden, vocab))
-
-
-class _TorchLM(nn.Module):
-    """The same model with ``nn.GRU``/``nn.LSTM`` (one layer), weights copied."""
-
-    def __init__(self, net: HighwayNet, cell: str) -> None:
-        super().__init__()
-        layer = net.stacks[0]
-        cls = nn.GRU if cell == "gru" else nn.LSTM
-        assert net.stem is not None and net.head is not None, "char_lm has both"
-        self.stem: nn.Module = copy.deepcopy(net.stem)
-        self.head: nn.Module = copy.deepcopy(net.head)
-        self.rnn = cls(layer.input_size, layer.hidden_size)
-        with torch.no_grad():
-            for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                getattr(self.rnn, f"{n}_l0").copy_(getattr(layer, n))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(self.stem(tokens))[0])
-
-
-def char_corpus(max_chars: int, *, vocab: int = 96) -> tuple[torch.Tensor, int]:
-    """Characters of the Python standard library's ``.py`` files (sorted paths, from
-    ``sysconfig.get_paths()["stdlib"]``), the ``vocab − 1`` most common mapped to ids and
-    every other character to one "unknown" id. Returns ``(ids, vocab)``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts: list[str] = []
-    total = 0
-    for path in sorted(root.glob("*.py")):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        parts.append(text)
-        total += len(text)
-        if total >= max_chars:
-            break
-    if total == 0:
-        raise FileNotFoundError(f"no readable .py files under the standard library at {root}")
-    text = "".join(parts)[:max_chars]
-    common = [c for c, _ in Counter(text).most_common(vocab - 1)]
-    table = {c: i for i, c in enumerate(common)}
-    ids = torch.tensor([table.get(c, vocab - 1) for c in text], dtype=torch.long)
-    return ids, vocab
-
-
-def _lm_batches(ids: torch.Tensor, length: int, batch: int, seed: int) -> Iterator[Any]:
-    """Random windows ``(tokens, targets)``, time-major ``(L, batch)``, forever."""
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(ids) - length - 1, (batch,), generator=gen)
-        win = torch.stack([ids[s : s + length + 1] for s in starts.tolist()], 1)
-        yield win[:-1], win[1:]
-
-
-def _lm_loss(targets: torch.Tensor, vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:  # one loss per step (section 3)
-        return F.cross_entropy(out.reshape(-1, vocab), targets.reshape(-1))
-
-    return loss_fn
-
-
-def preact_resnet(channels: int, blocks: int, classes: int = 10) -> HighwayNet:
-    """Pre-activation ResNet for 1x8x8 digits: conv stem -> ``blocks`` PreActBlocks ->
-    BN-ReLU-average pool-linear head (K = I in every block, eq. 14)."""
-    head = nn.Sequential(
-        nn.BatchNorm2d(channels), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(channels, classes),
-    )  # fmt: skip
-    stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
-    return HighwayNet(stem, [ResidualStack([PreActBlock(channels) for _ in range(blocks)])], head)
-
-
-# --- highway-rnn -----------------------------------------------------------------------
-
-
-def _step_fn(
-    eng: Any, model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[..., Any]
-) -> Callable[[], None]:
+def _step_fn(eng: Any, model: nn.Module, inputs: tuple[Any, ...],
+             loss_fn: Callable[..., Any]) -> Callable[[], None]:  # fmt: skip
     def step() -> None:
         model.zero_grad(set_to_none=True)
         eng.backward(model, inputs, loss_fn)
 
     return step
+
+
+def _grads(eng: Any, model: nn.Module, inputs: tuple[Any, ...],
+           loss_fn: Callable[..., Any]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One ``eng.backward``'s gradients, leaving ``.grad`` cleared (as training does)."""
+    _step_fn(eng, model, inputs, loss_fn)()
+    out = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+# --- highway-rnn -----------------------------------------------------------------------
 
 
 def _forward_fn(
@@ -192,72 +129,6 @@ def _forward_fn(
     return fwd
 
 
-@runner(threads=True)
-def run_rnn(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
-    """Time, memory and gradient quality of highway (each k) vs BPTT vs nn.GRU/nn.LSTM.
-
-    Steps are timed at every count of ``settings.threads`` side by side (default one
-    thread): the record's time fields are the first count's, ``by_threads`` has every
-    count's (with ``step_speedup`` and ``backward_speedup`` at that count)."""
-    quick, device = settings.quick, settings.device
-    threads = settings.threads or [1]
-    repeats = int(suite.setting("repeats", quick, 5))
-    batch = int(suite.setting("batch", quick, 32))
-    hidden = int(suite.setting("hidden", quick, 128))
-    vocab = int(suite.setting("vocab", quick, 64))
-    ks = [int(k) for k in suite.setting("ks", quick, [0, 1, 2, 5, 10])]
-    seed = int(suite.setting("seed", quick, 0))
-    jobs = suite.jobs(quick)
-    records: list[dict[str, Any]] = []
-    bar = tqdm(jobs, desc=suite.name, disable=not settings.progress)
-    for series, length in bar:
-        cell = series.config.get("cell", "gru")
-        bar.set_description(f"{suite.name} {cell} L={length}")
-        torch.manual_seed(seed)
-        net = char_lm(cell, vocab, hidden).to(device)
-        tokens = torch.randint(0, vocab, (length, batch), device=device)
-        loss_fn = _lm_loss(torch.randint(0, vocab, (length, batch), device=device), vocab)
-        inputs = (tokens,)
-        torch_lm = _TorchLM(net, cell).to(device)
-        methods: dict[str, tuple[Any, nn.Module, int | None]] = {
-            "bptt": (make_engine("backprop"), net, None),
-            f"nn.{cell.upper()}": (make_engine("backprop"), torch_lm, None),
-        }
-        for k_iter in ks:
-            methods[f"highway(k={k_iter})"] = (make_engine("highway", k=k_iter), net, k_iter)
-        methods["fpi(k=2)"] = (make_engine("highway", k=2, baseline="fpi"), net, 2)
-        fns = {lb: _step_fn(e, m, inputs, loss_fn) for lb, (e, m, _) in methods.items()}
-        fns["forward:bptt"] = _forward_fn(net, inputs, loss_fn, traced=False)
-        fns["forward:highway"] = _forward_fn(net, inputs, loss_fn, traced=True)
-        fns["forward:nn"] = _forward_fn(torch_lm, inputs, loss_fn, traced=False)
-        timings = time_across_threads(fns, threads=threads, repeats=repeats, warmup=1,
-                                      reference="bptt")  # fmt: skip
-        times = timings[threads[0]]
-        ref = grads_of_engine(make_engine("backprop"), copy.deepcopy(net).double(), inputs,
-                              loss_fn)  # fmt: skip
-        for label, (eng, model, k) in methods.items():
-            fwd_key = ("forward:nn" if model is torch_lm
-                       else "forward:highway" if k is not None else "forward:bptt")  # fmt: skip
-            speed = [_speedups(ts, label, fwd_key) for ts in timings.values()]
-            model.zero_grad(set_to_none=True)
-            with num_threads(threads[0]), MemoryTracker(baseline=(model, tokens)) as tracker:
-                eng.backward(model, inputs, loss_fn)
-            got = _torch_lm_grads(torch_lm) if model is torch_lm else grads_of(model)
-            cmp = compare_grads(got, ref)
-            records.append(_base(
-                suite, "highway-rnn", quick, series=series.name, engine=label,
-                config={"cell": cell, "length": length, "batch": batch, "hidden": hidden,
-                        "vocab": vocab, "dtype": "float32", "threads": threads[0]},
-                x=length, k=k, peak_bytes=tracker.report.peak_bytes, threads=threads[0],
-                **timing_fields(times[label]), **speed[0],
-                by_threads=[{**t, **sp} for t, sp in zip(by_threads(timings, label), speed,
-                                                         strict=True)],
-                grad_max_rel_err=cmp.max_rel_err, grad_cosine=cmp.cosine,
-            ))  # fmt: skip
-        records += _scan_records(suite, quick, length, batch, hidden, device, threads[0])
-    return records
-
-
 def _speedups(times: dict[str, Any], label: str, fwd_key: str) -> dict[str, Any]:
     """A highway-rnn row's forward and backward seconds and its speedups over BPTT."""
     bwd = times[label].median - times[fwd_key].median
@@ -267,20 +138,59 @@ def _speedups(times: dict[str, Any], label: str, fwd_key: str) -> dict[str, Any]
             "backward_speedup": bptt_bwd / bwd if bwd > 0 else None}  # fmt: skip
 
 
-def grads_of_engine(
-    eng: Any, model: nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[..., Any]
-) -> dict[str, torch.Tensor]:
-    """``grads_of(model)`` after one ``eng.backward`` (``.grad`` cleared first)."""
-    model.zero_grad(set_to_none=True)
-    eng.backward(model, inputs, loss_fn)
-    return grads_of(model)
+@runner(threads=True)
+def run_rnn(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
+    """Time, memory and gradient quality of highway (each k) vs BPTT vs nn.GRU/nn.LSTM.
 
-
-def _torch_lm_grads(m: _TorchLM) -> dict[str, torch.Tensor]:
-    """The nn.GRU/nn.LSTM model's gradients under the HighwayNet's parameter names."""
-    g = grads_of(m)
-    out = {k.replace("rnn.", "stacks.0.").replace("_l0", ""): v for k, v in g.items()}
-    return out
+    Steps are timed at every count of ``settings.threads`` side by side (default one
+    thread): the record's time fields are the first count's, ``by_threads`` has every
+    count's (with ``step_speedup`` and ``backward_speedup`` at that count)."""
+    quick, device, threads = settings.quick, settings.device, settings.threads or [1]
+    batch, hidden, vocab, seed = (int(suite.setting(key, quick, default)) for key, default in
+                                  (("batch", 32), ("hidden", 128), ("vocab", 64), ("seed", 0)))
+    ks = [int(k) for k in suite.setting("ks", quick, [0, 1, 2, 5, 10])]
+    records: list[dict[str, Any]] = []
+    bar = tqdm(suite.jobs(quick), desc=suite.name, disable=not settings.progress)
+    for series, length in bar:
+        cell = series.config.get("cell", "gru")
+        bar.set_description(f"{suite.name} {cell} L={length}")
+        torch.manual_seed(seed)
+        net = char_lm(cell, vocab, hidden).to(device)
+        tokens = torch.randint(0, vocab, (length, batch), device=device)
+        loss_fn = lm_loss(torch.randint(0, vocab, (length, batch), device=device), vocab)
+        inputs, torch_lm = (tokens,), TorchLM(net, cell).to(device)
+        methods: dict[str, tuple[Any, nn.Module, int | None]] = {
+            "bptt": (make_engine("backprop"), net, None),
+            f"nn.{cell.upper()}": (make_engine("backprop"), torch_lm, None),
+            **{f"highway(k={k})": (make_engine("highway", k=k), net, k) for k in ks},
+            "fpi(k=2)": (make_engine("highway", k=2, baseline="fpi"), net, 2),
+        }
+        fns = {lb: _step_fn(e, m, inputs, loss_fn) for lb, (e, m, _) in methods.items()}
+        fns["forward:bptt"] = _forward_fn(net, inputs, loss_fn, traced=False)
+        fns["forward:highway"] = _forward_fn(net, inputs, loss_fn, traced=True)
+        fns["forward:nn"] = _forward_fn(torch_lm, inputs, loss_fn, traced=False)
+        timings = time_across_threads(fns, threads=threads, repeats=suite.repeats(quick),
+                                      warmup=1, reference="bptt")  # fmt: skip
+        ref = _grads(make_engine("backprop"), copy.deepcopy(net).double(), inputs, loss_fn)
+        for label, (eng, model, k) in methods.items():
+            fwd_key = ("forward:nn" if model is torch_lm
+                       else "forward:highway" if k is not None else "forward:bptt")  # fmt: skip
+            speed = [_speedups(ts, label, fwd_key) for ts in timings.values()]
+            with num_threads(threads[0]):
+                prof = profile_step(eng, model, inputs, loss_fn, repeats=0, warmup=0, reference=(
+                    TorchLM.renamed(ref) if model is torch_lm else ref))  # fmt: skip
+            records.append(_base(
+                suite, "highway-rnn", quick, series=series.name, engine=label,
+                config={"cell": cell, "length": length, "batch": batch, "hidden": hidden,
+                        "vocab": vocab, "dtype": "float32", "threads": threads[0]},
+                x=length, k=k, peak_bytes=prof.peak_bytes, threads=threads[0],
+                **timing_fields(timings[threads[0]][label]), **speed[0],
+                by_threads=[{**t, **sp} for t, sp in zip(by_threads(timings, label), speed,
+                                                         strict=True)],
+                grad_max_rel_err=prof.grad_max_rel_err, grad_cosine=prof.grad_cosine,
+            ))  # fmt: skip
+        records += _scan_records(suite, quick, length, batch, hidden, device, threads[0])
+    return records
 
 
 def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: int,
@@ -295,89 +205,118 @@ def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: in
              "sequential": functools.partial(cumsumprod_sequential, v, k)},
             repeats=5 if quick else 11, warmup=1, reference="sequential", threads=threads,
         )  # fmt: skip
-        for name, tm in t.items():
-            out.append(_base(
-                suite, "scan", quick, series=f"scan-{state[0]}x{state[1]}", engine=name,
-                config={"length": length, "state": list(state), "threads": threads}, x=length,
-                seconds_median=tm.median, time_ratio=tm.ratio,
-            ))  # fmt: skip
+        out += [_base(suite, "scan", quick, series=f"scan-{state[0]}x{state[1]}", engine=name,
+                      config={"length": length, "state": list(state), "threads": threads},
+                      x=length, seconds_median=tm.median, time_ratio=tm.ratio)
+                for name, tm in t.items()]  # fmt: skip
     return out
 
 
-# --- highway-train ---------------------------------------------------------------------
-
-
-def _task(config: dict[str, Any], value: int, seed: int, device: str) -> dict[str, Any]:
-    """Model, batch stream, loss and evaluation of one training series."""
-    torch.manual_seed(seed)
-    if config["model"] == "char-lm":
-        ids, vocab = char_corpus(int(config.get("corpus_chars", 400_000)))
-        ids = ids.to(device)
-        cut = int(0.9 * len(ids))
-        model = char_lm(config.get("cell", "gru"), vocab, int(config.get("hidden", 128)),
-                        int(config.get("layers", 1))).to(device)  # fmt: skip
-        batch = int(config.get("batch", 32))
-        stream = _lm_batches(ids[:cut], value, batch, seed)
-        held = [b for _, b in zip(range(4), _lm_batches(ids[cut:], value, batch, seed + 1),
-                                  strict=False)]  # fmt: skip
-
-        def batches() -> Iterator[tuple[tuple[Any, ...], Callable[..., Any]]]:
-            for x, y in stream:
-                yield (x,), _lm_loss(y, vocab)
-
-        @torch.no_grad()
-        def evaluate(m: nn.Module) -> dict[str, float]:
-            losses = [float(_lm_loss(y, vocab)(m(x))) for x, y in held]
-            return {"val_loss": sum(losses) / len(losses)}
-
-        return {"model": model, "batches": batches(), "evaluate": evaluate, "opt": "adam"}
-    if config["model"] == "preact-resnet":
-        train, test = data.digits(device=device).split(0.8, seed=seed)
-        model = preact_resnet(int(config.get("channels", 16)), value).to(device)
-        batch = int(config.get("batch", 64))
-
-        def batches() -> Iterator[tuple[tuple[Any, ...], Callable[..., Any]]]:
-            epoch = 0
-            while True:
-                for x, y in train.batches(batch, shuffle=True, seed=seed + epoch, drop_last=True):
-                    yield (x,), (lambda out, y=y: F.cross_entropy(out, y))
-                epoch += 1
-
-        @torch.no_grad()
-        def evaluate(m: nn.Module) -> dict[str, float]:
-            was = m.training
-            m.eval()
-            out = m(test.x)
-            m.train(was)
-            return {"val_loss": float(F.cross_entropy(out, test.y)),
-                    "test_acc": float((out.argmax(1) == test.y).float().mean())}  # fmt: skip
-
-        return {"model": model, "batches": batches(), "evaluate": evaluate, "opt": "sgd"}
-    raise ValueError(f"unknown highway training model {config['model']!r}")
+# --- the training suites: one task per series, lanes side by side ----------------------
 
 
 @dataclasses.dataclass
-class _HighwayTrain(Curves):
-    """highway-train: round 0 measures the initialisation, round r trains step r - 1.
+class _Task:
+    """One series' model, training batches, held-out evaluation, optimizer, and the fixed
+    training batch gradients are compared and steps timed on (``probe``; ``None``: none)."""
 
-    A lane whose loss is not finite stops without a record (the curve just ends).
-    """
+    model: HighwayNet
+    batches: Iterator[Batch]
+    evaluate: Callable[[nn.Module], dict[str, float]]
+    opt: str = "adam"
+    probe: Batch | None = None
+
+
+def _char_task(config: dict[str, Any], model: Callable[[int], HighwayNet], length: int,
+               seed: int, device: str, *, evals: int, batch_first: bool) -> _Task:  # fmt: skip
+    """A char-LM task: ``model(vocab)`` (built after ``torch.manual_seed(seed)``) trained on
+    the first 90% of the corpus, its held-out loss on ``evals`` windows of the last 10%."""
+    ids, vocab = char_corpus(int(config.get("corpus_chars", 400_000)))
+    ids, batch = ids.to(device), int(config.get("batch", 32))
+    train, held = ids[: int(0.9 * len(ids))], ids[int(0.9 * len(ids)) :]
+    torch.manual_seed(seed)
+    net = model(vocab).to(device)
+
+    def windows(ids: torch.Tensor, seed: int) -> Iterator[Batch]:
+        return lm_windows(ids, vocab, length, batch, seed, batch_first=batch_first)
+
+    val = list(itertools.islice(windows(held, seed + 1), evals))
+
+    @torch.no_grad()
+    def evaluate(m: nn.Module) -> dict[str, float]:
+        losses = [float(loss_fn(m(*inputs))) for inputs, loss_fn in val]
+        return {"val_loss": sum(losses) / len(losses)}
+
+    return _Task(net, windows(train, seed), evaluate, probe=next(windows(train, seed + 2)))
+
+
+def _task(config: dict[str, Any], value: int, seed: int, device: str) -> _Task:
+    """highway-train's and highway-convergence's series: a char-level GRU/LSTM LM at
+    sequence length ``value``, or a pre-activation ResNet of ``value`` blocks on digits."""
+    if config["model"] == "char-lm":
+        return _char_task(config, lambda vocab: char_lm(
+            config.get("cell", "gru"), vocab, int(config.get("hidden", 128)),
+            int(config.get("layers", 1))), value, seed, device, evals=4, batch_first=False)
+    if config["model"] != "preact-resnet":
+        raise ValueError(f"unknown highway training model {config['model']!r}")
+    torch.manual_seed(seed)
+    train, test = data.digits(device=device).split(0.8, seed=seed)
+    model = preact_resnet(int(config.get("channels", 16)), value).to(device)
+    batch = int(config.get("batch", 64))
+
+    def batches() -> Iterator[Batch]:
+        for epoch in itertools.count():
+            for x, y in train.batches(batch, shuffle=True, seed=seed + epoch, drop_last=True):
+                yield (x,), functools.partial(F.cross_entropy, target=y)
+
+    @torch.no_grad()
+    def evaluate(m: nn.Module) -> dict[str, float]:
+        was = m.training
+        m.eval()
+        out = m(test.x)
+        m.train(was)
+        return {"val_loss": float(F.cross_entropy(out, test.y)),
+                "test_acc": float((out.argmax(1) == test.y).float().mean())}  # fmt: skip
+
+    return _Task(model, batches(), evaluate, opt="sgd")
+
+
+def _transformer_task(config: dict[str, Any], layers: int, seed: int, device: str) -> _Task:
+    """highway-transformer's series: :func:`gpt_char_lm` with ``layers`` layers, batch-first
+    windows of ``context`` characters."""
+    length = int(config.get("context", 64))
+    return _char_task(config, lambda vocab: gpt_char_lm(
+        vocab, d_model=int(config.get("d_model", 64)), layers=layers,
+        heads=int(config.get("heads", 2)), context=length, norm=str(config.get("norm", "pre")),
+        gamma=config.get("gamma"),
+    ), length, seed, device, evals=int(config.get("eval_batches", 8)),
+        batch_first=True)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Training(Curves):
+    """Round 0 measures the initialisation, round r trains step r - 1; an evaluation every
+    ``every`` steps and at the last. With a ``probe`` batch, every evaluation also compares
+    the lane's gradient with the ``exact`` method's at the lane's weights (not training
+    time). A lane whose loss is not finite stops without a record (the curve just ends)."""
 
     suite: Suite
     quick: bool
+    kind: str
     series: str
     config: dict[str, Any]
     steps: int
     every: int
-    evaluate: Callable[[nn.Module], dict[str, float]]
+    task: _Task
     bar: Any
     makers: dict[str, Callable[[int], Any]]
+    exact: str | None
     losses: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     failure_records: bool = False
 
     def record(self, lane: Lane, r: int) -> dict[str, Any]:
-        return _base(self.suite, "highway-train", self.quick, series=self.series,
-                     engine=lane.label, config=self.config)  # fmt: skip
+        return _base(self.suite, self.kind, self.quick, series=self.series, engine=lane.label,
+                     config=self.config)  # fmt: skip
 
     def advance(self, lane: Lane, r: int, batch: Any) -> None:
         if r == 0:
@@ -398,11 +337,17 @@ class _HighwayTrain(Curves):
         if not (r % self.every == 0 or r == self.steps):
             return None
         losses = self.losses.pop(lane.label, [])
-        return {"x": r, "wall_seconds": lane.seconds,
-                "train_loss": sum(losses) / len(losses) if losses else None,
-                **self.evaluate(lane.model)}  # fmt: skip
+        fields = {"x": r, "wall_seconds": lane.seconds,
+                  "train_loss": sum(losses) / len(losses) if losses else None,
+                  **self.task.evaluate(lane.model)}  # fmt: skip
+        if self.exact is None or self.task.probe is None or lane.label == self.exact:
+            return fields
+        got, ref = (_grads(self.makers[lb](r), lane.model, *self.task.probe)
+                    for lb in (lane.label, self.exact))  # fmt: skip
+        cmp = compare_grads(got, ref)
+        return {**fields, "grad_cosine": cmp.cosine, "grad_max_rel_err": cmp.max_rel_err}
 
-    def end_round(self, lanes: Sequence[Lane], r: int) -> None:
+    def end_round(self, lanes: Any, r: int) -> None:
         self.bar.update(1)
 
 
@@ -422,29 +367,85 @@ def _train_methods(
     return methods
 
 
+_Trained = tuple[Series, dict[str, Any], _Task, list[dict[str, Any]]]
+
+
+def _run_training(suite: Suite, settings: RunSettings, kind: str,
+                  make_task: Callable[[dict[str, Any], int, int, str], _Task],
+                  config: Callable[[Series, int, _Task], dict[str, Any]], *,
+                  compare: bool) -> Iterator[_Trained]:  # fmt: skip
+    """Train one model per method of each series from the same initialisation on the same
+    batches at one torch thread (``compare``: gradient cosines to the suite's reference at
+    every evaluation); per series, its config, task and curve records."""
+    quick = settings.quick
+    steps, every, seed = (int(suite.setting(key, quick, default)) for key, default in
+                          (("steps", 200), ("eval_every", 20), ("seed", 0)))  # fmt: skip
+    schedule = suite.setting("schedule", quick, None)
+    for series, value in suite.jobs(quick):
+        task = make_task(series.config, int(value), seed, settings.device)
+        lr = float(series.config.get("lr", 1e-3))
+        makers = _train_methods(suite, series, schedule, steps)
+        lanes = same_start(task.model, makers, task.opt, lr)
+        cfg = {**series.config, suite.sweep: value, "steps": steps, "lr": lr, "threads": 1,
+               **config(series, value, task)}  # fmt: skip
+        bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}",
+                   disable=not settings.progress)  # fmt: skip
+        curves = _Training(suite, quick, kind, series.name, cfg, steps, every, task, bar, makers,
+                           suite.reference if compare else None)  # fmt: skip
+        with num_threads(1):
+            rounds = zip(range(1, steps + 1), task.batches, strict=False)
+            recs = train_side_by_side(lanes, itertools.chain([(0, None)], rounds), curves)
+        bar.close()
+        yield series, cfg, task, recs
+
+
 def run_train(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train one model per method from the same initialisation on the same batches."""
-    quick = settings.quick
-    steps = int(suite.setting("steps", quick, 200))
-    every = int(suite.setting("eval_every", quick, 20))
-    seed = int(suite.setting("seed", quick, 0))
-    schedule = suite.setting("schedule", quick, None)
-    jobs = suite.jobs(quick)
+    runs = _run_training(suite, settings, "highway-train", _task, lambda *_: {}, compare=False)
+    return [r for *_, recs in runs for r in recs]
+
+
+@runner(threads=True)
+def run_transformer(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
+    """Train the transformer once per method from the same initialisation on the same
+    batches (one torch thread, float32, Adam), then time each method's step.
+
+    Records: ``kind = "highway-transformer"`` per method and evaluation (``x`` = steps
+    trained, ``wall_seconds`` = training time so far, ``val_loss`` = held-out loss,
+    ``train_loss`` = mean training loss since the last evaluation, ``grad_cosine`` /
+    ``grad_max_rel_err`` against backprop at the same weights, ``None`` for backprop), and
+    ``kind = "highway-transformer-step"`` per fixed-k method: one forward + gradient step
+    at the initial weights on the probe batch, optimizer excluded, timed interleaved at
+    every thread count after warm-up (medians; ``time_ratio`` over backprop's at
+    ``threads[0]``, every count in ``by_threads``). The k schedule is not timed: its step
+    costs what the k of the moment costs.
+    """
+    quick, threads = settings.quick, settings.threads or [1]
+
+    def config(series: Series, layers: int, task: _Task) -> dict[str, Any]:
+        return {"blocks": 2 * int(layers), "optimizer": "adam",
+                "paper_k": suite.setting("paper_k", quick, None),
+                "schedule": suite.setting("schedule", quick, None),
+                "gamma": next(m.gamma for m in task.model.modules()
+                              if isinstance(m, PreLNSublayer | PostLNSublayer))}  # fmt: skip
+
     records: list[dict[str, Any]] = []
-    with num_threads(1):
-        for series, value in jobs:
-            task = _task(series.config, int(value), seed, settings.device)
-            lr = float(series.config.get("lr", 1e-3))
-            makers = _train_methods(suite, series, schedule, steps)
-            lanes = same_start(task["model"], makers, task["opt"], lr)
-            config = {**series.config, suite.sweep: value, "steps": steps, "lr": lr, "threads": 1}
-            bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}",
-                       disable=not settings.progress)  # fmt: skip
-            curves = _HighwayTrain(suite, quick, series.name, config, steps, every,
-                                   task["evaluate"], bar, makers)  # fmt: skip
-            rounds = zip(range(1, steps + 1), task["batches"], strict=False)
-            records += train_side_by_side(lanes, itertools.chain([(0, None)], rounds), curves)
-            bar.close()
+    for series, cfg, task, recs in _run_training(suite, settings, KIND, _transformer_task,
+                                                 config, compare=True):  # fmt: skip
+        assert task.probe is not None, "a char-LM task has one"
+        model = copy.deepcopy(task.model)  # the initial weights: lanes trained copies
+        fns = {spec.display: _step_fn(spec.make(), model, *task.probe)
+               for spec in suite.engines_for(series)}  # fmt: skip
+        timings = time_across_threads(fns, threads=threads, repeats=suite.repeats(quick),
+                                      warmup=int(suite.setting("warmup", quick, 2)),
+                                      reference=suite.reference)  # fmt: skip
+        records += recs + [_base(
+            suite, STEP_KIND, quick, series=series.name, engine=label,
+            config={**cfg, "threads": threads[0]}, threads=threads[0],
+            **timing_fields(timings[threads[0]][label]), by_threads=by_threads(timings, label),
+            timed="one forward + gradient step at the initial weights, optimizer excluded; "
+                  "medians of interleaved repeats after warm-up",
+        ) for label in fns]  # fmt: skip
     return records
 
 
@@ -459,30 +460,24 @@ def run_convergence(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]
     ks = [int(k) for k in suite.setting("ks", quick, list(range(11)))]
     points = [float(f) for f in suite.setting("points", quick, [0, 0.25, 0.5, 0.75, 1])]
     at = sorted({round(f * steps) for f in points})
-    jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     with num_threads(1):
-        for series, value in jobs:
+        for series, value in suite.jobs(quick):
             task = _task(series.config, int(value), seed, settings.device)
-            model = task["model"]
-            opt = make_optimizer(
-                task["opt"], model.parameters(), float(series.config.get("lr", 1e-3))
-            )
-            bp = make_engine("backprop")
+            model, bp = task.model, make_engine("backprop")
+            opt = make_optimizer(task.opt, model.parameters(), float(series.config.get("lr", 1e-3)))
+            config = {**series.config, suite.sweep: value, "steps": steps}
             bar = tqdm(range(steps + 1), desc=f"{suite.name} {series.name}",
                        disable=not settings.progress)  # fmt: skip
-            for step, (inputs, loss_fn) in zip(bar, task["batches"], strict=False):
-                if step in at:
-                    for baseline in ("highway", "fpi"):
-                        probe = copy.deepcopy(model)  # BatchNorm statistics untouched
-                        pts = convergence(probe, inputs, loss_fn, ks=ks, baseline=baseline)
-                        records += [_base(
-                            suite, "highway-convergence", quick, series=series.name,
-                            engine=baseline, config={**series.config, suite.sweep: value,
-                                                     "steps": steps},
-                            x=step, k=p.k, grad_cosine=p.cosine, grad_max_rel_err=p.rel_err,
-                            step_share=p.step_share, fraction=step / steps,
-                        ) for p in pts]  # fmt: skip
+            for step, (inputs, loss_fn) in zip(bar, task.batches, strict=False):
+                for baseline in ("highway", "fpi") if step in at else ():
+                    probe = copy.deepcopy(model)  # BatchNorm statistics untouched
+                    records += [_base(
+                        suite, "highway-convergence", quick, series=series.name,
+                        engine=baseline, config=config, x=step, k=p.k,
+                        grad_cosine=p.cosine, grad_max_rel_err=p.rel_err,
+                        step_share=p.step_share, fraction=step / steps,
+                    ) for p in convergence(probe, inputs, loss_fn, ks=ks, baseline=baseline)]
                 if step == steps:
                     break
                 bp.backward(model, inputs, loss_fn)

@@ -1,17 +1,25 @@
-"""The Markdown section of ``leangrad report`` for the Highway-BP suites (issue 7):
-target lines, speed/memory tables, scan timings, training curves and convergence in k,
-from the records of :mod:`leangrad.bench._highway`'s runners."""
+"""The Markdown section of ``leangrad report`` for the Highway-BP suites (issues 7, 16, 29),
+from the records of :mod:`leangrad.bench._highway`'s runners: the RNN targets and
+speed/memory table, scan timings, training curves (highway-train, highway-transformer:
+one renderer) and convergence in k."""
 
 from __future__ import annotations
 
 import functools
+import textwrap
 from pathlib import Path
 from typing import Any
 
+from .._errors import LeangradError
 from .._sizes import fmt_bytes
+from ._rad import md_table
 from ._report import at_threads, by_series, extra_threads, pyplot, save_figure
 
-__all__ = ["render"]
+__all__ = ["TOLERANCE", "render"]
+
+TOLERANCE = 0.02
+"""highway-transformer's test: highway at the paper's k ends within 2% of backprop's
+final validation loss."""
 
 
 def _f(v: Any, spec: str) -> str:
@@ -22,41 +30,34 @@ _mib = functools.partial(fmt_bytes, spec=".2f")
 """Sizes in this report's tables: MiB with two decimals."""
 
 
-def _targets(rs: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets beside the measured values (GRU, hidden 128, batch 32)."""
-    def get(length: int, label: str) -> dict[str, Any] | None:
-        return next((r for r in rs if r["config"].get("cell") == "gru"
-                     and r["x"] == length and r["engine"] == label), None)  # fmt: skip
+# --- highway-rnn -----------------------------------------------------------------------
 
+
+def _at(rs: list[dict[str, Any]], cell: str, length: int, label: str) -> dict[str, Any] | None:
+    return next((r for r in rs if r["config"].get("cell") == cell and r["x"] == length
+                 and r["engine"] == label), None)  # fmt: skip
+
+
+def _targets(rs: list[dict[str, Any]]) -> list[str]:
+    """The targets of issues 7 and 16 beside the measured values (hidden 128, batch 32)."""
     lines = ["Targets of issue 7 (GRU, hidden 128, batch 32, one thread):", ""]
     for label, key, want in (("highway(k=0)", "backward_speedup", 2.4),
                              ("highway(k=2)", "backward_speedup", 1.15),
                              ("highway(k=2)", "grad_cosine", 0.999)):  # fmt: skip
-        r = get(256, label)
+        r = _at(rs, "gru", 256, label)
         if r is not None and r.get(key) is not None:
             ok = "met" if r[key] >= want else "NOT met"
             lines.append(f"- L=256 {label} {key} {r[key]:.4g} (target ≥ {want}): {ok}")
     for label in ("highway(k=0)", "highway(k=2)", "highway(k=5)", "highway(k=10)"):
-        a, b = get(256, label), get(1024, label)
+        a, b = _at(rs, "gru", 256, label), _at(rs, "gru", 1024, label)
         if a and b and a.get("backward_speedup") and b.get("backward_speedup"):
             more = "larger" if b["backward_speedup"] > a["backward_speedup"] else "NOT larger"
             lines.append(f"- {label} backward speedup L=1024 {b['backward_speedup']:.2f}x vs "
                          f"L=256 {a['backward_speedup']:.2f}x: {more}")  # fmt: skip
-    lines += _step_targets(rs, get)
-    return [*lines, ""]
-
-
-def _step_targets(rs: list[dict[str, Any]], get: Any) -> list[str]:
-    """Issue 16's step targets against nn.GRU / nn.LSTM (same weights, same run), at every
-    thread count timed."""
-    lines = []
-    for n in [rs[0].get("threads", 1), *extra_threads(rs)]:
+    for n in [rs[0].get("threads", 1), *extra_threads(rs)]:  # issue 16: vs nn.GRU / nn.LSTM
         for cell, label, want in (("gru", "highway(k=0)", 2.0), ("gru", "highway(k=2)", 1.4),
                                   ("lstm", "highway(k=0)", 1.0)):  # fmt: skip
-            mine = next((r for r in rs if r["config"].get("cell") == cell and r["x"] == 256
-                         and r["engine"] == label), None)  # fmt: skip
-            peer = next((r for r in rs if r["config"].get("cell") == cell and r["x"] == 256
-                         and r["engine"] == f"nn.{cell.upper()}"), None)  # fmt: skip
+            mine, peer = _at(rs, cell, 256, label), _at(rs, cell, 256, f"nn.{cell.upper()}")
             if mine is None or peer is None:
                 continue
             a = at_threads(mine, n, "seconds_median") or mine["seconds_median"]
@@ -65,12 +66,12 @@ def _step_targets(rs: list[dict[str, Any]], get: Any) -> list[str]:
             lines.append(f"- L=256 {label} at {n} thread{'s' if n > 1 else ''}: "
                          f"nn.{cell.upper()}'s step time / its own {b / a:.2f} "
                          f"(target ≥ {want}): {ok}")  # fmt: skip
-    return lines
+    return [*lines, ""]
 
 
 def _render_rnn(rs: list[dict[str, Any]]) -> list[str]:
     extra = extra_threads(rs)
-    lines = [
+    return [
         f"One training step (forward + gradients), float32, {rs[0].get('threads', 1)} "
         "thread(s)" + "".join(f"; step speedup also at {n} threads" for n in extra)
         + " (side by side in one run). *backward* = step − "
@@ -80,74 +81,191 @@ def _render_rnn(rs: list[dict[str, Any]]) -> list[str]:
         "Gradients vs autograd in float64.",
         "",
         *_targets(rs),
-        "| series | L | method | step ms | step speedup"
-        + "".join(f" | step speedup ({n} thr)" for n in extra)
-        + " | backward ms | backward speedup | peak | cosine | max rel err |",
-        "|---|---|---|---|---|" + "---|" * (5 + len(extra)),
-    ]
-    for r in rs:
-        lines.append(
-            f"| {r['series']} | {r['x']} | {r['engine']} | {r['seconds_median'] * 1e3:.1f} "
-            f"| {_f(r.get('step_speedup'), '.2f')}x "
-            + "".join(f"| {_f(at_threads(r, n, 'step_speedup'), '.2f')}x " for n in extra)
-            + f"| {r['backward_seconds'] * 1e3:.1f} "
-            f"| {_f(r.get('backward_speedup'), '.2f')}x | {_mib(r.get('peak_bytes'))} "
-            f"| {_f(r.get('grad_cosine'), '.6f')} | {_f(r.get('grad_max_rel_err'), '.2e')} |"
-        )
-    return [*lines, ""]
+        *md_table(
+            ("series", "L", "method", "step ms", "step speedup",
+             *(f"step speedup ({n} thr)" for n in extra), "backward ms", "backward speedup",
+             "peak", "cosine", "max rel err"),
+            ((r["series"], r["x"], r["engine"], f"{r['seconds_median'] * 1e3:.1f}",
+              f"{_f(r.get('step_speedup'), '.2f')}x",
+              *(f"{_f(at_threads(r, n, 'step_speedup'), '.2f')}x" for n in extra),
+              f"{r['backward_seconds'] * 1e3:.1f}", f"{_f(r.get('backward_speedup'), '.2f')}x",
+              _mib(r.get("peak_bytes")), _f(r.get("grad_cosine"), ".6f"),
+              _f(r.get("grad_max_rel_err"), ".2e")) for r in rs),
+        ),
+        "",
+    ]  # fmt: skip
 
 
 def _render_scan(rs: list[dict[str, Any]]) -> list[str]:
-    lines = ["CumSumProd with diagonal K, one thread (ratio = time / sequential's):", "",
-             "| state | L | algorithm | ms | ratio |", "|---|---|---|---|---|"]  # fmt: skip
-    for r in rs:
-        lines.append(f"| {r['series']} | {r['x']} | {r['engine']} "
-                     f"| {r['seconds_median'] * 1e3:.3f} | {_f(r.get('time_ratio'), '.2f')} |")
-    return [*lines, ""]
+    return ["CumSumProd with diagonal K, one thread (ratio = time / sequential's):", "",
+            *md_table(("state", "L", "algorithm", "ms", "ratio"),
+                      ((r["series"], r["x"], r["engine"], f"{r['seconds_median'] * 1e3:.3f}",
+                        _f(r.get("time_ratio"), ".2f")) for r in rs)), ""]  # fmt: skip
 
 
-def _plot(path: Path, rs: list[dict[str, Any]], x: str, ys: list[str], title: str) -> bool:
+# --- plots -----------------------------------------------------------------------------
+
+
+def _plot(directory: Any, name: str, rs: list[dict[str, Any]], x: tuple[str, str],
+          ys: list[tuple[str, str]], title: str) -> list[str]:  # fmt: skip
+    """``plots/{name}.png``: one panel per ``(key, axis label)`` of ``ys`` against ``x``,
+    one line (and colour, the same in every panel) per engine of ``rs``; the Markdown
+    showing it (none without matplotlib)."""
     try:
         plt = pyplot()
     except ImportError:
-        return False
-    fig, axes = plt.subplots(1, len(ys), figsize=(5 * len(ys), 3.6))
-    axes = [axes] if len(ys) == 1 else list(axes)
-    for ax, y in zip(axes, ys, strict=True):
-        for label in dict.fromkeys(r["engine"] for r in rs):
-            pts = [(r[x], r[y]) for r in rs if r["engine"] == label and r.get(y) is not None]
+        return []
+    fig, axes = plt.subplots(1, len(ys), figsize=(6.4 * len(ys), 4.2), squeeze=False)
+    for ax, (y, ylabel) in zip(axes[0], ys, strict=True):
+        for i, label in enumerate(dict.fromkeys(r["engine"] for r in rs)):
+            pts = [(r[x[0]], r[y]) for r in rs if r["engine"] == label and r.get(y) is not None]
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker=".", label=label)
-        ax.set_xlabel(x)
-        ax.set_ylabel(y)
+                ax.plot(*zip(*pts, strict=True), marker=".", label=label, color=f"C{i % 10}")
+        ax.set_xlabel(x[1])
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title)
-    save_figure(fig, path)
-    return True
+        ax.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(title, 72 * len(ys)), fontsize=10)
+    png = Path("plots") / f"{name}.png"
+    save_figure(fig, Path(directory) / png)
+    return [f"![{name}]({png.as_posix()})"]
 
 
-def _render_train(suite: str, rs: list[dict[str, Any]], directory: Any, plots: bool) -> list[str]:
-    lines: list[str] = []
-    for series, ss in by_series(rs).items():
+# --- training curves: highway-train and highway-transformer ----------------------------
+
+
+def _final(rs: list[dict[str, Any]], label: str) -> dict[str, Any] | None:
+    mine = [r for r in rs if r["engine"] == label and r.get("val_loss") is not None]
+    return max(mine, key=lambda r: r["x"]) if mine else None
+
+
+def _verdict(rs: list[dict[str, Any]], reference: str) -> tuple[str, str | None]:
+    """A sentence for the report on highway at the paper's k, and that lane's label."""
+    k = rs[0]["config"].get("paper_k")
+    label = f"highway(k={k})"
+    bp, hw = _final(rs, reference), _final(rs, label)
+    if k is None or bp is None or hw is None:
+        return f"No run of highway at the paper's k ({label}) to compare with {reference}.", None
+    rel = hw["val_loss"] / bp["val_loss"] - 1
+    word = "within" if abs(rel) <= TOLERANCE else "NOT within"
+    return (
+        f"**{label} (the paper's k) is {word} {TOLERANCE:.0%} of {reference}'s final "
+        f"validation loss**: {hw['val_loss']:.4f} vs {bp['val_loss']:.4f} after {bp['x']} "
+        f"steps ({rel:+.2%})."
+    ), label
+
+
+def _titles(rs: list[dict[str, Any]], label: str | None, reference: str) -> dict[str, str]:
+    """One message per plot, read from the records (about the paper's k when it ran)."""
+    titles = {"loss": "validation loss against training step",
+              "time": "validation loss against training time",
+              "cosine": f"gradient cosine to {reference} at the same weights"}  # fmt: skip
+    bp, hw = _final(rs, reference), None if label is None else _final(rs, label)
+    if label is None or bp is None or hw is None:
+        return titles
+    rel = hw["val_loss"] / bp["val_loss"] - 1
+    titles["loss"] = f"{label} ends {rel:+.1%} from {reference}'s validation loss"
+    if bp.get("wall_seconds") and hw.get("wall_seconds") is not None:
+        titles["time"] = (f"{label} takes {hw['wall_seconds'] / bp['wall_seconds']:.1f}x "
+                          f"{reference}'s training time")  # fmt: skip
+    cos = [r["grad_cosine"] for r in rs if r["engine"] == label and r.get("grad_cosine")]
+    if cos:
+        titles["cosine"] = f"{label}'s gradient keeps cosine >= {min(cos):.3f} to {reference}"
+    return titles
+
+
+def _plots(suite: str, series: str, rs: list[dict[str, Any]], directory: Any,
+           titles: dict[str, str]) -> list[str]:  # fmt: skip
+    blocks = rs[0]["config"].get("blocks")
+    what = f"{series} ({blocks} sublayers)" if blocks else series
+    loss = ("val_loss", "held-out loss (mean cross-entropy)")
+    panels = [("loss", ("x", "training step"), loss),
+              ("time", ("wall_seconds", "training wall time (s, 1 thread; evaluation "
+                                        "excluded)"), loss),
+              ("cosine", ("x", "training step"), ("grad_cosine", "cosine to the reference's "
+                                                                 "gradient"))]  # fmt: skip
+    out: list[str] = []
+    for tag, x, y in panels:
+        if any(r.get(y[0]) is not None for r in rs):
+            out += _plot(directory, f"{suite}-{series}-{tag}", rs, x, [y],
+                         f"{what}: {titles[tag]}")  # fmt: skip
+    return [*out, ""] if out else []
+
+
+def _table(rs: list[dict[str, Any]], steps: list[dict[str, Any]], reference: str) -> list[str]:
+    """Each method's last evaluation (and, with step records, its step time ratios)."""
+    counts = [steps[0]["threads"], *extra_threads(steps)] if steps else []
+    has = {k: any(r.get(k) is not None for r in rs) for k in ("test_acc", "grad_cosine")}
+    bp, rows = _final(rs, reference), []
+    for label in dict.fromkeys(r["engine"] for r in rs):
+        last = _final(rs, label)
+        if last is None:
+            continue
+        rel = None if bp is None else 100 * (last["val_loss"] / bp["val_loss"] - 1)
+        step = next((s for s in steps if s["engine"] == label), None)
+        rows.append((
+            label, last["x"], _f(last.get("train_loss"), ".4f"), f"{last['val_loss']:.4f}",
+            f"{_f(rel, '+.2f')}%",
+            *([_f(last.get("test_acc"), ".3f")] if has["test_acc"] else []),
+            *([_f(last.get("grad_cosine"), ".4f")] if has["grad_cosine"] else []),
+            *(_f(None if step is None else at_threads(step, n, "time_ratio"), ".2f")
+              for n in counts),
+            _f(last.get("wall_seconds"), ".1f"),
+        ))  # fmt: skip
+    header = ("method", "steps", "train loss (last window)", "held-out loss", f"vs {reference}",
+              *(["test acc"] if has["test_acc"] else []),
+              *(["final grad cosine"] if has["grad_cosine"] else []),
+              *(f"step time ratio ({n} thr)" for n in counts), "training s")  # fmt: skip
+    return [*md_table(header, rows), ""]
+
+
+def _render_training(suite: str, records: list[dict[str, Any]], directory: Any,
+                     plots: bool) -> list[str]:  # fmt: skip
+    """Per series: the verdict on the paper's k (highway-transformer), loss against step
+    and wall time, the gradient cosine where measured, and the table of final values."""
+    from ._suites import load_suite
+
+    try:
+        reference = load_suite(suite).reference
+    except LeangradError:  # a renamed or foreign suite file: the shipped default
+        reference = "backprop"
+    curves = [r for r in records if r.get("kind") in ("highway-train", "highway-transformer")]
+    steps = [r for r in records if r.get("kind") == "highway-transformer-step"]
+    lines = [
+        "Held-out loss = mean cross-entropy on held-out data (the language models: windows "
+        "of the last 10% of the corpus). Training at one torch thread, float32, all methods "
+        "from the same initialisation on the same batches; wall time = training steps only."
+        + (f" Gradient cosine: each method's gradient vs {reference}'s at the method's own "
+           "weights, on one fixed training batch, at every evaluation."
+           if any(r.get("grad_cosine") is not None for r in curves) else "")
+        + (f" Step time ratio: one forward + gradient step over {reference}'s, medians of "
+           "interleaved repeats after warm-up, at each thread count (the k schedule has no "
+           "fixed step time)." if steps else ""),
+        "",
+    ]  # fmt: skip
+    for series, rs in by_series(curves).items():
+        cfg, label = rs[0]["config"], None
         lines += [f"### {series}", ""]
+        if "paper_k" in cfg:
+            sentence, label = _verdict(rs, reference)
+            lines += [
+                f"{cfg.get('norm', 'pre')}-LN, {cfg.get('layers')} layers = {cfg.get('blocks')} "
+                f"sublayers, d_model {cfg.get('d_model')}, context {cfg.get('context')}, batch "
+                f"{cfg.get('batch')}, γ = {cfg.get('gamma')}, lr {cfg.get('lr')}. The paper's "
+                f"k = {cfg.get('paper_k')}: its text gives no GPT-2 number (Figs. 2d, 3 are "
+                "plots), so the suite's `paper_k` setting takes the one k it names as matching "
+                "backprop (ResNet110, k = 4 at L = 54).",
+                "",
+                sentence,
+                "",
+            ]
         if plots:
-            png = Path("plots") / f"{suite}-{series}.png"
-            if _plot(Path(directory) / png, ss, "x", ["val_loss"], f"{series}: loss vs step"):
-                _plot(Path(directory) / png.with_name(png.stem + "-time.png"), ss,
-                      "wall_seconds", ["val_loss"], f"{series}: loss vs wall time")  # fmt: skip
-                lines += [f"![{series}]({png.as_posix()})",
-                          f"![{series} time]({png.with_name(png.stem + '-time.png').as_posix()})",
-                          ""]  # fmt: skip
-        lines += ["| method | steps | train loss (last window) | held-out loss | test acc "
-                  "| training s |", "|---|---|---|---|---|---|"]  # fmt: skip
-        for label in dict.fromkeys(r["engine"] for r in ss):
-            last = max((r for r in ss if r["engine"] == label), key=lambda r: r["x"])
-            lines.append(f"| {label} | {last['x']} | {_f(last.get('train_loss'), '.4f')} "
-                         f"| {_f(last.get('val_loss'), '.4f')} | {_f(last.get('test_acc'), '.3f')} "
-                         f"| {_f(last.get('wall_seconds'), '.1f')} |")  # fmt: skip
-        lines.append("")
+            lines += _plots(suite, series, rs, directory, _titles(rs, label, reference))
+        lines += _table(rs, [s for s in steps if s["series"] == series], reference)
     return lines
+
+
+# --- highway-convergence ---------------------------------------------------------------
 
 
 def _render_convergence(suite: str, rs: list[dict[str, Any]], directory: Any,
@@ -160,20 +278,20 @@ def _render_convergence(suite: str, rs: list[dict[str, Any]], directory: Any,
             if not ss:
                 continue
             ks = sorted({r["k"] for r in ss})
-            lines += [f"### {series} ({base})", "",
-                      "| step | " + " | ".join(f"k={k}" for k in ks) + " |",
-                      "|---|" + "---|" * len(ks)]  # fmt: skip
+            rows = []
             for step in sorted({r["x"] for r in ss}):
                 row = {r["k"]: r for r in ss if r["x"] == step}
-                lines.append(f"| {step} | " + " | ".join(
-                    f"{row[k]['grad_cosine']:.4f} ({row[k]['step_share']:.2f})" for k in ks
-                ) + " |")  # fmt: skip
+                rows.append([step, *(f"{row[k]['grad_cosine']:.4f} ({row[k]['step_share']:.2f})"
+                                     for k in ks)])  # fmt: skip
+            lines += [f"### {series} ({base})", "",
+                      *md_table(("step", *(f"k={k}" for k in ks)), rows)]  # fmt: skip
             if plots:
-                png = Path("plots") / f"{suite}-{series}-{base}.png"
                 pts = [{**r, "engine": f"step {r['x']}"} for r in ss]
-                if _plot(Path(directory) / png, pts, "k", ["grad_cosine", "step_share"],
-                         f"{series} ({base})"):  # fmt: skip
-                    lines += ["", f"![{series} {base}]({png.as_posix()})"]
+                shown = _plot(directory, f"{suite}-{series}-{base}", pts, ("k", "iterations k"),
+                              [("grad_cosine", "cosine to the exact gradient"),
+                               ("step_share", "share of ‖g‖ the k-th iteration adds")],
+                              f"{series} ({base}): the gradient converges in k")  # fmt: skip
+                lines += ["", *shown] if shown else []
             lines.append("")
     return lines
 
@@ -188,8 +306,8 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
         lines += _render_rnn(kinds["highway-rnn"])
     if "scan" in kinds:
         lines += _render_scan(kinds["scan"])
-    if "highway-train" in kinds:
-        lines += _render_train(suite, kinds["highway-train"], directory, plots)
+    if kinds.keys() & {"highway-train", "highway-transformer"}:
+        lines += _render_training(suite, records, directory, plots)
     if "highway-convergence" in kinds:
         lines += _render_convergence(suite, kinds["highway-convergence"], directory, plots)
     return lines
