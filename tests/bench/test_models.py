@@ -13,8 +13,8 @@ import torch
 
 from leangrad import hf
 from leangrad._errors import UnknownNameError
-from leangrad.bench import _models, _plan_peers, _workloads, _zoo_methods
-from leangrad.bench._models import HF_MODELS, MODELS, Workload, build
+from leangrad.bench import _models, _plan_peers, _rad, _workloads, _zoo_methods
+from leangrad.bench._models import HF_MODELS, MODELS, Workload, build, fad_batch, rad_network
 from leangrad.loss import PerExample
 
 SUITES = Path(_models.__file__).parent / "suites"
@@ -45,6 +45,12 @@ TINY: dict[str, dict[str, Any]] = {
     "blocks_resnet": RESNET,
     "blocks_gpt": GPT,
     "dropout_mlp": {"features": 6, "width": 8, "layers": 3, "batch": 4},
+    "rad_mlp": {"side": 8, "batch": 4},
+    "rad_cnn": {"side": 8, "batch": 4},
+    "rad_irnn": {"side": 8, "batch": 4},
+    "fad_resnet": {"channels": 4, "stages": 2, "blocks": 1, "side": 8, "activation": "mish",
+                   "batch": 2},
+    "fad_bert": {"d": 16, "heads": 2, "layers": 1, "seq": 8, "activation": "gelu", "batch": 2},
 }
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "diffusers"))
 
@@ -140,3 +146,37 @@ def test_suite_files_keep_their_model_keys() -> None:
     assert set(_plan_peers.SUITE_MODELS.values()) <= set(MODELS)
     zoo = tomllib.loads((SUITES / "zoo.toml").read_text())["settings"]
     assert set(zoo["quick_models"]) | set(zoo["quick_hf_models"]) <= set(MODELS)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "irnn"])
+def test_rad_networks_are_the_old_rad_model_seeded(kind: str) -> None:
+    """``rad_<kind>`` at ``seed`` is the RAD suites' old ``torch.manual_seed(seed)`` then
+    ``rad_model(kind)``: the same parameter names (the ``layer_mse`` keys) and values, and
+    the global generator left where that left it."""
+    assert _rad.rad_model is rad_network
+    wl = build(f"rad_{kind}", {"side": 8, "seed": 3}, batch=2)
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    old = rad_network(kind, side=8)
+    assert torch.equal(torch.rand(3), after)
+    mine, theirs = wl.model.state_dict(), old.state_dict()
+    assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    if kind == "irnn":  # Appendix A's initialisation
+        assert list(old.state_dict()) == ["cell.weight_ih", "cell.weight_hh", "cell.bias_ih",
+                                          "cell.bias_hh", "head.weight", "head.bias"]  # fmt: skip
+        assert torch.equal(old.cell.weight_hh, torch.eye(100))
+
+
+@pytest.mark.parametrize("name", ["fad_resnet", "fad_bert"])
+def test_fad_models_batch_is_the_first_of_their_stream(name: str) -> None:
+    """The fad suite draws its batches of every size from one stream (generator seed 1);
+    the registry's batch is that stream's first, and its model carries the activation
+    written out of primitives."""
+    size = TINY[name]
+    wl = build(name, size)
+    gen = torch.Generator().manual_seed(1)
+    x, y = fad_batch(name, size, size["batch"], gen)
+    assert torch.equal(wl.inputs[0], x) and wl.targets is not None and torch.equal(wl.targets, y)
+    assert not torch.equal(fad_batch(name, size, size["batch"], gen)[0], x)  # the next one
+    acts = [m for m in wl.model.modules() if isinstance(m, _models.Act)]
+    assert acts and {m.name for m in acts} == {size["activation"]}

@@ -19,34 +19,51 @@ the exact step. :data:`MODELS` holds the names:
   another batch (generator seed 1) with a plain loss, not declared per example (the
   planner would otherwise offer gradient accumulation, which those suites' records
   predate), and ``dropout_mlp``, an MLP with dropout as an ``nn.Sequential``; each with
-  its stem, blocks and head (:attr:`Workload.parts`) for the hand-written PyTorch peers.
+  its stem, blocks and head (:attr:`Workload.parts`) for the hand-written PyTorch peers;
+- the RAD suites' networks (Oktay et al., ICLR 2021; :func:`rad_network`): ``rad_mlp``,
+  ``rad_cnn``, ``rad_irnn``, sized by the images' ``side`` (28 for MNIST), built like the
+  paper models above (``seed``, ``dtype``, ``data``);
+- the ``fad`` suite's models (paper section V-A, scaled to CPU), whose activation
+  (``activation``: ``swish``, ``gelu`` or ``mish``) is written out of primitives (Table I)
+  so autograd saves its intermediates unless FAD nests them: ``fad_resnet``
+  (:class:`ActResNet`) and ``fad_bert`` (:class:`ActEncoder`); their batches of any size
+  come from one generator by :func:`fad_batch`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import _errors as errors
 from .. import hf, models, zoo
 from ..loss import PerExample, per_example
 
 __all__ = [
+    "ACTIVATIONS",
     "HF_MODELS",
     "MODELS",
+    "Act",
+    "ActEncoder",
+    "ActResNet",
     "Inputs",
     "LossFn",
     "Parts",
+    "RowRNN",
     "Workload",
     "build",
     "dtype_of",
+    "fad_batch",
     "gpt_parts",
+    "rad_network",
     "resnet_parts",
 ]
 
@@ -313,6 +330,224 @@ def _dropout_mlp(size: Mapping[str, Any], n: int, device: str | torch.device) ->
     return Workload(model, x, lambda out: F.cross_entropy(out, y), parts=parts)
 
 
+# --- the RAD suites' networks ---
+
+
+class RowRNN(nn.Module):
+    """An IRNN reading a 28x28 image row by row (28 steps of 28 pixels), then a linear head."""
+
+    def __init__(self, hidden: int, *, rows: int = 28) -> None:
+        super().__init__()
+        self.cell = nn.RNNCell(rows, hidden, nonlinearity="relu")
+        self.head = nn.Linear(hidden, 10)
+        with torch.no_grad():  # Appendix A: identity W_hh, N(0, 0.001) W_ih, zero biases
+            self.cell.weight_hh.copy_(torch.eye(hidden))
+            self.cell.weight_ih.normal_(0.0, 0.001)
+            self.cell.bias_ih.zero_()
+            self.cell.bias_hh.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        h = None
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+        return self.head(h)
+
+
+def rad_network(kind: str, *, side: int = 28) -> nn.Module:
+    """``mlp``: Appendix A's 784-300-300-300-10 ReLU net; ``cnn``: a small ReLU/avg-pool
+    convnet (a CPU-sized stand-in for the paper's CIFAR-10 net); ``irnn``: :class:`RowRNN`
+    with 100 hidden units. ``side``: the images' side (28 for MNIST, 8 for digits).
+    Weights from the global generator as the caller left it (the registry's ``rad_<kind>``
+    seeds it)."""
+    if kind == "mlp":
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(side * side, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(),
+            nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 10),
+        )  # fmt: skip
+    if kind == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Flatten(), nn.Linear(16 * (side // 4) ** 2, 10),
+        )  # fmt: skip
+    if kind == "irnn":
+        return RowRNN(100, rows=side)
+    raise ValueError(f"model must be 'mlp', 'cnn' or 'irnn', got {kind!r}")
+
+
+def _rad(kind: str) -> Shaped:
+    """:func:`rad_network` ``kind`` on one-channel images of side ``side`` (default 28)."""
+
+    def rad_model(c: Mapping[str, Any]) -> tuple[nn.Module, tuple[int, ...]]:
+        side = int(c.get("side", 28))
+        return rad_network(kind, side=side), (1, side, side)
+
+    return rad_model
+
+
+# --- the fad suite's models: activations written out of primitives (Table I) ---
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def swish(x: Tensor) -> Tensor:
+    """``x * sigmoid(x)`` (Table I)."""
+    return x * torch.sigmoid(x)
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (Table I)."""
+    return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+
+
+def mish(x: Tensor) -> Tensor:
+    """``x * tanh(softplus(x))`` (Table I)."""
+    return x * torch.tanh(F.softplus(x))
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "swish": swish,
+    "gelu": gelu_tanh,
+    "mish": mish,
+}
+
+
+class Act(nn.Module):
+    """A composite activation; ``recompute=True`` wraps it in ``torch.utils.checkpoint``
+    (the paper's recomputation baseline: keep the input, rebuild intermediates in backward)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.fn = ACTIVATIONS[name]
+        self.recompute = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self.fn, x, use_reentrant=False)
+        return self.fn(x)
+
+
+class _ActBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, act: str) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.act1 = Act(act)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.act2 = Act(act)
+        self.short: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                       nn.BatchNorm2d(cout))  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.act1(self.bn1(self.conv1(x)))
+        return self.act2(self.bn2(self.conv2(out)) + self.short(x))
+
+
+class ActResNet(nn.Module):
+    """Stem conv, ``stages`` stages of ``blocks`` basic blocks (widths c, 2c, ...), head."""
+
+    def __init__(self, *, act: str, channels: int = 16, stages: int = 2, blocks: int = 1,
+                 in_channels: int = 3, classes: int = 10) -> None:  # fmt: skip
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, channels, 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(channels), Act(act))  # fmt: skip
+        layers: list[nn.Module] = []
+        c = channels
+        for s in range(stages):
+            cout = channels * 2**s
+            for b in range(blocks):
+                layers.append(_ActBlock(c, cout, 2 if (s > 0 and b == 0) else 1, act))
+                c = cout
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.layers(self.stem(x))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+class _ActLayer(nn.Module):
+    """Post-LN transformer layer as in BERT: attention, add & norm, FFN with activation."""
+
+    def __init__(self, d: int, heads: int, act: str) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.ff1 = nn.Linear(d, 4 * d)
+        self.act = Act(act)
+        self.ff2 = nn.Linear(4 * d, d)
+        self.ln2 = nn.LayerNorm(d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        dh = d // self.heads
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, dh).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(dh), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = self.ln1(x + self.proj(y))
+        return self.ln2(x + self.ff2(self.act(self.ff1(x))))
+
+
+class ActEncoder(nn.Module):
+    """Token + position embeddings, ``layers`` post-LN layers, mean-pool, linear head."""
+
+    def __init__(self, *, act: str, d: int = 64, heads: int = 4, layers: int = 2,
+                 vocab: int = 128, seq: int = 32, classes: int = 2) -> None:  # fmt: skip
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.layers = nn.Sequential(*[_ActLayer(d, heads, act) for _ in range(layers)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        h = self.layers(self.tok(ids) + self.pos(pos))
+        return self.head(h.mean(dim=1))
+
+
+_FAD: dict[str, tuple[Callable[..., nn.Module], tuple[str, ...]]] = {
+    "fad_resnet": (ActResNet, ("channels", "stages", "blocks")),
+    "fad_bert": (ActEncoder, ("d", "heads", "layers", "seq")),
+}
+"""fad model name -> (constructor, its size keys besides ``activation``)."""
+
+
+def fad_batch(name: str, size: Mapping[str, Any], n: int,
+              gen: torch.Generator) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``n`` examples of fad model ``name`` drawn from ``gen``: Gaussian ``side``-pixel RGB
+    images (default 16) and 10 classes, or ``seq`` token ids below 128 (default 32) and 2
+    classes. The suite draws the batches of all its sizes from one such stream."""
+    if name == "fad_resnet":
+        side = size.get("side", 16)
+        x = torch.randn(n, 3, side, side, generator=gen)
+        return x, torch.randint(0, 10, (n,), generator=gen)
+    ids = torch.randint(0, 128, (n, size.get("seq", 32)), generator=gen)
+    return ids, torch.randint(0, 2, (n,), generator=gen)
+
+
+def _fad(name: str) -> Builder:
+    """A fad model with ``activation`` (default ``swish``): weights from ``seed`` (default
+    0), the batch the first of :func:`fad_batch`'s stream from ``seed + 1``."""
+    ctor, keys = _FAD[name]
+
+    def build_fad(size: Mapping[str, Any], n: int, device: str | torch.device) -> Workload:
+        seed = int(size.get("seed", 0))
+        torch.manual_seed(seed)
+        model = ctor(act=size.get("activation", "swish"), **{k: size[k] for k in keys if k in size})
+        x, y = fad_batch(name, size, n, torch.Generator().manual_seed(seed + 1))
+        x, y = x.to(device), y.to(device)
+        return Workload(model.to(device), (x,), _cross_entropy(x, y), targets=y)
+
+    return build_fad
+
+
 _PAPER: dict[str, Shaped] = {
     "mlp": _mlp,
     "conv": _conv,
@@ -322,6 +557,7 @@ _PAPER: dict[str, Shaped] = {
     "subcnn": _subcnn,
     "frag1d": _fragmental(1),
     "frag2d": _fragmental(2),
+    **{f"rad_{kind}": _rad(kind) for kind in ("mlp", "cnn", "irnn")},
 }
 MODELS: dict[str, Builder] = {
     **{name: _paper(name, shaped) for name, shaped in _PAPER.items()},
@@ -330,6 +566,7 @@ MODELS: dict[str, Builder] = {
     "blocks_resnet": _peer("resnet", resnet_parts),
     "blocks_gpt": _peer("gpt", gpt_parts),
     "dropout_mlp": _dropout_mlp,
+    **{name: _fad(name) for name in _FAD},
 }
 """Every bench model: name -> builder (module docstring)."""
 

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from .. import data, rad
 from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, grads_of, num_threads, saved_tensor_bytes
+from ._models import build, rad_network
 from ._report import by_series, pyplot, save_series_figure
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
@@ -63,45 +64,14 @@ BASELINE = "baseline"
 """Label of the backprop lane (no RAD) at the suite's batch."""
 
 
-class RowRNN(nn.Module):
-    """An IRNN reading a 28x28 image row by row (28 steps of 28 pixels), then a linear head."""
-
-    def __init__(self, hidden: int, *, rows: int = 28) -> None:
-        super().__init__()
-        self.cell = nn.RNNCell(rows, hidden, nonlinearity="relu")
-        self.head = nn.Linear(hidden, 10)
-        with torch.no_grad():  # Appendix A: identity W_hh, N(0, 0.001) W_ih, zero biases
-            self.cell.weight_hh.copy_(torch.eye(hidden))
-            self.cell.weight_ih.normal_(0.0, 0.001)
-            self.cell.bias_ih.zero_()
-            self.cell.bias_hh.zero_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
-        h = None
-        for t in range(x.shape[1]):
-            h = self.cell(x[:, t], h)
-        return self.head(h)
+rad_model = rad_network
+"""The RAD suites' networks by kind, from the global generator as the caller seeded it (the
+registry's; the suites build ``rad_<kind>`` of :mod:`._models`, seeded)."""
 
 
-def rad_model(kind: str, *, side: int = 28) -> nn.Module:
-    """``mlp``: Appendix A's 784-300-300-300-10 ReLU net; ``cnn``: a small ReLU/avg-pool
-    convnet (a CPU-sized stand-in for the paper's CIFAR-10 net); ``irnn``: :class:`RowRNN`
-    with 100 hidden units. ``side``: the images' side (28 for MNIST, 8 for digits)."""
-    if kind == "mlp":
-        return nn.Sequential(
-            nn.Flatten(), nn.Linear(side * side, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(),
-            nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 10),
-        )  # fmt: skip
-    if kind == "cnn":
-        return nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
-            nn.Flatten(), nn.Linear(16 * (side // 4) ** 2, 10),
-        )  # fmt: skip
-    if kind == "irnn":
-        return RowRNN(100, rows=side)
-    raise ValueError(f"model must be 'mlp', 'cnn' or 'irnn', got {kind!r}")
+def _network(kind: str, side: int, seed: int, device: str) -> nn.Module:
+    """The registry's ``rad_<kind>`` for images of side ``side``, weights from ``seed``."""
+    return build(f"rad_{kind}", {"side": side, "seed": seed}, batch=1, device=device).model
 
 
 def memory_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
@@ -192,8 +162,7 @@ def run_variance(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     bar = tqdm(total=len(models) * len(ests) * draws, desc=suite.name,
                disable=not settings.progress)  # fmt: skip
     for kind in models:
-        torch.manual_seed(seed)
-        base = rad_model(kind, side=train.x.shape[-1]).to(device)
+        base = _network(kind, train.x.shape[-1], seed, device)
         if pretrain:  # move away from the initialisation, as a gradient mid-training
             opt = torch.optim.Adam(base.parameters(), lr=1e-3)
             for _, (x, y) in zip(range(pretrain), _forever(train, 150, seed), strict=False):
@@ -398,8 +367,8 @@ def train_suite(
                 cut = slice(0, None if examples is None else int(examples))
                 seen = dataclasses.replace(boot, x=boot.x[cut], y=boot.y[cut])
                 held_out = dataclasses.replace(test, x=test.x[cut], y=test.y[cut])
-                torch.manual_seed(rep.seed)  # the model is drawn after the seed's bootstrap
-                base = rad_model(run.kind, side=train.x.shape[-1]).to(settings.device)
+                # the model is drawn after the seed's bootstrap
+                base = _network(run.kind, train.x.shape[-1], rep.seed, settings.device)
                 finish = None if check is None else check(SeedStart(rep, boot, seen, held_out,
                                                                     base))  # fmt: skip
                 by_batch: dict[int, dict[str, Lane]] = {}
@@ -489,8 +458,8 @@ def run_convergence(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]
 
     def lanes_of(run: TrainRun) -> list[LaneConfig]:
         b, train, seed = run.batch, run.train, int(suite.setting("seed", quick, 0))
-        torch.manual_seed(seed)  # the first seed's initial weights (memory does not depend on them)
-        base = rad_model(run.kind, side=train.x.shape[-1]).to(run.device)
+        # the first seed's initial weights (memory does not depend on them)
+        base = _network(run.kind, train.x.shape[-1], seed, run.device)
         probe = randomized(base, fraction, "different", seed)
         target = memory_of(probe, train.x[:b], train.y[:b])["saved_bytes"]
         reduced, _ = equal_memory_batch(base, target, train, largest=b)
