@@ -212,13 +212,11 @@ def plan(
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     if not isinstance(compile, bool):
         raise ValueError(BAD_SETTING.format(name="compile", want="True or False", value=compile))
-    if autocast is None:
-        return _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
-                     engines=engines, repeats=repeats, allocate_limit=allocate_limit,
-                     progress=progress, compile=compile)  # fmt: skip
     found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
                   engines=engines, repeats=repeats, allocate_limit=allocate_limit,
                   progress=progress, compile=compile, autocast=autocast)  # fmt: skip
+    if autocast is None:
+        return found
     made_for = {**(found.made_for or {}), "autocast": str(autocast).removeprefix("torch.")}
     return dataclasses.replace(found, made_for=made_for)
 

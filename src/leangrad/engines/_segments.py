@@ -41,9 +41,10 @@ def _key(t: torch.Tensor) -> int:
 
 
 def _bytes(t: torch.Tensor, seen: set[int]) -> int:
-    if _key(t) in seen:
+    key = _key(t)
+    if key in seen:
         return 0
-    seen.add(_key(t))
+    seen.add(key)
     return t.untyped_storage().nbytes()
 
 

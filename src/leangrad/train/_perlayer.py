@@ -72,7 +72,7 @@ def grad_memory_of_plan(
     if whole is None or whole.peak_bytes is None:
         return None
     base = baseline_bytes(model, inputs)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grad_bytes = _grad_bytes(model)
     return GradMemory(whole.peak_bytes - base, row.peak_bytes - base, grad_bytes, row.label)
 
 
@@ -105,5 +105,10 @@ def measure_grad_memory(
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grad_bytes = _grad_bytes(model)
     return GradMemory(peaks[False], peaks[True], grad_bytes, engine.label)
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    """Bytes of all of ``model``'s parameter gradients together."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
