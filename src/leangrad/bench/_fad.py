@@ -52,8 +52,7 @@ from ..measure import (
     time_interleaved,
 )
 from ._models import ACTIVATIONS, Act, build, fad_batch
-from ._rad import md_table
-from ._report import at_threads, by_series, extra_threads, pyplot, save_figure
+from ._report import at_threads, by_series, extra_threads, md_table, pyplot, save_figure
 from ._runner import by_threads, machine_info, new_record, timing_fields
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite, runner

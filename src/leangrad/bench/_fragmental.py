@@ -11,8 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..measure import MemoryBudgetExceeded, MemoryTracker
-from ._rad import md_table
-from ._report import _fmt, by_series, fmt_bytes, sweep_section
+from ._report import _fmt, by_series, fmt_bytes, md_table, sweep_section
 from ._runner import EngineSpec, machine_info, new_record
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite

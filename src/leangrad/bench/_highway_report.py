@@ -12,8 +12,7 @@ from typing import Any
 
 from .._errors import LeangradError
 from .._sizes import fmt_bytes
-from ._rad import md_table
-from ._report import at_threads, by_series, extra_threads, pyplot, save_figure
+from ._report import at_threads, by_series, extra_threads, md_table, pyplot, save_figure
 
 __all__ = ["TOLERANCE", "render"]
 

@@ -78,9 +78,8 @@ from .. import _errors as errors
 from .. import engines
 from ..layers import AdditiveCoupling, Chain, SwapHalves
 from ..measure import Timing, compare_grads, grads_of, time_across_threads
-from ._rad import md_table
-from ._report import _fmt, pyplot, save_figure
-from ._runner import _reference_grads, _step, machine_info, new_record
+from ._report import _fmt, md_table, pyplot, save_figure
+from ._runner import machine_info, new_record, reference_grads, step_of
 from ._suites import RunSettings, Suite, runner
 from ._training import _now
 from ._workloads import Workload, build
@@ -286,13 +285,14 @@ def _measure_depth(config: dict[str, Any], s: dict[str, Any], *,
     pure = engines.engine("moonwalk", mode="pure", per_example=True,
                           chunk_size=s["moonwalk_chunk"])  # fmt: skip
     mw_model = copy.deepcopy(wl.model)
-    steps = {LABEL_FORWARD: _step(fwd, _on(wl, sub)), LABEL_PURE: _step(pure, _on(wl, mw_model))}
+    steps = {LABEL_FORWARD: step_of(fwd, _on(wl, sub)),
+             LABEL_PURE: step_of(pure, _on(wl, mw_model))}  # fmt: skip
     full_model = copy.deepcopy(wl.model) if whole else None
     if full_model is not None:
-        steps["forward (all directions)"] = _step(fwd, _on(wl, full_model))
+        steps["forward (all directions)"] = step_of(fwd, _on(wl, full_model))
     timings = time_across_threads(steps, threads=threads, repeats=s["repeats"],
                                   warmup=s["warmup"])  # fmt: skip
-    ref = _reference_grads(config, "cpu")  # autograd's gradient of the same step in float64
+    ref = reference_grads(config, "cpu")  # autograd's gradient of the same step in float64
     f_err, f_cos = _errors(sub, ref)
     m_err, m_cos = _errors(mw_model, ref)
     fixed: dict[str, Any] = {

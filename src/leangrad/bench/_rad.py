@@ -33,7 +33,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -45,7 +45,7 @@ from .. import data, rad
 from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, grads_of, num_threads, saved_tensor_bytes
 from ._models import build, rad_network
-from ._report import by_series, pyplot, save_series_figure
+from ._report import by_series, md_table, pyplot, save_series_figure
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
@@ -55,7 +55,7 @@ from ._training import _evaluate, _now
 __all__ = [
     "BAND", "BAND_KEYS", "BAND_NOTE", "BASELINE", "SAVED_NOTE", "LaneConfig", "Replicate",
     "SeedStart", "TrainRun", "band_records", "bands", "final_bands", "fmt_band",
-    "fraction_one_check", "full_gradient", "md_table", "memory_of", "plot_band", "rad_model",
+    "fraction_one_check", "full_gradient", "memory_of", "plot_band", "rad_model",
     "randomized", "render", "replicates", "run_convergence", "run_fractions", "run_variance",
     "series_sections", "squared_errors", "train_suite",
 ]  # fmt: skip
@@ -579,12 +579,6 @@ BAND_NOTE = (
     f"(zero_grad, forward, backward, optimizer step) after {TIMING_WARMUP} warm-up steps, lanes "
     "of one batch size interleaved step by step, at the records' torch thread count."
 )
-
-
-def md_table(header: tuple[str, ...], rows: Iterable[Iterable[Any]]) -> list[str]:
-    """A Markdown table: the ``header`` row, the rule, then one line per row of cells."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def plot_band(ax: Any, recs: list[dict[str, Any]], key: str, *, ylabel: str,

@@ -52,7 +52,6 @@ from ._rad import (
     final_bands,
     fmt_band,
     full_gradient,
-    md_table,
     memory_of,
     plot_band,
     rad_model,
@@ -60,7 +59,7 @@ from ._rad import (
     series_sections,
     squared_errors,
 )
-from ._report import pyplot, save_series_figure
+from ._report import md_table, pyplot, save_series_figure
 from ._runner import machine_info, new_record
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite, runner

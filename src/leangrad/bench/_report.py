@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,15 @@ from ._records import UNREADABLE as UNREADABLE
 from ._records import at_threads, extra_threads, load_records, scan_records
 from ._reproduction import reproduction_section
 
-__all__ = ["at_threads", "by_series", "extra_threads", "fmt_bytes", "load_records", "pyplot",
-           "render_report", "save_figure", "save_series_figure", "series_png",
+__all__ = ["at_threads", "by_series", "extra_threads", "fmt_bytes", "load_records", "md_table",
+           "pyplot", "render_report", "save_figure", "save_series_figure", "series_png",
            "sweep_section"]  # fmt: skip
+
+
+def md_table(header: tuple[str, ...], rows: Iterable[Iterable[Any]]) -> list[str]:
+    """A Markdown table: the ``header`` row, the rule, then one line per row of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def by_series(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

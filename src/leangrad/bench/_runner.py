@@ -29,6 +29,8 @@ __all__ = [
     "machine_info",
     "measure_config",
     "new_record",
+    "reference_grads",
+    "step_of",
     "timing_fields",
 ]
 
@@ -113,7 +115,7 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def _reference_grads(config: Mapping[str, Any], device: str) -> dict[str, torch.Tensor]:
+def reference_grads(config: Mapping[str, Any], device: str) -> dict[str, torch.Tensor]:
     """Autograd's gradient of the same step in float64 (the oracle)."""
     wl = build({**config, "dtype": "float64"}, device=device)
     loss = wl.loss_fn(wl.model(*wl.inputs))
@@ -122,7 +124,8 @@ def _reference_grads(config: Mapping[str, Any], device: str) -> dict[str, torch.
     return dict(zip(params, grads, strict=True))
 
 
-def _step(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
+def step_of(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
+    """One step of ``engine`` on the workload: gradients zeroed (to None), then its backward."""
     def step() -> object:
         wl.model.zero_grad(set_to_none=True)
         return engine.backward(wl.model, wl.inputs, wl.loss_fn)
@@ -279,7 +282,7 @@ def measure_config(
         if progress is not None:
             progress(msg)
 
-    ref_grads = _reference_grads(config, device)
+    ref_grads = reference_grads(config, device)
     base = build(config, device=device)
     steps: dict[str, Callable[[], object]] = {}
     records: dict[str, dict[str, Any]] = {}
@@ -291,7 +294,7 @@ def measure_config(
         if rec["skipped"] is not None:
             continue
         wl = copy.deepcopy(base)
-        steps[rec["engine"]] = _step(engine, wl)
+        steps[rec["engine"]] = step_of(engine, wl)
         _measure_memory(rec, spec, engine, wl, ref_grads=ref_grads, rss=rss, device=device,
                         tick=tick)  # fmt: skip
     if steps:

@@ -33,11 +33,16 @@ gradient's max relative error and cosine against backprop's; ``max_batch``: the 
 batch whose step fits backprop's total at the base batch (:mod:`._zoo_batch`; by fake-tensor
 estimates where they equal the tracker at the base batch, else by the tracker). Optional
 GPU-sized configurations are measured only on fake tensors and labelled ``estimate``.
+Wall clock: a plan row's ``plan_seconds`` (planning, every measurement included), and
+backprop's record's ``row_seconds``, the model's row by phase (profiles, each plan, the
+interleaved timing, max-batch searches, fresh processes), so a full-size run can be
+budgeted and its slow phase found.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -167,16 +172,28 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     def say(msg: str) -> None:
         bar.set_postfix_str(f"{name}: {msg}", refresh=True)
 
+    phases: dict[str, float] = {}  # where the row's wall time went (seconds per phase)
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[phase] = round(phases.get(phase, 0.0) + now - clock, 1)
+        clock = now
+
     run = _ModelRun(name, size, ctx, say)
     for m in list(run.methods):
         run.profile(m)
+    lap("profiles")
     bp = run.prof["backprop"]
     for f in [float(v) for v in ctx.get("fractions", [0.5, 0.25])]:
         run.plan_at(f, bp)
+        lap(f"plan at {f}")
     ok = [m for m in run.methods if m.label in run.prof]
     say(f"timing {len(ok)} methods, {ctx.repeats} interleaved repeats")
     steps = {m.label: _step(run.engines[m.label], run.model, run.x, run.loss_fn) for m in ok}
     times = time_interleaved(steps, repeats=ctx.repeats, warmup=1, reference="backprop")
+    lap("timing")
     fixed = 2 * sum(p.numel() * p.element_size() for p in run.model.parameters())  # + grads
     factor = int(ctx.get("max_batch_factor", 16))
     relative = int(ctx.get("max_batch_tracker_relative", 0)) or None
@@ -191,9 +208,12 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
             )  # fmt: skip
         except Exception as err:  # a method failing at another batch is a finding, not a crash
             batches[m.label] = {"max_batch_failed": f"{type(err).__name__}: {str(err)[:300]}"}
+    lap("max batch")
     say("fresh-process RSS and torch.compile")
     worker = fresh_process(name, size, ok, run.prof, ctx)
     rss = worker["rss"]
+    lap("fresh processes")
+    row_seconds = {"row_seconds": phases}  # on backprop's record: the row's own clock
     out = [
         record(
             ctx, name, size, m.label, m.side, exact=m.exact,
@@ -202,6 +222,7 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
             seconds_median=times[m.label].median, seconds_min=times[m.label].minimum,
             seconds_max=times[m.label].maximum, time_ratio=times[m.label].ratio,
             spec=m.spec, **run.plans.get(m.label, {}), **batches[m.label],
+            **(row_seconds if m.label == "backprop" else {}),
         )
         for m in ok
     ]  # fmt: skip
@@ -278,6 +299,7 @@ class _ModelRun:
         except Exception as err:  # a planner failing on a zoo model is a finding
             self.failed[label] = ("plan", f"{type(err).__name__}: {str(err)[:300]}")
             return
+        self.plans[label]["plan_seconds"] = round(p.wall_seconds or 0.0, 1)
         row = p.chosen  # whatever its verdict says ("chosen (estimate)" too)
         self.plans[label]["choice"] = row.label if row else None
         if row is None:
