@@ -130,6 +130,20 @@ def test_plan_rows_fit_their_budget(records: list[dict[str, Any]]) -> None:
         assert r["choice"] and r["peak_ratio"] <= r["fraction"] + 0.01
 
 
+def test_each_row_says_where_its_wall_time_went(records: list[dict[str, Any]]) -> None:
+    """Backprop's record carries the row's seconds per phase, each plan row its planning's."""
+    for series in ("gpt", "lstm_lm"):
+        phases = _row(records, series, "backprop")["row_seconds"]
+        fractions = {r["fraction"] for r in records if r["series"] == series
+                     and r["side"] == "plan"}  # fmt: skip
+        want = {"profiles", "timing", "max batch", "fresh processes",
+                *(f"plan at {f}" for f in fractions)}  # fmt: skip
+        assert set(phases) == want and all(s >= 0 for s in phases.values())
+        assert phases["profiles"] > 0 and phases["timing"] > 0
+    planned = [r for r in records if r["side"] == "plan" and not r.get("failed")]
+    assert planned and all(r["plan_seconds"] > 0 for r in planned)
+
+
 def test_max_batch_of_backprop_is_its_base_batch(records: list[dict[str, Any]]) -> None:
     """The budget is backprop's total at the base batch, so backprop fits exactly that."""
     for series in ("gpt", "lstm_lm", "gpt (estimate)"):
