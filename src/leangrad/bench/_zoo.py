@@ -178,7 +178,7 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     def lap(phase: str) -> None:
         nonlocal clock
         now = time.perf_counter()
-        phases[phase] = round(phases.get(phase, 0.0) + now - clock, 1)
+        phases[phase] = round(now - clock, 1)  # each phase is lapped once
         clock = now
 
     run = _ModelRun(name, size, ctx, say)
@@ -213,7 +213,6 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     worker = fresh_process(name, size, ok, run.prof, ctx)
     rss = worker["rss"]
     lap("fresh processes")
-    row_seconds = {"row_seconds": phases}  # on backprop's record: the row's own clock
     out = [
         record(
             ctx, name, size, m.label, m.side, exact=m.exact,
@@ -222,7 +221,7 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
             seconds_median=times[m.label].median, seconds_min=times[m.label].minimum,
             seconds_max=times[m.label].maximum, time_ratio=times[m.label].ratio,
             spec=m.spec, **run.plans.get(m.label, {}), **batches[m.label],
-            **(row_seconds if m.label == "backprop" else {}),
+            **({"row_seconds": phases} if m.label == "backprop" else {}),  # the row's clock
         )
         for m in ok
     ]  # fmt: skip
