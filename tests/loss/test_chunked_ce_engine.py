@@ -133,6 +133,21 @@ def test_explain_says_why_chunked_ce_is_idle() -> None:
     assert "no final nn.Linear" in str(leangrad.explain(leangrad.engine("chunked_ce"), model))
 
 
+def test_a_widening_mlp_is_not_taken_for_the_output_layer() -> None:
+    """The zoo's GPT at vocabulary = width (256): each MLP's first layer (256 -> 1024) is
+    vocabulary-sized but feeds the second; its head (256 -> 256) is not. chunked_ce used to
+    take the last MLP layer for the head and refuse the step (LogitsReadError: GELU read
+    it); it is idle and exact."""
+    torch.manual_seed(0)
+    model = zoo.gpt(vocab=256, dim=256, layers=1, heads=2, context=8).double()
+    gen = torch.Generator().manual_seed(1)
+    idx, y = torch.randint(0, 256, (2, 2, 8), generator=gen)
+    assert isinstance(leangrad.loss.final_linear(model), str)
+    eng = _composed("checkpoint+chunked_ce")
+    assert eng.idle_transforms(model) == ["chunked_ce"]
+    _check(eng, model, (idx,), lambda out: zoo.GPT.loss(out, y))
+
+
 @pytest.mark.parametrize("name", ["moonwalk", "forward", "projforward", "highway",
                                   "revbackprop"])  # fmt: skip
 def test_bases_that_run_the_output_layer_refuse(name: str) -> None:

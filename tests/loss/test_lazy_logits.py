@@ -289,13 +289,17 @@ def test_an_error_inside_the_block_is_the_one_raised() -> None:
 
 
 def test_final_linear_thresholds() -> None:
-    """At least :data:`MIN_CLASSES` outputs and :data:`WIDER` times the inputs; the last
-    such layer registered."""
+    """At least :data:`MIN_CLASSES` outputs and :data:`WIDER` times the inputs, a width no
+    later layer takes; the last such layer registered."""
     inputs = MIN_CLASSES // WIDER
     found = final_linear(nn.Sequential(nn.Linear(4, MIN_CLASSES), nn.ReLU(),
                                        nn.Linear(MIN_CLASSES, inputs),
                                        nn.Linear(inputs, MIN_CLASSES)))  # fmt: skip
     assert isinstance(found, Head) and found.name == "3"
+    widening = nn.Sequential(nn.Linear(inputs, MIN_CLASSES), nn.GELU(),
+                             nn.Linear(MIN_CLASSES, inputs), nn.Linear(inputs, inputs))  # fmt: skip
+    why = final_linear(widening)  # "0" feeds "2": an MLP's first layer, not the output layer
+    assert isinstance(why, str) and "taken by a later nn.Linear" in why
     for narrow in (nn.Linear(inputs + 1, MIN_CLASSES), nn.Linear(2, MIN_CLASSES - 1)):
         why = final_linear(nn.Sequential(narrow))
         assert isinstance(why, str) and "no final nn.Linear" in why

@@ -53,7 +53,8 @@ UNSUPPORTED = (
 )
 NO_HEAD = (
     "no final nn.Linear with a vocabulary-sized output (at least {least:,} outputs and "
-    "{wider}x its inputs) outside the blocks, so there are no logits worth chunking"
+    "{wider}x its inputs, none of them taken by a later nn.Linear) outside the blocks, so "
+    "there are no logits worth chunking"
 )
 
 
@@ -72,13 +73,21 @@ class Head:
 def final_linear(model: nn.Module, *, outside: Sequence[str] = ()) -> Head | str:
     """The model's output layer, or why there is none: the last ``nn.Linear`` registered in
     ``model`` with at least :data:`MIN_CLASSES` outputs and :data:`WIDER` times as many
-    outputs as inputs, not inside a module named in ``outside`` (e.g. checkpointed blocks,
-    which recompute it)."""
+    outputs as inputs whose width no later ``nn.Linear`` takes as input, not inside a module
+    named in ``outside`` (e.g. checkpointed blocks, which recompute it).
+
+    The width rule keeps a widening layer inside a block (an MLP's first layer, ``d → 4d``,
+    followed by ``4d → d``) from passing for the output layer of a model whose vocabulary
+    is too small to qualify: such a model has no logits worth chunking."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     found: Head | None = None
-    for name, mod in model.named_modules():
-        if (isinstance(mod, nn.Linear) and mod.out_features >= MIN_CLASSES
-                and mod.out_features >= WIDER * mod.in_features):  # fmt: skip
+    taken: set[int] = set()  # the input widths of the layers registered after this one
+    for name, mod in reversed(linears):
+        out = mod.out_features
+        if out >= MIN_CLASSES and out >= WIDER * mod.in_features and out not in taken:
             found = Head(name, mod)
+            break
+        taken.add(mod.in_features)
     if found is None:
         return NO_HEAD.format(least=MIN_CLASSES, wider=WIDER)
     inside = [b for b in outside if found.name == b or found.name.startswith(b + ".")]
