@@ -192,6 +192,23 @@ def test_plan_offers_it_only_where_exact() -> None:
         coupled, loss_fn=per_example(F.mse_loss, torch.zeros(8, 4))))  # fmt: skip
 
 
+def test_plan_offers_pytorchs_per_block_loop_and_it_is_exact() -> None:
+    """Every block but the last checkpointed inside each micro-batch — what PyTorch's
+    per-block loop does — is a candidate in a model run as written, and exact."""
+    model, x, loss_fn = _gpt(batch=5)
+    but_last = ["blocks.0"]  # of two blocks
+    offered = [o for n, o in candidates(model, loss_fn=loss_fn) if n == "checkpoint+accumulate"]
+    assert {"blocks": but_last, "micro_batches": 4} in offered
+    assert {"blocks": but_last} in [o for n, o in candidates(model, loss_fn=loss_fn)
+                                     if n == "checkpoint"]  # fmt: skip
+    _, ref = _reference(model, (x,), loss_fn)
+    eng = leangrad.engine("checkpoint+accumulate", micro_batches=3, blocks=but_last)
+    res = eng.backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref) and compare_grads(got, ref).max_rel_err <= 1e-10
+    assert res.info["checkpointed"] == 1 and res.info["micro_batches"] == 3
+
+
 def test_plan_chooses_it_at_a_budget_only_micro_batches_meet() -> None:
     model, x, loss_fn = _gpt(batch=16, dtype=torch.float32)
     bp = profile_step(leangrad.engine("backprop"), model, x, loss_fn, repeats=0)

@@ -65,9 +65,11 @@ def block_offers(model: nn.Module, found: Blocks,
         out += [("checkpoint", {"blocks": list(found.names)}),
                 ("checkpoint", {"trace": True}),
                 ("checkpoint", {"blocks": list(found.names), "trace": True})]  # fmt: skip
-        # fewer checkpointed blocks: less recomputation where the budget allows it
+        # fewer checkpointed blocks: less recomputation where the budget allows it; all
+        # but the last is PyTorch's per-block recipe (the zoo's GPT: the same peak as every
+        # block, one block's recomputation less)
         n = len(found.names)
-        for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)} - {n, n - 1}):
+        for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4), n - 1} - {n, 0}):
             out.append(("checkpoint", {"blocks": list(found.names[:m])}))
     return _offers(out) + fragment_offers(model, found, loss_fn)
 

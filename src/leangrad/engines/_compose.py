@@ -488,14 +488,21 @@ class Accumulate(OnBackprop):
                         exact: bool) -> list[PlanOffer]:  # fmt: skip
         """Where they are exact — a loss declared per example, no layer coupling the
         examples or drawing masks — 2, 4 and 8 micro-batches (those up to the batch's
-        examples), alone and under checkpointing where blocks were found."""
+        examples), alone and under checkpointing where blocks were found; in a model run
+        as written also with every block but the last checkpointed, PyTorch's per-block
+        loop inside each micro-batch (the last block's recomputation buys nothing where
+        its saved tensors are not at the peak, as on the zoo's GPT)."""
         del exact
         if not isinstance(loss_fn, PerExample) or batch_coupling(model) is not None:
             return []
         ks = [k for k in MICRO_BATCHES if k <= loss_fn.batch]
         out = [PlanOffer("accumulate", {"micro_batches": k}, PlanOrder.MICRO_BATCHES)
                for k in ks]  # fmt: skip
-        if found is not None:
-            out += [PlanOffer("checkpoint+accumulate", {"micro_batches": k},
-                              PlanOrder.MICRO_BATCHES) for k in ks]  # fmt: skip
+        if found is None:
+            return out
+        options: list[dict[str, Any]] = [{}]
+        if not found.sequential and found.runner is None and len(found.names) > 1:
+            options.append({"blocks": list(found.names[:-1])})
+        out += [PlanOffer("checkpoint+accumulate", {**o, "micro_batches": k},
+                          PlanOrder.MICRO_BATCHES) for o in options for k in ks]  # fmt: skip
         return out
