@@ -21,8 +21,9 @@ from ._blocks import Blocks
 from ._fragments import split_reason
 from ._time_chunks import fused_recurrent
 
-__all__ = ["FRAGMENTS", "LARGEST_BLOCKS", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS", "block_offers",
-           "fragment_offers", "stage_modules", "stem_modules", "time_chunk_offers"]  # fmt: skip
+__all__ = ["FRAGMENTS", "LARGEST_BLOCKS", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS", "all_but_last",
+           "block_offers", "fragment_offers", "stage_modules", "stem_modules",
+           "time_chunk_offers"]  # fmt: skip
 
 FRAGMENTS = (2, 4, 8)
 """Fragment counts the planner tries for checkpointed blocks (those up to the batch's
@@ -41,6 +42,16 @@ Offers = list[PlanOffer]
 
 def _offers(items: list[tuple[str, dict[str, Any]]]) -> Offers:
     return [PlanOffer(name, options, PlanOrder.BLOCKS) for name, options in items]
+
+
+def all_but_last(found: Blocks) -> list[str] | None:
+    """The blocks PyTorch's per-block loop checkpoints — every one but the last — where
+    ``blocks=`` can name them (a model run as written, with at least two blocks), else
+    ``None``. On the zoo's GPT the last block's recomputation lowers no peak and costs a
+    block's forward."""
+    if found.sequential or found.runner is not None or len(found.names) < 2:
+        return None
+    return list(found.names[:-1])
 
 
 def block_offers(model: nn.Module, found: Blocks,
@@ -65,9 +76,8 @@ def block_offers(model: nn.Module, found: Blocks,
         out += [("checkpoint", {"blocks": list(found.names)}),
                 ("checkpoint", {"trace": True}),
                 ("checkpoint", {"blocks": list(found.names), "trace": True})]  # fmt: skip
-        # fewer checkpointed blocks: less recomputation where the budget allows it; all
-        # but the last is PyTorch's per-block recipe (the zoo's GPT: the same peak as every
-        # block, one block's recomputation less)
+        # fewer checkpointed blocks: less recomputation where the budget allows it; n - 1
+        # is PyTorch's per-block recipe (all_but_last)
         n = len(found.names)
         for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4), n - 1} - {n, 0}):
             out.append(("checkpoint", {"blocks": list(found.names[:m])}))

@@ -42,6 +42,7 @@ from ._base import (
 )
 from ._blocks import Blocks
 from ._catalog import available, engine_class, register
+from ._checkpoint_plan import all_but_last
 from ._contract import BufferGuard
 from ._coupling import batch_coupling
 from ._prepare import PreparedCache
@@ -490,8 +491,7 @@ class Accumulate(OnBackprop):
         examples or drawing masks — 2, 4 and 8 micro-batches (those up to the batch's
         examples), alone and under checkpointing where blocks were found; in a model run
         as written also with every block but the last checkpointed, PyTorch's per-block
-        loop inside each micro-batch (the last block's recomputation buys nothing where
-        its saved tensors are not at the peak, as on the zoo's GPT)."""
+        loop inside each micro-batch (:func:`all_but_last`)."""
         del exact
         if not isinstance(loss_fn, PerExample) or batch_coupling(model) is not None:
             return []
@@ -501,8 +501,8 @@ class Accumulate(OnBackprop):
         if found is None:
             return out
         options: list[dict[str, Any]] = [{}]
-        if not found.sequential and found.runner is None and len(found.names) > 1:
-            options.append({"blocks": list(found.names[:-1])})
+        if (but_last := all_but_last(found)) is not None:
+            options.append({"blocks": but_last})
         out += [PlanOffer("checkpoint+accumulate", {**o, "micro_batches": k},
                           PlanOrder.MICRO_BATCHES) for o in options for k in ks]  # fmt: skip
         return out
