@@ -4,6 +4,7 @@ SIGKILL then resumed."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,7 +221,10 @@ def test_train_budget_plans_among_the_engines_named(tmp_path, capsys) -> None:
                  "--out", str(tmp_path / "a")])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0, text
-    assert "plan_engines=checkpoint " in text and "\nchosen: checkpoint — " in text
+    assert "plan_engines=checkpoint " in text
+    # Every checkpoint candidate fits 2 GiB; the fastest wins, and which one that is
+    # depends on the machine's load: any of checkpoint's options is right.
+    assert re.search(r"\nchosen: checkpoint(\([^)]*\))? — ", text), text
     assert main([*base, "--engines", "checkpoint", "--out", str(tmp_path / "b")]) == 2
     assert "--engines lists the engines a plan may choose from and needs --budget" in (
         capsys.readouterr().err)
