@@ -7,6 +7,10 @@ float results reproducible run to run.
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -39,3 +43,29 @@ _hyp_settings.register_profile(
     database=None,
 )
 _hyp_settings.register_profile("fuzz", max_examples=2000, deadline=None)
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[tuple[str, str]]]:
+    """(label, "real" or "fake") -> steps, for every engine the planner makes."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    import leangrad._plan_measure as measuring  # imported here: conftest loads before any test
+
+    steps: collections.Counter[tuple[str, str]] = collections.Counter()
+    make = measuring.engine
+
+    def counting(name: str, **opts: Any) -> Any:
+        eng = make(name, **opts)
+        inner = eng.backward
+
+        def backward(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            xs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+            steps[(eng.label, "fake" if is_fake(xs[0]) else "real")] += 1
+            return inner(model, inputs, *args, **kwargs)
+
+        eng.backward = backward  # type: ignore[method-assign]
+        return eng
+
+    monkeypatch.setattr(measuring, "engine", counting)
+    yield steps

@@ -11,17 +11,14 @@ from __future__ import annotations
 import collections
 import random
 import statistics
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 import leangrad
 import leangrad._plan as planner
 import leangrad._plan_choice as pc
-import leangrad._plan_measure as measuring
 from leangrad._plan_measure import ESTIMATE_MARGIN, ESTIMATED, Tried
 from leangrad._sizes import fmt_bytes
 from leangrad.measure import Timing, estimate_step, profile_step
@@ -154,28 +151,6 @@ B0, B01, FRAG = ("checkpoint(blocks=['blocks.0'])", "checkpoint(blocks=['blocks.
 ENGINES = [("backprop", {}), ("checkpoint", {"blocks": ["blocks.0"]}),
            ("checkpoint", {"blocks": ["blocks.0", "blocks.1"]}), ("checkpoint", {}),
            ("checkpoint", {"fragments": 2})]  # fmt: skip
-
-
-@pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[tuple[str, str]]]:
-    """(label, "real" or "fake") -> steps, for every engine the planner makes."""
-    steps: collections.Counter[tuple[str, str]] = collections.Counter()
-    make = measuring.engine
-
-    def counting(name: str, **opts: Any) -> Any:
-        eng = make(name, **opts)
-        inner = eng.backward
-
-        def backward(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            xs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
-            steps[(eng.label, "fake" if is_fake(xs[0]) else "real")] += 1
-            return inner(model, inputs, *args, **kwargs)
-
-        eng.backward = backward  # type: ignore[method-assign]
-        return eng
-
-    monkeypatch.setattr(measuring, "engine", counting)
-    yield steps
 
 
 def test_plan_runs_a_candidate_only_where_a_step_decides(

@@ -56,7 +56,8 @@ from torch import nn
 from . import _errors as errors
 from ._plan_choice import RACED_OUT, Choice, choose
 from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
-from ._plan_measure import Context, Tried, measure, too_big
+from ._plan_measure import Context, Measured, Tried, measure, revisit, too_big
+from ._plan_measure import key as row_key
 from ._sizes import fmt_bytes, free_bytes
 from ._step import Step
 from .engines import Engine, available, engine_class
@@ -86,6 +87,10 @@ NOTHING_FITS = (
 NOT_COPYABLE = (
     "plan(optimizer=...) steps a copy of the model (copy.deepcopy) so yours is left as it "
     "was, and this model cannot be copied ({why}); plan without optimizer="
+)
+NOT_REUSABLE = (
+    "plan(reuse=...) takes a plan of this same step made in this process, and this one {why}; "
+    "plan without reuse="
 )
 BACKPROP = "backprop"
 """The reference a compiled row's time is scaled from (timed beside the candidates)."""
@@ -138,6 +143,7 @@ def plan(
     progress: Callable[[str], None] | bool | None = None,
     autocast: torch.dtype | None = None,
     compile: bool = False,
+    reuse: Plan | None = None,
 ) -> Plan:
     """Find the fastest engine whose measured peak fits ``budget`` bytes.
 
@@ -190,6 +196,15 @@ def plan(
             more on a large one.
             Exact meaning "equal to autograd up to float reassociation" (checked in that
             process). A compile that fails is a row ``failed: <reason>``.
+        reuse: a plan of the same step (this ``model`` and these ``inputs``, the same
+            ``exact``, ``optimizer``, ``autocast``, ``engines`` and ``compile``) at another
+            budget, made in this process: its candidates' peaks and warm engines are taken
+            instead of stepping each again, since a peak does not depend on the budget;
+            only rows that the new budget could judge differently are measured again (one
+            its estimate screened out by less than the margin now, a first step's peak
+            that fitted the old budget and not this one), and the candidates that fit are
+            timed side by side as always. Planning at ½, ¼ and ⅛ of backprop's peak
+            steps each candidate once instead of three times.
 
     Returns:
         A :class:`Plan`; printing it prints the table. The model, its gradients, buffers
@@ -214,7 +229,8 @@ def plan(
         raise ValueError(BAD_SETTING.format(name="compile", want="True or False", value=compile))
     found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
                   engines=engines, repeats=repeats, allocate_limit=allocate_limit,
-                  progress=progress, compile=compile, autocast=autocast)  # fmt: skip
+                  progress=progress, compile=compile, autocast=autocast,
+                  reuse=reuse)  # fmt: skip
     if autocast is None:
         return found
     made_for = {**(found.made_for or {}), "autocast": str(autocast).removeprefix("torch.")}
@@ -235,6 +251,7 @@ def _plan(
     progress: Callable[[str], None] | bool | None,
     compile: bool = False,
     autocast: torch.dtype | None = None,
+    reuse: Plan | None = None,
 ) -> Plan:
     """:func:`plan`'s search, its arguments checked (each step under ``autocast``, in a
     context of its own, where given)."""
@@ -242,7 +259,13 @@ def _plan(
     made_for = fingerprint(model, xs)  # what Plan.load checks a model and batch against
     device = xs[0].device if xs else next(model.parameters()).device
     limit = allocate_limit if allocate_limit is not None else free_bytes(device)
-    if optimizer is not None:
+    setting = (exact, optimizer, autocast, None if engines is None else repr(list(engines)),
+               compile)  # fmt: skip
+    prior = _prior(reuse, model, xs, setting)
+    user_model = model
+    if prior is not None:
+        model = prior.model  # the user's, or the copy its optimizer stepped
+    elif optimizer is not None:
         try:
             model = copy.deepcopy(model)  # stepped by the optimizer: never the user's
         except Exception as err:  # any reason a module cannot be copied
@@ -257,20 +280,33 @@ def _plan(
         shown.grow(len(compile_candidates()))
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
                    too_big(model, xs, loss_fn, limit), autocast)  # fmt: skip
-    for candidate in first:  # one at a time: the bar advances per candidate
-        measure([candidate], ctx, tried)
+    rows: dict[str, list[Tried]] = {}  # each candidate's, kept for a later plan's reuse=
+
+    def take(candidate: tuple[str, dict[str, Any]]) -> None:
+        before, old = len(tried), prior.rows.get(row_key(*candidate)) if prior else None
+        if old is None:
+            measure([candidate], ctx, tried)
+        else:
+            revisit(old, ctx, tried)
+        rows[row_key(*candidate)] = tried[before:]
         shown.advance()
+
+    for candidate in first:  # one at a time: the bar advances per candidate
+        take(candidate)
     if engines is None and not any(t.fits for t in tried):
         rest = last_resorts(model)
         shown.grow(len(rest))
         for candidate in rest:
-            measure([candidate], ctx, tried)
-            shown.advance()
+            take(candidate)
     if compile:  # after the others: its workers never share the CPU with a measurement here
         from ._plan_compile import measure_compiled
 
-        before = len(tried)
-        measure_compiled(ctx, tried, repeats=repeats, autocast=autocast is not None)
+        before, old = len(tried), prior.rows.get(COMPILED) if prior else None
+        if old is None:
+            measure_compiled(ctx, tried, repeats=repeats, autocast=autocast is not None)
+        else:
+            revisit(old, ctx, tried)
+        rows[COMPILED] = tried[before:]
         for _ in tried[before:]:
             shown.advance()
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
@@ -300,8 +336,31 @@ def _plan(
     result = _result(table, row, step, budget, exact, model, xs, loss_fn)
     shown.advance()
     shown.close()
+    measured = Measured(model, xs, setting, rows, of=user_model)
     return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
-                               made_for=made_for)  # fmt: skip
+                               made_for=made_for, measured=measured)  # fmt: skip
+
+
+COMPILED = "compiled"
+"""The key of the compiled rows in :attr:`Measured.rows` (every candidate's has a space)."""
+
+
+def _prior(reuse: Plan | None, model: nn.Module, xs: tuple[torch.Tensor, ...],
+           setting: tuple[Any, ...]) -> Measured | None:  # fmt: skip
+    """``reuse``'s measurements where they are of this step (:func:`plan`'s ``reuse``)."""
+    if reuse is None:
+        return None
+    found = reuse.measured
+    if found is None:
+        why = "has no measurements (a plan loaded from a file, or built by hand)"
+    elif found.of is not model or len(found.xs) != len(xs) or any(
+            a is not b for a, b in zip(found.xs, xs, strict=False)):  # fmt: skip
+        why = "was made on another model or other inputs"
+    elif found.setting != setting:
+        why = "was made with other settings (exact, optimizer, autocast, engines or compile)"
+    else:
+        return found
+    raise ValueError(NOT_REUSABLE.format(why=why))
 
 
 def _candidate(t: Tried, seconds: float | None, chosen: str | None, engine: Engine | None,

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from . import _errors as errors
 from ._plan_compile import COMPILE_NAME, Compiled
+from ._plan_measure import Measured
 from ._sizes import fmt_bytes
 from ._version import __version__
 from .engines import Engine
@@ -176,6 +177,8 @@ class Plan:
         chosen: the chosen row of ``table``, its ``engine`` this plan's ``engine``
             (``None`` when nothing fits). Left out, it is the row whose verdict reads
             ``"chosen"`` (a plan file's record, or a plan built by hand).
+        measured: what the plan measured (its candidates' peaks and warm engines), for
+            ``plan(..., reuse=this_plan)`` at another budget; ``None`` in a plan file's.
     """
 
     engine: Engine | None
@@ -191,6 +194,7 @@ class Plan:
     wall_seconds: float | None = None
     made_for: dict[str, Any] | None = None
     chosen: Candidate | None = None
+    measured: Measured | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chosen is not None:

@@ -61,8 +61,8 @@ from .engines import Engine, engine
 from .measure import estimate_step, profile_step
 
 __all__ = [
-    "ESTIMATED", "ESTIMATE_MARGIN", "FAILED", "PER_LAYER", "Context", "Tried",
-    "failed_verdict", "measure", "too_big",
+    "ESTIMATED", "ESTIMATE_MARGIN", "FAILED", "PER_LAYER", "Context", "Measured", "Tried",
+    "failed_verdict", "key", "measure", "revisit", "too_big",
 ]
 
 ESTIMATED = "estimate"
@@ -130,10 +130,36 @@ class Tried:
     estimate: bool = False
     compile_seconds: float | None = None
     time_ratio: float | None = None
+    warm: bool = True
+    """The peak is a warm step's (``False``: the first step's, kept because it fitted)."""
+    screened: bool = False
+    """Not run: its fake-tensor estimate was over the budget by more than the margin."""
 
     @property
     def fits(self) -> bool:
         return self.peak is not None and self.verdict.startswith("fits")
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a plan measured, kept with it so that a plan of the same step at another budget
+    (``plan(reuse=)``) takes each candidate's peak and warm engine instead of stepping it
+    again: a peak does not depend on the budget, only a verdict does (:func:`revisit`)."""
+
+    model: nn.Module
+    """The model stepped: the user's, or the plan's copy where an optimizer steps it."""
+    xs: tuple[torch.Tensor, ...]
+    setting: tuple[Any, ...]
+    """What else decides the rows: exactness, optimizer, autocast, candidates, compile."""
+    rows: dict[str, list[Tried]]
+    """Each candidate's rows (one, or two with an optimizer), by :func:`key`."""
+    of: nn.Module
+    """The user's model the plan was asked for."""
+
+
+def key(name: str, options: dict[str, Any]) -> str:
+    """A candidate's name and options as one dictionary key."""
+    return f"{name} {options!r}"
 
 
 def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
@@ -157,33 +183,71 @@ def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,
         else:
             why = "not exact (plan with exact=False to allow estimators)"
         for per_layer in kinds:
-            step = _make_step(name, opts, ctx, per_layer, eng)
-            row = functools.partial(Tried, label=step.label, exact=eng.exact, name=name,
-                                    options=dict(opts), per_layer=bool(per_layer))  # fmt: skip
-            if why is not None:
-                tried.append(row(engine=None, peak=None, verdict=f"n/a: {why}"))
+            tried.append(_measure_kind(name, opts, ctx, per_layer, eng, why))
+
+
+def _measure_kind(name: str, opts: dict[str, Any], ctx: Context, per_layer: bool | None,
+                  eng: Engine, why: str | None) -> Tried:  # fmt: skip
+    """One candidate's row, its optimizer stepped after backward or per layer (without one:
+    ``per_layer`` is ``None``); ``why``: the reason it does not apply, if any."""
+    step = _make_step(name, opts, ctx, per_layer, eng)
+    row = functools.partial(Tried, label=step.label, exact=eng.exact, name=name,
+                            options=dict(opts), per_layer=bool(per_layer))  # fmt: skip
+    if why is not None:
+        return row(engine=None, peak=None, verdict=f"n/a: {why}")
+    if ctx.progress is not None:
+        ctx.progress(f"peak of {step.label}")
+    over = _over_by_estimate(step, name, opts, per_layer, ctx)
+    if over is not None:
+        return row(engine=step, peak=over, verdict=f"over budget ({ESTIMATED})", estimate=True,
+                   screened=True)  # fmt: skip
+    try:
+        peak, est, warm = _peak(step, name, opts, per_layer, ctx)
+    except errors.LeangradError as err:
+        return row(engine=None, peak=None, verdict=f"n/a: {err}")
+    except Exception as err:  # a candidate's own failure is a row, not the plan's
+        if name == "backprop":  # the reference: the model or loss itself fails
+            raise
+        return row(engine=None, peak=None, verdict=failed_verdict(err))
+    return row(engine=step, peak=peak, verdict=_verdict(peak, ctx.budget, est), estimate=est,
+               warm=warm)  # fmt: skip
+
+
+def _verdict(peak: int, budget: int, estimate: bool) -> str:
+    return ("fits" if peak <= budget else "over budget") + (f" ({ESTIMATED})" if estimate else "")
+
+
+def revisit(rows: Sequence[Tried], ctx: Context, tried: list[Tried]) -> None:
+    """``rows``, one candidate's as an earlier plan of the same step measured them, judged
+    against this plan's budget and appended to ``tried``. A peak is the same at any budget,
+    so only a row that could now be judged differently is stepped again: one its estimate
+    screened out that the margin no longer rules out (measured now), and one whose
+    first-step peak fitted the old budget but not this one (tracked again, warm, as
+    :func:`_measured` would have). A compiled row keeps its fresh process's peak."""
+    for t in rows:
+        if t.engine is None or t.peak is None:  # n/a or failed: the same at any budget
+            tried.append(t)
+        elif t.screened:
+            if t.peak > (1 + ESTIMATE_MARGIN) * ctx.budget:
+                tried.append(t)
                 continue
+            eng = t.engine.engine if isinstance(t.engine, Step) else t.engine
+            per_layer = None if ctx.optimizer is None else t.per_layer  # as measure's kinds
+            tried.append(_measure_kind(t.name, t.options, ctx, per_layer, eng, None))
+        elif t.compile_seconds is not None or t.time_ratio is not None:
+            note = t.verdict.removeprefix("fits").removeprefix("over budget")  # its source
+            tried.append(dataclasses.replace(
+                t, verdict=("fits" if t.peak <= ctx.budget else "over budget") + note))
+        elif not t.warm and t.peak > ctx.budget:
             if ctx.progress is not None:
-                ctx.progress(f"peak of {step.label}")
-            over = _over_by_estimate(step, name, opts, per_layer, ctx)
-            if over is not None:
-                tried.append(row(engine=step, peak=over, verdict=f"over budget ({ESTIMATED})",
-                                 estimate=True))  # fmt: skip
-                continue
-            try:
-                peak, est = _peak(step, name, opts, per_layer, ctx)
-            except errors.LeangradError as err:
-                tried.append(row(engine=None, peak=None, verdict=f"n/a: {err}"))
-                continue
-            except Exception as err:  # a candidate's own failure is a row, not the plan's
-                if name == "backprop":  # the reference: the model or loss itself fails
-                    raise
-                tried.append(row(engine=None, peak=None, verdict=failed_verdict(err)))
-                continue
-            verdict = "fits" if peak <= ctx.budget else "over budget"
-            if est:
-                verdict += f" ({ESTIMATED})"
-            tried.append(row(engine=step, peak=peak, verdict=verdict, estimate=est))
+                ctx.progress(f"peak of {t.label}")
+            peak = profile_step(t.engine, ctx.model, ctx.xs, ctx.loss_fn, repeats=0,
+                                warmup=0).total_bytes  # fmt: skip
+            tried.append(dataclasses.replace(t, peak=peak, warm=True,
+                                             verdict=_verdict(peak, ctx.budget, False)))
+        else:
+            tried.append(dataclasses.replace(t, verdict=_verdict(t.peak, ctx.budget,
+                                                                 t.estimate)))
 
 
 FAILED = "failed: {kind}: {error}"
@@ -226,10 +290,10 @@ def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: boo
     return est if est > (1 + ESTIMATE_MARGIN) * ctx.budget else None
 
 
-def _measured(step: Any, ctx: Context) -> int:
+def _measured(step: Any, ctx: Context) -> tuple[int, bool]:
     """The step's total bytes, tracked for real: its first step where that fits the budget,
     else (or where the first step is known to differ) a step after a warm-up (the module
-    docstring says why)."""
+    docstring says why); and whether they are a warm step's."""
 
     def tracked(warmup: int) -> int:
         return profile_step(step, ctx.model, ctx.xs, ctx.loss_fn, repeats=0,
@@ -237,17 +301,19 @@ def _measured(step: Any, ctx: Context) -> int:
 
     eng = step.engine if isinstance(step, Step) else step
     if eng.probes or ctx.optimizer is not None or ctx.autocast:
-        return tracked(1)
+        return tracked(1), True
     first = tracked(0)
-    return first if first <= ctx.budget else tracked(0)  # the second: warm, as tracked(1)
+    return (first, False) if first <= ctx.budget else (tracked(0), True)  # warm: as tracked(1)
 
 
 def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
-          ctx: Context) -> tuple[int, bool]:  # fmt: skip
-    """The step's total bytes, and whether they are a fake-tensor estimate."""
+          ctx: Context) -> tuple[int, bool, bool]:  # fmt: skip
+    """The step's total bytes, whether they are a fake-tensor estimate, and whether they
+    are a warm step's (an estimate's count as warm: no first step's extra work)."""
     if not ctx.estimate_only:
         try:
-            return _measured(step, ctx), False
+            peak, warm = _measured(step, ctx)
+            return peak, False, warm
         except Exception as err:  # only running out of memory falls back to an estimate
             if not _out_of_memory(err):
                 raise
@@ -258,7 +324,7 @@ def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
                                  "estimated on fake tensors")
     fresh = _make_step(name, opts, ctx, per_layer)  # no real state in a fake step
     try:
-        return estimate_step(fresh, ctx.model, ctx.xs, ctx.loss_fn).total_bytes, True
+        return estimate_step(fresh, ctx.model, ctx.xs, ctx.loss_fn).total_bytes, True, True
     except errors.LeangradError:
         raise
     except Exception as err:  # an op fake tensors cannot run

@@ -145,14 +145,15 @@ def _common(kind: str, size: dict[str, int], ctx: dict[str, Any], ref: Any) -> d
 
 def _at_budget(
     f: float, kind: str, size: dict[str, int], ctx: dict[str, Any], pe: _Peers,
-    compiled: dict[float, dict[str, Any]], common: dict[str, Any],
+    compiled: dict[float, dict[str, Any]], common: dict[str, Any], reuse: Plan | None = None,
 ) -> tuple[list[dict[str, Any]], Plan]:  # fmt: skip
-    """Plan at ``base + f`` backprop's peak; the three sides' records, and the plan."""
+    """Plan at ``base + f`` backprop's peak (taking ``reuse``'s peaks: the plan at the
+    previous fraction); the three sides' records, and the plan."""
     ref = pe.prof["backprop"]
     base = ref.baseline_bytes
     budget = base + int(f * ref.peak_bytes)
     p = plan(pe.model, pe.x, pe.loss_fn, budget=budget, optimizer=make_sgd,
-             repeats=ctx["repeats"])  # fmt: skip
+             repeats=ctx["repeats"], reuse=reuse)  # fmt: skip
     fits = [n for n in pe.steps if pe.prof[n].total_bytes <= budget]
     timed = {"backprop": pe.steps["backprop"], **{n: pe.steps[n] for n in fits}}
     if p.engine is not None:
@@ -185,9 +186,10 @@ def _run_model(
     common = _common(kind, size, ctx, ref)
     records: list[dict[str, Any]] = []
     smallest: dict[str, tuple[str, int]] = {}
+    p: Plan | None = None
     for f in ctx["fractions"]:
         bar.set_postfix_str(f"{kind}: plan at {f}")
-        recs, p = _at_budget(f, kind, size, ctx, pe, compiled, common)
+        recs, p = _at_budget(f, kind, size, ctx, pe, compiled, common, reuse=p)
         records += recs
         measured = [c for c in p.table if c.peak_bytes is not None]
         low = min(measured, key=lambda c: c.peak_bytes or 0)

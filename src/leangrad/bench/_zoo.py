@@ -9,7 +9,8 @@ Per model (ResNet-18-style CNN, GPT, BERT, LSTM and GRU LMs, the GRU LM as a
 - leangrad: every registered engine and base + transforms composition that ``supports``
   the model (:func:`_zoo_methods.leangrad_methods`; the others recorded as skipped, with
   the reason), and ``leangrad.plan(exact=True)`` at budgets of parameters and inputs
-  + f × backprop's peak (f = 0.5, 0.25);
+  + f × backprop's peak (f = 0.5, 0.25, 0.125), each plan after the first taking the
+  previous one's peaks (``plan(reuse=)``: its ``plan_seconds`` is its own work);
 - PyTorch (:mod:`leangrad.bench._zoo_methods`): per-block, selective and
   ``checkpoint_sequential`` checkpointing (recurrent LMs: the recurrent module whole, or
   time chunks), bfloat16 autocast; ``torch.compile`` default and with
@@ -50,7 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
-from .._plan import plan
+from .._plan import Plan, plan
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
 from ._models import build
@@ -189,6 +190,7 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     for f in [float(v) for v in ctx.get("fractions", [0.5, 0.25])]:
         run.plan_at(f, bp)
         lap(f"plan at {f}")
+    run.planned = None  # its candidates' engines (and their caches) are not kept further
     ok = [m for m in run.methods if m.label in run.prof]
     say(f"timing {len(ok)} methods, {ctx.repeats} interleaved repeats")
     steps = {m.label: _step(run.engines[m.label], run.model, run.x, run.loss_fn) for m in ok}
@@ -274,6 +276,7 @@ class _ModelRun:
         self.prof: dict[str, StepProfile] = {}
         self.failed: dict[str, tuple[str, str]] = {}  # label -> (side, error)
         self.plans: dict[str, dict[str, Any]] = {}  # plan label -> budget, fraction, choice
+        self.planned: Plan | None = None  # the last plan: the next one takes its peaks
 
     def profile(self, m: Method) -> None:
         """The tracker's profile of ``m``'s step, or the error it raised (a finding)."""
@@ -294,7 +297,8 @@ class _ModelRun:
         self.plans[label] = {"budget_bytes": budget, "fraction": fraction}
         try:
             p = plan(self.model, self.x, self.loss_fn, budget=budget, exact=True,
-                     repeats=self.ctx.repeats)  # fmt: skip
+                     repeats=self.ctx.repeats, reuse=self.planned)  # fmt: skip
+            self.planned = p
         except Exception as err:  # a planner failing on a zoo model is a finding
             self.failed[label] = ("plan", f"{type(err).__name__}: {str(err)[:300]}")
             return
