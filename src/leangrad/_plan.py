@@ -33,7 +33,9 @@ its contenders; no round runs a warm-up of its own (each candidate's peak measur
 warmed it); the chosen step's peak is re-measured without another warm-up. Counted on the
 zoo's Llama at twice the quick size's width and context (28 rows; one thread): at 0.5×
 (10 fit) 115 real steps before, 64 after and 18 fake-tensor ones; at 0.25× (8 fit) 107,
-then 47 and 18.
+then 47 and 18. Planning the same step at several budgets, a plan after the first takes
+the earlier one's peaks and warm engines (``reuse=``: :func:`leangrad._plan_measure.revisit`
+says which rows are stepped again), so only the timing of what fits is repeated.
 
 A step too big to allocate here (backprop's estimate above ``allocate_limit``, or a
 candidate that runs out of memory) is measured on fake tensors instead
