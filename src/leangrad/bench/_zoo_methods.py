@@ -31,7 +31,9 @@ PyTorch's side (each marks the end of its forward phase, so its kept bytes are m
   leangrad's ``accumulate`` engine) ``loss_fn.rows(a, b)(model(x[a:b])).backward()``, the
   gradients adding up in ``.grad``; ``torch accumulate(k) + per-block``, the same with
   ``torch per-block`` inside each micro-batch (Hugging Face models: ``hf_checkpointing +
-  accumulate(k)``, the library's own checkpointing on for all k). Offered only where it
+  accumulate(k)``, the library's own checkpointing on for all k; the recurrent LMs:
+  ``torch accumulate(k) + time chunks(c)``, the fused module in the suite's most time
+  chunks inside each micro-batch). Offered only where it
   is exact: the loss is declared a mean over examples (:func:`leangrad.loss.per_example`)
   and no layer couples the examples or draws random masks
   (:func:`leangrad.engines._transforms.batch_coupling`: training-mode BatchNorm, dropout);
@@ -128,7 +130,8 @@ class Method:
         """A fresh engine-like object: ``.backward(model, inputs, loss_fn)``."""
         if "engine" in self.spec:
             return engine(self.spec["engine"], **self.spec.get("options", {}))
-        return TorchStep(self.label, self.spec["torch"], self.spec.get("arg"))
+        return TorchStep(self.label, self.spec["torch"], self.spec.get("arg"),
+                         chunks=self.spec.get("chunks"))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +260,8 @@ def pytorch_methods(
     only for a ``loss_fn`` declared per example on a model whose layers do not couple the
     examples (else skipped, with the reason)."""
     methods, skipped = _checkpoint_methods(model, segments=segments, chunks=chunks)
-    acc, acc_skipped = _accumulate_methods(model, list(micro_batches or []), loss_fn)
+    acc, acc_skipped = _accumulate_methods(model, list(micro_batches or []), loss_fn,
+                                           chunks=max(chunks, default=None))  # fmt: skip
     return methods + acc, skipped + acc_skipped
 
 
@@ -311,11 +315,13 @@ def _checkpoint_methods(
 
 
 def _accumulate_methods(
-    model: nn.Module, micro_batches: list[int], loss_fn: LossFn | None
-) -> tuple[list[Method], list[Skipped]]:
+    model: nn.Module, micro_batches: list[int], loss_fn: LossFn | None, *,
+    chunks: int | None = None,
+) -> tuple[list[Method], list[Skipped]]:  # fmt: skip
     """``torch accumulate(k)`` and, with checkpointing inside each micro-batch, ``torch
     accumulate(k) + per-block`` (Hugging Face models: ``hf_checkpointing +
-    accumulate(k)``) for each ``k``, or why not."""
+    accumulate(k)``; the recurrent LMs: ``torch accumulate(k) + time chunks(c)``, the
+    fused module in the most time ``chunks``) for each ``k``, or why not."""
     methods: list[Method] = []
     skipped: list[Skipped] = []
     lib = hf_checkpointing(model) is not None
@@ -324,6 +330,8 @@ def _accumulate_methods(
         plain = (f"torch accumulate({k})", "accumulate")
         ck = ((f"{HF_CHECKPOINTING} + accumulate({k})", "hf_checkpointing+accumulate") if lib
               else (f"torch accumulate({k}) + per-block", "accumulate+per-block"))  # fmt: skip
+        if isinstance(model, zoo.RNNLM) and chunks is not None:
+            ck = (f"torch accumulate({k}) + time chunks({chunks})", "accumulate+chunks")
         why = coupled or _accumulate_loss_why(loss_fn, k)
         for label, kind in (plain, ck):
             if why is not None:
@@ -332,7 +340,8 @@ def _accumulate_methods(
                 name = type(model).__name__
                 skipped.append(Skipped(label, "pytorch", NO_BLOCKS_TO_WRAP.format(model=name, k=k)))
             else:
-                methods.append(Method(label, "pytorch", True, {"torch": kind, "arg": k}))
+                extra = {"chunks": chunks} if kind == "accumulate+chunks" else {}
+                methods.append(Method(label, "pytorch", True, {"torch": kind, "arg": k, **extra}))
     return methods, skipped
 
 
@@ -410,8 +419,9 @@ class TorchStep:
 
     exact = True
 
-    def __init__(self, label: str, kind: str, arg: int | None = None) -> None:
-        self.label, self.kind, self.arg = label, kind, arg
+    def __init__(self, label: str, kind: str, arg: int | None = None, *,
+                 chunks: int | None = None) -> None:  # fmt: skip
+        self.label, self.kind, self.arg, self.chunks = label, kind, arg, chunks
         self.exact = kind != "bf16"
 
     def backward(self, model: nn.Module, inputs: Any, loss_fn: LossFn) -> None:
@@ -464,11 +474,15 @@ class TorchStep:
                     steps = peers(_PARTS[type(model)](model, xs[0][a:b]), part, [],
                                   optimizer=None)  # fmt: skip
                     steps["torch per-block"]()
+                elif self.kind == "accumulate+chunks":
+                    assert isinstance(model, zoo.RNNLM)
+                    part(model.head(_rnn_forward(model, xs[0][a:b], self.chunks))).backward()
                 else:
                     part(call(model, tuple(x[a:b] for x in xs))).backward()
 
 
-_ACCUMULATE_KINDS = ("accumulate", "accumulate+per-block", "hf_checkpointing+accumulate")
+_ACCUMULATE_KINDS = ("accumulate", "accumulate+per-block", "hf_checkpointing+accumulate",
+                     "accumulate+chunks")  # fmt: skip
 
 
 def _marked(loss_fn: LossFn) -> LossFn:
