@@ -150,3 +150,26 @@ def test_a_compiled_row_is_judged_anew_by_its_fresh_process_peak() -> None:
     tried.clear()
     measuring.revisit(rows[:1], dataclasses.replace(ctx, budget=2000), tried)
     assert tried[0].verdict == "fits (RSS-scaled)"
+
+
+def test_a_lower_budget_where_the_earlier_choice_still_fits_keeps_its_timing(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """At 900 kB checkpoint (770 kB) was timed fastest against fragments=2 (681 kB); at
+    800 kB it still fits, and every row that fits there fitted 900 kB and was timed against
+    it: nothing is timed again, the choice and its seconds stand, and only its peak is
+    re-measured (the plan's last step)."""
+    model, idx, loss_fn = _gpt()
+    monkeypatch.setattr(planner, "time_interleaved",
+                        Clock({"checkpoint": [1.0] * 3, FRAG: [1.3] * 3}))  # fmt: skip
+    first = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
+    counted.clear()
+    clock = Clock({})
+    monkeypatch.setattr(planner, "time_interleaved", clock)
+    again = leangrad.plan(model, idx, loss_fn, budget=800_000, repeats=3, engines=ENGINES,
+                          reuse=first)  # fmt: skip
+    assert clock.calls == [] and _real(counted) == {"checkpoint": 1}
+    assert again.engine is first.engine and again.seconds == first.seconds == 1.0
+    rows = {c.label: c for c in again.table}
+    assert rows[FRAG].seconds == 1.3 and rows[FRAG].verdict == "fits"
+    assert rows["checkpoint"].verdict.startswith("chosen")

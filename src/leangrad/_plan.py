@@ -205,8 +205,10 @@ def plan(
             only rows that the new budget could judge differently are measured again (one
             its estimate screened out by less than the margin now, a first step's peak
             that fitted the old budget and not this one), and the candidates that fit are
-            timed side by side as always. Planning at ½, ¼ and ⅛ of backprop's peak
-            steps each candidate once instead of three times.
+            timed side by side as always — except at a lower budget where the earlier
+            plan's choice still fits: every candidate that fits there was timed against it
+            and lost, so it stands, timings and all. Planning at ½, ¼ and ⅛ of backprop's
+            peak steps each candidate once instead of three times.
 
     Returns:
         A :class:`Plan`; printing it prints the table. The model, its gradients, buffers
@@ -314,7 +316,11 @@ def _plan(
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     scaled = {t.label: t.time_ratio for t in tried if t.fits and t.time_ratio is not None}
     choice = Choice(None, {})
-    if fitting or scaled:
+    if prior is not None and prior.choice is not None and prior.choice.label in fitting \
+            and budget <= prior.budget:  # fmt: skip
+        shown("the earlier plan's fastest fits: its timing stands")
+        choice = _still(prior.choice, set(fitting) | set(scaled))
+    elif fitting or scaled:
         shown(f"timing {len(fitting)} candidates side by side")
         steps = {label: _step(e, model, xs, loss_fn) for label, e in fitting.items()}
         if scaled and BACKPROP not in steps:  # the reference compiled rows are scaled from
@@ -338,9 +344,18 @@ def _plan(
     result = _result(table, row, step, budget, exact, model, xs, loss_fn)
     shown.advance()
     shown.close()
-    measured = Measured(model, xs, setting, rows, of=user_model)
+    measured = Measured(model, xs, setting, rows, of=user_model, budget=budget, choice=choice)
     return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
                                made_for=made_for, measured=measured)  # fmt: skip
+
+
+def _still(choice: Choice, here: set[str]) -> Choice:
+    """An earlier plan's ``choice`` at a lower budget where its fastest still fits: every
+    row that fits here fitted there (a peak is the same at any budget) and was timed
+    there, and none was faster; the rows that no longer fit lose their times."""
+    return Choice(choice.label, {k: v for k, v in choice.seconds.items() if k in here},
+                  tuple(k for k in choice.contenders if k in here), choice.tie_break,
+                  {k: v for k, v in choice.raced.items() if k in here})  # fmt: skip
 
 
 COMPILED = "compiled"

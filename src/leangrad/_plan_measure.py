@@ -155,6 +155,11 @@ class Measured:
     """Each candidate's rows (one, or two with an optimizer), by :func:`key`."""
     of: nn.Module
     """The user's model the plan was asked for."""
+    budget: int = 0
+    choice: Any = None
+    """What the plan's timing decided (a :class:`leangrad._plan_choice.Choice`): at a
+    lower budget every row that fits fitted this plan's budget too, so where its fastest
+    still fits, it is the fastest there."""
 
 
 def key(name: str, options: dict[str, Any]) -> str:
