@@ -286,32 +286,33 @@ def _plan(
                    too_big(model, xs, loss_fn, limit), autocast)  # fmt: skip
     rows: dict[str, list[Tried]] = {}  # each candidate's, kept for a later plan's reuse=
 
-    def take(candidate: tuple[str, dict[str, Any]]) -> None:
-        before, old = len(tried), prior.rows.get(row_key(*candidate)) if prior else None
+    def take(key: str, fresh: Callable[[], None]) -> int:
+        """The rows under ``key``: the earlier plan's, judged again, or ``fresh()``'s;
+        how many."""
+        before, old = len(tried), prior.rows.get(key) if prior else None
         if old is None:
-            measure([candidate], ctx, tried)
+            fresh()
         else:
             revisit(old, ctx, tried)
-        rows[row_key(*candidate)] = tried[before:]
+        rows[key] = tried[before:]
+        return len(rows[key])
+
+    def candidate(c: tuple[str, dict[str, Any]]) -> None:  # the bar advances per candidate
+        take(row_key(*c), lambda: measure([c], ctx, tried))
         shown.advance()
 
-    for candidate in first:  # one at a time: the bar advances per candidate
-        take(candidate)
+    for c in first:
+        candidate(c)
     if engines is None and not any(t.fits for t in tried):
         rest = last_resorts(model)
         shown.grow(len(rest))
-        for candidate in rest:
-            take(candidate)
+        for c in rest:
+            candidate(c)
     if compile:  # after the others: its workers never share the CPU with a measurement here
         from ._plan_compile import measure_compiled
 
-        before, old = len(tried), prior.rows.get(COMPILED) if prior else None
-        if old is None:
-            measure_compiled(ctx, tried, repeats=repeats, autocast=autocast is not None)
-        else:
-            revisit(old, ctx, tried)
-        rows[COMPILED] = tried[before:]
-        for _ in tried[before:]:
+        for _ in range(take(COMPILED, lambda: measure_compiled(
+                ctx, tried, repeats=repeats, autocast=autocast is not None))):  # fmt: skip
             shown.advance()
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     scaled = {t.label: t.time_ratio for t in tried if t.fits and t.time_ratio is not None}

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -59,6 +59,9 @@ from . import _errors as errors
 from ._step import PER_LAYER, MakeOptimizer, Step
 from .engines import Engine, engine
 from .measure import estimate_step, profile_step
+
+if TYPE_CHECKING:
+    from ._plan_choice import Choice  # which imports this module
 
 __all__ = [
     "ESTIMATED", "ESTIMATE_MARGIN", "FAILED", "PER_LAYER", "Context", "Measured", "Tried",
@@ -156,7 +159,7 @@ class Measured:
     of: nn.Module
     """The user's model the plan was asked for."""
     budget: int = 0
-    choice: Any = None
+    choice: Choice | None = None
     """What the plan's timing decided (a :class:`leangrad._plan_choice.Choice`): at a
     lower budget every row that fits fitted this plan's budget too, so where its fastest
     still fits, it is the fastest there."""
@@ -239,10 +242,6 @@ def revisit(rows: Sequence[Tried], ctx: Context, tried: list[Tried]) -> None:
             eng = t.engine.engine if isinstance(t.engine, Step) else t.engine
             per_layer = None if ctx.optimizer is None else t.per_layer  # as measure's kinds
             tried.append(_measure_kind(t.name, t.options, ctx, per_layer, eng, None))
-        elif t.compile_seconds is not None or t.time_ratio is not None:
-            note = t.verdict.removeprefix("fits").removeprefix("over budget")  # its source
-            tried.append(dataclasses.replace(
-                t, verdict=("fits" if t.peak <= ctx.budget else "over budget") + note))
         elif not t.warm and t.peak > ctx.budget:
             if ctx.progress is not None:
                 ctx.progress(f"peak of {t.label}")
@@ -250,9 +249,10 @@ def revisit(rows: Sequence[Tried], ctx: Context, tried: list[Tried]) -> None:
                                 warmup=0).total_bytes  # fmt: skip
             tried.append(dataclasses.replace(t, peak=peak, warm=True,
                                              verdict=_verdict(peak, ctx.budget, False)))
-        else:
-            tried.append(dataclasses.replace(t, verdict=_verdict(t.peak, ctx.budget,
-                                                                 t.estimate)))
+        else:  # its note (" (estimate)", a compiled row's " (RSS-scaled)") stays
+            note = t.verdict.removeprefix("fits").removeprefix("over budget")
+            verdict = ("fits" if t.peak <= ctx.budget else "over budget") + note
+            tried.append(dataclasses.replace(t, verdict=verdict))
 
 
 FAILED = "failed: {kind}: {error}"
