@@ -274,6 +274,28 @@ def test_out_check_does_not_call_a_directory_another_rank_made_a_file(
     assert out.is_dir()
 
 
+def test_out_check_passes_when_another_ranks_probe_comes_and_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another rank makes the directory just before this rank's ``mkdir`` and removes it
+    before ``exist_ok`` looks: "File exists" for a directory no longer there (seen in CI:
+    rank 1 refused ``--out leangrad-run``, "cannot create it (File exists)")."""
+    out = tmp_path / "run"
+    real = Path.mkdir
+    raced: list[Path] = []
+
+    def mkdir(self: Path, *args: object, **kwargs: object) -> None:
+        if self == out and not raced:
+            raced.append(self)  # the other rank made it and removed it again
+            raise FileExistsError(17, "File exists", str(self))
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    cli.check_out_dir(out)  # no error
+    assert raced == [out]
+    assert not out.exists()  # the probe still leaves nothing behind
+
+
 def test_train_into_a_file_writes_nothing(places: dict[str, str]) -> None:
     before = Path(places["file"]).read_text()
     assert main(["train", *QUICK, "--out", places["file"]]) == 2

@@ -152,6 +152,24 @@ OUT_CANNOT_MAKE = "{option} {path}: cannot create it ({error}); name a directory
 OUT_NOT_WRITABLE = "{option} {path}: not writable; name a directory you can write to"
 
 
+def _make_probe(p: Path, *, tries: int = 5) -> None:
+    """Make ``p`` (and its parents) as the probe. Under torchrun the other ranks make and
+    remove the same directory at once: ``mkdir`` can fail with "File exists" and the
+    directory be gone again before ``exist_ok`` looks (CI saw rank 1 refuse a good
+    ``--out`` this way). A ``p`` that exists and is no file was made by another rank, so
+    that is success; only a file there, or another error, is a failure."""
+    for _ in range(tries):
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+            return
+        except FileExistsError:
+            if _not_a_dir(p):
+                raise
+            if p.is_dir():  # another rank's probe or run directory
+                return
+    p.mkdir(parents=True, exist_ok=True)  # still racing after ``tries``: its own error
+
+
 def check_out_dir(path: str | Path, option: str = "--out") -> None:
     """Refuse, before any work, an output directory that cannot be written: one under a
     file, one that cannot be created, one not writable. Leaves nothing behind: levels it
@@ -175,7 +193,7 @@ def check_out_dir(path: str | Path, option: str = "--out") -> None:
     if _not_a_dir(q):
         raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=q))
     try:
-        p.mkdir(parents=True, exist_ok=True)  # exist_ok: torchrun ranks probe at once
+        _make_probe(p)
     except OSError as err:
         raise OptionError(OUT_CANNOT_MAKE.format(option=option, path=p,
                                                  error=err.strerror or err)) from None  # fmt: skip
