@@ -156,17 +156,15 @@ def _make_probe(p: Path, *, tries: int = 5) -> None:
     """Make ``p`` (and its parents) as the probe. Under torchrun the other ranks make and
     remove the same directory at once: ``mkdir`` can fail with "File exists" and the
     directory be gone again before ``exist_ok`` looks (CI saw rank 1 refuse a good
-    ``--out`` this way). A ``p`` that exists and is no file was made by another rank, so
-    that is success; only a file there, or another error, is a failure."""
-    for _ in range(tries):
+    ``--out`` this way). Unless a file stands there, try again: ``exist_ok`` takes a
+    directory another rank made, and one it removed is made anew."""
+    for _ in range(tries - 1):
         try:
             p.mkdir(parents=True, exist_ok=True)
             return
         except FileExistsError:
             if _not_a_dir(p):
                 raise
-            if p.is_dir():  # another rank's probe or run directory
-                return
     p.mkdir(parents=True, exist_ok=True)  # still racing after ``tries``: its own error
 
 
