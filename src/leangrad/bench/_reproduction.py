@@ -352,38 +352,45 @@ def _tanh_series(records: list[Record]) -> str | None:
     )
 
 
-@_reads("moonwalk-v1-fig4-training")
-def _moonwalk_v1_fig4(records: list[Record]) -> str | None:
+def _per_engine(records: list[Record], order: tuple[tuple[str, str], ...],
+                part: Callable[[list[Record], str], str | None]) -> list[str] | None:
+    """``part(its records, label)`` for each engine of the Fig. 4/5 tanh run, in
+    ``order`` (those with nothing to say left out); ``None`` where that run is absent."""
     series = _tanh_series(records)
     if series is None:
         return None
-    parts = []
-    for engine, label in (("backprop", "Backprop"), ("moonwalk", "Mixed"),
-                          ("revbackprop", "RevBackprop")):  # fmt: skip
-        fin = _last(records, "train_acc", series=series, engine=engine)
-        failed = next((r["failed"] for r in _match(records, series=series, engine=engine)
-                       if r.get("failed")), None)  # fmt: skip
-        if failed:
-            m = _FAILED.match(str(failed))
-            parts.append(f"{label} stopped at step {m.group(1)} ({m.group(2)})" if m
-                         else f"{label} failed")  # fmt: skip
-        elif fin is not None:
-            parts.append(f"{label} train acc {_num(fin['train_acc'], '.3f')} at step {fin['x']}")
+    found = (part(_match(records, series=series, engine=e), label) for e, label in order)
+    return [p for p in found if p is not None]
+
+
+def _fig4_part(rows: list[Record], label: str) -> str | None:
+    """How one engine's Fig. 4 training run ended: its step and error, or its accuracy."""
+    failed = next((r["failed"] for r in rows if r.get("failed")), None)
+    if failed:
+        m = _FAILED.match(str(failed))
+        return f"{label} stopped at step {m.group(1)} ({m.group(2)})" if m else f"{label} failed"
+    fin = _last(rows, "train_acc")
+    return None if fin is None else (f"{label} train acc {_num(fin['train_acc'], '.3f')} "
+                                     f"at step {fin['x']}")  # fmt: skip
+
+
+@_reads("moonwalk-v1-fig4-training")
+def _moonwalk_v1_fig4(records: list[Record]) -> str | None:
+    parts = _per_engine(records, (("backprop", "Backprop"), ("moonwalk", "Mixed"),
+                                  ("revbackprop", "RevBackprop")), _fig4_part)  # fmt: skip
     return "tanh on each coupling's output: " + "; ".join(parts) if parts else None
+
+
+def _fig5_part(rows: list[Record], label: str) -> str | None:
+    """One engine's largest gradient error over the Fig. 5 run."""
+    errs = [r["grad_max_rel_err"] for r in rows if r.get("grad_max_rel_err") is not None]
+    return f"{label} {max(errs):.1e}" if errs else None
 
 
 @_reads("moonwalk-v1-fig5-error")
 def _moonwalk_v1_fig5(records: list[Record]) -> str | None:
-    series = _tanh_series(records)
-    if series is None:
-        return None
-    parts = []
-    for engine, label in (("revbackprop", "RevBackprop"), ("moonwalk", "Mixed"),
-                          ("backprop", "Backprop")):  # fmt: skip
-        errs = [r["grad_max_rel_err"] for r in _match(records, series=series, engine=engine)
-                if r.get("grad_max_rel_err") is not None]  # fmt: skip
-        if errs:
-            parts.append(f"{label} {max(errs):.1e}")
+    parts = _per_engine(records, (("revbackprop", "RevBackprop"), ("moonwalk", "Mixed"),
+                                  ("backprop", "Backprop")), _fig5_part)  # fmt: skip
     return f"max rel. error over the run: {', '.join(parts)}" if parts else None
 
 

@@ -73,16 +73,8 @@ def record(
     if name == "highway_gru_lm":
         config["changed"] = HIGHWAY_CHANGED
     rec: dict[str, Any] = dict.fromkeys(RECORD_FIELDS)
-    rec.update(
-        ctx.common,
-        series=name,
-        x=label,
-        engine=label,
-        side=side,
-        config=config,
-        estimate=False,
-        base_batch=int(size["batch"]),
-    )
+    rec.update(ctx.common, series=name, x=label, engine=label, side=side, config=config,
+               estimate=False, base_batch=int(size["batch"]))  # fmt: skip
     rec.update(fields)
     return rec
 

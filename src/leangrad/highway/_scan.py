@@ -19,14 +19,8 @@ from typing import Literal
 
 import torch
 
-__all__ = [
-    "AUTO_PARALLEL_MAX_NUMEL",
-    "SCANS",
-    "Scan",
-    "cumsumprod",
-    "cumsumprod_parallel",
-    "cumsumprod_sequential",
-]
+__all__ = ["AUTO_PARALLEL_MAX_NUMEL", "SCANS", "Scan", "cumsumprod", "cumsumprod_parallel",
+           "cumsumprod_sequential"]  # fmt: skip
 
 Scan = Literal["parallel", "sequential", "auto"]
 SCANS: tuple[str, ...] = ("parallel", "sequential", "auto")
