@@ -5,7 +5,10 @@ zoo's, a HighwayNet and a Chain, with and without a per-example loss, exact or n
 
 ``plan_candidates.json`` was written by the hand-written ``leangrad._plan.candidates``
 and ``last_resorts`` before the change (tests/plan_candidate_models.py builds the
-models)."""
+models). One change since, on purpose: ``checkpoint`` with ``blocks=`` naming every block
+found (with and without ``trace=True``) is no longer offered beside ``checkpoint()``, which
+finds the same blocks (:func:`test_checkpoint_of_every_block_is_checkpoint`): the same
+step was measured and timed twice."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import pytest
 import torch
 
 from leangrad._plan import candidates, last_resorts
+from leangrad.engines import engine
+from leangrad.engines._blocks import blocks
 
 from .plan_candidate_models import MODELS, loss
 
@@ -53,3 +58,24 @@ def test_the_frozen_lists_cover_every_offering_engine() -> None:
             "checkpoint+fad", "checkpoint+bits", "accumulate", "checkpoint+accumulate",
             "moonwalk", "revbackprop", "rad", "checkpoint+rad", "highway",
             "forward"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if n.startswith("zoo_") or n == "highway"])
+def test_checkpoint_of_every_block_is_checkpoint(name: str) -> None:
+    """Why ``checkpoint(blocks=<every block found>)`` is not a candidate of its own: on a
+    model run as written, ``checkpoint()`` checkpoints the very same modules, so the two
+    are one step (the planner offers the default only)."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    found = blocks(model)
+    if found.sequential or found.runner is not None:
+        pytest.skip(f"{name}: blocks= is not offered for a sequence or an fx split")
+    default = engine("checkpoint")._find(model)
+    named = engine("checkpoint", blocks=list(found.names))._find(model)
+    assert default.names == named.names == found.names
+    assert all(default.modules[n] is named.modules[n] for n in found.names)
+    assert (default.sequential, default.runner) == (named.sequential, named.runner)
+    offered = candidates(model, exact=True, loss_fn=loss(False))
+    assert ("checkpoint", {}) in offered and ("checkpoint", {"trace": True}) in offered
+    assert not [o for n, o in offered if n == "checkpoint" and o.get("blocks") == list(found.names)
+                and set(o) <= {"blocks", "trace"}]
