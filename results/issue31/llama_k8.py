@@ -2,14 +2,16 @@
 did not give PyTorch (issue 31, "Llama with k=8"). Peaks by the tracker, times as medians of
 5 interleaved repeats, 1 thread. ``PYTHONPATH=src python results/issue31/llama_k8.py OUT.json``
 (about 4 minutes; run it alone: the times are spoiled by anything beside it)."""
-import json, platform, sys, time
+import json, platform, sys, time, tomllib
+from pathlib import Path
 import torch
 torch.set_num_threads(1)
 from leangrad.bench._models import build
 from leangrad.bench._zoo_methods import Method, call, pytorch_methods
 from leangrad.measure import profile_step, time_interleaved
 
-size = dict(vocab=32000, dim=256, layers=8, heads=4, context=256, batch=8)
+size = dict(tomllib.loads((Path(__file__).parents[2] / "src/leangrad/bench/suites/zoo.toml")
+                        .read_text())["settings"]["models"]["llama"])  # the zoo's full size
 wl = build("llama", size, device="cpu")
 model, x, loss_fn = wl.model, wl.inputs, wl.loss_fn
 torch_rows, _ = pytorch_methods(model, segments=[], chunks=[], micro_batches=[4, 8], loss_fn=loss_fn)

@@ -1,9 +1,12 @@
 """Wall time of leangrad.plan on a full-size zoo model at a fraction of backprop's peak (1 thread).
 
-Usage: python plan_wall.py REPO [FRACTION] [--model NAME] [--log] [--vs-backprop]
+Usage: python plan_wall.py REPO [FRACTION] [--model NAME] [--log] [--steps] [--vs-backprop]
 (default llama at 0.5; --log prints the progress timestamps: where the wall time went;
+--steps counts Engine.backward calls (nested ones included) and their seconds per phase,
+peak measurements or timing, and the fake-tensor estimates;
 --vs-backprop then times the chosen engine beside backprop, 3 interleaved rounds after a
 warm-up, for its time ratio)."""
+import collections
 import json
 import sys
 import time
@@ -27,10 +30,40 @@ suite = tomllib.loads((repo / "src/leangrad/bench/suites/zoo.toml").read_text())
 w = build(name, dict(suite["settings"]["models"][name]))
 bp = profile_step(leangrad.engine("backprop"), w.model, w.inputs, w.loss_fn, repeats=0)
 budget = bp.baseline_bytes + int(frac * bp.peak_bytes)
+calls: collections.Counter[str] = collections.Counter()
+spent: collections.Counter[str] = collections.Counter()
+phase = ["setup"]
+
+
+def counted(fn, kind=None):  # fn's calls and seconds, under kind or the plan's phase
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            calls[kind or phase[0]] += 1
+            spent[kind or phase[0]] += time.perf_counter() - t
+
+    return run
+
+
+if "--steps" in args:
+    import leangrad._plan_measure as plan_measure
+    from leangrad.engines import Engine
+
+    Engine.backward = counted(Engine.backward)
+    plan_measure.estimate_step = counted(plan_measure.estimate_step, "estimate")
 t0 = time.perf_counter()
 log = []  # (seconds since start, what the plan was doing)
-p = leangrad.plan(w.model, w.inputs, w.loss_fn, budget=budget, exact=True,
-                  progress=lambda what: log.append((round(time.perf_counter() - t0, 1), what)))
+
+
+def progress(what: str) -> None:
+    phase[0] = "timing" if what.startswith("timing") else "peak" if what.startswith("peak") \
+        else what[:30]
+    log.append((round(time.perf_counter() - t0, 1), what))
+
+
+p = leangrad.plan(w.model, w.inputs, w.loss_fn, budget=budget, exact=True, progress=progress)
 wall = time.perf_counter() - t0
 chosen = p.chosen
 print(json.dumps({"model": name, "fraction": frac, "wall_s": round(wall, 1),
@@ -43,6 +76,8 @@ print(p)
 if "--log" in args:
     for t, what in log:
         print(f"{t:7.1f}  {what}")
+for k in calls:
+    print(f"{k:32s} calls {calls[k]:3d}  {spent[k]:7.1f} s")
 if "--vs-backprop" in args and p.engine is not None:
 
     def stepper(eng):
