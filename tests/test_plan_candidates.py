@@ -8,7 +8,10 @@ and ``last_resorts`` before the change (tests/plan_candidate_models.py builds th
 models). One change since, on purpose: ``checkpoint`` with ``blocks=`` naming every block
 found (with and without ``trace=True``) is no longer offered beside ``checkpoint()``, which
 finds the same blocks (:func:`test_checkpoint_of_every_block_is_checkpoint`): the same
-step was measured and timed twice."""
+step was measured and timed twice. And one reordering: in a model run as written, the
+lists of fewer blocks now come before ``checkpoint()`` and per-block checkpointing with
+micro-batches (every block but the last) before every block with as many, for each beats
+what follows it where it fits (``tests/test_plan_beaten.py``): the same rows, reordered."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 Usage: python plan_wall.py REPO [FRACTION] [--model NAME] [--log] [--steps] [--vs-backprop]
 (default llama at 0.5; --log prints the progress timestamps: where the wall time went;
 --steps counts Engine.backward calls (nested ones included) and their seconds per phase,
-peak measurements or timing, and the fake-tensor estimates;
+peak measurements or timing, and the fake-tensor estimates, and prints each engine's
+outermost real steps in order: phase and seconds (a peak measurement's tracked step against
+its timed rounds);
 --vs-backprop then times the chosen engine beside backprop, 3 interleaved rounds after a
 warm-up, for its time ratio)."""
 import collections
@@ -35,14 +37,23 @@ spent: collections.Counter[str] = collections.Counter()
 phase = ["setup"]
 
 
+steps: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)  # label -> outermost
+depth = [0]
+
+
 def counted(fn, kind=None):  # fn's calls and seconds, under kind or the plan's phase
     def run(*a, **k):
         t = time.perf_counter()
+        depth[0] += 1
         try:
             return fn(*a, **k)
         finally:
+            depth[0] -= 1
+            dt = time.perf_counter() - t
             calls[kind or phase[0]] += 1
-            spent[kind or phase[0]] += time.perf_counter() - t
+            spent[kind or phase[0]] += dt
+            if kind is None and depth[0] == 0:  # an estimate's fake step runs at depth 1
+                steps[a[0].label].append((phase[0], round(dt, 3)))
 
     return run
 
@@ -78,6 +89,8 @@ if "--log" in args:
         print(f"{t:7.1f}  {what}")
 for k in calls:
     print(f"{k:32s} calls {calls[k]:3d}  {spent[k]:7.1f} s")
+for label, seq in steps.items():
+    print(json.dumps({"engine": label, "steps": seq}))
 if "--vs-backprop" in args and p.engine is not None:
 
     def stepper(eng):

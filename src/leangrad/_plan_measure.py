@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     from ._plan_choice import Choice  # which imports this module
 
 __all__ = [
-    "ESTIMATED", "ESTIMATE_MARGIN", "FAILED", "PER_LAYER", "Context", "Measured", "Tried",
-    "failed_verdict", "key", "measure", "revisit", "too_big",
+    "BEATEN", "ESTIMATED", "ESTIMATE_MARGIN", "FAILED", "PER_LAYER", "Context", "Measured",
+    "Tried", "failed_verdict", "key", "measure", "not_run", "revisit", "too_big",
 ]
 
 ESTIMATED = "estimate"
@@ -137,6 +137,8 @@ class Tried:
     """The peak is a warm step's (``False``: the first step's, kept because it fitted)."""
     screened: bool = False
     """Not run: its fake-tensor estimate was over the budget by more than the margin."""
+    beaten: bool = False
+    """Not run: a step that does a strict part of its work fits (:data:`BEATEN`)."""
 
     @property
     def fits(self) -> bool:
@@ -168,6 +170,23 @@ class Measured:
 def key(name: str, options: dict[str, Any]) -> str:
     """A candidate's name and options as one dictionary key."""
     return f"{name} {options!r}"
+
+
+BEATEN = "not run: {by} fits and does a strict part of its work, nothing else differently"
+"""Verdict of a candidate one of whose :attr:`~leangrad.engines._base.PlanOffer.beaten_by`
+fits (or is itself beaten by one that fits): it recomputes more of the same and cannot be
+faster, so it is neither measured nor timed."""
+
+
+def not_run(name: str, options: dict[str, Any], ctx: Context, tried: list[Tried], *,
+            by: str) -> None:  # fmt: skip
+    """Append the rows of a candidate beaten by the fitting row ``by`` (:data:`BEATEN`),
+    one per optimizer kind as :func:`measure` would."""
+    eng = engine(name, **options)
+    for per_layer in [None] if ctx.optimizer is None else [False, True]:
+        step = _make_step(name, options, ctx, per_layer, eng)
+        tried.append(Tried(None, step.label, eng.exact, None, BEATEN.format(by=by), name,
+                           dict(options), bool(per_layer), beaten=True))  # fmt: skip
 
 
 def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,

@@ -96,11 +96,17 @@ class PlanOrder:
 class PlanOffer(NamedTuple):
     """One candidate an engine offers :func:`leangrad.plan`: an engine name (a
     composition such as ``"checkpoint+fad"`` where the offering engine knows it), its
-    options, and its place in the planner's order (:class:`PlanOrder`)."""
+    options, its place in the planner's order (:class:`PlanOrder`), and the offers it
+    is ``beaten_by``: ``(name, options)`` of steps that do a strict part of its work and
+    nothing else differently (the same checkpointing of fewer blocks, or of the same
+    blocks in one level instead of two). Where one of those fits the budget this one
+    cannot be faster, so the planner does not run it (its row says which fits); they
+    must come before it in the planner's order."""
 
     name: str
     options: dict[str, Any]
     order: int = PlanOrder.OTHER
+    beaten_by: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,10 +38,19 @@ TIME_CHUNKS = (2, 4, 8, 16)
 """Time chunks the planner tries for fused recurrent modules."""
 
 Offers = list[PlanOffer]
+Item = tuple[str, dict[str, Any]]
+BACKPROP: Item = ("backprop", {})
+"""Beats checkpointing without fragments or tracing where it fits: the same step, minus
+the recomputation."""
 
 
-def _offers(items: list[tuple[str, dict[str, Any]]]) -> Offers:
-    return [PlanOffer(name, options, PlanOrder.BLOCKS) for name, options in items]
+def _offers(items: list[Item], beaten: dict[int, list[Item]] | None = None) -> Offers:
+    """``items`` as offers; ``beaten``: item index -> the offers that beat it
+    (:attr:`~leangrad.engines._base.PlanOffer.beaten_by`; one not offered beats nothing)."""
+    by = beaten or {}
+    return [PlanOffer(name, options, PlanOrder.BLOCKS,
+                      tuple(b for j, b in enumerate(by.get(i, [])) if b not in by[i][:j]))
+            for i, (name, options) in enumerate(items)]  # fmt: skip
 
 
 def all_but_last(found: Blocks) -> list[str] | None:
@@ -57,8 +66,12 @@ def all_but_last(found: Blocks) -> list[str] | None:
 def block_offers(model: nn.Module, found: Blocks,
                  loss_fn: Callable[[Any], torch.Tensor] | None) -> Offers:  # fmt: skip
     """Checkpointing of the blocks found (and ``+fad``/``+bits`` under it), then
-    :func:`fragment_offers`."""
-    out: list[tuple[str, dict[str, Any]]] = []
+    :func:`fragment_offers`. In a model run as written, fewer blocks come first (fewest
+    first), each beaten by those before it and ``checkpoint()`` (every block) by all of
+    them: where fewer checkpointed blocks fit, recomputing more of them only adds work;
+    and each is beaten by backprop (:data:`BACKPROP`)."""
+    out: list[Item] = []
+    beaten: dict[int, list[Item]] = {}
     if found.sequential:
         out += [("checkpoint", {}), ("checkpoint", {"segments": "auto"}),
                 ("checkpoint", {"segments": "sqrt"}),
@@ -66,22 +79,27 @@ def block_offers(model: nn.Module, found: Blocks,
         # fewer segments than blocks: less recomputation where the budget allows it
         n = len(found.names)
         out += [("checkpoint", {"segments": k}) for k in (2, 3, 4) if k < n - 1]
+        beaten.update({i: [BACKPROP] for i, (_, o) in enumerate(out) if "trace" not in o})
         out += [("checkpoint+fad", {"segments": "auto"}),
                 ("checkpoint+bits", {"segments": "auto"})]  # fmt: skip
-    else:
+    elif found.runner is not None:  # an fx split: blocks= cannot name its blocks
         out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
-    if not found.sequential and found.runner is None:  # blocks= names the model's own
+    else:
+        # fewer checkpointed blocks: less recomputation where the budget allows it; n - 1
+        # is PyTorch's per-block recipe (all_but_last)
+        n = len(found.names)
+        out += [("checkpoint", {"blocks": list(found.names[:m])})
+                for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4), n - 1}
+                                - {n, 0})]  # fmt: skip
+        beaten.update({i: [BACKPROP, *out[:i]] for i in range(len(out))})
+        beaten[len(out)] = [BACKPROP, *out]
+        out += [("checkpoint", {}), ("checkpoint+fad", {}), ("checkpoint+bits", {})]
         # blocks as fx code: intermediates freed at last use (measured: it may not pay).
         # Not offered again with blocks= naming every block found: checkpoint() finds the
         # same blocks (tests/test_plan_candidates.py), so it was the same step measured and
         # timed twice (a full-size BERT plan: two of its 27 candidates)
         out += [("checkpoint", {"trace": True})]
-        # fewer checkpointed blocks: less recomputation where the budget allows it; n - 1
-        # is PyTorch's per-block recipe (all_but_last)
-        n = len(found.names)
-        for m in sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4), n - 1} - {n, 0}):
-            out.append(("checkpoint", {"blocks": list(found.names[:m])}))
-    return _offers(out) + fragment_offers(model, found, loss_fn)
+    return _offers(out, beaten) + fragment_offers(model, found, loss_fn)
 
 
 def fragment_offers(model: nn.Module, found: Blocks,
@@ -93,33 +111,47 @@ def fragment_offers(model: nn.Module, found: Blocks,
         return []
     ks = [k for k in FRAGMENTS if not isinstance(loss_fn, PerExample) or k <= loss_fn.batch]
     head = isinstance(final_linear(model), Head)
-    out: list[tuple[str, dict[str, Any]]] = [("checkpoint", {"fragments": k}) for k in ks]
+    out: list[Item] = [("checkpoint", {"fragments": k}) for k in ks]
+    beaten: dict[int, list[Item]] = {}
+
+    def add(item: Item, *by: Item) -> None:  # ``by``: offers that beat it (earlier ones)
+        beaten[len(out)] = list(by)
+        out.append(item)
+
     if head:
         out += [("checkpoint+chunked_ce", {"fragments": k}) for k in ks]
     stem = stem_modules(model, found)
     if stem:  # a ResNet's stem: conv, norm, at full size
         every = [*stem, *found.names]
-        out += [("checkpoint", {"blocks": every})]
-        out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
+        add(("checkpoint", {"blocks": every}), ("checkpoint", {}), BACKPROP)  # + the stem
+        for k in ks:
+            add(("checkpoint", {"blocks": every, "fragments": k}),
+                ("checkpoint", {"fragments": k}))  # fmt: skip
         if not stage_modules(model, found):  # a U-Net's stages are offered below
             # where a few blocks at high resolution hold most activations (a ResNet's first
             # stage): only the largest in fragments (fewest first), the others whole
             out += [("checkpoint", {"blocks": every, "fragments": k, "fragment_blocks": n})
                     for k in ks[1:] for n in LARGEST_BLOCKS]  # fmt: skip
     if len(found.names) >= TWO_LEVEL_BLOCKS and ks:  # boundaries: the floor under fragments
+        # two levels recompute every block of one level, and each segment once more
         two: dict[str, Any] = {"levels": 2}
+        one: dict[str, Any] = {}
         if stem:
-            two["blocks"] = [*stem, *found.names]
-        out += [("checkpoint", two), ("checkpoint", {**two, "fragments": ks[-1]})]
+            two["blocks"] = one["blocks"] = [*stem, *found.names]
+        add(("checkpoint", two), ("checkpoint", one), ("checkpoint", {}), BACKPROP)
+        add(("checkpoint", {**two, "fragments": ks[-1]}),
+            ("checkpoint", {**one, "fragments": ks[-1]}))  # fmt: skip
         if head:
-            out += [("checkpoint+chunked_ce", {**two, "fragments": ks[-1]})]
+            add(("checkpoint+chunked_ce", {**two, "fragments": ks[-1]}),
+                ("checkpoint+chunked_ce", {**one, "fragments": ks[-1]}))  # fmt: skip
     stages = stage_modules(model, found)
     if stages and ks:  # a U-Net: whole stages (and the head) recomputed in fragments
         every = _in_module_order(model, [*stages, *stem])
         out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
         if len(every) >= TWO_LEVEL_BLOCKS:
-            out += [("checkpoint", {"levels": 2, "blocks": every, "fragments": ks[-1]})]
-    return _offers(out)
+            add(("checkpoint", {"levels": 2, "blocks": every, "fragments": ks[-1]}),
+                ("checkpoint", {"blocks": every, "fragments": ks[-1]}))  # fmt: skip
+    return _offers(out, beaten)
 
 
 def stage_modules(model: nn.Module, found: Blocks) -> list[str]:

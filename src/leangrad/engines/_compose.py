@@ -465,9 +465,10 @@ class ChunkedCE(OnBackprop):
         if not isinstance(final_linear(model), Head):
             return []
         out = [PlanOffer("chunked_ce", {}, PlanOrder.LOGITS)]
-        if found is not None:
+        if found is not None:  # beaten by chunked_ce alone: it only adds recomputation
             opts: dict[str, Any] = {"segments": "auto"} if found.sequential else {}
-            out.append(PlanOffer("checkpoint+chunked_ce", opts, PlanOrder.LOGITS))
+            out.append(PlanOffer("checkpoint+chunked_ce", opts, PlanOrder.LOGITS,
+                                 (("chunked_ce", {}),)))  # fmt: skip
         return out
 
 
@@ -495,7 +496,9 @@ class Accumulate(OnBackprop):
         examples or drawing masks — 2, 4 and 8 micro-batches (those up to the batch's
         examples), alone and under checkpointing where blocks were found; in a model run
         as written also with every block but the last checkpointed, PyTorch's per-block
-        loop inside each micro-batch (:func:`all_but_last`); where the model has fused
+        loop inside each micro-batch (:func:`all_but_last`: first, for it beats every
+        block checkpointed with as many micro-batches; each checkpointed one is beaten by
+        as many micro-batches alone); where the model has fused
         recurrent modules (``nn.LSTM``, ``nn.GRU``), with them checkpointed in
         :data:`ACCUMULATE_TIME_CHUNKS` time chunks inside each micro-batch."""
         del exact
@@ -510,9 +513,16 @@ class Accumulate(OnBackprop):
                     for c in ACCUMULATE_TIME_CHUNKS for k in ks]  # fmt: skip
         if found is None:
             return out
-        options: list[dict[str, Any]] = [{}]
-        if (but_last := all_but_last(found)) is not None:
-            options.append({"blocks": but_last})
-        out += [PlanOffer("checkpoint+accumulate", {**o, "micro_batches": k},
-                          PlanOrder.MICRO_BATCHES) for o in options for k in ks]  # fmt: skip
+        name = "checkpoint+accumulate"
+        but_last = all_but_last(found)
+        # each beaten by the same micro-batches without checkpointing, or with fewer blocks
+        alone: dict[int, tuple[str, dict[str, Any]]] = {
+            k: ("accumulate", {"micro_batches": k}) for k in ks}  # fmt: skip
+        if but_last is not None:  # first: it beats every block checkpointed (more work)
+            out += [PlanOffer(name, {"blocks": but_last, "micro_batches": k},
+                              PlanOrder.MICRO_BATCHES, (alone[k],)) for k in ks]  # fmt: skip
+        out += [PlanOffer(name, {"micro_batches": k}, PlanOrder.MICRO_BATCHES,
+                          (alone[k],) if but_last is None else
+                          (alone[k], (name, {"blocks": but_last, "micro_batches": k})))
+                for k in ks]  # fmt: skip
         return out

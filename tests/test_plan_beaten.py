@@ -1,0 +1,129 @@
+"""A candidate that does all of another's work and more — the same checkpointing of more
+blocks, or of the same blocks in two levels — is not run where that other one fits
+(:attr:`leangrad.engines._base.PlanOffer.beaten_by`): it cannot be faster. Checked on the
+offers of every frozen model (each beaten row's beater comes first and differs from it only
+by recomputing less), and through ``leangrad.plan`` on the tiny GPT, counting steps."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+import leangrad
+import leangrad._plan as planner
+from leangrad._plan import _offered
+from leangrad._plan_measure import BEATEN
+from leangrad.engines._blocks import blocks
+from leangrad.measure import Timing
+
+from .plan_candidate_models import MODELS, loss
+from .shared_models import tiny_gpt_step
+
+B1, B2, B3 = (f"checkpoint(blocks={[f'blocks.{i}' for i in range(m)]!r})" for m in (1, 2, 3))
+
+
+def _parts(name: str) -> set[str]:
+    """A composition's parts (``backprop``: none)."""
+    return set() if name == "backprop" else set(name.split("+"))
+
+
+def _work(model: torch.nn.Module, options: dict[str, Any]) -> tuple[set[str], int]:
+    """The blocks a checkpointing option set recomputes, and its levels."""
+    found = blocks(model)
+    return set(options.get("blocks", found.names)), options.get("levels", 1)
+
+
+WORK = ("blocks", "levels", "segments")
+"""The options that say how much is recomputed (more of them: more work)."""
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_what_beats_an_offer_comes_first_and_only_recomputes_less(name: str) -> None:
+    """Each offer that beats another is offered before it and is the same step with less
+    recomputation: the same parts and checkpointing of fewer blocks or in one level, or
+    no checkpointing at all, every other option (fragments, ``trace=True``, time chunks:
+    other ways of running the work) equal."""
+    seen = 0
+    for per_ex in (False, True):
+        torch.manual_seed(0)
+        model = MODELS[name]()
+        offers = _offered(model, exact=True, loss_fn=loss(per_ex))
+        keys = [(o.name, o.options) for o in offers]
+        for i, offer in enumerate(offers):
+            for by in offer.beaten_by:
+                if by not in keys:  # not offered on this model: it beats nothing
+                    continue
+                seen += 1
+                assert keys.index(by) < i, (name, offer, by)
+                mine, theirs = _parts(offer.name), _parts(by[0])
+                assert "checkpoint" in mine and mine - {"checkpoint"} == theirs - {"checkpoint"}
+                rest = {k: v for k, v in offer.options.items() if k not in WORK}
+                assert rest == {k: v for k, v in by[1].items() if k not in WORK}
+                if "checkpoint" in theirs:  # the same checkpointing, of less
+                    more, less = _work(model, offer.options), _work(model, by[1])
+                    assert more[0] >= less[0] and more[1] >= less[1] and more != less
+    if name.startswith("zoo_") and name not in ("zoo_lstm",):
+        assert seen, name  # every zoo model but the LSTM LM has beaten offers
+
+
+def _flat(seconds: float = 1.0) -> Callable[..., dict[str, Timing]]:
+    """A timer that runs nothing and answers ``seconds`` for every step."""
+
+    def timer(fns: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int,
+              **_: object) -> dict[str, Timing]:  # fmt: skip
+        return {k: Timing(seconds, seconds, seconds, None, repeats) for k in fns}
+
+    return timer
+
+
+def _real(steps: collections.Counter[tuple[str, str]]) -> set[str]:
+    return {lb for (lb, kind), n in steps.items() if kind == "real" and n}
+
+
+def test_more_blocks_are_not_run_where_fewer_fit(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """At 1 MB on the tiny GPT (blocks.0 1.23 MB, blocks.0-1 948 kB, checkpoint 770 kB):
+    blocks.0-1 fits, so blocks.0-2, every block (``checkpoint()``) and every block in two
+    levels are rows saying so, never stepped; ``trace=True`` (another mechanism) and the
+    fragments are measured as before."""
+    model, idx, loss_fn = tiny_gpt_step()
+    monkeypatch.setattr(planner, "time_interleaved", _flat())
+    p = leangrad.plan(model, idx, loss_fn, budget=1_000_000, repeats=3)
+    rows = {c.label: c for c in p.table}
+    assert rows[B2].verdict == "fits"
+    for label in (B3, "checkpoint", "checkpoint(levels=2)"):
+        assert rows[label].verdict == BEATEN.format(by=B2), label
+        assert rows[label].peak_bytes is None and rows[label].seconds is None
+        assert label not in _real(counted)
+    assert {"checkpoint(trace=True)", "checkpoint(fragments=2)"} <= _real(counted)
+    assert rows["checkpoint(trace=True)"].peak_bytes is not None
+
+
+def test_they_are_run_where_fewer_do_not_fit_and_a_reusing_plan_runs_them(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """At 800 kB blocks.0-1 no longer fits, so blocks.0-2 (770 kB: as low as every block,
+    on this tiny model) is measured and fits, and beats ``checkpoint()``; a plan at 800 kB
+    reusing the 1 MB plan (where blocks.0-2 was not run) measures it now, and its rows are
+    the fresh plan's."""
+    model, idx, loss_fn = tiny_gpt_step()
+    monkeypatch.setattr(planner, "time_interleaved", _flat())
+    fresh = leangrad.plan(model, idx, loss_fn, budget=800_000, repeats=3)
+    rows = {c.label: c for c in fresh.table}
+    assert rows[B2].verdict.startswith("over budget") and rows[B3].peak_bytes == 770_056
+    assert rows["checkpoint"].verdict == BEATEN.format(by=B3)
+    high = leangrad.plan(model, idx, loss_fn, budget=1_000_000, repeats=3)
+    counted.clear()
+    low = leangrad.plan(model, idx, loss_fn, budget=800_000, repeats=3, reuse=high)
+    assert B3 in _real(counted) and "checkpoint" not in _real(counted)
+
+    def verdicts(p: leangrad.Plan) -> dict[str, tuple[str, int | None]]:
+        return {c.label: (c.verdict.removesuffix(" (estimate)"), c.peak_bytes)
+                for c in p.table}  # fmt: skip
+
+    assert verdicts(low) == verdicts(fresh)
