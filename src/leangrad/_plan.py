@@ -179,7 +179,8 @@ def plan(
             includes the optimizer step, and every candidate is also tried with the
             optimizer stepped per parameter inside ``on_grad`` (``Plan.per_layer``), which
             frees each gradient as soon as it is used. Measured on a copy of the model.
-        engines: ``(name, options)`` to try instead of :func:`candidates`.
+        engines: ``(name, options)`` to try instead of :func:`candidates` (each is run:
+            none is skipped as beaten by another, as the engines' own offers can be).
         repeats: timed steps per fitting candidate (medians of interleaved repeats; the
             first round is a race: where steps take 0.5 s or more, a candidate more than
             1.5× the fastest's one round is out after it, its row saying so). When the
