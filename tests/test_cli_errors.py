@@ -296,6 +296,29 @@ def test_out_check_passes_when_another_ranks_probe_comes_and_goes(
     assert not out.exists()  # the probe still leaves nothing behind
 
 
+def test_out_dir_removed_by_another_rank_between_its_checks_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Another rank made the directory to probe it and removes it again between this
+    rank's ``is_dir()`` and its ``os.access``: the access check fails on a directory no
+    longer there (seen in CI: rank 0 refused ``--out leangrad-run``, "not writable")."""
+    out = tmp_path / "run"
+    out.mkdir()
+    real = os.access
+    raced: list[str] = []
+
+    def access(path: object, mode: int) -> bool:
+        if Path(str(path)) == out and not raced:
+            raced.append(str(path))
+            out.rmdir()  # the other rank's probe leaving nothing behind
+        return real(path, mode)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_cli_types.os, "access", access)
+    cli.check_out_dir(out)  # no error
+    assert raced == [str(out)]
+    assert not out.exists()  # the probe still leaves nothing behind
+
+
 def test_train_into_a_file_writes_nothing(places: dict[str, str]) -> None:
     before = Path(places["file"]).read_text()
     assert main(["train", *QUICK, "--out", places["file"]]) == 2

@@ -178,9 +178,10 @@ def check_out_dir(path: str | Path, option: str = "--out") -> None:
     """
     p = Path(path)
     if p.is_dir():
-        if not os.access(p, os.W_OK | os.X_OK):
+        if os.access(p, os.W_OK | os.X_OK):
+            return
+        if p.is_dir():  # gone: another rank made it to probe and removed it again
             raise OptionError(OUT_NOT_WRITABLE.format(option=option, path=p))
-        return
     if _not_a_dir(p):  # a file: argparse's type check names it; a library caller gets this
         raise OptionError(OUT_UNDER_FILE.format(option=option, path=p, file=p))
     made: list[Path] = []
