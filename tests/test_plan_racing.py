@@ -161,20 +161,20 @@ def test_plan_runs_a_candidate_only_where_a_step_decides(
     than the margin on their estimates and never run (fragments=2, which probes, is not
     estimated); blocks.0-1, over by 5%, is measured
     (its first step over budget: tracked again, warm — 2 steps); checkpoint fits on its
-    first step (1), fragments=2, which probes on its first, after a warm-up (2); both are
-    raced and timed with no warm-up rounds (3), and the chosen one re-measured once (1).
-    The same plan took 20 steps before (every peak 2, every round a warm-up, the
-    re-measurement 2); 12 now."""
+    first step (1), and so does fragments=2, whose probe holds nothing at the step's peak
+    (1); both are raced and timed with no warm-up rounds (3), and the chosen one
+    re-measured once (1). The same plan took 20 steps before (every peak 2, every round a
+    warm-up, the re-measurement 2); 11 now."""
     model, idx, loss_fn = _gpt()
     clock = Clock({"checkpoint": [1.0] * 3, FRAG: [1.3] * 3})
     monkeypatch.setattr(planner, "time_interleaved", clock)
     p = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
     real = {lb: n for (lb, kind), n in counted.items() if kind == "real"}
-    assert real == {B01: 2, "checkpoint": 1 + 3 + 1, FRAG: 2 + 3}
+    assert real == {B01: 2, "checkpoint": 1 + 3 + 1, FRAG: 1 + 3}
     fake = {lb: n for (lb, kind), n in counted.items() if kind == "fake"}
     # backprop's first: can anything be allocated here? FRAG probes: never estimated
     assert fake == {"backprop": 1 + 1, B0: 1, B01: 1, "checkpoint": 1}
-    assert sum(real.values()) == 12
+    assert sum(real.values()) == 11
     rows = {c.label: c for c in p.table}
     for label, (name, opts) in (("backprop", ENGINES[0]), (B0, ENGINES[1])):
         assert rows[label].verdict == f"over budget ({ESTIMATED})" and rows[label].estimate
@@ -224,7 +224,7 @@ def test_plan_reports_a_raced_out_row(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(planner, "time_interleaved", clock)
     p = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
     rows = {c.label: c for c in p.table}
-    assert counted[(FRAG, "real")] == 2 + 1 and clock.timed(FRAG) == 1
+    assert counted[(FRAG, "real")] == 1 + 1 and clock.timed(FRAG) == 1
     note = pc.RACED_OUT.format(ratio=1.6)
     assert note == "raced out: 1.60× the fastest in one round"
     assert rows[FRAG].verdict == f"fits; {note}"
@@ -250,7 +250,7 @@ def test_an_estimate_decides_nothing_where_it_counts_what_a_warm_step_does_not(
 
 def test_the_estimate_that_skips_a_candidate_is_the_real_trackers() -> None:
     """The shortcut rests on this: on the tiny GPT every candidate's fake-tensor estimate
-    equals its real (warmed-up) peak, fragments (which probe on their first step) included."""
+    equals its real peak, fragments (which probe on their first step) included."""
     model, idx, loss_fn = _gpt()
     for name, opts in ENGINES:
         est = estimate_step(leangrad.engine(name, **opts), model, idx, loss_fn).total_bytes

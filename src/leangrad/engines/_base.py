@@ -238,7 +238,9 @@ class Engine(abc.ABC):
     def probes(self) -> bool:
         """``True`` when the engine's first step on a model does extra work later steps
         skip (``checkpoint(fragments=...)`` probes each block once, ``trace=True`` traces
-        it): a measurement warms it up first (:func:`leangrad.measure.estimate_step`)."""
+        it): an estimate on fake tensors warms it up first
+        (:func:`leangrad.measure.estimate_step`). The work holds nothing at a real step's
+        peak, so a real measurement tracks the first step (:mod:`leangrad._plan_measure`)."""
         return False
 
     @property

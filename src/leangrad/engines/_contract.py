@@ -42,6 +42,7 @@ __all__ = [
     "batch_coupling",
     "forward_end",
     "graph_nodes",
+    "keep_nothing",
     "random_module",
     "refuse_hooks",
     "used_parameters",
@@ -262,8 +263,12 @@ def graph_nodes(roots: Iterable[Any]) -> Iterator[Any]:
         stack.extend(nxt for nxt, _ in node.next_functions)
 
 
-def _discard(_saved: Any) -> Any:
-    """A saved-tensor hook that keeps nothing (the graph is read, never differentiated)."""
+def keep_nothing(_saved: Any) -> Any:
+    """A saved-tensor hook that keeps nothing, for a graph that is read, never
+    differentiated. Not the tensor itself: a pack hook that returns it makes a reference
+    cycle with an output the graph saves (the output's node holds what the hook returned),
+    which Python's collector cannot see, so a graph never differentiated keeps its saved
+    outputs for good."""
     return None
 
 
@@ -306,7 +311,7 @@ class _LossForward:
         guard = BufferGuard(self.model)
         with torch.random.fork_rng(devices=[]), guard, torch.enable_grad():
             guard.settle()  # every change this forward makes is undone on exit
-            with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
+            with torch.autograd.graph.saved_tensors_hooks(keep_nothing, keep_nothing):
                 loss = self.loss_fn(self.run(self.model, tuple(x.detach() for x in self.xs)))
             return _graph_leaves(loss, names)
 

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ._contract import keep_nothing
+
 __all__ = ["auto_segments", "block_sizes", "estimate", "largest", "saved_inside"]
 
 
@@ -72,11 +74,10 @@ def block_sizes(
             seen: set[int] = set(own)
             total = [0]
 
-            def pack(t: torch.Tensor, seen: set[int] = seen, total: list[int] = total) -> object:
+            def count(t: torch.Tensor, seen: set[int] = seen, total: list[int] = total) -> None:
                 total[0] += _bytes(t, seen)
-                return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _counted(count):
                 out = block(*args)
             s.append(total[0])
             if isinstance(out, torch.Tensor):  # as in the real step: the next input needs grad
@@ -170,11 +171,10 @@ def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[s
     stack: list[tuple[int, set[int], list[int]]] = []  # the running block, its inputs'
     seen: set[int] = set()  # storages, the bytes its call saved so far
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def count(t: torch.Tensor) -> None:
         if stack and _key(t) not in stack[-1][1] and _key(t) not in seen:
             seen.add(_key(t))
             stack[-1][2][0] += t.untyped_storage().nbytes()
-        return t
 
     def enter(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ins = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
@@ -200,7 +200,7 @@ def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[s
                         for t in (*m._parameters.values(), *m._buffers.values())
                         if t is not None)  # fmt: skip
             with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, _same), mode:
+                    _counted(count), mode:
                 run(*fake)
     finally:
         for h in handles:
@@ -208,8 +208,24 @@ def saved_inside(root: nn.Module, run: Callable[..., object], modules: Mapping[s
     return {n: by_module[i] for i, names in names_of.items() for n in names}
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+@contextlib.contextmanager
+def _counted(count: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Saved-tensor hooks for a measuring forward, whose graph is never differentiated:
+    ``count`` sees each tensor autograd saves, and a list of the measurement's own keeps it
+    alive until the measurement ends (storage keys stay distinct while they are counted),
+    not the graph (:func:`~leangrad.engines._contract.keep_nothing` says why: a graph
+    holding its saved outputs itself kept them for good)."""
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> None:
+        count(t)
+        kept.append(t)
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, keep_nothing):
+            yield
+    finally:
+        kept.clear()
 
 
 def largest(sizes: Mapping[str, int], n: int) -> list[str]:

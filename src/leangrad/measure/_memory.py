@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -132,7 +133,9 @@ _FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.defa
 
 
 class _StorageMode(TorchDispatchMode):
-    """Sees every operator output and records storages it has not seen before."""
+    """Sees every operator output and records storages it has not seen before; a real
+    step's fake tensors (an engine sizing its blocks on them at its first step) allocate
+    nothing and are not counted, as on CUDA, where the allocator never sees them."""
 
     def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
@@ -142,7 +145,8 @@ class _StorageMode(TorchDispatchMode):
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                  and (self.tracker.estimate or not isinstance(t, FakeTensor))]  # fmt: skip
         if func in _FRESH:  # torch.tensor(data): allocated outside dispatch, handed in here
             for t in leaves:
                 if (st := _storage_of(t)) is not None:
