@@ -42,11 +42,11 @@ def test_a_lower_budget_reuses_every_peak_and_steps_only_what_it_judges_anew(
     which measures fragments=2's peak again (and skips checkpoint on its estimate)."""
     model, idx, loss_fn = _gpt()
     monkeypatch.setattr(planner, "time_interleaved",
-                        Clock({"checkpoint": [1.0] * 3, FRAG: [1.3] * 3}))  # fmt: skip
+                        Clock({"checkpoint": [1.0] * 3, FRAG: [1.2] * 3}))  # fmt: skip
     first = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
     assert first.engine is not None and first.engine.label == "checkpoint"
     counted.clear()
-    monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.3] * 3}))
+    monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.2] * 3}))
     again = leangrad.plan(model, idx, loss_fn, budget=700_000, repeats=3, engines=ENGINES,
                           reuse=first)  # fmt: skip
     # checkpoint: tracked once more (warm); fragments=2: timed (3), re-measured as chosen (1)
@@ -56,7 +56,7 @@ def test_a_lower_budget_reuses_every_peak_and_steps_only_what_it_judges_anew(
     assert again.engine is not None and again.engine.label == FRAG
     assert again.engine is first.measured.rows[f"checkpoint {ENGINES[4][1]!r}"][0].engine  # type: ignore[union-attr]
     counted.clear()
-    monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.3] * 3}))
+    monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.2] * 3}))
     fresh = leangrad.plan(model, idx, loss_fn, budget=700_000, repeats=3, engines=ENGINES)
     assert _real(counted) == {FRAG: 1 + 3 + 1}  # its peak, timed, re-measured as chosen
     assert _rows(again) == _rows(fresh)
@@ -72,12 +72,12 @@ def test_a_higher_budget_measures_the_rows_its_estimate_no_longer_rules_out(
     At 1.3 MB, reusing that plan, backprop still is (above 1.43 MB) and stays unrun; the
     others are measured now, as a fresh plan measures them, and fit."""
     model, idx, loss_fn = _gpt()
-    monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.3] * 3}))
+    monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.2] * 3}))
     low = leangrad.plan(model, idx, loss_fn, budget=700_000, repeats=3, engines=ENGINES)
     screened = {c.label for c in low.table if c.verdict == f"over budget ({ESTIMATED})"}
     assert screened == {"backprop", B0, B01, "checkpoint"}
     counted.clear()
-    seconds = {B0: [0.9] * 3, B01: [1.0] * 3, "checkpoint": [1.1] * 3, FRAG: [1.3] * 3}
+    seconds = {B0: [0.9] * 3, B01: [1.0] * 3, "checkpoint": [1.1] * 3, FRAG: [1.2] * 3}
     monkeypatch.setattr(planner, "time_interleaved", Clock(seconds))
     high = leangrad.plan(model, idx, loss_fn, budget=1_300_000, repeats=3, engines=ENGINES,
                          reuse=low)  # fmt: skip
@@ -161,7 +161,7 @@ def test_a_lower_budget_where_the_earlier_choice_still_fits_keeps_its_timing(
     re-measured (the plan's last step)."""
     model, idx, loss_fn = _gpt()
     monkeypatch.setattr(planner, "time_interleaved",
-                        Clock({"checkpoint": [1.0] * 3, FRAG: [1.3] * 3}))  # fmt: skip
+                        Clock({"checkpoint": [1.0] * 3, FRAG: [1.2] * 3}))  # fmt: skip
     first = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
     counted.clear()
     clock = Clock({})
@@ -171,5 +171,5 @@ def test_a_lower_budget_where_the_earlier_choice_still_fits_keeps_its_timing(
     assert clock.calls == [] and _real(counted) == {"checkpoint": 1}
     assert again.engine is first.engine and again.seconds == first.seconds == 1.0
     rows = {c.label: c for c in again.table}
-    assert rows[FRAG].seconds == 1.3 and rows[FRAG].verdict == "fits"
+    assert rows[FRAG].seconds == 1.2 and rows[FRAG].verdict == "fits"
     assert rows["checkpoint"].verdict.startswith("chosen")

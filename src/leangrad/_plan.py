@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from . import _errors as errors
-from ._plan_choice import RACED_OUT, Choice, choose
+from ._plan_choice import Choice, choose, raced_note
 from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
 from ._plan_measure import Context, Measured, Tried, measure, not_run, revisit, too_big
 from ._plan_measure import key as row_key
@@ -368,7 +368,7 @@ def _plan(
     step = fitting.get(chosen) if chosen else None  # the engine, or a Step around it
     inner = step.engine if isinstance(step, Step) else step
     table = tuple(_candidate(t, times.get(t.label), chosen, inner, choice.tie_break,
-                             choice.raced.get(t.label)) for t in tried)  # fmt: skip
+                             raced_note(choice, t.label)) for t in tried)  # fmt: skip
     row = next((c for c in table if c.engine is not None), None)
     result = _result(table, row, step, budget, exact, model, xs, loss_fn)
     shown.advance()
@@ -384,7 +384,8 @@ def _still(choice: Choice, here: set[str]) -> Choice:
     there, and none was faster; the rows that no longer fit lose their times."""
     return Choice(choice.label, {k: v for k, v in choice.seconds.items() if k in here},
                   tuple(k for k in choice.contenders if k in here), choice.tie_break,
-                  {k: v for k, v in choice.raced.items() if k in here})  # fmt: skip
+                  {k: v for k, v in choice.raced.items() if k in here},
+                  {k: v for k, v in choice.raced_in.items() if k in here})  # fmt: skip
 
 
 COMPILED = "compiled"
@@ -410,12 +411,12 @@ def _prior(reuse: Plan | None, model: nn.Module, xs: tuple[torch.Tensor, ...],
 
 
 def _candidate(t: Tried, seconds: float | None, chosen: str | None, engine: Engine | None,
-               tie_break: str | None = None, raced: float | None = None) -> Candidate:  # fmt: skip
+               tie_break: str | None = None, raced: str | None = None) -> Candidate:  # fmt: skip
     """``t``'s row; the chosen one carries ``engine``, the object that was measured, and
     ``tie_break``, how it was chosen among contenders within noise (``None``: fastest); a
-    row the race dropped (``raced``: its one round over the fastest's) says so."""
+    row the race dropped says so (``raced``: :func:`~leangrad._plan_choice.raced_note`)."""
     if t.label != chosen:
-        verdict = t.verdict if raced is None else f"{t.verdict}; {RACED_OUT.format(ratio=raced)}"
+        verdict = t.verdict if raced is None else f"{t.verdict}; {raced}"
         return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options,
                          t.per_layer, t.estimate, t.compile_seconds)  # fmt: skip
     # a fitting row's note ("fits (estimate)", "fits (RSS-scaled)") stays when it is chosen

@@ -9,11 +9,14 @@ The rule, in two rounds (the first raced):
    times the fastest's is out — its row keeps that one round's time and says so
    (:data:`RACED_OUT`) — and only the others run the remaining ``repeats - 1`` rounds
    (interleaved, the order rotated each round as ``time_interleaved`` rotates it; a
-   candidate's median is over all its rounds, the race's included). The fastest median
-   leads. A candidate is *within noise* of it when the spreads of their repeats overlap
-   (its fastest repeat is no slower than the leader's slowest) or its median is within
-   :data:`CLOSE` of the leader's. A compiled row, timed in a fresh process and scaled from
-   backprop's timing here, has backprop's spread scaled by the same ratio (in the race too).
+   candidate's median is over all its rounds, the race's included). Where rounds remain
+   after the second, the race cuts once more: a candidate whose faster round is more than
+   :data:`RACE_TWO` times the slower round of the fastest median so far is out, its row
+   keeping the median of its two. The fastest median leads. A candidate is *within noise*
+   of it when the spreads of their repeats overlap (its fastest repeat is no slower than
+   the leader's slowest) or its median is within :data:`CLOSE` of the leader's. A compiled
+   row, timed in a fresh process and scaled from backprop's timing here, has backprop's
+   spread scaled by the same ratio (in the race too).
 2. No candidate within noise: the leader is chosen. Otherwise the leader and those within
    noise of it — at most :data:`MOST_CONTENDERS`, the fastest medians first — are timed
    again, alone and interleaved (round-robin, order rotated each round), until each has
@@ -65,6 +68,17 @@ the mercy of whatever else the machine runs — on a tiny GPT (15-30 ms a step) 
 machine busy with other processes, one round put backprop at 1.74× the fastest
 (``rad(fraction=0.25)``) where medians of nine interleaved rounds put it first, 0.5-0.7×
 rad's — and a short step's rounds are cheap to keep.
+
+The second cut (:data:`RACE_TWO`, 1.25×) asks more of the evidence and less of the gap:
+two rounds each, and the dropped candidate's *faster* round against the leader's *slower*
+one. To have been a contender by its median (within :data:`CLOSE` of the leader's, which
+is at most the leader's slower round), its median — at least its faster round — would have
+had to come down by more than 1.25 / 1.1 = 1.14× in the third round, against same-work
+noise of up to 9% in one; ``tests/test_plan_racing.py`` checks on random scenarios (±9%
+noise, candidates within 15% of the fastest and others 1.3-1.6×) that it never drops a
+contender of the full rule. It exists for the rows the first cut keeps but that cannot
+win: on the full-size BERT and GPT at ½ the fragment rows and per-block checkpointing under
+micro-batches, 1.26-1.5× the fastest, each ran a third round of 4.5-5.4 s to lose.
 """
 
 from __future__ import annotations
@@ -78,8 +92,9 @@ from ._plan_measure import Tried
 from .measure import Timing
 
 __all__ = [
-    "CLOSE", "MOST_CONTENDERS", "RACE", "RACED_OUT", "RACE_FROM", "RETIME_REPEATS", "RULES",
-    "TIE", "WITHIN_NOISE", "Choice", "Timer", "choose", "contenders", "within_noise",
+    "CLOSE", "MOST_CONTENDERS", "RACE", "RACED_OUT", "RACE_FROM", "RACE_TWO", "RETIME_REPEATS",
+    "RULES", "TIE", "WITHIN_NOISE", "Choice", "Timer", "choose", "contenders", "raced_note",
+    "within_noise",
 ]
 
 CLOSE = 0.10
@@ -97,8 +112,12 @@ RACE = 1.5
 RACE_FROM = 0.5
 """Seconds: the race drops nothing where the fastest's round took less (why: the module
 docstring)."""
-RACED_OUT = "raced out: {ratio:.2f}× the fastest in one round"
-"""What a raced-out row's verdict adds (its time is that one round's)."""
+RACE_TWO = 1.25
+"""The race's second cut, after two rounds: a candidate whose faster round is more than this
+times the slower round of the fastest median is out (the module docstring says why)."""
+RACED_OUT = "raced out: {ratio:.2f}× the fastest in {rounds}"
+"""What a raced-out row's verdict adds (its time is the median of the rounds it ran;
+``rounds``: "one round" or "two rounds")."""
 RULES = ("lower peak", "simpler engine", "the planner's order")
 """The tie-break, in order: what decides between indistinguishable contenders."""
 WITHIN_NOISE = "within noise of {others}: chose by {rule}"
@@ -122,7 +141,9 @@ class Choice:
         contenders: the labels timed again (empty: the first round decided).
         tie_break: the chosen row's note when the second round could not tell the
             contenders apart (:data:`WITHIN_NOISE`), else ``None``.
-        raced: each raced-out row's one-round time over the fastest's (:data:`RACE`).
+        raced: each raced-out row's time over the fastest's when it was dropped
+            (:data:`RACE`, :data:`RACE_TWO`).
+        raced_in: the rounds each raced-out row ran where more than one (:data:`RACE_TWO`).
     """
 
     label: str | None
@@ -130,6 +151,16 @@ class Choice:
     contenders: tuple[str, ...] = ()
     tie_break: str | None = None
     raced: dict[str, float] = dataclasses.field(default_factory=dict)
+    raced_in: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def raced_note(choice: Choice, label: str) -> str | None:
+    """What ``label``'s verdict adds where the race dropped it (:data:`RACED_OUT`)."""
+    ratio = choice.raced.get(label)
+    if ratio is None:
+        return None
+    rounds = choice.raced_in.get(label, 1)
+    return RACED_OUT.format(ratio=ratio, rounds="one round" if rounds == 1 else f"{rounds} rounds")
 
 
 def within_noise(timing: Timing, leader: Timing, *, margin: float = CLOSE) -> bool:
@@ -159,6 +190,7 @@ def choose(
     timer: Timer,
     progress: Callable[[str], None] | None = None,
     race: float | None = RACE,
+    race_two: float | None = RACE_TWO,
 ) -> Choice:
     """Time the fitting candidates and choose one by the rule of this module.
 
@@ -178,6 +210,8 @@ def choose(
         race: :data:`RACE`; ``None`` races nothing (every candidate runs every round: the
             rule without the race, which tests compare it with); nor does a race whose
             fastest round took less than :data:`RACE_FROM` seconds.
+        race_two: :data:`RACE_TWO`; ``None`` makes no second cut (nor does a race that
+            races nothing).
     """
     samples: dict[str, list[float]] = {}
     _add(samples, timer(steps, repeats=1, warmup=0))  # the race: round 0
@@ -189,18 +223,34 @@ def choose(
     raced = {lb: t.median / fastest for lb, t in single.items()
              if racing and t.median > (race or 0) * fastest}  # fmt: skip
     alive = [lb for lb in single if lb not in raced]
-    rest = {lb: steps[lb] for lb in alive if lb in steps}
-    if any(lb in scaled for lb in alive):
-        rest[reference] = steps[reference]
+    seconds = {lb: single[lb].median for lb in raced}
+    raced_in: dict[str, int] = {}
+
+    def now() -> dict[str, Timing]:
+        return _candidate_timings(_timings(samples), alive,
+                                  {lb: v for lb, v in scaled.items() if lb in alive},
+                                  reference)  # fmt: skip
+
+    def rest() -> dict[str, Callable[[], object]]:
+        fns = {lb: steps[lb] for lb in alive if lb in steps}
+        if any(lb in scaled for lb in alive):
+            fns[reference] = steps[reference]
+        return fns
+
     for r in range(1, repeats):
-        _add(samples, _round(timer, rest, r))
-    timings = _candidate_timings(_timings(samples), alive,
-                                 {lb: v for lb, v in scaled.items() if lb in alive},
-                                 reference)  # fmt: skip
-    seconds = {lb: single[lb].median for lb in raced} | {lb: t.median for lb, t in timings.items()}
+        _add(samples, _round(timer, rest(), r))
+        if r == 1 and r + 1 < repeats and racing and race_two is not None:  # the second cut
+            two = now()
+            lead = two[min(two, key=lambda lb: two[lb].median)]
+            for lb, t in two.items():
+                if t.minimum > race_two * lead.maximum:
+                    raced[lb], raced_in[lb], seconds[lb] = t.median / lead.median, 2, t.median
+            alive = [lb for lb in alive if lb not in raced_in]
+    timings = now()
+    seconds |= {lb: t.median for lb, t in timings.items()}
     near = contenders(timings)
     if len(near) == 1:
-        return Choice(near[0], seconds, raced=raced)
+        return Choice(near[0], seconds, raced=raced, raced_in=raced_in)
     again = {lb: steps[lb] for lb in near if lb in steps}
     if any(lb in scaled for lb in near):
         again[reference] = steps[reference]
@@ -216,12 +266,12 @@ def choose(
     best = min(near, key=lambda lb: seconds[lb])  # the first of equal medians: stable
     tied = [lb for lb in near if seconds[lb] <= (1 + TIE) * seconds[best]]
     if len(tied) == 1:
-        return Choice(best, seconds, tuple(near), raced=raced)
+        return Choice(best, seconds, tuple(near), raced=raced, raced_in=raced_in)
     chosen, rule = _tie_break(tied, rows)
     others = ", ".join(f"{lb} ({seconds[lb] / seconds[chosen]:.2f}×)"
                        for lb in tied if lb != chosen)  # fmt: skip
     return Choice(chosen, seconds, tuple(near), WITHIN_NOISE.format(others=others, rule=rule),
-                  raced)  # fmt: skip
+                  raced, raced_in)  # fmt: skip
 
 
 def _round(timer: Timer, fns: Mapping[str, Callable[[], object]], r: int) -> Mapping[str, Timing]:
