@@ -78,7 +78,9 @@ noise of up to 9% in one; ``tests/test_plan_racing.py`` checks on random scenari
 noise, candidates within 15% of the fastest and others 1.3-1.6×) that it never drops a
 contender of the full rule. It exists for the rows the first cut keeps but that cannot
 win: on the full-size BERT and GPT at ½ the fragment rows and per-block checkpointing under
-micro-batches, 1.26-1.5× the fastest, each ran a third round of 4.5-5.4 s to lose.
+micro-batches, 1.26-1.5× the leader's slower round, each ran a third round of 4.5-5.1 s to
+lose; with the cut the plans took 151 s and 161 s instead of 181 s and 182 s, choosing the
+same (``results/issue31/plan-wall-first-step.txt``).
 """
 
 from __future__ import annotations
