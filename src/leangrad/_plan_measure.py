@@ -29,24 +29,25 @@ a real measurement, on one thread, the other engines that probe on their first s
 an estimate costs about as much as a step, and steps are cheap there.
 
 A real measurement (:func:`~leangrad.measure.profile_step`, ``repeats=0``) tracks a step
-after a warm-up step where the first step is known to peak higher than later ones: an
-optimizer (its state is made by the first step), autocast (kept as it was measured before
-each step had its own autocast context) and an engine that says so
-(:attr:`~leangrad.engines.Engine.heavier_first_step`: ``trace=True``, whose tracing leaves
-garbage cycles that keep the step's block inputs alive until Python's collector runs — 0
-to 9% of the quick BERT's peak, as it happens to run). Any other step's first step is
-tracked, without a warm-up, and where it fits the budget its peak is the row's: one step
-instead of two (issue 31, item 6). Where it does not fit, the step is tracked again — now
-warm, as after a warm-up — and that decides, as before. Fragments, ``fragment_blocks=k``
-and ``segments="auto"`` do extra work on their first step (they probe, size the blocks on
-fake tensors, measure), but it holds nothing at the step's peak
-(``tests/engines/test_first_step.py``; before two leaks were fixed their first steps peaked
-1.1-2.8× the later ones' on the quick zoo, and they were warmed up too, a step more per
-fragment row). Over every exact candidate of every quick zoo model, tracked twice in a
-row, the first step's peak was the second's but for ``trace=True`` on BERT (4.8% higher)
-and the Llama's fragment rows (32 KiB, 0.02%). A first step that does undeclared extra
-work can only make a fitting row's peak higher than its later steps', never make a fit
-that a warm step would not. Either way the candidate has run before it is
+after a warm-up step where the first step is known to hold more than later ones: an
+optimizer (its state is made by the first step) and autocast (kept as it was measured
+before each step had its own autocast context). Any other step's first step is tracked,
+without a warm-up, and where it fits the budget its peak is the row's: one step instead of
+two (issue 31, item 6). Where it does not fit, the step is tracked again — now warm, as
+after a warm-up — and that decides, as before. Engines whose first step does extra work
+(:attr:`~leangrad.engines.Engine.probes`: fragments probe each block, ``fragment_blocks=k``
+sizes the blocks on fake tensors, ``trace=True`` traces, ``segments="auto"`` measures) are
+tracked on their first step too: that work holds nothing at the step's peak
+(``tests/engines/test_first_step.py``, with Python's collector off). Before three fixes it
+did — a leak in the fragments' probe and in ``segments="auto"``, fake tensors counted by
+the CPU tracker, garbage cycles left by tracing that kept block inputs alive until the
+collector ran — 1.1-2.8× on the quick zoo, and those rows were warmed up, a whole step more
+each. Over every exact candidate of every quick zoo model tracked twice in a row (255;
+``results/issue31/first-step-peaks.jsonl``, before the tracing fix) the first step's peak
+was the second's but for ``trace=True`` on BERT (4.8%, the cycles) and the Llama's
+fragment rows (32 KiB, 0.02%). A first step that does undeclared extra work can only make a
+fitting row's peak higher than its later steps', never make a fit that a warm step would
+not. Either way the candidate has run before it is
 timed, which is the timing's warm-up (:mod:`leangrad._plan_choice` runs none of its own).
 """
 
@@ -321,15 +322,14 @@ def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: boo
 
 def _measured(step: Any, ctx: Context) -> tuple[int, bool]:
     """The step's total bytes, tracked for real: its first step where that fits the budget,
-    else (or where the first step can peak higher) a step after a warm-up (the module
+    else (or under an optimizer or autocast) a step after a warm-up (the module
     docstring says why); and whether they are a warm step's."""
 
     def tracked(warmup: int) -> int:
         return profile_step(step, ctx.model, ctx.xs, ctx.loss_fn, repeats=0,
                             warmup=warmup).total_bytes  # fmt: skip
 
-    eng = step.engine if isinstance(step, Step) else step
-    if eng.heavier_first_step or ctx.optimizer is not None or ctx.autocast:
+    if ctx.optimizer is not None or ctx.autocast:
         return tracked(1), True
     first = tracked(0)
     return (first, False) if first <= ctx.budget else (tracked(0), True)  # warm: as tracked(1)

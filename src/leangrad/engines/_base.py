@@ -239,17 +239,8 @@ class Engine(abc.ABC):
         """``True`` when the engine's first step on a model does extra work later steps
         skip (``checkpoint(fragments=...)`` probes each block once, ``trace=True`` traces
         it): an estimate on fake tensors warms it up first
-        (:func:`leangrad.measure.estimate_step`). Whether the work can raise a real step's
-        peak is :attr:`heavier_first_step`."""
-        return False
-
-    @property
-    def heavier_first_step(self) -> bool:
-        """``True`` when the engine's first step on a model can peak higher than its later
-        steps (``trace=True``: making the trace leaves reference cycles that keep the
-        step's block inputs alive until Python's collector runs, up to 9% of the quick
-        BERT's peak); a plan then tracks a step after a warm-up step
-        (:mod:`leangrad._plan_measure`)."""
+        (:func:`leangrad.measure.estimate_step`). The work holds nothing at a real step's
+        peak, so a real measurement tracks the first step (:mod:`leangrad._plan_measure`)."""
         return False
 
     @property

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import random
@@ -270,6 +271,10 @@ class _Traced:
         key = _attrs(self.block)
         if key not in self._by_state:
             self._by_state[key] = traced(self.block)
+            # tracing leaves garbage cycles that reach the running step's frames (fx's
+            # patching, lazy imports), so the step's block inputs outlived their use until
+            # the collector happened to run: up to 9% of the quick BERT's first-step peak
+            gc.collect()
         return self._by_state[key]
 
 
@@ -430,14 +435,6 @@ class Checkpoint(Engine):
         # segments="auto" runs a measuring forward on the first step of each input shape
         return (self.fragments is not None or self.sequence_fragments is not None
                 or self.trace or self.segments == "auto")  # fmt: skip
-
-    @property
-    def heavier_first_step(self) -> bool:
-        # with the trace made inside the first step, garbage cycles keep block inputs alive
-        # until the collector runs (0-9% of the quick BERT's peak, as it happens to run);
-        # the fragments' probe, the fragment_blocks sizing and segments="auto"'s measuring
-        # forward hold nothing at the peak (tests/engines/test_first_step.py)
-        return self.trace
 
     @property
     def costly_estimate(self) -> bool:

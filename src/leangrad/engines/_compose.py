@@ -139,10 +139,6 @@ class Composed(Engine):
         return self.base.probes
 
     @property
-    def heavier_first_step(self) -> bool:
-        return self.base.heavier_first_step
-
-    @property
     def costly_estimate(self) -> bool:
         return self.base.costly_estimate
 
