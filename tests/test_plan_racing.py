@@ -110,19 +110,8 @@ def test_the_second_cut_drops_no_contender_of_the_full_rule(seed: int) -> None:
     """Random scenarios with ±9% noise, some candidates 1.0-1.15× the fastest and some
     1.3-1.6× (within the first cut's margin, so only the second can drop them): what the
     two cuts drop is never a contender of the full rule, which chooses the same."""
-    rng = random.Random(1000 + seed)
-    n = rng.randint(3, 8)
-    true = {f"e{i}": rng.choice([1.0, 1.0 + rng.uniform(0, 0.15), rng.uniform(1.3, 1.6)])
-            for i in range(n)}  # fmt: skip
-    true["e0"] = 1.0
-    seconds = {k: [t * rng.uniform(0.91, 1.09) for _ in range(3 + 6)] for k, t in true.items()}
-    cut, full = Clock(seconds, run=False), Clock(seconds, run=False)
-    got = _choose(cut, list(seconds))
-    whole = _choose(full, list(seconds), race=None)
-    assert (got.label, got.contenders, got.tie_break) == (
-        whole.label, whole.contenders, whole.tie_break)  # fmt: skip
+    _, got, whole = _against_the_full_rule(random.Random(1000 + seed), slow=(1.3, 1.6))
     assert not set(got.raced) & set(whole.contenders)
-    assert sum(cut.used.values()) <= sum(full.used.values())
 
 
 def test_a_candidate_just_inside_the_race_margin_runs_every_round() -> None:
@@ -151,10 +140,18 @@ def test_the_race_chooses_what_the_full_rule_chooses_when_the_dropped_are_slower
     truly ≥ 1.8× slower. Each label's seconds are the same sequence with and without the
     race: the chosen row, the contenders and the tie-break are identical, and every
     candidate the race dropped is one of the slow ones."""
-    rng = random.Random(seed)
-    n = rng.randint(3, 9)
-    true = {f"e{i}": rng.choice([1.0, 1.0 + rng.uniform(0, 0.15), rng.uniform(1.8, 3.0)])
-            for i in range(n)}  # fmt: skip
+    true, got, _ = _against_the_full_rule(random.Random(seed), slow=(1.8, 3.0))
+    assert all(true[k] >= 1.8 for k in got.raced)
+
+
+def _against_the_full_rule(rng: random.Random, *, slow: tuple[float, float],
+                           ) -> tuple[dict[str, float], pc.Choice, pc.Choice]:  # fmt: skip
+    """A random scenario — 3-9 candidates, each 1.0×, 1.0-1.15× or ``slow`` times the
+    fastest, ±9% noise per round — chosen with the race and by the full rule on the same
+    seconds: the true times and both choices, asserted to agree (label, contenders,
+    tie-break) with the race timing no more steps."""
+    true = {f"e{i}": rng.choice([1.0, 1.0 + rng.uniform(0, 0.15), rng.uniform(*slow)])
+            for i in range(rng.randint(3, 9))}  # fmt: skip
     true["e0"] = 1.0  # one fastest at least
     seconds = {k: [t * rng.uniform(0.91, 1.09) for _ in range(3 + 6)] for k, t in true.items()}
     raced, full = Clock(seconds, run=False), Clock(seconds, run=False)
@@ -162,8 +159,8 @@ def test_the_race_chooses_what_the_full_rule_chooses_when_the_dropped_are_slower
     whole = _choose(full, list(seconds), race=None)
     assert (got.label, got.contenders, got.tie_break) == (
         whole.label, whole.contenders, whole.tie_break)  # fmt: skip
-    assert all(true[k] >= 1.8 for k in got.raced)
     assert sum(raced.used.values()) <= sum(full.used.values())
+    return true, got, whole
 
 
 def test_the_race_scales_a_compiled_row_from_the_reference() -> None:
