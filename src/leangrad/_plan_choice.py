@@ -119,7 +119,7 @@ RACE_TWO = 1.25
 times the slower round of the fastest median is out (the module docstring says why)."""
 RACED_OUT = "raced out: {ratio:.2f}× the fastest in {rounds}"
 """What a raced-out row's verdict adds (its time is the median of the rounds it ran;
-``rounds``: "one round" or "two rounds")."""
+``rounds``: "one round" or "2 rounds")."""
 RULES = ("lower peak", "simpler engine", "the planner's order")
 """The tie-break, in order: what decides between indistinguishable contenders."""
 WITHIN_NOISE = "within noise of {others}: chose by {rule}"
