@@ -1,5 +1,6 @@
 """A candidate that does all of another's work and more — the same checkpointing of more
-blocks, or of the same blocks in two levels — is not run where that other one fits
+blocks, or of the same blocks in two levels, or time chunks of a fused recurrent module
+beside the same step without them — is not run where that other one fits
 (:attr:`leangrad.engines._base.PlanOffer.beaten_by`): it cannot be faster. Checked on the
 offers of every frozen model (each beaten row's beater comes first and differs from it only
 by recomputing less), and through ``leangrad.plan`` on the tiny GPT, counting steps."""
@@ -37,7 +38,7 @@ def _work(model: torch.nn.Module, options: dict[str, Any]) -> tuple[set[str], in
     return set(options.get("blocks", found.names)), options.get("levels", 1)
 
 
-WORK = ("blocks", "levels", "segments")
+WORK = ("blocks", "levels", "segments", "time_chunks")
 """The options that say how much is recomputed (more of them: more work)."""
 
 
@@ -45,8 +46,8 @@ WORK = ("blocks", "levels", "segments")
 def test_what_beats_an_offer_comes_first_and_only_recomputes_less(name: str) -> None:
     """Each offer that beats another is offered before it and is the same step with less
     recomputation: the same parts and checkpointing of fewer blocks or in one level, or
-    no checkpointing at all, every other option (fragments, ``trace=True``, time chunks:
-    other ways of running the work) equal."""
+    no checkpointing at all (time chunks beside the same step without them), every other
+    option (fragments, ``trace=True``: other ways of running the work) equal."""
     seen = 0
     for per_ex in (False, True):
         torch.manual_seed(0)
@@ -66,8 +67,8 @@ def test_what_beats_an_offer_comes_first_and_only_recomputes_less(name: str) -> 
                 if "checkpoint" in theirs:  # the same checkpointing, of less
                     more, less = _work(model, offer.options), _work(model, by[1])
                     assert more[0] >= less[0] and more[1] >= less[1] and more != less
-    if name.startswith("zoo_") and name not in ("zoo_lstm",):
-        assert seen, name  # every zoo model but the LSTM LM has beaten offers
+    if name.startswith("zoo_"):
+        assert seen, name  # every zoo model has beaten offers
 
 
 def _flat(seconds: float = 1.0) -> Callable[..., dict[str, Timing]]:
@@ -127,3 +128,27 @@ def test_they_are_run_where_fewer_do_not_fit_and_a_reusing_plan_runs_them(
                 for c in p.table}  # fmt: skip
 
     assert verdicts(low) == verdicts(fresh)
+
+
+def test_time_chunks_are_not_run_beside_the_same_step_that_fits(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """On an LSTM LM at a budget backprop fits, every time-chunked row is beaten and never
+    stepped: ``checkpoint(time_chunks=k)`` by backprop, and time chunks under m
+    micro-batches by ``accumulate(micro_batches=m)`` (which fits where backprop does)."""
+    torch.manual_seed(0)
+    model = MODELS["zoo_lstm"]()
+    idx = torch.randint(0, 32, (8, 12))
+    loss_fn = leangrad.loss.per_example(
+        lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()), idx)
+    monkeypatch.setattr(planner, "time_interleaved", _flat())
+    p = leangrad.plan(model, idx, loss_fn, budget=10**9, repeats=3)
+    rows = {c.label: c for c in p.table}
+    chunked = [lb for lb in rows if "time_chunks" in lb]
+    assert len(chunked) == 4 + 2 * 3, chunked  # TIME_CHUNKS, and (4, 16) x micro-batches 2-8
+    for label in chunked:
+        m = rows[label].options.get("micro_batches")
+        by = "backprop" if m is None else leangrad.engine("accumulate", micro_batches=m).label
+        assert rows[label].verdict == BEATEN.format(by=by), label
+        assert label not in _real(counted)
+    assert rows["backprop"].verdict.startswith(("fits", "chosen"))

@@ -205,8 +205,10 @@ def stem_modules(model: nn.Module, found: Blocks) -> list[str]:
 
 
 def time_chunk_offers(model: nn.Module) -> Offers:
-    """Fused recurrent modules (one op each, no block inside) checkpointed along time."""
+    """Fused recurrent modules (one op each, no block inside) checkpointed along time, each
+    beaten by backprop (:data:`BACKPROP`: the same step, minus the recomputation of each
+    chunk)."""
     if not fused_recurrent(model):
         return []
-    return [PlanOffer("checkpoint", {"time_chunks": k}, PlanOrder.TIME_CHUNKS)
+    return [PlanOffer("checkpoint", {"time_chunks": k}, PlanOrder.TIME_CHUNKS, (BACKPROP,))
             for k in TIME_CHUNKS]  # fmt: skip

@@ -500,16 +500,17 @@ class Accumulate(OnBackprop):
         block checkpointed with as many micro-batches; each checkpointed one is beaten by
         as many micro-batches alone); where the model has fused
         recurrent modules (``nn.LSTM``, ``nn.GRU``), with them checkpointed in
-        :data:`ACCUMULATE_TIME_CHUNKS` time chunks inside each micro-batch."""
+        :data:`ACCUMULATE_TIME_CHUNKS` time chunks inside each micro-batch (each beaten by
+        as many micro-batches alone: the same step plus the recomputation of each chunk)."""
         del exact
         if not isinstance(loss_fn, PerExample) or batch_coupling(model) is not None:
             return []
         ks = [k for k in MICRO_BATCHES if k <= loss_fn.batch]
         out = [PlanOffer("accumulate", {"micro_batches": k}, PlanOrder.MICRO_BATCHES)
                for k in ks]  # fmt: skip
-        if fused_recurrent(model):
+        if fused_recurrent(model):  # each beaten by as many micro-batches alone
             out += [PlanOffer("checkpoint+accumulate", {"time_chunks": c, "micro_batches": k},
-                              PlanOrder.MICRO_BATCHES)
+                              PlanOrder.MICRO_BATCHES, (("accumulate", {"micro_batches": k}),))
                     for c in ACCUMULATE_TIME_CHUNKS for k in ks]  # fmt: skip
         if found is None:
             return out
