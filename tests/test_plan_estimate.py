@@ -4,6 +4,7 @@ near-equal candidates timed again. Behaviour by bytes and by calls, never by tim
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import re
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import leangrad
 import leangrad._plan as planner
 import leangrad._plan_measure as measuring
+from leangrad import zoo
 from leangrad._plan import BAD_SETTING, NOT_TIMED
 from leangrad._plan_measure import ESTIMATED
 from leangrad._sizes import BAD_BYTES, parse_bytes
@@ -165,3 +167,37 @@ def test_plan_refuses_nonsense_settings_before_measuring(kwargs: dict, fragment:
     model, idx, loss_fn = _gpt()
     with pytest.raises(ValueError, match=re.escape(fragment)):
         leangrad.plan(model, idx, loss_fn, budget=2**30, **kwargs)
+
+
+@pytest.mark.parametrize(("cell", "dtype", "stepwise"), [
+    ("gru", torch.float32, True), ("lstm", torch.float32, False), ("lstm", torch.float64, True),
+])  # fmt: skip
+def test_no_estimate_screens_where_fake_tensors_run_an_rnn_step_by_step(
+    counted: collections.Counter[tuple[str, str]], cell: str, dtype: torch.dtype,
+    stepwise: bool,
+) -> None:  # fmt: skip
+    """``nn.GRU`` (and ``nn.LSTM`` in float64) has no fused CPU kernel, so fake tensors run
+    it one time step at a time: :func:`~leangrad._plan_measure.stepwise_on_fake` names it,
+    and the plan estimates no candidate (only backprop, once, asking whether anything can
+    be allocated), stepping them for real instead; a float32 LSTM runs one fused op on fake
+    tensors too, and each candidate is estimated first."""
+    torch.manual_seed(0)
+    model = zoo.rnn_lm(cell, vocab=32, embed=16, hidden=32).to(dtype)
+    idx = torch.randint(0, 32, (4, 24))
+    assert (measuring.stepwise_on_fake(model) == "rnn") is stepwise
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), idx.flatten())
+
+    full = profile_step(leangrad.engine("backprop"), model, idx, loss_fn, repeats=0)
+    engines = [("backprop", {}), ("checkpoint", {"time_chunks": 4})]
+    p = leangrad.plan(model, idx, loss_fn, budget=full.baseline_bytes + full.peak_bytes // 3,
+                      repeats=1, engines=engines)  # fmt: skip
+    fake = {lb: n for (lb, kind), n in counted.items() if kind == "fake" and n}
+    backprop = {c.label: c for c in p.table}["backprop"]
+    assert backprop.verdict.startswith("over budget")
+    if stepwise:  # measured for real (first step far over: one step)
+        assert not backprop.estimate and counted[("backprop", "real")] == 1
+        assert fake == {"backprop": 1}
+    else:  # estimated to screen it (then run for real where the estimate is low)
+        assert fake["backprop"] == 2 and fake["checkpoint(time_chunks=4)"] == 1

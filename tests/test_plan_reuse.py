@@ -16,12 +16,17 @@ import torch
 import leangrad
 import leangrad._plan as planner
 import leangrad._plan_measure as measuring
-from leangrad._plan_measure import ESTIMATE_MARGIN, ESTIMATED, Tried
+from leangrad._plan_measure import ESTIMATE_MARGIN, ESTIMATED, FIRST_STEP_MARGIN, Tried
 from test_plan_racing import B0, B01, ENGINES, FRAG, Clock, _gpt
 
 
 def _real(steps: collections.Counter[tuple[str, str]]) -> dict[str, int]:
     return {lb: n for (lb, kind), n in steps.items() if kind == "real"}
+
+
+def _steps(expected: dict[str, int]) -> dict[str, int]:
+    """``expected`` without the engines it expects no step of."""
+    return {lb: n for lb, n in expected.items() if n}
 
 
 def _rows(p: leangrad.Plan) -> dict[str, tuple[str, int | None]]:
@@ -32,33 +37,41 @@ def _rows(p: leangrad.Plan) -> dict[str, tuple[str, int | None]]:
             for c in p.table}  # fmt: skip
 
 
+@pytest.mark.parametrize(("budget", "again_steps", "fresh_steps"),
+                         [(720_000, 1, 2), (700_000, 0, 0)])  # fmt: skip
 def test_a_lower_budget_reuses_every_peak_and_steps_only_what_it_judges_anew(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+    budget: int, again_steps: int, fresh_steps: int,
 ) -> None:  # fmt: skip
     """At 900 kB the tiny GPT's checkpoint (770 kB) and fragments=2 (681 kB) fit on their
-    first steps; at 700 kB, reusing that plan, checkpoint's first-step peak no longer fits,
-    so it alone is tracked again (warm, one step), and fragments=2 is timed without a peak
-    measurement of its own: the rows, peaks and choice are those of a fresh plan at 700 kB,
-    which measures fragments=2's peak again (and skips checkpoint on its estimate)."""
+    first steps. At 720 kB, reusing that plan, checkpoint's first-step peak no longer fits,
+    so it alone is tracked again (warm, one step); at 700 kB it is over by more than
+    :data:`~leangrad._plan_measure.FIRST_STEP_MARGIN` and decides alone (no step).
+    fragments=2 is timed without a peak measurement of its own. The rows, peaks and choice
+    are those of a fresh plan at that budget, which measures fragments=2's peak again and
+    checkpoint's in two steps at 720 kB (first, then warm), at 700 kB not at all (its
+    estimate is over by more than the estimate's margin)."""
     model, idx, loss_fn = _gpt()
     monkeypatch.setattr(planner, "time_interleaved",
                         Clock({"checkpoint": [1.0] * 3, FRAG: [1.2] * 3}))  # fmt: skip
     first = leangrad.plan(model, idx, loss_fn, budget=900_000, repeats=3, engines=ENGINES)
     assert first.engine is not None and first.engine.label == "checkpoint"
+    assert (1 + FIRST_STEP_MARGIN) * budget < 770_056 or again_steps
     counted.clear()
     monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.2] * 3}))
-    again = leangrad.plan(model, idx, loss_fn, budget=700_000, repeats=3, engines=ENGINES,
+    again = leangrad.plan(model, idx, loss_fn, budget=budget, repeats=3, engines=ENGINES,
                           reuse=first)  # fmt: skip
-    # checkpoint: tracked once more (warm); fragments=2: timed (3), re-measured as chosen (1)
-    assert _real(counted) == {"checkpoint": 1, FRAG: 3 + 1}
+    # checkpoint: tracked once more (warm) or not; fragments=2: timed (3), re-measured (1)
+    assert _real(counted) == _steps({"checkpoint": again_steps, FRAG: 3 + 1})
     # the one fake step: backprop's, asking whether a step can be allocated here at all
     assert {lb: n for (lb, kind), n in counted.items() if kind == "fake"} == {"backprop": 1}
     assert again.engine is not None and again.engine.label == FRAG
     assert again.engine is first.measured.rows[f"checkpoint {ENGINES[4][1]!r}"][0].engine  # type: ignore[union-attr]
     counted.clear()
     monkeypatch.setattr(planner, "time_interleaved", Clock({FRAG: [1.2] * 3}))
-    fresh = leangrad.plan(model, idx, loss_fn, budget=700_000, repeats=3, engines=ENGINES)
-    assert _real(counted) == {FRAG: 1 + 3 + 1}  # its peak, timed, re-measured as chosen
+    fresh = leangrad.plan(model, idx, loss_fn, budget=budget, repeats=3, engines=ENGINES)
+    # its peak, timed, re-measured as chosen
+    assert _real(counted) == _steps({"checkpoint": fresh_steps, FRAG: 1 + 3 + 1})
     assert _rows(again) == _rows(fresh)
     assert fresh.engine is not None and fresh.engine.label == FRAG
     assert _rows(again)["checkpoint"][0] == "over budget"

@@ -67,6 +67,7 @@ from ._plan_choice import Choice, choose, raced_note
 from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
 from ._plan_measure import Context, Measured, Tried, measure, not_run, revisit, too_big
 from ._plan_measure import key as row_key
+from ._plan_measure import stepwise_on_fake as fake_is_stepwise
 from ._sizes import fmt_bytes, free_bytes
 from ._step import Step
 from .engines import Engine, available, engine_class
@@ -302,7 +303,8 @@ def _plan(
 
         shown.grow(len(compile_candidates()))
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
-                   too_big(model, xs, loss_fn, limit), autocast)  # fmt: skip
+                  too_big(model, xs, loss_fn, limit), autocast,
+                  screen=fake_is_stepwise(model) is None)  # fmt: skip
     rows: dict[str, list[Tried]] = {}  # each candidate's, kept for a later plan's reuse=
 
     def take(key: str, fresh: Callable[[], None]) -> int:
