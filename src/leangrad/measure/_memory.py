@@ -132,6 +132,23 @@ def baseline_bytes(*objs: Any) -> int:
 _FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 
 
+def _tensors(obj: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or outputs (tensors, and lists, tuples and
+    dicts of them: all an ATen schema holds), appended to ``into``. Written out because
+    ``torch.utils._pytree`` took 40% of a tracked step of the quick GRU LM (11,847 ops)."""
+    if isinstance(obj, torch.Tensor):
+        into.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            if isinstance(o, torch.Tensor):
+                into.append(o)
+            elif isinstance(o, (tuple, list, dict)):
+                _tensors(o, into)
+    elif isinstance(obj, dict):
+        _tensors(list(obj.values()), into)
+    return into
+
+
 class _StorageMode(TorchDispatchMode):
     """Sees every operator output and records storages it has not seen before; a real
     step's fake tensors (an engine sizing its blocks on them at its first step) allocate
@@ -145,22 +162,22 @@ class _StorageMode(TorchDispatchMode):
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                  and (self.tracker.estimate or not isinstance(t, FakeTensor))]  # fmt: skip
+        tracker = self.tracker
+        leaves = [t for t in _tensors(out, []) if tracker.estimate or not isinstance(t, FakeTensor)]
         if func in _FRESH:  # torch.tensor(data): allocated outside dispatch, handed in here
             for t in leaves:
                 if (st := _storage_of(t)) is not None:
-                    self.tracker._see(st, external=False)
-        elif leaves:
-            inputs = {
-                id(st)
-                for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and (st := _storage_of(t)) is not None
-            }
-            for t in leaves:
-                st = _storage_of(t)
-                if st is not None:
-                    self.tracker._see(st, external=id(st) in inputs)
+                    tracker._see(st, external=False)
+            return out
+        inputs: set[int] | None = None  # the inputs' storages, found once a new one needs them
+        for t in leaves:
+            st = _storage_of(t)
+            if st is None:
+                continue
+            if inputs is None and id(st) not in tracker._entries:  # external only matters new
+                inputs = {id(s) for x in _tensors(kwargs, _tensors(args, []))
+                          if (s := _storage_of(x)) is not None}  # fmt: skip
+            tracker._see(st, external=inputs is not None and id(st) in inputs)
         return out
 
 
