@@ -38,11 +38,13 @@ without a warm-up, and where it fits the budget its peak is the row's: one step 
 two (issue 31, item 6). Where it does not fit, the step is tracked again — now warm, as
 after a warm-up — and that decides, as before; except on the CPU where it is over the
 budget by more than :data:`FIRST_STEP_MARGIN`, twice the largest first-step excess
-measured (below): over budget on its first step alone. Engines whose first step does extra work
-(:attr:`~leangrad.engines.Engine.probes`: fragments probe each block, ``fragment_blocks=k``
-sizes the blocks on fake tensors, ``trace=True`` traces, ``segments="auto"`` measures) are
-tracked on their first step too: that work holds nothing at the step's peak
-(``tests/engines/test_first_step.py``, with Python's collector off). Before three fixes it
+measured (below), or where its estimate (asked to screen it) is over by more than
+:data:`ESTIMATE_EXCESS`: over budget on its first step alone. Engines whose first step
+does extra work (:attr:`~leangrad.engines.Engine.probes`: fragments probe each block,
+``fragment_blocks=k`` sizes the blocks on fake tensors, ``trace=True`` traces,
+``segments="auto"`` measures) are tracked on their first step too: that work holds
+nothing at the step's peak (``tests/engines/test_first_step.py``, with Python's collector
+off). Before three fixes it
 did — a leak in the fragments' probe and in ``segments="auto"``, fake tensors counted by
 the CPU tracker, garbage cycles left by tracing that kept block inputs alive until the
 collector ran — 1.1-2.8× on the quick zoo, and those rows were warmed up, a whole step more
@@ -74,7 +76,8 @@ if TYPE_CHECKING:
     from ._plan_choice import Choice  # which imports this module
 
 __all__ = [
-    "BEATEN", "ESTIMATED", "ESTIMATE_MARGIN", "FAILED", "FIRST_STEP_MARGIN", "PER_LAYER",
+    "BEATEN", "ESTIMATED", "ESTIMATE_EXCESS", "ESTIMATE_MARGIN", "FAILED", "FIRST_STEP_MARGIN",
+    "PER_LAYER",
     "Context", "Measured", "Tried", "failed_verdict", "key", "measure", "not_run", "revisit",
     "stepwise_on_fake", "too_big",
 ]
@@ -84,6 +87,12 @@ ESTIMATED = "estimate"
 confidently over budget)."""
 ESTIMATE_MARGIN = 0.10
 """A candidate whose fake-tensor estimate is above ``(1 + this)`` × the budget is not run."""
+ESTIMATE_EXCESS = 0.02
+"""On the CPU, a first step over budget whose fake-tensor estimate is above ``(1 + this)``
+× the budget is over budget without being tracked again, warm: an estimate counts no
+first step's extra work, and the largest measured estimate above a real peak is 0.8%
+(the module docstring), so the warm step would be over budget too. On the full-size
+ResNet five rows 6% over budget took two 12-14 s steps each before."""
 FIRST_STEP_MARGIN = 0.10
 """On the CPU, a first step whose peak is above ``(1 + this)`` × the budget is over budget
 without being tracked again, warm. The largest first-step excess measured on the quick
@@ -282,12 +291,12 @@ def _measure_kind(name: str, opts: dict[str, Any], ctx: Context, per_layer: bool
         return row(engine=None, peak=None, verdict=f"n/a: {why}")
     if ctx.progress is not None:
         ctx.progress(f"peak of {step.label}")
-    over = _over_by_estimate(step, name, opts, per_layer, ctx)
-    if over is not None:
-        return row(engine=step, peak=over, verdict=f"over budget ({ESTIMATED})", estimate=True,
+    screen = _estimate(step, name, opts, per_layer, ctx)
+    if screen is not None and screen > (1 + ESTIMATE_MARGIN) * ctx.budget:
+        return row(engine=step, peak=screen, verdict=f"over budget ({ESTIMATED})", estimate=True,
                    screened=True)  # fmt: skip
     try:
-        peak, est, warm = _peak(step, name, opts, per_layer, ctx)
+        peak, est, warm = _peak(step, name, opts, per_layer, ctx, screen)
     except errors.LeangradError as err:
         return row(engine=None, peak=None, verdict=f"n/a: {err}")
     except Exception as err:  # a candidate's own failure is a row, not the plan's
@@ -354,11 +363,12 @@ def _make_step(name: str, opts: dict[str, Any], ctx: Context, per_layer: bool | 
     return Step(eng, ctx.optimizer, per_layer=per_layer)
 
 
-def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
-                      ctx: Context) -> int | None:  # fmt: skip
-    """The step's fake-tensor estimate (total bytes) where it is above the budget by more
-    than :data:`ESTIMATE_MARGIN`, else ``None``: measure it (the module docstring says
-    where this is not asked, and why)."""
+def _estimate(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
+              ctx: Context) -> int | None:  # fmt: skip
+    """The step's fake-tensor estimate (total bytes), or ``None`` where it is not asked
+    (the module docstring says where, and why) or fake tensors cannot run the step. Above
+    the budget by more than :data:`ESTIMATE_MARGIN` it rules the candidate out; by more
+    than :data:`ESTIMATE_EXCESS`, it confirms a first step over budget."""
     eng = step.engine if isinstance(step, Step) else step
     if ctx.estimate_only or ctx.optimizer is not None or ctx.autocast or not ctx.screen:
         return None
@@ -369,13 +379,14 @@ def _over_by_estimate(step: Any, name: str, opts: dict[str, Any], per_layer: boo
                             ctx.xs, ctx.loss_fn).total_bytes  # fmt: skip
     except Exception:  # an op fake tensors cannot run, or the candidate's own failure:
         return None  # the real measurement says which
-    return est if est > (1 + ESTIMATE_MARGIN) * ctx.budget else None
+    return est
 
 
-def _measured(step: Any, ctx: Context) -> tuple[int, bool]:
-    """The step's total bytes, tracked for real: its first step where that fits the budget,
-    else (or under an optimizer or autocast) a step after a warm-up (the module
-    docstring says why); and whether they are a warm step's."""
+def _measured(step: Any, ctx: Context, estimate: int | None) -> tuple[int, bool]:
+    """The step's total bytes, tracked for real: its first step where that fits the budget
+    or is far over it (:func:`_far_over`, or its ``estimate`` over by more than
+    :data:`ESTIMATE_EXCESS`), else (or under an optimizer or autocast) a step after a
+    warm-up (the module docstring says why); and whether they are a warm step's."""
 
     def tracked(warmup: int) -> int:
         return profile_step(step, ctx.model, ctx.xs, ctx.loss_fn, repeats=0,
@@ -384,7 +395,9 @@ def _measured(step: Any, ctx: Context) -> tuple[int, bool]:
     if ctx.optimizer is not None or ctx.autocast:
         return tracked(1), True
     first = tracked(0)
-    if first <= ctx.budget or _far_over(first, ctx):
+    if first <= ctx.budget or _far_over(first, ctx) or (_on_cpu(ctx) and estimate is not None
+                                                        and estimate > (1 + ESTIMATE_EXCESS)
+                                                        * ctx.budget):  # fmt: skip
         return first, False
     return tracked(0), True  # warm: as tracked(1)
 
@@ -392,17 +405,22 @@ def _measured(step: Any, ctx: Context) -> tuple[int, bool]:
 def _far_over(first: int, ctx: Context) -> bool:
     """A first step's peak is over the budget by more than :data:`FIRST_STEP_MARGIN`, on
     the CPU: over budget without tracking a warm step."""
+    return _on_cpu(ctx) and first > (1 + FIRST_STEP_MARGIN) * ctx.budget
+
+
+def _on_cpu(ctx: Context) -> bool:
+    """The step runs on the CPU, where the first-step rules were measured."""
     device = ctx.xs[0].device if ctx.xs else next(ctx.model.parameters()).device
-    return device.type == "cpu" and first > (1 + FIRST_STEP_MARGIN) * ctx.budget
+    return device.type == "cpu"
 
 
 def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
-          ctx: Context) -> tuple[int, bool, bool]:  # fmt: skip
+          ctx: Context, estimate: int | None = None) -> tuple[int, bool, bool]:  # fmt: skip
     """The step's total bytes, whether they are a fake-tensor estimate, and whether they
     are a warm step's (an estimate's count as warm: no first step's extra work)."""
     if not ctx.estimate_only:
         try:
-            peak, warm = _measured(step, ctx)
+            peak, warm = _measured(step, ctx, estimate)
             return peak, False, warm
         except Exception as err:  # only running out of memory falls back to an estimate
             if not _out_of_memory(err):
