@@ -70,6 +70,7 @@ from torch import nn
 from . import _errors as errors
 from ._step import PER_LAYER, MakeOptimizer, Step
 from .engines import Engine, engine
+from .engines._time_chunks import fused_recurrent
 from .measure import estimate_step, profile_step
 
 if TYPE_CHECKING:
@@ -77,9 +78,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BEATEN", "ESTIMATED", "ESTIMATE_EXCESS", "ESTIMATE_MARGIN", "FAILED", "FIRST_STEP_MARGIN",
-    "PER_LAYER",
-    "Context", "Measured", "Tried", "failed_verdict", "key", "measure", "not_run", "revisit",
-    "stepwise_on_fake", "too_big",
+    "PER_LAYER", "Context", "Measured", "Tried", "failed_verdict", "key", "measure", "not_run",
+    "revisit", "stepwise_on_fake", "too_big",
 ]
 
 ESTIMATED = "estimate"
@@ -142,13 +142,12 @@ def stepwise_on_fake(model: nn.Module) -> str | None:
             rnn(torch.empty(shape, dtype=w.dtype, device=w.device))
         return c.ops
 
-    for name, m in model.named_modules():
-        if isinstance(m, nn.RNNBase):
-            try:
-                if dispatched(m, 4) > dispatched(m, 2):
-                    return name
-            except Exception:  # an input fake tensors cannot run: the estimate says so
-                continue
+    for name, m in fused_recurrent(model):
+        try:
+            if dispatched(m, 4) > dispatched(m, 2):
+                return name
+        except Exception:  # an input fake tensors cannot run: the estimate says so
+            continue
     return None
 
 
@@ -384,8 +383,7 @@ def _estimate(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None
 
 def _measured(step: Any, ctx: Context, estimate: int | None) -> tuple[int, bool]:
     """The step's total bytes, tracked for real: its first step where that fits the budget
-    or is far over it (:func:`_far_over`, or its ``estimate`` over by more than
-    :data:`ESTIMATE_EXCESS`), else (or under an optimizer or autocast) a step after a
+    or is far over it (:func:`_far_over`), else (or under an optimizer or autocast) a step after a
     warm-up (the module docstring says why); and whether they are a warm step's."""
 
     def tracked(warmup: int) -> int:
@@ -395,23 +393,20 @@ def _measured(step: Any, ctx: Context, estimate: int | None) -> tuple[int, bool]
     if ctx.optimizer is not None or ctx.autocast:
         return tracked(1), True
     first = tracked(0)
-    if first <= ctx.budget or _far_over(first, ctx) or (_on_cpu(ctx) and estimate is not None
-                                                        and estimate > (1 + ESTIMATE_EXCESS)
-                                                        * ctx.budget):  # fmt: skip
+    if first <= ctx.budget or _far_over(first, ctx, estimate):
         return first, False
     return tracked(0), True  # warm: as tracked(1)
 
 
-def _far_over(first: int, ctx: Context) -> bool:
-    """A first step's peak is over the budget by more than :data:`FIRST_STEP_MARGIN`, on
-    the CPU: over budget without tracking a warm step."""
-    return _on_cpu(ctx) and first > (1 + FIRST_STEP_MARGIN) * ctx.budget
-
-
-def _on_cpu(ctx: Context) -> bool:
-    """The step runs on the CPU, where the first-step rules were measured."""
+def _far_over(first: int, ctx: Context, estimate: int | None = None) -> bool:
+    """On the CPU (where these rules were measured), a first step's peak over the budget by
+    more than :data:`FIRST_STEP_MARGIN`, or its ``estimate`` by more than
+    :data:`ESTIMATE_EXCESS`: over budget without tracking a warm step."""
     device = ctx.xs[0].device if ctx.xs else next(ctx.model.parameters()).device
-    return device.type == "cpu"
+    if device.type != "cpu":
+        return False
+    return first > (1 + FIRST_STEP_MARGIN) * ctx.budget or (
+        estimate is not None and estimate > (1 + ESTIMATE_EXCESS) * ctx.budget)
 
 
 def _peak(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None,
