@@ -16,9 +16,10 @@ import torch
 
 import leangrad
 import leangrad._plan as planner
-from leangrad._plan import _offered
-from leangrad._plan_measure import BEATEN
+from leangrad._plan import _offered, beaters_first
+from leangrad._plan_measure import BEATEN, BEATEN_BECAUSE
 from leangrad.engines._blocks import blocks
+from leangrad.engines._checkpoint_plan import MICRO_BATCHED
 from leangrad.measure import Timing
 
 from .plan_candidate_models import MODELS, loss
@@ -43,23 +44,33 @@ WORK = ("blocks", "levels", "segments", "time_chunks")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_what_beats_an_offer_comes_first_and_only_recomputes_less(name: str) -> None:
-    """Each offer that beats another is offered before it and is the same step with less
-    recomputation: the same parts and checkpointing of fewer blocks or in one level, or
-    no checkpointing at all (time chunks beside the same step without them), every other
-    option (fragments, ``trace=True``: other ways of running the work) equal."""
-    seen = 0
+def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: str) -> None:
+    """Each offer that beats another is measured before it (:func:`beaters_first`) and is
+    the same step with less recomputation: the same parts and checkpointing of fewer blocks
+    or in one level, or no checkpointing at all (time chunks beside the same step without
+    them), every other option (fragments, ``trace=True``: other ways of running the work)
+    equal. The one other kind says why (:data:`MICRO_BATCHED`): blocks recomputed in k
+    fragments of the batch, beaten by as many micro-batches alone."""
+    seen = micro = 0
     for per_ex in (False, True):
         torch.manual_seed(0)
         model = MODELS[name]()
         offers = _offered(model, exact=True, loss_fn=loss(per_ex))
         keys = [(o.name, o.options) for o in offers]
-        for i, offer in enumerate(offers):
+        order = [(o.name, o.options) for o in beaters_first(offers)]
+        assert sorted(map(repr, order)) == sorted(map(repr, keys))
+        for offer in offers:
             for by in offer.beaten_by:
                 if by not in keys:  # not offered on this model: it beats nothing
                     continue
                 seen += 1
-                assert keys.index(by) < i, (name, offer, by)
+                assert order.index(by) < order.index((offer.name, offer.options)), (offer, by)
+                if offer.beaten_why is not None:
+                    micro += 1
+                    assert offer.beaten_why == MICRO_BATCHED and offer.name == "checkpoint"
+                    assert by == ("accumulate", {"micro_batches": offer.options["fragments"]})
+                    assert not {"fragment_blocks", "levels"} & offer.options.keys()
+                    continue
                 mine, theirs = _parts(offer.name), _parts(by[0])
                 assert "checkpoint" in mine and mine - {"checkpoint"} == theirs - {"checkpoint"}
                 rest = {k: v for k, v in offer.options.items() if k not in WORK}
@@ -69,6 +80,8 @@ def test_what_beats_an_offer_comes_first_and_only_recomputes_less(name: str) -> 
                     assert more[0] >= less[0] and more[1] >= less[1] and more != less
     if name.startswith("zoo_"):
         assert seen, name  # every zoo model has beaten offers
+    if name in ("zoo_gpt", "zoo_lstm", "zoo_unet"):
+        assert micro, name  # their fragments, under a loss declared per example
 
 
 def _flat(seconds: float = 1.0) -> Callable[..., dict[str, Timing]]:
@@ -152,3 +165,38 @@ def test_time_chunks_are_not_run_beside_the_same_step_that_fits(
         assert rows[label].verdict == BEATEN.format(by=by), label
         assert label not in _real(counted)
     assert rows["backprop"].verdict.startswith(("fits", "chosen"))
+
+
+def test_fragments_are_not_run_where_as_many_micro_batches_fit(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """On the tiny GPT under a loss declared per example, at a budget backprop fits,
+    ``accumulate(micro_batches=k)`` fits, so blocks recomputed in k fragments (and in two
+    levels, beaten by those) are rows saying why, never stepped, though the fragments are
+    offered after the micro-batches are measured; the table keeps the offers' order. Under
+    the same loss not declared per example there are no micro-batches, and the fragments
+    are measured as before."""
+    model, idx, _ = tiny_gpt_step()
+    tgt = torch.randint(0, 32, idx.shape)
+    monkeypatch.setattr(planner, "time_interleaved", _flat())
+    per_ex = leangrad.loss.per_example(leangrad.zoo.GPT.loss, tgt)
+
+    def plain(out: torch.Tensor) -> torch.Tensor:
+        return leangrad.zoo.GPT.loss(out, tgt)
+
+    p = leangrad.plan(model, idx, per_ex, budget=10**9, repeats=3)
+    rows = {c.label: c for c in p.table}
+    assert [c.label for c in p.table] == [
+        leangrad.engine(n, **o).label for n, o in planner.candidates(model, loss_fn=per_ex)]
+    fragmented = [lb for lb in rows if "fragments" in lb and "chunked_ce" not in lb]
+    assert len(fragmented) >= 3, fragmented  # 2 and 4 fragments, and two levels of 4
+    for label in fragmented:
+        k = rows[label].options["fragments"]
+        by = leangrad.engine("accumulate", micro_batches=k).label
+        assert rows[by].verdict.startswith(("fits", "chosen")), by
+        assert rows[label].verdict == BEATEN_BECAUSE.format(by=by, why=MICRO_BATCHED), label
+        assert rows[label].peak_bytes is None and label not in _real(counted)
+    counted.clear()
+    q = leangrad.plan(model, idx, plain, budget=10**9, repeats=3)
+    measured = {c.label for c in q.table if c.peak_bytes is not None}
+    assert set(fragmented) - {"checkpoint(fragments=4,levels=2)"} <= measured & _real(counted)

@@ -77,9 +77,9 @@ if TYPE_CHECKING:
     from ._plan_choice import Choice  # which imports this module
 
 __all__ = [
-    "BEATEN", "ESTIMATED", "ESTIMATE_EXCESS", "ESTIMATE_MARGIN", "FAILED", "FIRST_STEP_MARGIN",
-    "PER_LAYER", "Context", "Measured", "Tried", "failed_verdict", "key", "measure", "not_run",
-    "revisit", "stepwise_on_fake", "too_big",
+    "BEATEN", "BEATEN_BECAUSE", "ESTIMATED", "ESTIMATE_EXCESS", "ESTIMATE_MARGIN", "FAILED",
+    "FIRST_STEP_MARGIN", "PER_LAYER", "Context", "Measured", "Tried", "failed_verdict", "key",
+    "measure", "not_run", "revisit", "stepwise_on_fake", "too_big",
 ]
 
 ESTIMATED = "estimate"
@@ -242,17 +242,21 @@ BEATEN = "not run: {by} fits and does a strict part of its work, nothing else di
 """Verdict of a candidate one of whose :attr:`~leangrad.engines._base.PlanOffer.beaten_by`
 fits (or is itself beaten by one that fits): it recomputes more of the same and cannot be
 faster, so it is neither measured nor timed."""
+BEATEN_BECAUSE = "not run: {by} fits and {why}"
+""":data:`BEATEN` where the step that fits is not a strict part of this one's work
+(:attr:`~leangrad.engines._base.PlanOffer.beaten_why` says why it cannot be slower)."""
 
 
 def not_run(name: str, options: dict[str, Any], ctx: Context, tried: list[Tried], *,
-            by: str) -> None:  # fmt: skip
-    """Append the rows of a candidate beaten by the fitting row ``by`` (:data:`BEATEN`),
-    one per optimizer kind as :func:`measure` would."""
+            by: str, why: str | None = None) -> None:  # fmt: skip
+    """Append the rows of a candidate beaten by the fitting row ``by`` (:data:`BEATEN`, or
+    :data:`BEATEN_BECAUSE` with ``why``), one per optimizer kind as :func:`measure` would."""
     eng = engine(name, **options)
+    verdict = BEATEN.format(by=by) if why is None else BEATEN_BECAUSE.format(by=by, why=why)
     for per_layer in [None] if ctx.optimizer is None else [False, True]:
         step = _make_step(name, options, ctx, per_layer, eng)
-        tried.append(Tried(None, step.label, eng.exact, None, BEATEN.format(by=by), name,
-                           dict(options), bool(per_layer), beaten=True))  # fmt: skip
+        tried.append(Tried(None, step.label, eng.exact, None, verdict, name, dict(options),
+                           bool(per_layer), beaten=True))  # fmt: skip
 
 
 def measure(todo: Sequence[tuple[str, dict[str, Any]]], ctx: Context,

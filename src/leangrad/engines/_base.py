@@ -99,14 +99,18 @@ class PlanOffer(NamedTuple):
     options, its place in the planner's order (:class:`PlanOrder`), and the offers it
     is ``beaten_by``: ``(name, options)`` of steps that do a strict part of its work and
     nothing else differently (the same checkpointing of fewer blocks, or of the same
-    blocks in one level instead of two). Where one of those fits the budget this one
-    cannot be faster, so the planner does not run it (its row says which fits); they
-    must come before it in the planner's order."""
+    blocks in one level instead of two), or that cannot be slower for the reason
+    ``beaten_why`` gives. Where one of those fits the budget this one cannot be faster,
+    so the planner does not run it (its row says which fits, and why); the planner
+    measures them first."""
 
     name: str
     options: dict[str, Any]
     order: int = PlanOrder.OTHER
     beaten_by: tuple[tuple[str, dict[str, Any]], ...] = ()
+    beaten_why: str | None = None
+    """Why ``beaten_by`` cannot be slower where they are not a strict part of its work
+    (completes "``<offer>`` fits and ..." in the row's verdict); ``None``: they are."""
 
 
 @dataclasses.dataclass(frozen=True)

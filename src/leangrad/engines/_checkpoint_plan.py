@@ -21,8 +21,8 @@ from ._blocks import Blocks
 from ._fragments import split_reason
 from ._time_chunks import fused_recurrent
 
-__all__ = ["FRAGMENTS", "LARGEST_BLOCKS", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS", "all_but_last",
-           "block_offers", "fragment_offers", "stage_modules", "stem_modules",
+__all__ = ["FRAGMENTS", "LARGEST_BLOCKS", "MICRO_BATCHED", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS",
+           "all_but_last", "block_offers", "fragment_offers", "stage_modules", "stem_modules",
            "time_chunk_offers"]  # fmt: skip
 
 FRAGMENTS = (2, 4, 8)
@@ -44,12 +44,29 @@ BACKPROP: Item = ("backprop", {})
 the recomputation."""
 
 
-def _offers(items: list[Item], beaten: dict[int, list[Item]] | None = None) -> Offers:
+MICRO_BATCHED = ("runs the same pieces of the batch without recomputing a block (0.56-0.86× "
+                 "this step's time on every zoo model timed, CPU and CUDA)")
+"""Why ``accumulate(micro_batches=k)`` beats blocks recomputed in ``fragments=k``
+(:attr:`~leangrad.engines._base.PlanOffer.beaten_why`). Both run every block's forward and
+backward on k pieces of the batch; the fragments also run the whole forward once more
+without gradients, and the layers outside the blocks on the whole batch instead of its
+pieces. Timed side by side, accumulate's step over the fragments' was 0.56-0.86 on every
+zoo model where both ran (quick and full size on the CPU: GPT, BERT, Llama, ViT, LSTM and
+GRU LMs, U-Net, the GPT at vocabulary 50,257; quick on CUDA; ``results/*zoo.json``), and
+0.62-0.78 in each of 45 pairs timed by full-size plans (``results/issue31/plan-wall-*``).
+Micro-batches are offered only where they are exact; where they do not fit, the fragments
+are measured as before (issue 31: fragments are for where micro-batching cannot go)."""
+
+
+def _offers(items: list[Item], beaten: dict[int, list[Item]] | None = None,
+            why: dict[int, str] | None = None) -> Offers:  # fmt: skip
     """``items`` as offers; ``beaten``: item index -> the offers that beat it
-    (:attr:`~leangrad.engines._base.PlanOffer.beaten_by`; one not offered beats nothing)."""
-    by = beaten or {}
+    (:attr:`~leangrad.engines._base.PlanOffer.beaten_by`; one not offered beats nothing),
+    ``why``: item index -> why, where they are not a strict part of its work."""
+    by, because = beaten or {}, why or {}
     return [PlanOffer(name, options, PlanOrder.BLOCKS,
-                      tuple(b for j, b in enumerate(by.get(i, [])) if b not in by[i][:j]))
+                      tuple(b for j, b in enumerate(by.get(i, [])) if b not in by[i][:j]),
+                      because.get(i))
             for i, (name, options) in enumerate(items)]  # fmt: skip
 
 
@@ -112,7 +129,10 @@ def fragment_offers(model: nn.Module, found: Blocks,
     ks = [k for k in FRAGMENTS if not isinstance(loss_fn, PerExample) or k <= loss_fn.batch]
     head = isinstance(final_linear(model), Head)
     out: list[Item] = [("checkpoint", {"fragments": k}) for k in ks]
-    beaten: dict[int, list[Item]] = {}
+    # each beaten by as many micro-batches (offered where exact): MICRO_BATCHED says why
+    beaten: dict[int, list[Item]] = {i: [("accumulate", {"micro_batches": k})]
+                                     for i, k in enumerate(ks)}  # fmt: skip
+    why = dict.fromkeys(beaten, MICRO_BATCHED)
 
     def add(item: Item, *by: Item) -> None:  # ``by``: offers that beat it (earlier ones)
         beaten[len(out)] = list(by)
@@ -147,11 +167,14 @@ def fragment_offers(model: nn.Module, found: Blocks,
     stages = stage_modules(model, found)
     if stages and ks:  # a U-Net: whole stages (and the head) recomputed in fragments
         every = _in_module_order(model, [*stages, *stem])
-        out += [("checkpoint", {"blocks": every, "fragments": k}) for k in ks]
+        for k in ks:  # beaten by as many micro-batches, as the blocks' fragments are
+            why[len(out)] = MICRO_BATCHED
+            add(("checkpoint", {"blocks": every, "fragments": k}),
+                ("accumulate", {"micro_batches": k}))  # fmt: skip
         if len(every) >= TWO_LEVEL_BLOCKS:
             add(("checkpoint", {"levels": 2, "blocks": every, "fragments": ks[-1]}),
                 ("checkpoint", {"blocks": every, "fragments": ks[-1]}))  # fmt: skip
-    return _offers(out, beaten)
+    return _offers(out, beaten, why)
 
 
 def stage_modules(model: nn.Module, found: Blocks) -> list[str]:
