@@ -19,7 +19,8 @@ import leangrad._plan as planner
 from leangrad._plan import _offered, beaters_first
 from leangrad._plan_measure import BEATEN, BEATEN_BECAUSE
 from leangrad.engines._blocks import blocks
-from leangrad.engines._checkpoint_plan import MICRO_BATCHED
+from leangrad.engines._checkpoint_plan import BN_PASSES, MICRO_BATCHED
+from leangrad.engines._fragments_bn import is_bn_only
 from leangrad.measure import Timing
 
 from .plan_candidate_models import MODELS, loss
@@ -49,9 +50,10 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
     the same step with less recomputation: the same parts and checkpointing of fewer blocks
     or in one level, or no checkpointing at all (time chunks beside the same step without
     them), every other option (fragments, ``trace=True``: other ways of running the work)
-    equal. The one other kind says why (:data:`MICRO_BATCHED`): blocks recomputed in k
-    fragments of the batch, beaten by as many micro-batches alone."""
-    seen = micro = 0
+    equal. Two other kinds say why: blocks recomputed in k fragments of the batch, beaten by
+    as many micro-batches alone (:data:`MICRO_BATCHED`), and, where every block holds a
+    BatchNorm, one block more in fragments, beaten by one fewer (:data:`BN_PASSES`)."""
+    seen = micro = bn = 0
     for per_ex in (False, True):
         torch.manual_seed(0)
         model = MODELS[name]()
@@ -65,12 +67,22 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
                     continue
                 seen += 1
                 assert order.index(by) < order.index((offer.name, offer.options)), (offer, by)
-                if offer.beaten_why is not None:
+                if offer.beaten_why == MICRO_BATCHED:
                     micro += 1
-                    assert offer.beaten_why == MICRO_BATCHED and offer.name == "checkpoint"
+                    assert offer.name == "checkpoint"
                     assert by == ("accumulate", {"micro_batches": offer.options["fragments"]})
                     assert not {"fragment_blocks", "levels"} & offer.options.keys()
                     continue
+                if offer.beaten_why == BN_PASSES:  # one block fewer in fragments
+                    bn += 1
+                    found = blocks(model)
+                    assert all(is_bn_only([found.modules[n]]) for n in found.names)
+                    assert by[0] == offer.name == "checkpoint"
+                    fewer = {**offer.options, "fragment_blocks": by[1]["fragment_blocks"]}
+                    assert by[1] == fewer
+                    assert by[1]["fragment_blocks"] < offer.options["fragment_blocks"]
+                    continue
+                assert offer.beaten_why is None
                 mine, theirs = _parts(offer.name), _parts(by[0])
                 assert "checkpoint" in mine and mine - {"checkpoint"} == theirs - {"checkpoint"}
                 rest = {k: v for k, v in offer.options.items() if k not in WORK}
@@ -82,6 +94,8 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
         assert seen, name  # every zoo model has beaten offers
     if name in ("zoo_gpt", "zoo_lstm", "zoo_unet"):
         assert micro, name  # their fragments, under a loss declared per example
+    if name == "zoo_resnet":
+        assert bn, name  # BatchNorm in every block
 
 
 def _flat(seconds: float = 1.0) -> Callable[..., dict[str, Timing]]:
@@ -200,3 +214,29 @@ def test_fragments_are_not_run_where_as_many_micro_batches_fit(
     q = leangrad.plan(model, idx, plain, budget=10**9, repeats=3)
     measured = {c.label for c in q.table if c.peak_bytes is not None}
     assert set(fragmented) - {"checkpoint(fragments=4,levels=2)"} <= measured & _real(counted)
+
+
+def test_more_batchnorm_blocks_in_fragments_are_not_run_where_fewer_fit(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
+) -> None:  # fmt: skip
+    """On a small ResNet (BatchNorm in every block) at a budget everything fits, the stem
+    and blocks with only the largest block in fragments fits, so two and three blocks in
+    fragments (each fragmented BatchNorm block recomputed once per pass) are rows saying
+    why, never stepped."""
+    torch.manual_seed(0)
+    model = leangrad.zoo.resnet(10, width=4)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    monkeypatch.setattr(planner, "time_interleaved", _flat())
+    p = leangrad.plan(model, x, lambda out: torch.nn.functional.cross_entropy(out, y),
+                      budget=10**9, repeats=3)  # fmt: skip
+    rows = {c.label: c for c in p.table}
+    fewest = {c.options["fragments"]: c.label for c in p.table
+              if c.options.get("fragment_blocks") == 1}  # fmt: skip
+    assert set(fewest) == {4, 8}
+    more = [c.label for c in p.table if c.options.get("fragment_blocks", 1) > 1]
+    assert len(more) == 4, more
+    for label in more:
+        by = fewest[rows[label].options["fragments"]]
+        assert rows[by].verdict.startswith(("fits", "chosen")) and by in _real(counted)
+        assert rows[label].verdict == BEATEN_BECAUSE.format(by=by, why=BN_PASSES), label
+        assert rows[label].peak_bytes is None and label not in _real(counted)

@@ -19,11 +19,12 @@ from ..loss import Head, PerExample, final_linear
 from ._base import PlanOffer, PlanOrder
 from ._blocks import Blocks
 from ._fragments import split_reason
+from ._fragments_bn import is_bn_only
 from ._time_chunks import fused_recurrent
 
-__all__ = ["FRAGMENTS", "LARGEST_BLOCKS", "MICRO_BATCHED", "TIME_CHUNKS", "TWO_LEVEL_BLOCKS",
-           "all_but_last", "block_offers", "fragment_offers", "stage_modules", "stem_modules",
-           "time_chunk_offers"]  # fmt: skip
+__all__ = ["BN_PASSES", "FRAGMENTS", "LARGEST_BLOCKS", "MICRO_BATCHED", "TIME_CHUNKS",
+           "TWO_LEVEL_BLOCKS", "all_but_last", "block_offers", "fragment_offers",
+           "stage_modules", "stem_modules", "time_chunk_offers"]  # fmt: skip
 
 FRAGMENTS = (2, 4, 8)
 """Fragment counts the planner tries for checkpointed blocks (those up to the batch's
@@ -56,6 +57,18 @@ GRU LMs, U-Net, the GPT at vocabulary 50,257; quick on CUDA; ``results/*zoo.json
 0.62-0.78 in each of 45 pairs timed by full-size plans (``results/issue31/plan-wall-*``).
 Micro-batches are offered only where they are exact; where they do not fit, the fragments
 are measured as before (issue 31: fragments are for where micro-batching cannot go)."""
+
+BN_PASSES = ("fragments one block fewer: each block with BatchNorm in fragments is recomputed "
+             "once per pass over its fragments, 2-3 times, whole once (1.04-1.10× this step's "
+             "time, full-size ResNet-18)")
+"""Why ``fragment_blocks=n`` beats ``fragment_blocks=n+1`` where every block holds a
+training-mode BatchNorm (:attr:`~leangrad.engines._base.PlanOffer.beaten_why`): the
+block that one more fragments is recomputed whole once under ``n``, and once per pass over
+its fragments under ``n+1`` (:mod:`leangrad.engines._fragments_bn`: two passes and a last
+one on a ResNet basic block) — the same work with two more recomputations of it. Timed side
+by side in four full-size ResNet-18 plans, ``fragment_blocks=3`` over ``2`` was 1.04-1.10
+(8 pairs, 4 and 8 fragments; ``results/issue31/plan-wall-*``), and a tie-break by its peak
+(1 MiB lower) had chosen it."""
 
 
 def _offers(items: list[Item], beaten: dict[int, list[Item]] | None = None,
@@ -150,8 +163,18 @@ def fragment_offers(model: nn.Module, found: Blocks,
         if not stage_modules(model, found):  # a U-Net's stages are offered below
             # where a few blocks at high resolution hold most activations (a ResNet's first
             # stage): only the largest in fragments (fewest first), the others whole
-            out += [("checkpoint", {"blocks": every, "fragments": k, "fragment_blocks": n})
-                    for k in ks[1:] for n in LARGEST_BLOCKS]  # fmt: skip
+            # with BatchNorm in every block, each beaten by one block fewer in fragments
+            bn = all(is_bn_only([found.modules[n]]) for n in found.names)
+            for k in ks[1:]:
+                for i, n in enumerate(LARGEST_BLOCKS):
+                    item: Item = ("checkpoint", {"blocks": every, "fragments": k,
+                                                 "fragment_blocks": n})  # fmt: skip
+                    if bn and i:
+                        why[len(out)] = BN_PASSES
+                        fewer = {**item[1], "fragment_blocks": LARGEST_BLOCKS[i - 1]}
+                        add(item, ("checkpoint", fewer))
+                    else:
+                        out.append(item)
     if len(found.names) >= TWO_LEVEL_BLOCKS and ks:  # boundaries: the floor under fragments
         # two levels recompute every block of one level, and each segment once more
         two: dict[str, Any] = {"levels": 2}
