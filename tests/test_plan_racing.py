@@ -226,14 +226,14 @@ def test_plan_runs_a_candidate_only_where_a_step_decides(
     assert [c[1:] for c in clock.calls] == [(1, 0)] * 3  # the race, two rounds, no warm-up
 
 
-@pytest.mark.parametrize(("budget", "steps"), [(650_000, 2), (600_000, 1)])
+@pytest.mark.parametrize(("budget", "steps"), [(672_000, 2), (650_000, 1), (600_000, 1)])
 def test_a_first_step_a_little_over_budget_is_tracked_again_warm(
     counted: collections.Counter[tuple[str, str]], budget: int, steps: int,
 ) -> None:  # fmt: skip
     """fragments=2 (681 kB on the tiny GPT) is not estimated, so nothing but its first
-    step speaks for it: 4.8% over at 650 kB it is tracked again, warm (2 steps), and that
-    decides; 13.5% over at 600 kB, more than ``FIRST_STEP_MARGIN``, its first step decides
-    alone (1)."""
+    step speaks for it: 1.4% over at 672 kB it is tracked again, warm (2 steps), and that
+    decides; 4.8% over at 650 kB and 13.5% at 600 kB, more than ``FIRST_STEP_MARGIN``, its
+    first step decides alone (1)."""
     model, idx, loss_fn = _gpt()
     p = leangrad.plan(model, idx, loss_fn, budget=budget, repeats=1, engines=[ENGINES[4]])
     assert (p.table[0].peak_bytes > (1 + FIRST_STEP_MARGIN) * budget) is (steps == 1)  # type: ignore[operator]

@@ -37,9 +37,9 @@ before each step had its own autocast context). Any other step's first step is t
 without a warm-up, and where it fits the budget its peak is the row's: one step instead of
 two (issue 31, item 6). Where it does not fit, the step is tracked again — now warm, as
 after a warm-up — and that decides, as before; except on the CPU where it is over the
-budget by more than :data:`FIRST_STEP_MARGIN`, twice the largest first-step excess
-measured (below), or where its estimate (asked to screen it) is over by more than
-:data:`ESTIMATE_EXCESS`: over budget on its first step alone. Engines whose first step
+budget by more than :data:`FIRST_STEP_MARGIN`, a hundred times the largest first-step
+excess measured since the fixes below, or where its estimate (asked to screen it) is over
+by more than :data:`ESTIMATE_EXCESS`: over budget on its first step alone. Engines whose first step
 does extra work (:attr:`~leangrad.engines.Engine.probes`: fragments probe each block,
 ``fragment_blocks=k`` sizes the blocks on fake tensors, ``trace=True`` traces,
 ``segments="auto"`` measures) are tracked on their first step too: that work holds
@@ -93,13 +93,17 @@ ESTIMATE_EXCESS = 0.02
 first step's extra work, and the largest measured estimate above a real peak is 0.8%
 (the module docstring), so the warm step would be over budget too. On the full-size
 ResNet five rows 6% over budget took two 12-14 s steps each before."""
-FIRST_STEP_MARGIN = 0.10
+FIRST_STEP_MARGIN = 0.02
 """On the CPU, a first step whose peak is above ``(1 + this)`` × the budget is over budget
 without being tracked again, warm. The largest first-step excess measured on the quick
 zoo was 4.8% (``trace=True`` on BERT, before its fix; 0.02% since:
-``results/issue31/first-step-peaks.jsonl``); the full-size ResNet's rows over budget were
-6-27% above it, the RNN LMs' up to 2×. Not used on other devices: CUDA's first step was
-not measured so (its libraries allocate workspaces on first use)."""
+``results/issue31/first-step-peaks.jsonl``), and on the 14 full-size rows that plans at ½
+tracked twice (1.5-8% over; GPT, LSTM and GRU LMs, ResNet-18) none: the first step's
+bytes were the second's to the byte (``results/issue31/first-step-full.jsonl``). It was
+10% until then; rows 2-10% over (on the full-size ResNet two 15 s rows, on the LSTM LM
+three 4 s rows) took a second step each to say what the first had said. Not used on other
+devices: CUDA's first step was not measured so (its libraries allocate workspaces on first
+use)."""
 
 
 """The planner's former name of :class:`leangrad._step.Step` (``Step(engine, make,
