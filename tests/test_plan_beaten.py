@@ -240,3 +240,45 @@ def test_more_batchnorm_blocks_in_fragments_are_not_run_where_fewer_fit(
         assert rows[by].verdict.startswith(("fits", "chosen")) and by in _real(counted)
         assert rows[label].verdict == BEATEN_BECAUSE.format(by=by, why=BN_PASSES), label
         assert rows[label].peak_bytes is None and label not in _real(counted)
+
+
+def test_more_fragments_of_the_same_step_are_not_timed_at_about_the_same_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """On the small ResNet at a budget everything fits, a row with more fragments than a
+    fitting row of the same step (:attr:`~leangrad.engines._base.PlanOffer.coarser`) is
+    timed only where its peak is more than :data:`~leangrad._plan.FINER_GAIN` lower; else
+    its row fits, says which coarser row it stays near, and no round times it."""
+    torch.manual_seed(0)
+    model = leangrad.zoo.resnet(10, width=4)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    timed: collections.Counter[str] = collections.Counter()
+    flat = _flat()
+
+    def timer(fns: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, Timing]:
+        timed.update(list(fns))
+        return flat(fns, **kw)
+
+    monkeypatch.setattr(planner, "time_interleaved", timer)
+    p = leangrad.plan(model, x, lambda out: torch.nn.functional.cross_entropy(out, y),
+                      budget=10**9, repeats=3)  # fmt: skip
+    rows = {c.label: c for c in p.table}
+    offers = {c.name + repr(c.options): c for c in _offered(model, exact=True, loss_fn=None)}
+    left_out = 0
+    for c in p.table:
+        offer = offers[c.name + repr(c.options)]
+        near = [rows[leangrad.engine(n, **o).label] for n, o in offer.coarser]
+        near = [r for r in near if r.verdict in ("fits", "chosen") or r.verdict.startswith(
+            "chosen")]  # fmt: skip
+        if c.peak_bytes is None or not c.verdict.startswith(("fits", "chosen")) or not near:
+            continue
+        close = [r for r in near if c.peak_bytes >= (1 - planner.FINER_GAIN) * r.peak_bytes]  # type: ignore[operator]
+        if close:
+            left_out += 1
+            assert c.verdict.startswith("fits; not timed: "), c.label
+            assert any(c.verdict == "fits; " + planner.SAME_IN_MORE_PIECES.format(by=r.label)
+                       for r in close), c.verdict  # fmt: skip
+            assert c.seconds is None and timed[c.label] == 0
+        else:
+            assert timed[c.label] > 0, c.label
+    assert left_out >= 1

@@ -38,7 +38,9 @@ full-size BERT at ½, 9 of 17 fitting rows. Of the 20 such pairs timed in two fu
 BERT plans and a U-Net plan, the one doing more was 1-33% slower in 19 and 1.8% faster
 in one, within noise; a row within 5% of its beater could win the tie-break by its lower
 peak, and now is not offered the chance) — and one whose first step fits is
-not run twice (:mod:`leangrad._plan_measure`); the timing's first round is a race, one
+not run twice (:mod:`leangrad._plan_measure`); a row with more fragments of the same step
+than a fitting row is not timed where its peak is less than :data:`FINER_GAIN` lower; the
+timing's first round is a race, one
 round for all and the rest only for those not far behind
 (:data:`leangrad._plan_choice.RACE`); the second round keeps the first round's rounds of
 its contenders; no round runs a warm-up of its own (each candidate's peak measurement
@@ -110,6 +112,20 @@ NOT_REUSABLE = (
 )
 BACKPROP = "backprop"
 """The reference a compiled row's time is scaled from (timed beside the candidates)."""
+FINER_GAIN = 0.02
+"""A fitting row with more fragments than another fitting row of the same step
+(:attr:`~leangrad.engines._base.PlanOffer.coarser`) is timed only where its peak is lower
+by more than this fraction (:data:`SAME_IN_MORE_PIECES`)."""
+SAME_IN_MORE_PIECES = ("not timed: {by} fits at a peak at most 2% higher and runs the same "
+                       "work in fewer pieces")
+"""The verdict's note on a row :data:`FINER_GAIN` leaves out of the timing. The same blocks
+in more fragments of the batch do the same arithmetic in smaller pieces: slower where
+launches and small kernels cost (on the full-size Llama, 8 fragments over 4 and 2 at the
+same 176 MiB: 1.06-1.08×), about as fast on the CPU's convolutions (the full-size
+ResNet-18's ``fragment_blocks=2, 3`` at 8 fragments over 4, 1-2 MiB lower: 0.89-1.01×,
+10 pairs, within the timing's tie, where the lower peak had decided). Timing such a row
+cost the ResNet's plan about two minutes: its own rounds and a second round beside its
+twin (``results/issue31/plan-wall-coarser.txt``)."""
 
 
 def candidates(model: nn.Module, *, exact: bool = True,
@@ -380,6 +396,9 @@ def _plan(
         for _ in range(take(COMPILED, lambda: measure_compiled(
                 ctx, tried, repeats=repeats, autocast=autocast is not None))):  # fmt: skip
             shown.advance()
+    finer = _finer(first, rows)
+    tried[:] = [t if t.label not in finer else dataclasses.replace(
+        t, verdict=f"fits; {SAME_IN_MORE_PIECES.format(by=finer[t.label])}") for t in tried]
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     scaled = {t.label: t.time_ratio for t in tried if t.fits and t.time_ratio is not None}
     choice = Choice(None, {})
@@ -414,6 +433,20 @@ def _plan(
     measured = Measured(model, xs, setting, rows, of=user_model, budget=budget, choice=choice)
     return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
                                made_for=made_for, measured=measured)  # fmt: skip
+
+
+def _finer(offers: Sequence[PlanOffer], rows: dict[str, list[Tried]]) -> dict[str, str]:
+    """Each fitting row left out of the timing (:data:`FINER_GAIN`) -> the label of the
+    fitting row with fewer fragments it stays near (itself timed), per optimizer kind."""
+    out: dict[str, str] = {}
+    for c in offers:
+        for b in c.coarser:
+            for t, u in zip(rows.get(row_key(c.name, c.options), []), rows.get(row_key(*b), []),
+                            strict=False):  # fmt: skip
+                if (t.verdict == u.verdict == "fits" and t.peak is not None and u.peak is not None
+                        and u.label not in out and t.peak >= (1 - FINER_GAIN) * u.peak):
+                    out.setdefault(t.label, u.label)
+    return out
 
 
 def _still(choice: Choice, here: set[str]) -> Choice:

@@ -111,6 +111,11 @@ class PlanOffer(NamedTuple):
     beaten_why: str | None = None
     """Why ``beaten_by`` cannot be slower where they are not a strict part of its work
     (completes "``<offer>`` fits and ..." in the row's verdict); ``None``: they are."""
+    coarser: tuple[tuple[str, dict[str, Any]], ...] = ()
+    """``(name, options)`` of offers that run the same work in fewer pieces (the same blocks
+    in fewer fragments of the batch). Where one of those fits at a peak this one's is not
+    lower than by :data:`leangrad._plan.FINER_GAIN`, this one is not timed
+    (:data:`leangrad._plan.SAME_IN_MORE_PIECES` says why)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,12 +75,25 @@ def _offers(items: list[Item], beaten: dict[int, list[Item]] | None = None,
             why: dict[int, str] | None = None) -> Offers:  # fmt: skip
     """``items`` as offers; ``beaten``: item index -> the offers that beat it
     (:attr:`~leangrad.engines._base.PlanOffer.beaten_by`; one not offered beats nothing),
-    ``why``: item index -> why, where they are not a strict part of its work."""
+    ``why``: item index -> why, where they are not a strict part of its work. Each item
+    with fragments is :attr:`~leangrad.engines._base.PlanOffer.coarser` than the items
+    that differ from it only in more fragments."""
     by, because = beaten or {}, why or {}
     return [PlanOffer(name, options, PlanOrder.BLOCKS,
                       tuple(b for j, b in enumerate(by.get(i, [])) if b not in by[i][:j]),
-                      because.get(i))
+                      because.get(i), _coarser((name, options), items))
             for i, (name, options) in enumerate(items)]  # fmt: skip
+
+
+def _coarser(item: Item, items: list[Item]) -> tuple[Item, ...]:
+    """The ``items`` that are ``item`` with fewer fragments of the batch, nothing else
+    differently."""
+    name, options = item
+    k = options.get("fragments")
+    if not isinstance(k, int):
+        return ()
+    return tuple((n, o) for n, o in items if n == name and isinstance(o.get("fragments"), int)
+                 and o["fragments"] < k and o == {**options, "fragments": o["fragments"]})
 
 
 def all_but_last(found: Blocks) -> list[str] | None:
