@@ -76,7 +76,7 @@ from ._plan_measure import Context, Measured, Tried, measure, not_run, revisit, 
 from ._plan_measure import key as row_key
 from ._plan_measure import stepwise_on_fake as fake_is_stepwise
 from ._sizes import fmt_bytes, free_bytes
-from ._step import Step
+from ._step import Step, as_call
 from .engines import Engine, available, engine_class
 from .engines import engine as engine_named
 from .engines._base import PlanOffer
@@ -408,9 +408,9 @@ def _plan(
         choice = _still(prior.choice, set(fitting) | set(scaled))
     elif fitting or scaled:
         shown(f"timing {len(fitting)} candidates side by side")
-        steps = {label: _step(e, model, xs, loss_fn) for label, e in fitting.items()}
+        steps = {label: as_call(e, model, xs, loss_fn) for label, e in fitting.items()}
         if scaled and BACKPROP not in steps:  # the reference compiled rows are scaled from
-            steps[BACKPROP] = _step(engine_named(BACKPROP), model, xs, loss_fn)
+            steps[BACKPROP] = as_call(engine_named(BACKPROP), model, xs, loss_fn)
         with untouched(model, xs):  # the timer is looked up here: tests replace it
             for label in steps.keys() - fitting.keys():  # the reference, made just now: the
                 steps[label]()  # rounds run no warm-up (the candidates' is their peak's)
@@ -494,15 +494,6 @@ def _candidate(t: Tried, seconds: float | None, chosen: str | None, engine: Engi
     verdict = CHOSEN + t.verdict.removeprefix("fits")
     return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options, t.per_layer,
                      t.estimate, t.compile_seconds, tie_break, engine=engine)  # fmt: skip
-
-
-def _step(eng: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
-          loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], None]:  # fmt: skip
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        eng.backward(model, xs, loss_fn)
-
-    return step
 
 
 def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budget: int,

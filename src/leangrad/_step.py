@@ -34,7 +34,8 @@ from . import _errors as errors
 from .engines._base import Engine, OnGrad, StepResult
 from .engines._loss_fn import LossFn
 
-__all__ = ["PER_LAYER", "GradReducer", "MakeOptimizer", "MakeReducer", "PerLayerOptimizer", "Step"]
+__all__ = ["PER_LAYER", "GradReducer", "MakeOptimizer", "MakeReducer", "PerLayerOptimizer", "Step",
+           "as_call"]
 
 MakeOptimizer: TypeAlias = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 """Builds an optimizer over a list of parameters (e.g. Adam with the learning rate)."""
@@ -113,6 +114,17 @@ class _Made:
     optimizer: torch.optim.Optimizer | PerLayerOptimizer | None = None
     reducer: GradReducer | None = None
     params: dict[str, nn.Parameter] = dataclasses.field(default_factory=dict)
+
+
+def as_call(engine: Any, model: nn.Module, inputs: Any, loss_fn: Any) -> Callable[[], None]:
+    """One step of ``engine`` (an engine or a :class:`Step`) as a call without arguments:
+    ``.grad`` set to ``None``, then its backward — what a timing round runs."""
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        engine.backward(model, inputs, loss_fn)
+
+    return step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .. import zoo
+from .._step import as_call
 from ..measure import profile_step, time_interleaved
 from ._fragmental import _probe, deepest_fitting
 from ._report import fmt_bytes
@@ -112,11 +113,7 @@ def plan_half(*, repeats: int = 3, progress: Any = None) -> dict[str, Any]:
                            "pytorch_best": None, "pytorch_note": NO_COMPILE}  # fmt: skip
 
     def step(e: Any) -> Callable[[], None]:
-        def run() -> None:
-            model.zero_grad(set_to_none=True)
-            e.backward(model, idx, loss_fn)
-
-        return run
+        return as_call(e, model, idx, loss_fn)
 
     steps = {"backprop": step(leangrad.engine("backprop"))}
     if p.engine is not None:

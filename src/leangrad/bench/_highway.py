@@ -41,6 +41,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import data
+from .._step import as_call
 from ..engines import engine as make_engine
 from ..highway import (
     HighwayNet,
@@ -89,19 +90,10 @@ def _base(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]
     )
 
 
-def _step_fn(eng: Any, model: nn.Module, inputs: tuple[Any, ...],
-             loss_fn: Callable[..., Any]) -> Callable[[], None]:  # fmt: skip
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        eng.backward(model, inputs, loss_fn)
-
-    return step
-
-
 def _grads(eng: Any, model: nn.Module, inputs: tuple[Any, ...],
            loss_fn: Callable[..., Any]) -> dict[str, torch.Tensor]:  # fmt: skip
     """One ``eng.backward``'s gradients, leaving ``.grad`` cleared (as training does)."""
-    _step_fn(eng, model, inputs, loss_fn)()
+    as_call(eng, model, inputs, loss_fn)()
     out = grads_of(model)
     model.zero_grad(set_to_none=True)
     return out
@@ -165,7 +157,7 @@ def run_rnn(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             **{f"highway(k={k})": (make_engine("highway", k=k), net, k) for k in ks},
             "fpi(k=2)": (make_engine("highway", k=2, baseline="fpi"), net, 2),
         }
-        fns = {lb: _step_fn(e, m, inputs, loss_fn) for lb, (e, m, _) in methods.items()}
+        fns = {lb: as_call(e, m, inputs, loss_fn) for lb, (e, m, _) in methods.items()}
         fns["forward:bptt"] = _forward_fn(net, inputs, loss_fn, traced=False)
         fns["forward:highway"] = _forward_fn(net, inputs, loss_fn, traced=True)
         fns["forward:nn"] = _forward_fn(torch_lm, inputs, loss_fn, traced=False)
@@ -434,7 +426,7 @@ def run_transformer(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]
                                                  config, compare=True):  # fmt: skip
         assert task.probe is not None, "a char-LM task has one"
         model = copy.deepcopy(task.model)  # the initial weights: lanes trained copies
-        fns = {spec.display: _step_fn(spec.make(), model, *task.probe)
+        fns = {spec.display: as_call(spec.make(), model, *task.probe)
                for spec in suite.engines_for(series)}  # fmt: skip
         timings = time_across_threads(fns, threads=threads, repeats=suite.repeats(quick),
                                       warmup=int(suite.setting("warmup", quick, 2)),

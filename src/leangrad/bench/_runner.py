@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import engines
+from .._step import as_call
 from ..measure import Timing, profile_step, run_rss_worker, time_across_threads
 from ..measure._rss import rss_supported
 from ._workloads import Workload, build
@@ -126,11 +127,7 @@ def reference_grads(config: Mapping[str, Any], device: str) -> dict[str, torch.T
 
 def step_of(engine: engines.Engine, wl: Workload) -> Callable[[], object]:
     """One step of ``engine`` on the workload: gradients zeroed (to None), then its backward."""
-    def step() -> object:
-        wl.model.zero_grad(set_to_none=True)
-        return engine.backward(wl.model, wl.inputs, wl.loss_fn)
-
-    return step
+    return as_call(engine, wl.model, wl.inputs, wl.loss_fn)
 
 
 _MEASURED = (

@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 from .. import _errors as errors
 from .._plan import Plan, plan
+from .._step import as_call
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
 from ._models import build
@@ -193,7 +194,7 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     run.planned = None  # its candidates' engines (and their caches) are not kept further
     ok = [m for m in run.methods if m.label in run.prof]
     say(f"timing {len(ok)} methods, {ctx.repeats} interleaved repeats")
-    steps = {m.label: _step(run.engines[m.label], run.model, run.x, run.loss_fn) for m in ok}
+    steps = {m.label: as_call(run.engines[m.label], run.model, run.x, run.loss_fn) for m in ok}
     times = time_interleaved(steps, repeats=ctx.repeats, warmup=1, reference="backprop")
     lap("timing")
     fixed = 2 * sum(p.numel() * p.element_size() for p in run.model.parameters())  # + grads
@@ -312,14 +313,6 @@ class _ModelRun:
         self.methods.append(m)
         self.engines[label] = m.make()
         self.profile(m)
-
-
-def _step(eng: Any, model: Any, x: Any, loss_fn: Any) -> Any:
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        eng.backward(model, x, loss_fn)
-
-    return step
 
 
 def _max_batch(
