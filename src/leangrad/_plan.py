@@ -120,12 +120,12 @@ SAME_IN_MORE_PIECES = ("not timed: {by} fits at a peak at most 2% higher and run
                        "work in fewer pieces")
 """The verdict's note on a row :data:`FINER_GAIN` leaves out of the timing. The same blocks
 in more fragments of the batch do the same arithmetic in smaller pieces: slower where
-launches and small kernels cost (on the full-size Llama, 8 fragments over 4 and 2 at the
-same 176 MiB: 1.06-1.08×), about as fast on the CPU's convolutions (the full-size
+launches and small kernels cost (on the full-size Llama, 8 fragments over 4 at the same
+176-177 MiB: 1.06-1.08× in two plans), about as fast on the CPU's convolutions (the full-size
 ResNet-18's ``fragment_blocks=2, 3`` at 8 fragments over 4, 1-2 MiB lower: 0.89-1.01×,
 10 pairs, within the timing's tie, where the lower peak had decided). Timing such a row
 cost the ResNet's plan about two minutes: its own rounds and a second round beside its
-twin (``results/issue31/plan-wall-coarser.txt``)."""
+twin (``results/issue31/plan-wall-estimates.txt``)."""
 
 
 def candidates(model: nn.Module, *, exact: bool = True,
