@@ -47,7 +47,10 @@ _hyp_settings.register_profile("fuzz", max_examples=2000, deadline=None)
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[tuple[str, str]]]:
-    """(label, "real" or "fake") -> steps, for every engine the planner makes."""
+    """(label, "real" or "fake") -> steps, for every engine the planner makes. Fragments are
+    never estimated here (``COSTLY_FROM`` infinite): whether they would be depends on how
+    long this machine took for a real and a fake step, and counts must not depend on time
+    (a test of that rule sets it itself)."""
     from torch._subclasses.fake_tensor import is_fake
 
     import leangrad._plan_measure as measuring  # imported here: conftest loads before any test
@@ -68,4 +71,5 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[tup
         return eng
 
     monkeypatch.setattr(measuring, "engine", counting)
+    monkeypatch.setattr(measuring, "COSTLY_FROM", float("inf"))
     yield steps

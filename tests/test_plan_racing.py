@@ -247,11 +247,14 @@ def test_fragments_are_estimated_where_real_steps_cost_far_more_than_fake_ones(
     steps have taken ``COSTLY_FROM`` times its cheapest fake one (the ResNet's convolutions).
     With the ratio at 0, a fake and a real step are evidence enough: after blocks.0-1's
     estimate (948 kB, screened) and fragments=2's real step (681 kB, 13.5% over 600 kB),
-    fragments=4 (637 kB, 6% over) is estimated and not run. At the real ratio (a tiny
-    model's fake steps cost what its real ones do) both fragment rows are stepped."""
+    fragments=4 (637 kB, 6% over) is estimated and not run. With the rule off (``counted``
+    pins the ratio infinite: counts must not depend on this machine's speed) both fragment
+    rows are stepped."""
     model, idx, loss_fn = _gpt()
-    assert not pm.Clock().fakes_cheap() and not pm.Clock(fake=0.1, real=4.9).fakes_cheap()
-    assert pm.Clock(fake=0.1, real=5.0).fakes_cheap() and not pm.Clock(real=5.0).fakes_cheap()
+    with monkeypatch.context() as shipped:  # the library's ratio, not the fixture's
+        shipped.setattr(pm, "COSTLY_FROM", 50.0)
+        assert not pm.Clock().fakes_cheap() and not pm.Clock(fake=0.1, real=4.9).fakes_cheap()
+        assert pm.Clock(fake=0.1, real=5.0).fakes_cheap() and not pm.Clock(real=5.0).fakes_cheap()
     four = "checkpoint(fragments=4)"
     engines = [ENGINES[2], ENGINES[4], ("checkpoint", {"fragments": 4})]
 
