@@ -182,10 +182,10 @@ SEEN = []
 @runner(threads=True, only=True)
 def declared(suite, settings):
     SEEN.append(settings)
-    settings.save([{"series": "saved", "quick": True}])
+    settings.save([{"series": "saved"}])
     if settings.only == ["stop"]:
         raise RuntimeError("stopped part-way")
-    return [{"series": name, "quick": True} for name in settings.only or ["all"]]
+    return [{"series": name} for name in settings.only or ["all"]]
 
 
 def plain(suite, settings):
@@ -215,7 +215,11 @@ def test_a_runner_gets_one_run_settings_with_what_it_declared(
     with pytest.raises(RuntimeError, match="stopped part-way"):  # what it saved stays
         run_suite(str(tmp_path / "declared.toml"), out=out, quick=True, progress=False,
                   only=["stop"])  # fmt: skip
-    assert [r["series"] for r in json.loads(path.read_text())] == ["a", "saved"]
+    saved = json.loads(path.read_text())
+    assert [r["series"] for r in saved] == ["a", "saved"]
+    for r in saved:  # run_suite stamps what a runner returns and what it saves alike
+        assert r["suite"] == "declared" and r["quick"] is True and "torch" in r["machine"]
+        assert r["created"] and r["threads"] == 1
     assert timing_threads(load_suite(str(tmp_path / "plain.toml"))) == [1]
     with pytest.raises(LeangradError, match="'plain' times at one thread count"):
         run_suite(str(tmp_path / "plain.toml"), out=out, threads=[1, 2], progress=False)

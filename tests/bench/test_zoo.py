@@ -27,7 +27,7 @@ GPT = {"vocab": 32, "dim": 24, "layers": 4, "heads": 2, "context": 32, "batch": 
 LSTM = {"vocab": 1024, "embed": 8, "hidden": 16, "layers": 2, "length": 12, "batch": 4}
 EST_GPT = {"vocab": 64, "dim": 32, "layers": 2, "heads": 2, "context": 32, "batch": 8}
 SAVED: list[list[str]] = []  # the series of each ``save`` call of the fixture's run
-SHARED = ("suite", "series", "sweep", "x", "side", "quick", "machine", "created", "config")
+SHARED = ("series", "sweep", "x", "side", "config")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_records_are_saved_after_each_model(records: list[dict[str, Any]]) -> No
 def test_records_have_the_shared_fields(records: list[dict[str, Any]]) -> None:
     for r in records:
         assert set(RECORD_FIELDS) <= set(r) and set(SHARED) <= set(r), r["engine"]
-        assert r["suite"] == "zoo" and r["quick"] is True and r["x"] == r["engine"]
+        assert r["sweep"] == "method" and r["x"] == r["engine"]
     measured = [r for r in records if r.get("peak_ratio") is not None]
     sides = {r["side"] for r in measured if not r["estimate"]}
     assert {"reference", "leangrad", "plan", "pytorch"} <= sides

@@ -16,7 +16,6 @@ float32 gradient's max relative error to backprop's.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ from ..measure._timer import num_threads
 from ._models import Inputs, Parts, Workload, build
 from ._plan_peers import SUITE_MODELS
 from ._report import fmt_bytes
-from ._runner import machine_info, new_record
+from ._runner import new_record
 from ._suites import RunSettings, Suite
 
 __all__ = ["render", "run_blocks"]
@@ -89,8 +88,6 @@ def _grads(model: nn.Module, step: Step) -> dict[str, torch.Tensor]:
 def run_blocks(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """One record per (model, method)."""
     quick, device = settings.quick, settings.device
-    machine = machine_info()
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     models: dict[str, dict[str, int]] = dict(suite.setting("models", quick, {}))
     segments = [int(s) for s in suite.setting("segments", quick, [2, 3, 4])]
     repeats = suite.repeats(quick)
@@ -111,13 +108,12 @@ def run_blocks(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             times = time_interleaved(methods, repeats=repeats, warmup=1, reference="backprop")
             for name in methods:
                 rec = new_record(
-                    suite=suite.name, series=kind, sweep="method", x=name, engine=name,
+                    series=kind, sweep="method", x=name, engine=name,
                     config={"model": kind, **size, "dtype": "float32", "threads": 1},
                     peak_bytes=peaks[name], peak_ratio=peaks[name] / peaks["backprop"],
                     seconds_median=times[name].median, time_ratio=times[name].ratio,
                     seconds_min=times[name].minimum, seconds_max=times[name].maximum,
-                    grad_max_rel_err=errs[name], quick=quick, machine=machine,
-                    created=created, blocks=len(parts[1]),
+                    grad_max_rel_err=errs[name], blocks=len(parts[1]),
                 )  # fmt: skip
                 records.append(rec)
     bar.close()

@@ -5,7 +5,6 @@ digits, one table that fits 100 columns."""
 
 from __future__ import annotations
 
-import datetime
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -16,7 +15,7 @@ from .. import engines
 from ..measure._timer import num_threads
 from ._report import fmt_bytes
 from ._run import write_records
-from ._runner import EngineSpec, machine_info, measure_config
+from ._runner import EngineSpec, machine_info, measure_config, now
 
 __all__ = ["DEMO_CONFIGS", "demo_engines", "format_table", "run_demo"]
 
@@ -148,9 +147,7 @@ def run_demo(
     specs = demo_engines()
     print(f"leangrad demo: {len(specs)} engine variants, repeats={repeats}, threads=1, "
           f"out={out}/", file=stream)  # fmt: skip
-    machine = machine_info()
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    common = {"suite": "demo", "quick": False, "machine": machine, "created": created}
+    common = {"suite": "demo", "quick": False, "machine": machine_info(), "created": now()}
     bar = tqdm(total=2 + len(DEMO_CONFIGS), desc="demo", unit="part", disable=not progress)
 
     def say(msg: str) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import datetime
 import functools
 import time
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from ..measure import (
 )
 from ._models import ACTIVATIONS, Act, build, fad_batch
 from ._report import at_threads, by_series, extra_threads, md_table, pyplot, save_figure
-from ._runner import by_threads, machine_info, new_record, timing_fields
+from ._runner import by_threads, new_record, timing_fields
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite, runner
 
@@ -253,8 +252,6 @@ def run_fad(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     ``settings.threads`` side by side (``by_threads``; default one thread), the activation
     alone at the first."""
     opts = _Options.of(suite, settings)
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    stamp = {"quick": settings.quick, "machine": machine_info(), "created": created}
     models: dict[str, dict[str, int]] = dict(suite.setting("models", settings.quick, {}))
     acts = list(suite.setting("activations", settings.quick, list(ACTIVATIONS)))
     jobs = [(k, a) for k in models for a in acts]
@@ -263,8 +260,7 @@ def run_fad(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     with num_threads(opts.threads[0]):
         for kind, act in bar:
             bar.set_description(f"{suite.name} {kind}-{act}")
-            records += _run_config(suite.name, kind, act, models[kind], opts, settings.device,
-                                   stamp)  # fmt: skip
+            records += _run_config(kind, act, models[kind], opts, settings.device)
             nest = next(r for r in records[::-1] if r["engine"] == "fad.nest")
             bar.set_postfix_str(f"saved {nest['saved_ratio']:.2f}x batch "
                                 f"{nest['max_batch_ratio']:.2f}x time {nest['time_ratio']:.2f}x",
@@ -312,8 +308,8 @@ def _measure(methods: dict[str, _Method], base: nn.Module, make: Make,
     return x, out
 
 
-def _run_config(suite: str, kind: str, act: str, size: dict[str, int], opts: _Options,
-                device: str, stamp: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+def _run_config(kind: str, act: str, size: dict[str, int], opts: _Options,
+                device: str) -> list[dict[str, Any]]:  # fmt: skip
     """All methods on one (model, activation): records of kind ``fad`` and ``fad-activation``."""
     series, name, reg = f"{kind}-{act}", f"fad_{kind}", {**size, "activation": act}
     base = build(name, reg, batch=opts.batch, device=device).model
@@ -331,10 +327,10 @@ def _run_config(suite: str, kind: str, act: str, size: dict[str, int], opts: _Op
               "budget_batch": opts.budget_batch, "dtype": "float32",
               "threads": opts.threads[0]}  # fmt: skip
     x, fields = _measure(methods, base, make, opts)
-    head = {"kind": "fad", "suite": suite, "series": series, "sweep": "method"}
+    head = {"kind": "fad", "series": series, "sweep": "method"}
     records: list[dict[str, Any]] = []
     for method in METHODS:
-        rec = new_record(head, x=method, engine=method, config=config, **stamp, skipped=None,
+        rec = new_record(head, x=method, engine=method, config=config, skipped=None,
                          memory_note=None)  # fmt: skip
         if method not in methods:
             rec["skipped"] = compile_skip
@@ -353,7 +349,7 @@ def _run_config(suite: str, kind: str, act: str, size: dict[str, int], opts: _Op
     hook.remove()
     records.append(new_record(
         head, kind="fad-activation", x="activation", engine="activation", config=config,
-        **stamp, **_activation_records(act, shapes[0], opts.act_repeats, device),
+        **_activation_records(act, shapes[0], opts.act_repeats, device),
     ))  # fmt: skip
     return records
 

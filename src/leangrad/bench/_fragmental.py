@@ -12,10 +12,9 @@ from tqdm.auto import tqdm
 
 from ..measure import MemoryBudgetExceeded, MemoryTracker
 from ._report import _fmt, by_series, fmt_bytes, md_table, sweep_section
-from ._runner import EngineSpec, machine_info, new_record
+from ._runner import EngineSpec, new_record
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite
-from ._training import _now
 from ._workloads import build
 
 __all__ = [
@@ -136,8 +135,7 @@ def run_depth_at_budget(suite: Suite, settings: RunSettings) -> list[dict[str, A
     max_depth = int(suite.setting("max_depth", quick, 256))
     extra = int(suite.setting("extra_probes", quick, 2))
     config = dict(suite.setting("config", quick))
-    head = {"kind": "depth_at_budget", "suite": suite.name, "series": "budget", "sweep": "depth"}
-    tail = {"quick": quick, "machine": machine_info(), "created": _now()}
+    head = {"kind": "depth_at_budget", "series": "budget", "sweep": "depth"}
     records = []
     bar = tqdm(suite.engines, desc="depth-at-budget", unit="engine",
                disable=not settings.progress)  # fmt: skip
@@ -155,7 +153,7 @@ def run_depth_at_budget(suite: Suite, settings: RunSettings) -> list[dict[str, A
                     config=config, budget_bytes=budget, max_depth=depth,
                     capped=depth >= max_depth, total_bytes_at_max=at and at["total_bytes"],
                     probes=probes)  # fmt: skip
-        records.append(new_record(head, mine, tail))
+        records.append(new_record(head, mine))
     by_name = {r["engine"]: r["max_depth"] for r in records}
     for r in records:
         for ref in ("backprop", "checkpoint(segments=sqrt)"):

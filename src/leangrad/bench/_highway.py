@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import functools
 import itertools
 import math
@@ -71,7 +70,7 @@ from ._highway_paper import (
     lm_windows,
     preact_resnet,
 )
-from ._runner import EngineSpec, by_threads, machine_info, new_record, timing_fields
+from ._runner import EngineSpec, by_threads, new_record, timing_fields
 from ._side_by_side import Curves, Lane, make_optimizer, same_start, train_side_by_side
 from ._suites import RunSettings, Series, Suite, runner
 
@@ -82,12 +81,8 @@ STEP_KIND = "highway-transformer-step"
 _lm_loss, _TorchLM = lm_loss, TorchLM  # the names tools/gaps.py imports from here
 
 
-def _base(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    return new_record(
-        dict(kind=kind, suite=suite.name, quick=quick, machine=machine_info(), created=created),
-        fields,
-    )
+def _base(kind: str, **fields: Any) -> dict[str, Any]:
+    return new_record(dict(kind=kind), fields)
 
 
 def _grads(eng: Any, model: nn.Module, inputs: tuple[Any, ...],
@@ -172,7 +167,7 @@ def run_rnn(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
                 prof = profile_step(eng, model, inputs, loss_fn, repeats=0, warmup=0, reference=(
                     TorchLM.renamed(ref) if model is torch_lm else ref))  # fmt: skip
             records.append(_base(
-                suite, "highway-rnn", quick, series=series.name, engine=label,
+                "highway-rnn", series=series.name, engine=label,
                 config={"cell": cell, "length": length, "batch": batch, "hidden": hidden,
                         "vocab": vocab, "dtype": "float32", "threads": threads[0]},
                 x=length, k=k, peak_bytes=prof.peak_bytes, threads=threads[0],
@@ -181,11 +176,11 @@ def run_rnn(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
                                                          strict=True)],
                 grad_max_rel_err=prof.grad_max_rel_err, grad_cosine=prof.grad_cosine,
             ))  # fmt: skip
-        records += _scan_records(suite, quick, length, batch, hidden, device, threads[0])
+        records += _scan_records(quick, length, batch, hidden, device, threads[0])
     return records
 
 
-def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: int,
+def _scan_records(quick: bool, length: int, batch: int, hidden: int,
                   device: str, threads: int) -> list[dict[str, Any]]:  # fmt: skip
     """Both CumSumProd algorithms on a diagonal K, at this L and at a tiny state."""
     out = []
@@ -197,7 +192,7 @@ def _scan_records(suite: Suite, quick: bool, length: int, batch: int, hidden: in
              "sequential": functools.partial(cumsumprod_sequential, v, k)},
             repeats=5 if quick else 11, warmup=1, reference="sequential", threads=threads,
         )  # fmt: skip
-        out += [_base(suite, "scan", quick, series=f"scan-{state[0]}x{state[1]}", engine=name,
+        out += [_base("scan", series=f"scan-{state[0]}x{state[1]}", engine=name,
                       config={"length": length, "state": list(state), "threads": threads},
                       x=length, seconds_median=tm.median, time_ratio=tm.ratio)
                 for name, tm in t.items()]  # fmt: skip
@@ -292,8 +287,6 @@ class _Training(Curves):
     the lane's gradient with the ``exact`` method's at the lane's weights (not training
     time). A lane whose loss is not finite stops without a record (the curve just ends)."""
 
-    suite: Suite
-    quick: bool
     kind: str
     series: str
     config: dict[str, Any]
@@ -307,7 +300,7 @@ class _Training(Curves):
     failure_records: bool = False
 
     def record(self, lane: Lane, r: int) -> dict[str, Any]:
-        return _base(self.suite, self.kind, self.quick, series=self.series, engine=lane.label,
+        return _base(self.kind, series=self.series, engine=lane.label,
                      config=self.config)  # fmt: skip
 
     def advance(self, lane: Lane, r: int, batch: Any) -> None:
@@ -382,7 +375,7 @@ def _run_training(suite: Suite, settings: RunSettings, kind: str,
                **config(series, value, task)}  # fmt: skip
         bar = tqdm(total=steps + 1, desc=f"{suite.name} {series.name}",
                    disable=not settings.progress)  # fmt: skip
-        curves = _Training(suite, quick, kind, series.name, cfg, steps, every, task, bar, makers,
+        curves = _Training(kind, series.name, cfg, steps, every, task, bar, makers,
                            suite.reference if compare else None)  # fmt: skip
         with num_threads(1):
             rounds = zip(range(1, steps + 1), task.batches, strict=False)
@@ -432,7 +425,7 @@ def run_transformer(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]
                                       warmup=int(suite.setting("warmup", quick, 2)),
                                       reference=suite.reference)  # fmt: skip
         records += recs + [_base(
-            suite, STEP_KIND, quick, series=series.name, engine=label,
+            STEP_KIND, series=series.name, engine=label,
             config={**cfg, "threads": threads[0]}, threads=threads[0],
             **timing_fields(timings[threads[0]][label]), by_threads=by_threads(timings, label),
             timed="one forward + gradient step at the initial weights, optimizer excluded; "
@@ -465,7 +458,7 @@ def run_convergence(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]
                 for baseline in ("highway", "fpi") if step in at else ():
                     probe = copy.deepcopy(model)  # BatchNorm statistics untouched
                     records += [_base(
-                        suite, "highway-convergence", quick, series=series.name,
+                        "highway-convergence", series=series.name,
                         engine=baseline, config=config, x=step, k=p.k,
                         grad_cosine=p.cosine, grad_max_rel_err=p.rel_err,
                         step_share=p.step_share, fraction=step / steps,

@@ -79,9 +79,8 @@ from .. import engines
 from ..layers import AdditiveCoupling, Chain, SwapHalves
 from ..measure import Timing, compare_grads, grads_of, time_across_threads
 from ._report import _fmt, md_table, pyplot, save_figure
-from ._runner import machine_info, new_record, reference_grads, step_of
+from ._runner import new_record, reference_grads, step_of
 from ._suites import RunSettings, Suite, runner
-from ._training import _now
 from ._workloads import Workload, build
 
 __all__ = [
@@ -250,8 +249,7 @@ def run_depth(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     quick = settings.quick
     s = _settings(suite, quick)
     threads = settings.threads or sorted({1, os.cpu_count() or 1})
-    common = {"suite": suite.name, "quick": quick, "machine": machine_info(), "created": _now(),
-              "sweep": suite.sweep}  # fmt: skip
+    common = {"sweep": suite.sweep}
     jobs = suite.jobs(quick)
     for _, depth in jobs:  # refuse a bad sample size before any work
         timed_couplings(int(depth), s["forward_couplings"])

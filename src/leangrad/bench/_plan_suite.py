@@ -25,7 +25,6 @@ the same round-robin, so compile's ratio (another process) compares with the oth
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -37,7 +36,7 @@ from ..measure._rss import run_json_worker
 from ..measure._timer import num_threads
 from ._plan_peers import HOOKED, Step, make_sgd, optimizer_in_backward, peers, workload
 from ._report import fmt_bytes
-from ._runner import machine_info, new_record
+from ._runner import new_record
 from ._suites import RunSettings, Suite
 
 __all__ = ["render", "run_plan_suite"]
@@ -68,10 +67,6 @@ def run_plan_suite(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
         raise ValueError("the plan suite runs on cpu in this version")
     quick = settings.quick
     ctx = {
-        "suite": suite.name,
-        "quick": quick,
-        "machine": machine_info(),
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "fractions": [float(f) for f in suite.setting("fractions", quick, [0.75, 0.5, 0.35, 0.25])],
         "segments": [int(s) for s in suite.setting("segments", quick, [2, 3, 4, 6])],
         "compile": [float(b) for b in suite.setting("compile_budgets", quick, [1.0, 0.0])],
@@ -125,11 +120,7 @@ class _Peers:
 def _common(kind: str, size: dict[str, int], ctx: dict[str, Any], ref: Any) -> dict[str, Any]:
     """The fields every record of one model carries."""
     return {
-        "suite": ctx["suite"],
         "series": kind,
-        "quick": ctx["quick"],
-        "machine": ctx["machine"],
-        "created": ctx["created"],
         "baseline_bytes": ref.baseline_bytes,
         "backprop_peak_bytes": ref.peak_bytes,
         "not_measured": NOT_MEASURED,

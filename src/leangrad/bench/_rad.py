@@ -46,11 +46,11 @@ from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, grads_of, num_threads, saved_tensor_bytes
 from ._models import build, rad_network
 from ._report import by_series, md_table, pyplot, save_series_figure
-from ._runner import machine_info, new_record
+from ._runner import new_record
 from ._search import bisect_last_fit
 from ._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 from ._suites import RunSettings, Suite
-from ._training import _evaluate, _now
+from ._training import _evaluate
 
 __all__ = [
     "BAND", "BAND_KEYS", "BAND_NOTE", "BASELINE", "SAVED_NOTE", "LaneConfig", "Replicate",
@@ -144,14 +144,13 @@ def squared_errors(
     return sq
 
 
-def _record(suite: Suite, kind: str, quick: bool, **fields: Any) -> dict[str, Any]:
-    return new_record(dict(kind=kind, suite=suite.name, quick=quick), fields)
+def _record(kind: str, **fields: Any) -> dict[str, Any]:
+    return new_record(dict(kind=kind), fields)
 
 
 def run_variance(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Gradient MSE vs the full-data gradient, beside measured memory (Fig. 5)."""
     quick, device = settings.quick, settings.device
-    machine, created = machine_info(), _now()
     seed = int(suite.setting("seed", quick, 0))
     draws = int(suite.setting("draws", quick, 50))
     pretrain = int(suite.setting("pretrain_steps", quick, 0))
@@ -182,12 +181,12 @@ def run_variance(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             for n, p in base.named_parameters():
                 layers[n], i = sq[i : i + p.numel()].sum().item(), i + p.numel()
             records.append(_record(
-                suite, "rad-variance", quick, engine=label, model=kind, batch=b, fraction=f,
+                "rad-variance", engine=label, model=kind, batch=b, fraction=f,
                 mode=mode, config={"model": kind, "batch": b, "fraction": f, "mode": mode,
                                    "draws": draws, "pretrain_steps": pretrain, "seed": seed,
                                    "dataset": train.name, "train_examples": len(train)},
                 grad_mse=sq.sum().item(), full_grad_sq=full.square().sum().item(),
-                layer_mse=layers, machine=machine, created=created, **mem,
+                layer_mse=layers, **mem,
             ))  # fmt: skip
     bar.close()
     return records
@@ -338,15 +337,15 @@ the seed's lanes and records after training. Its results, per run, go to ``run_r
 def train_suite(
     suite: Suite, settings: RunSettings, lanes_of: Callable[[TrainRun], list[LaneConfig]], *,
     lanes: int, check: SeedCheck | None = None,
-    run_record: Callable[[TrainRun, list[Any], dict[str, Any]], dict[str, Any]] | None = None,
+    run_record: Callable[[TrainRun, list[Any]], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every run of the suite's ``runs`` at every seed of :func:`replicates`: the lanes of
     ``lanes_of(run)`` (``lanes`` of them: the progress bar's count) from the seed's start,
     those of one batch size side by side on the same batches (drawn with replacement);
     per-seed ``rad-training`` records at step 0, every ``eval_every`` steps and the last,
     then their ``rad-band`` summaries (:func:`bands`), then ``run_record(run, check
-    results, stamp)`` if given. Data: the suite's ``dataset`` split with its ``seed``."""
-    quick, stamp = settings.quick, {"machine": machine_info(), "created": _now()}
+    results)`` if given. Data: the suite's ``dataset`` split with its ``seed``."""
+    quick = settings.quick
     seeds, examples = replicates(suite, quick), suite.setting("eval_examples", quick, None)
     threads = int(suite.setting("torch_threads", quick, 1))
     train, test = _load(str(suite.setting("dataset", quick, "mnist5k")),
@@ -356,7 +355,7 @@ def train_suite(
                      train, settings.device) for r in suite.setting("runs", quick, [])]  # fmt: skip
     bar = tqdm(total=sum(r.steps * lanes * len(seeds) for r in runs), desc=suite.name,
                disable=not settings.progress)  # fmt: skip
-    head = {"suite": suite, "kind": "rad-training", "quick": quick}
+    head = {"kind": "rad-training"}
     records: list[dict[str, Any]] = []
     with num_threads(threads):
         for run in runs:
@@ -384,7 +383,7 @@ def train_suite(
                     opt = make_optimizer(run.optimizer, model.parameters(), run.lr, momentum=0.0)
                     by_batch.setdefault(c.batch, {})[c.label] = Lane(c.label, model, opt, {
                         "model": run.kind, "series": run.kind, "sweep": "step", **c.fields,
-                        "config": config, "seed": rep.seed, "threads": threads, **stamp, **mem,
+                        "config": config, "seed": rep.seed, "threads": threads, **mem,
                     })  # fmt: skip
                 recs: list[dict[str, Any]] = []
                 for b, group in by_batch.items():  # same batch size: side by side, same batches
@@ -399,7 +398,7 @@ def train_suite(
                                          recs))  # fmt: skip
             records += mine + bands(mine)
             if run_record is not None:
-                records.append(run_record(run, checks, stamp))
+                records.append(run_record(run, checks))
     bar.close()
     return records
 
@@ -543,13 +542,13 @@ def run_fractions(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
                                                              seed=start.rep.rad_seed)}  # fmt: skip
         return lambda lanes, recs: {**pre, **_same_training(lanes, recs, one)}
 
-    def run_record(run: TrainRun, checks: list[Any], stamp: dict[str, Any]) -> dict[str, Any]:
+    def run_record(run: TrainRun, checks: list[Any]) -> dict[str, Any]:
         def every(key: str) -> bool | None:
             vals = [c[key] for c in checks]
             return None if any(v is None for v in vals) else all(vals)
 
         return _record(
-            suite, "rad-fraction-one", quick, engine=one, model=run.kind, series=run.kind,
+            "rad-fraction-one", engine=one, model=run.kind, series=run.kind,
             fraction=1.0, replace=False, trained_with_replacement=replace,
             config={"model": run.kind, "fraction": 1.0, "mode": mode, "replace": False,
                     "seeds": [c["seed"] for c in checks]},
@@ -557,7 +556,7 @@ def run_fractions(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             grads_equal_with_replacement=every("grads_equal_with_replacement"),
             grad_max_abs_diff=max(c["grad_max_abs_diff"] for c in checks),
             curves_identical=every("curves_identical"),
-            weights_equal_at_end=every("weights_equal_at_end"), **stamp,
+            weights_equal_at_end=every("weights_equal_at_end"),
         )  # fmt: skip
 
     return train_suite(suite, settings, lanes_of, lanes=len(fractions) + 1, check=check,

@@ -60,10 +60,9 @@ from ._rad import (
     squared_errors,
 )
 from ._report import md_table, pyplot, save_series_figure
-from ._runner import machine_info, new_record
+from ._runner import new_record
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite, runner
-from ._training import _now
 
 __all__ = ["OFFICIAL_ENV", "official_mlp", "peer_model", "render_pde", "render_peer",
            "run_pde", "run_peer"]  # fmt: skip
@@ -81,7 +80,6 @@ def run_pde(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     from ..rad._pde import ReactionDiffusion, optimize, pde_gradient
 
     quick = settings.quick
-    stamp = {"machine": machine_info(), "created": _now()}
     seed = int(suite.setting("seed", quick, 0))
     seeds = int(suite.setting("seeds", quick, 1))
     iterations = int(suite.setting("iterations", quick, 300))
@@ -117,12 +115,12 @@ def run_pde(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
         last = len(run.losses) - 1
         for i, loss in enumerate(run.losses):
             records.append(_record(
-                suite, "rad-pde", quick, engine=label, series="reaction-diffusion",
+                "rad-pde", engine=label, series="reaction-diffusion",
                 sweep="iteration", x=i, train_loss=loss, fraction=fraction, config=config,
                 peak_bytes=tracker.report.peak_bytes, stored_values=run.stored_values,
                 saved_bytes=tracker.report.forward_live_bytes, seed=rep,
                 train_seconds=seconds if i == last else None,
-                theta=run.theta.tolist() if i == last else None, **stamp,
+                theta=run.theta.tolist() if i == last else None,
             ))  # fmt: skip
     bar.close()
     return records + bands(records, kind="rad-pde", band_kind="rad-pde-band")
@@ -245,15 +243,14 @@ def run_peer(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
         raise ValueError(
             f"the rad-peer suite runs on cpu in this version, got {settings.device!r}"
         )
-    common = {"suite": suite.name, "quick": quick, "machine": machine_info(), "created": _now()}
     seed = int(suite.setting("seed", quick, 0))
     train = _load(str(suite.setting("dataset", quick, "mnist5k")), seed)[0]
     threads = settings.threads or sorted({1, os.cpu_count() or 1})
-    records = _peer_rows(suite, quick, train, common, progress, threads)
-    return records + _crossover_rows(suite, quick, train, common, progress)
+    records = _peer_rows(suite, quick, train, progress, threads)
+    return records + _crossover_rows(suite, quick, train, progress)
 
 
-def _peer_rows(suite: Suite, quick: bool, train: data.Dataset, common: dict[str, Any],
+def _peer_rows(suite: Suite, quick: bool, train: data.Dataset,
                progress: bool, threads: list[int]) -> list[dict[str, Any]]:  # fmt: skip
     seed = int(suite.setting("seed", quick, 0))
     batch = int(suite.setting("batch", quick, 150))
@@ -287,18 +284,18 @@ def _peer_rows(suite: Suite, quick: bool, train: data.Dataset, common: dict[str,
         vs = times["official"].median if "official" in times else None
         for r in rows:
             records.append(new_record(
-                common, out[r], kind="rad-peer", engine=r, config={**config, "threads": n},
+                out[r], kind="rad-peer", engine=r, config={**config, "threads": n},
                 threads=n, seconds_median=times[r].median, time_ratio=times[r].ratio,
                 vs_official=None if vs is None else times[r].median / vs,
                 peak_ratio=out[r]["peak_bytes"] / out["backprop"]["peak_bytes"],
             ))  # fmt: skip
     if official is None:
-        records.append(new_record(common, kind="rad-peer", engine="official",
+        records.append(new_record(kind="rad-peer", engine="official",
                                   config=config, skipped=NO_OFFICIAL))  # fmt: skip
     return records
 
 
-def _crossover_rows(suite: Suite, quick: bool, train: data.Dataset, common: dict[str, Any],
+def _crossover_rows(suite: Suite, quick: bool, train: data.Dataset,
                     progress: bool) -> list[dict[str, Any]]:  # fmt: skip
     seed = int(suite.setting("seed", quick, 0))
     largest = min(int(suite.setting("largest_batch", quick, 4000)), len(train))
@@ -308,7 +305,7 @@ def _crossover_rows(suite: Suite, quick: bool, train: data.Dataset, common: dict
         kind, fraction, mode = c["model"], float(c["fraction"]), c.get("mode", "different")
         at = int(c.get("batch", 150))
         records.append(new_record(
-            common, kind="rad-crossover", engine=f"rad {fraction} {mode}", batch=at,
+            kind="rad-crossover", engine=f"rad {fraction} {mode}", batch=at,
             config={"model": kind, "fraction": fraction, "mode": mode, "batch": at,
                     "dataset": train.name},
             **_crossover(kind, fraction, mode, at, largest, train, seed),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 from collections.abc import Sequence
@@ -13,7 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
-from ._runner import machine_info, measure_config
+from ._runner import machine_info, measure_config, now
 from ._suites import RunSettings, Suite, load_suite, runner_options
 
 __all__ = ["MIXED", "NO_ONLY", "ONE_THREAD_COUNT", "UNKNOWN_SERIES", "run_suite",
@@ -114,8 +113,12 @@ def run_suite(
     counts = timing_threads(suite, quick=quick, threads=threads)
     path = Path(out) / f"{suite.name}.json"
     kept = _kept_records(path, quick=quick) if only is not None else []
+    stamp = {"suite": suite.name, "quick": quick, "machine": machine_info(), "created": now()}
 
     def merged(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for r in records:  # the run's fields; a record's own ``threads`` wins
+            r.update(stamp)
+            r.setdefault("threads", (r.get("config") or {}).get("threads", TIMING_THREADS))
         rerun = {r.get("series") for r in records}
         return [r for r in kept if r.get("series") not in rerun] + records
 
@@ -138,8 +141,6 @@ def run_suite(
             suite = dataclasses.replace(suite, series=_pick(suite, only))
         records = _sweep(suite, quick=quick, rss=rss, device=device, progress=progress,
                          threads=counts)  # fmt: skip
-    for r in records:  # every record says at how many threads it was timed
-        r.setdefault("threads", (r.get("config") or {}).get("threads", TIMING_THREADS))
     return write_records(merged(records), path)
 
 
@@ -169,8 +170,6 @@ def _kept_records(path: Path, *, quick: bool) -> list[dict[str, Any]]:
 def _sweep(
     suite: Suite, *, quick: bool, rss: bool, device: str, progress: bool, threads: list[int]
 ) -> list[dict[str, Any]]:
-    machine = machine_info()
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     jobs = suite.jobs(quick)
     records: list[dict[str, Any]] = []
     bar = tqdm(jobs, desc=f"bench {suite.name}", unit="config", disable=not progress)
@@ -189,14 +188,6 @@ def _sweep(
             progress=lambda msg: bar.set_postfix_str(msg, refresh=True),
         )
         for r in recs:
-            r.update(
-                suite=suite.name,
-                series=series.name,
-                sweep=suite.sweep,
-                x=value,
-                quick=quick,
-                machine=machine,
-                created=created,
-            )
+            r.update(series=series.name, sweep=suite.sweep, x=value)
         records.extend(recs)
     return records

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import os
 import platform
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ __all__ = [
     "machine_info",
     "measure_config",
     "new_record",
+    "now",
     "reference_grads",
     "step_of",
     "timing_fields",
@@ -99,6 +101,11 @@ class EngineSpec:
     @property
     def display(self) -> str:
         return self.label or self.make().label
+
+
+def now() -> str:
+    """The time a run started, as records carry it (``created``): UTC, to the second."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def machine_info() -> dict[str, Any]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,17 +42,13 @@ from tqdm.auto import tqdm
 
 from .. import data, models
 from ..measure import compare_grads, grads_of
-from ._runner import EngineSpec, machine_info, new_record
+from ._runner import EngineSpec, new_record
 from ._side_by_side import Curves, Lane, make_optimizer, same_start, train_side_by_side
 from ._suites import RunSettings, Suite
 
 __all__ = ["run_constrained", "run_stability"]
 
 NOT_FINITE = "batch loss is {loss}"
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 @torch.no_grad()
@@ -159,20 +154,16 @@ class _Run(Curves):
     """What both suites' rounds share: one series' records (``sweep`` = the round's unit)
     and its train and test sets."""
 
-    suite: Suite
-    quick: bool
     name: str
     config: dict[str, Any]
     train: data.Dataset
     test: data.Dataset
     bar: Any
-    stamp: dict[str, Any]
 
     def record(self, lane: Lane, r: int) -> dict[str, Any]:
-        head = dict(kind="training", suite=self.suite.name, series=self.name, sweep=self.unit,
-                    x=r, train_loss=None, train_acc=None, test_acc=None, failed=None,
-                    quick=self.quick)  # fmt: skip
-        return new_record(head, lane.fields, {"config": self.config}, self.stamp)
+        head = dict(kind="training", series=self.name, sweep=self.unit, x=r, train_loss=None,
+                    train_acc=None, test_acc=None, failed=None)  # fmt: skip
+        return new_record(head, lane.fields, {"config": self.config})
 
 
 @dataclasses.dataclass
@@ -230,7 +221,6 @@ def _engine_lanes(base: nn.Module, specs: Sequence[EngineSpec], settings: _Setti
 def run_stability(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Train one RevNet per engine side by side; gradient error vs the float64 oracle."""
     quick, device = settings.quick, settings.device
-    stamp = {"machine": machine_info(), "created": _now()}
     steps = int(suite.setting("steps", quick, 300))
     every = int(suite.setting("eval_every", quick, 25))
     st = _Settings.of(suite, quick, batch=32)
@@ -249,7 +239,7 @@ def run_stability(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             stability_model(series.config, depth).to(device), suite.engines_for(series), st
         )
         ref = next((ln.model for ln in lanes if ln.fields["engine_name"] == "backprop"), None)
-        curves = _Stability(suite, quick, name, config, train, test, bar, stamp, steps, every, ref)
+        curves = _Stability(name, config, train, test, bar, steps, every, ref)
         rounds = zip(range(steps + 1), _forever(train, st.batch, st.seed), strict=False)
         records += train_side_by_side(lanes, rounds, curves)
         last = {r["engine"]: r for r in records if r["series"] == name}
@@ -331,7 +321,6 @@ def _constrained_data(
 def run_constrained(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     """Constrained vs unconstrained conv nets, trained with backprop, per epoch."""
     quick, device = settings.quick, settings.device
-    stamp = {"machine": machine_info(), "created": _now()}
     epochs = int(suite.setting("epochs", quick, 10))
     st = _Settings.of(suite, quick, batch=64)
     dataset, size, train, test = _constrained_data(suite, quick, st, device)
@@ -345,7 +334,7 @@ def run_constrained(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]
         config = {**series.config, suite.sweep: value, "dataset": dataset, "size": size,
                   "train_examples": len(train), "test_examples": len(test), "epochs": epochs,
                   **st.config()}  # fmt: skip
-        curves = _Constrained(suite, quick, name, config, train, test, bar, stamp, st)
+        curves = _Constrained(name, config, train, test, bar, st)
         for spec in suite.engines_for(series):
             for variant in variants:  # one lane at a time: records ordered by lane
                 bar.set_description(f"{suite.name} {name} {variant}")

@@ -42,7 +42,6 @@ budgeted and its slow phase found.
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +55,6 @@ from .._step import as_call
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
 from ._models import build
-from ._runner import machine_info
 from ._suites import RunSettings, Suite, runner
 from ._zoo_batch import estimable, footprint, max_batch
 from ._zoo_methods import Method, Skipped, call
@@ -103,9 +101,9 @@ def run_zoo(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             hours keeps the models it finished (``run_suite`` writes them to its file).
 
     Returns:
-        The records: :data:`~leangrad.bench.RECORD_FIELDS` plus ``suite``, ``series`` (the
-        model), ``sweep`` (``"method"``), ``x`` (the method), ``side``, ``quick``,
-        ``machine``, ``created`` and the suite's own fields (module docstring).
+        The records: :data:`~leangrad.bench.RECORD_FIELDS` plus ``series`` (the model),
+        ``sweep`` (``"method"``), ``x`` (the method), ``side`` and the suite's own fields
+        (module docstring); ``run_suite`` adds ``suite``, ``quick``, ``machine``, ``created``.
 
     Raises:
         OptionError: ``only`` names a model the suite does not have, or ``device`` is
@@ -121,14 +119,7 @@ def run_zoo(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     if kind == "cuda" and not torch.cuda.is_available():
         raise errors.OptionError(NO_CUDA.format(version=torch.__version__))
     values = {k: suite.setting(k, quick) for k in suite.settings if not k.startswith("quick_")}
-    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    common = {
-        "suite": suite.name,
-        "quick": quick,
-        "machine": machine_info(),
-        "sweep": "method",
-        "created": created,
-    }
+    common = {"sweep": "method"}
     ctx = Context(quick, common, values, suite.repeats(quick), device=str(device))
     models: dict[str, dict[str, Any]] = dict(ctx.get("models", {}))
     estimates: dict[str, dict[str, Any]] = dict(ctx.get("estimate_models", {}))
