@@ -39,7 +39,6 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .. import fad
-from .._sizes import fmt_bytes
 from ..measure import (
     FORWARD_END,
     MemoryTracker,
@@ -51,7 +50,16 @@ from ..measure import (
     time_interleaved,
 )
 from ._models import ACTIVATIONS, Act, build, fad_batch
-from ._report import at_threads, by_series, extra_threads, md_table, pyplot, save_figure
+from ._report import (
+    at_threads,
+    by_series,
+    extra_threads,
+    fmt,
+    md_table,
+    mib,
+    pyplot,
+    save_figure,
+)
 from ._runner import by_threads, new_record, timing_fields
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite, runner
@@ -355,13 +363,6 @@ def _run_config(kind: str, act: str, size: dict[str, int], opts: _Options,
 
 
 # -- report -------------------------------------------------------------------------------
-def _f(v: Any, spec: str = ".2f") -> str:
-    return "—" if v is None else format(v, spec)
-
-
-_mib = functools.partial(fmt_bytes, spec=".2f")
-"""Sizes in this report's tables: MiB with two decimals."""
-
 TARGETS = (
     "composite activation saved bytes ≤ 0.5× eager",
     "max batch under the same budget ≥ 1.3× eager",
@@ -450,21 +451,23 @@ def _method_row(r: dict[str, Any], extra: list[int]) -> list[Any]:
     if nested or kernels:
         parts = [f"{len(nested)} chains nested"] if nested else []
         note = ", ".join(parts + ([f"{len(kernels)} run by {kernels[0]}"] if kernels else []))
-    return [r["engine"], _mib(r.get("saved_bytes")), _mib(r.get("forward_live_bytes")),
-            _mib(r.get("peak_bytes")), _f(r.get("saved_ratio")), _f(r.get("peak_ratio")), mb,
-            _f(r.get("time_ratio")), *(_f(at_threads(r, n, "time_ratio")) for n in extra),
-            _f(r.get("seconds_median"), ".4f"), _f(r.get("grad_max_rel_err"), ".1e"), note]
+    ratios = [r.get("saved_ratio"), r.get("peak_ratio")]
+    times = [r.get("time_ratio"), *(at_threads(r, n, "time_ratio") for n in extra)]
+    return [r["engine"], mib(r.get("saved_bytes")), mib(r.get("forward_live_bytes")),
+            mib(r.get("peak_bytes")), *(fmt(v, ".2f") for v in ratios), mb,
+            *(fmt(v, ".2f") for v in times), fmt(r.get("seconds_median"), ".4f"),
+            fmt(r.get("grad_max_rel_err"), ".1e"), note]  # fmt: skip
 
 
 def _activation_line(r: dict[str, Any]) -> str:
     sv, tr = r["act_saved_bytes"], r["act_time_ratio_to_fad"]
     line = (f"Activation alone on shape {tuple(r['shape'])}: saved bytes eager "
-            f"{_mib(sv['eager'])}, recompute {_mib(sv['recompute'])}, FAD {_mib(sv['fad'])} "
+            f"{mib(sv['eager'])}, recompute {mib(sv['recompute'])}, FAD {mib(sv['fad'])} "
             f"({sv['fad'] / sv['eager']:.2f}× eager); fwd+bwd time / FAD: eager "
             f"{tr['eager']:.2f}, recompute {tr['recompute']:.2f}.")  # fmt: skip
     if "builtin" in sv:
         builtin = _KERNELS[r["config"]["activation"]][2]
-        line += (f" PyTorch's built-in ({builtin}) saves {_mib(sv['builtin'])} "
+        line += (f" PyTorch's built-in ({builtin}) saves {mib(sv['builtin'])} "
                  f"({sv['builtin'] / sv['fad']:.2f}× FAD) and takes {tr['builtin']:.2f}× "
                  "FAD's time.")  # fmt: skip
     return line

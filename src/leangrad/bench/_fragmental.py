@@ -11,7 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..measure import MemoryBudgetExceeded, MemoryTracker
-from ._report import _fmt, by_series, fmt_bytes, md_table, sweep_section
+from ._report import by_series, fmt, fmt_bytes, md_table, sweep_section
 from ._runner import EngineSpec, new_record
 from ._search import bisect_last_fit
 from ._suites import RunSettings, Suite
@@ -46,7 +46,7 @@ def report_fragmental(
             continue
 
         def ratio(a: Any, b: Any) -> str:
-            return _fmt(a / b if a is not None and b else None, ".3f")
+            return fmt(a / b if a is not None and b else None, ".3f")
 
         rows = [(e, x, fmt_bytes(kept.get((e, x))),
                  ratio(kept.get((e, x)), kept.get(("moonwalk(fragment=full)", x))),
@@ -172,8 +172,8 @@ def report_depth_at_budget(
     head = ("engine", "deepest depth that fits", "live at that depth", "× backprop",
             "× checkpoint", "probes (depth: fits)")  # fmt: skip
     rows = [(r["engine"], f"{r['max_depth']}{' (search cap)' if r.get('capped') else ''}",
-             fmt_bytes(r["total_bytes_at_max"]), _fmt(r.get("ratio_to_backprop"), ".2f"),
-             _fmt(r.get("ratio_to_checkpoint"), ".2f"),
+             fmt_bytes(r["total_bytes_at_max"]), fmt(r.get("ratio_to_backprop"), ".2f"),
+             fmt(r.get("ratio_to_checkpoint"), ".2f"),
              ", ".join(f"{p['depth']}:{'✓' if p['fits'] else '✗'}" for p in r["probes"]))
             for r in records]  # fmt: skip
     return [f"Budget: {fmt_bytes(records[0]['budget_bytes'])} for everything live during the "

@@ -5,28 +5,25 @@ one renderer) and convergence in k."""
 
 from __future__ import annotations
 
-import functools
-import textwrap
 from pathlib import Path
 from typing import Any
 
 from .._errors import LeangradError
-from .._sizes import fmt_bytes
-from ._report import at_threads, by_series, extra_threads, md_table, pyplot, save_figure
+from ._report import (
+    at_threads,
+    by_series,
+    extra_threads,
+    fmt,
+    line_figure,
+    md_table,
+    mib,
+)
 
 __all__ = ["TOLERANCE", "render"]
 
 TOLERANCE = 0.02
 """highway-transformer's test: highway at the paper's k ends within 2% of backprop's
 final validation loss."""
-
-
-def _f(v: Any, spec: str) -> str:
-    return "—" if v is None else format(v, spec)
-
-
-_mib = functools.partial(fmt_bytes, spec=".2f")
-"""Sizes in this report's tables: MiB with two decimals."""
 
 
 # --- highway-rnn -----------------------------------------------------------------------
@@ -85,11 +82,11 @@ def _render_rnn(rs: list[dict[str, Any]]) -> list[str]:
              *(f"step speedup ({n} thr)" for n in extra), "backward ms", "backward speedup",
              "peak", "cosine", "max rel err"),
             ((r["series"], r["x"], r["engine"], f"{r['seconds_median'] * 1e3:.1f}",
-              f"{_f(r.get('step_speedup'), '.2f')}x",
-              *(f"{_f(at_threads(r, n, 'step_speedup'), '.2f')}x" for n in extra),
-              f"{r['backward_seconds'] * 1e3:.1f}", f"{_f(r.get('backward_speedup'), '.2f')}x",
-              _mib(r.get("peak_bytes")), _f(r.get("grad_cosine"), ".6f"),
-              _f(r.get("grad_max_rel_err"), ".2e")) for r in rs),
+              f"{fmt(r.get('step_speedup'), '.2f')}x",
+              *(f"{fmt(at_threads(r, n, 'step_speedup'), '.2f')}x" for n in extra),
+              f"{r['backward_seconds'] * 1e3:.1f}", f"{fmt(r.get('backward_speedup'), '.2f')}x",
+              mib(r.get("peak_bytes")), fmt(r.get("grad_cosine"), ".6f"),
+              fmt(r.get("grad_max_rel_err"), ".2e")) for r in rs),
         ),
         "",
     ]  # fmt: skip
@@ -99,7 +96,7 @@ def _render_scan(rs: list[dict[str, Any]]) -> list[str]:
     return ["CumSumProd with diagonal K, one thread (ratio = time / sequential's):", "",
             *md_table(("state", "L", "algorithm", "ms", "ratio"),
                       ((r["series"], r["x"], r["engine"], f"{r['seconds_median'] * 1e3:.3f}",
-                        _f(r.get("time_ratio"), ".2f")) for r in rs)), ""]  # fmt: skip
+                        fmt(r.get("time_ratio"), ".2f")) for r in rs)), ""]  # fmt: skip
 
 
 # --- plots -----------------------------------------------------------------------------
@@ -107,27 +104,11 @@ def _render_scan(rs: list[dict[str, Any]]) -> list[str]:
 
 def _plot(directory: Any, name: str, rs: list[dict[str, Any]], x: tuple[str, str],
           ys: list[tuple[str, str]], title: str) -> list[str]:  # fmt: skip
-    """``plots/{name}.png``: one panel per ``(key, axis label)`` of ``ys`` against ``x``,
-    one line (and colour, the same in every panel) per engine of ``rs``; the Markdown
-    showing it (none without matplotlib)."""
-    try:
-        plt = pyplot()
-    except ImportError:
-        return []
-    fig, axes = plt.subplots(1, len(ys), figsize=(6.4 * len(ys), 4.2), squeeze=False)
-    for ax, (y, ylabel) in zip(axes[0], ys, strict=True):
-        for i, label in enumerate(dict.fromkeys(r["engine"] for r in rs)):
-            pts = [(r[x[0]], r[y]) for r in rs if r["engine"] == label and r.get(y) is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker=".", label=label, color=f"C{i % 10}")
-        ax.set_xlabel(x[1])
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(textwrap.fill(title, 72 * len(ys)), fontsize=10)
+    """``plots/{name}.png`` (:func:`line_figure`, a line per engine); the Markdown showing
+    it (none without matplotlib)."""
     png = Path("plots") / f"{name}.png"
-    save_figure(fig, Path(directory) / png)
-    return [f"![{name}]({png.as_posix()})"]
+    drawn = line_figure(Path(directory) / png, rs, x=x, ys=ys, title=title)
+    return [f"![{name}]({png.as_posix()})"] if drawn else []
 
 
 # --- training curves: highway-train and highway-transformer ----------------------------
@@ -203,13 +184,13 @@ def _table(rs: list[dict[str, Any]], steps: list[dict[str, Any]], reference: str
         rel = None if bp is None else 100 * (last["val_loss"] / bp["val_loss"] - 1)
         step = next((s for s in steps if s["engine"] == label), None)
         rows.append((
-            label, last["x"], _f(last.get("train_loss"), ".4f"), f"{last['val_loss']:.4f}",
-            f"{_f(rel, '+.2f')}%",
-            *([_f(last.get("test_acc"), ".3f")] if has["test_acc"] else []),
-            *([_f(last.get("grad_cosine"), ".4f")] if has["grad_cosine"] else []),
-            *(_f(None if step is None else at_threads(step, n, "time_ratio"), ".2f")
+            label, last["x"], fmt(last.get("train_loss"), ".4f"), f"{last['val_loss']:.4f}",
+            f"{fmt(rel, '+.2f')}%",
+            *([fmt(last.get("test_acc"), ".3f")] if has["test_acc"] else []),
+            *([fmt(last.get("grad_cosine"), ".4f")] if has["grad_cosine"] else []),
+            *(fmt(None if step is None else at_threads(step, n, "time_ratio"), ".2f")
               for n in counts),
-            _f(last.get("wall_seconds"), ".1f"),
+            fmt(last.get("wall_seconds"), ".1f"),
         ))  # fmt: skip
     header = ("method", "steps", "train loss (last window)", "held-out loss", f"vs {reference}",
               *(["test acc"] if has["test_acc"] else []),

@@ -78,7 +78,7 @@ from .. import _errors as errors
 from .. import engines
 from ..layers import AdditiveCoupling, Chain, SwapHalves
 from ..measure import Timing, compare_grads, grads_of, time_across_threads
-from ._report import _fmt, md_table, pyplot, save_figure
+from ._report import fmt, md_table, pyplot, save_figure
 from ._runner import new_record, reference_grads, step_of
 from ._suites import RunSettings, Suite, runner
 from ._workloads import Workload, build
@@ -387,7 +387,7 @@ def _table(rs: list[dict[str, Any]]) -> list[str]:
          f"{r['forward_seconds']:.3g}{'*' if r['forward_extrapolated'] else ''}",
          f"{r['moonwalk_seconds']:.3g}", f"{r['speedup']:.1f}×",
          f"{r['speedup_over_bound']:.2f}",
-         f"{_fmt(r.get('paper_speedup'), '.0f')}{'×' if r.get('paper_speedup') else ''}",
+         f"{fmt(r.get('paper_speedup'), '.0f')}{'×' if r.get('paper_speedup') else ''}",
          r["forward_note"]) for r in rs))  # fmt: skip
 
 

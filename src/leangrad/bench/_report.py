@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,15 +12,12 @@ from typing import Any
 
 from .. import _errors as errors
 from .._sizes import MiB, fmt_bytes
-from ._records import BAD_JSON as BAD_JSON  # moved to _records (#28), kept here
-from ._records import NOT_A_DIRECTORY as NOT_A_DIRECTORY
-from ._records import UNREADABLE as UNREADABLE
 from ._records import at_threads, extra_threads, load_records, scan_records
 from ._reproduction import reproduction_section
 
-__all__ = ["at_threads", "by_series", "extra_threads", "fmt_bytes", "load_records", "md_table",
-           "pyplot", "render_report", "save_figure", "save_series_figure", "series_png",
-           "sweep_section"]  # fmt: skip
+__all__ = ["at_threads", "by_series", "extra_threads", "fmt", "fmt_bytes", "line_figure",
+           "load_records", "md_table", "mib", "pyplot", "render_report", "save_figure",
+           "save_series_figure", "series_png", "sweep_section"]  # fmt: skip
 
 
 def md_table(header: tuple[str, ...], rows: Iterable[Iterable[Any]]) -> list[str]:
@@ -70,8 +68,54 @@ def save_figure(fig: Any, path: Any) -> None:
     plt.close(fig)
 
 
-def _fmt(v: float | None, spec: str) -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+MISSING = "—"
+"""What a formatted cell prints for a missing (``None``) or NaN value."""
+
+
+def line_figure(path: Path, rs: list[dict[str, Any]], *, x: tuple[str, str],
+                ys: list[tuple[str, str]], title: str, by: str = "engine") -> bool:  # fmt: skip
+    """``path``: one panel per ``(key, axis label)`` of ``ys`` against ``x`` (a key and its
+    label), one line (and colour, the same in every panel) per value of ``by`` in record
+    order, ``title`` wrapped above; ``False`` (nothing written) without matplotlib."""
+    try:
+        plt = pyplot()
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(ys), figsize=(6.4 * len(ys), 4.2), squeeze=False)
+    for ax, (y, ylabel) in zip(axes[0], ys, strict=True):
+        for i, label in enumerate(dict.fromkeys(r[by] for r in rs)):
+            pts = [(r[x[0]], r[y]) for r in rs if r[by] == label and r.get(y) is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker=".", label=label, color=f"C{i % 10}")
+        ax.set_xlabel(x[1])
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(title, 72 * len(ys)), fontsize=10)
+    save_figure(fig, path)
+    return True
+
+
+def fmt(v: Any, spec: str) -> str:
+    """``v`` in a report's format ``spec``; :data:`MISSING` for ``None`` or NaN.
+
+    ``spec`` is a format spec (``".3f"``), a template with one ``{}`` field
+    (``"{:.2f}×"``), ``"bytes"`` (:func:`fmt_bytes`), ``"mib"`` (MiB, two decimals) or
+    ``"gib"`` (MiB below 1 GiB, GiB above, three significant digits)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return MISSING
+    if spec == "bytes":
+        return fmt_bytes(v)
+    if spec == "mib":
+        return mib(v)
+    if spec == "gib":
+        return fmt_bytes(v) if v < 2**30 else f"{v / 2**30:.3g} GiB"
+    return spec.format(v) if "{" in spec else format(v, spec)
+
+
+def mib(n: float | None) -> str:
+    """Bytes as MiB with two decimals (:data:`MISSING` for ``None``): fixed-point columns."""
+    return fmt_bytes(n, spec=".2f")
 
 
 NO_RESULTS = (
@@ -84,10 +128,7 @@ MISSING_FIELD = (
 )
 
 def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     sweep = recs[0].get("sweep", "x")
@@ -133,10 +174,7 @@ def _plot_series(suite: str, series: str, recs: list[dict[str, Any]], path: Path
         axes[2].yaxis.set_minor_formatter(NullFormatter())
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{suite} — {series}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _growth(recs: list[dict[str, Any]], key: str) -> str:
@@ -153,11 +191,7 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def _plot_training(suite: str, series: str, recs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [("train_loss", "train loss", False), ("train_acc", "accuracy", False)]
     if any(r.get("grad_max_rel_err") is not None for r in recs):
         panels.append(("grad_max_rel_err", "max rel. grad error vs float64 oracle", True))
@@ -187,10 +221,7 @@ def _plot_training(suite: str, series: str, recs: list[dict[str, Any]], path: Pa
     axes[0][0].legend(fontsize=8)
     axes[0][1].legend(fontsize=7)
     fig.suptitle(f"{suite} — {series}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _training_section(
@@ -200,9 +231,9 @@ def _training_section(
     sweep = recs[0].get("sweep", "x")
     lines = [f"### {series}", "", f"`{json.dumps(recs[0].get('config', {}))}`", ""]
     if plots:
-        png = Path("plots") / f"{suite}-{series}.png"
-        _plot_training(suite, series, recs, directory / png)
-        lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+        path, shown = series_png(suite, series, directory)
+        _plot_training(suite, series, recs, path)
+        lines += shown
     lines += [
         f"| engine | last {sweep} | train loss | train acc | test acc | max rel err "
         "| max rel err (max over run) | cosine | failed |",
@@ -217,11 +248,11 @@ def _training_section(
         fin = max(measured, key=lambda r: r["x"]) if measured else last
         errs = [r["grad_max_rel_err"] for r in rs if r.get("grad_max_rel_err") is not None]
         lines.append(
-            f"| {line} | {fin['x']} | {_fmt(fin.get('train_loss'), '.4f')} "
-            f"| {_fmt(fin.get('train_acc'), '.3f')} | {_fmt(fin.get('test_acc'), '.3f')} "
-            f"| {_fmt(fin.get('grad_max_rel_err'), '.2e')} "
-            f"| {_fmt(max(errs) if errs else None, '.2e')} "
-            f"| {_fmt(fin.get('grad_cosine'), '.8f')} | {last.get('failed') or ''} |"
+            f"| {line} | {fin['x']} | {fmt(fin.get('train_loss'), '.4f')} "
+            f"| {fmt(fin.get('train_acc'), '.3f')} | {fmt(fin.get('test_acc'), '.3f')} "
+            f"| {fmt(fin.get('grad_max_rel_err'), '.2e')} "
+            f"| {fmt(max(errs) if errs else None, '.2e')} "
+            f"| {fmt(fin.get('grad_cosine'), '.8f')} | {last.get('failed') or ''} |"
         )
     lines.append("")
     return lines
@@ -235,9 +266,9 @@ def sweep_section(
     cfg = {k: v for k, v in recs[0]["config"].items() if k != recs[0].get("sweep")}
     lines += [f"### {series}", "", f"`{json.dumps(cfg)}`", ""]
     if plots:
-        png = Path("plots") / f"{suite}-{series}.png"
-        _plot_series(suite, series, recs, directory / png)
-        lines += [f"![{suite} {series}]({png.as_posix()})", ""]
+        path, shown = series_png(suite, series, directory)
+        _plot_series(suite, series, recs, path)
+        lines += shown
     extra = extra_threads(recs)
     first = recs[0].get("threads", 1)
     more = "".join(f" | time ratio ({n} thr)" for n in extra)
@@ -259,19 +290,19 @@ def sweep_section(
             rss += " ⚠"
         est = " (estimate)" if r.get("estimate") else ""
         secs = (
-            f"{_fmt(r.get('seconds_median'), '.4f')} "
-            f"[{_fmt(r.get('seconds_min'), '.4f')}–{_fmt(r.get('seconds_max'), '.4f')}]"
+            f"{fmt(r.get('seconds_median'), '.4f')} "
+            f"[{fmt(r.get('seconds_min'), '.4f')}–{fmt(r.get('seconds_max'), '.4f')}]"
         )
         lines.append(
             f"| {r['engine']} | {r['x']} | {r.get('num_params', '—')} "
             f"| {fmt_bytes(r.get('peak_bytes'))}{est} "
             f"| {fmt_bytes(r.get('peak_bytes_prealloc'))} "
             f"| {fmt_bytes(r.get('saved_bytes'))} | {rss} "
-            f"| {_fmt(r.get('time_ratio'), '.2f')} "
-            + "".join(f"| {_fmt(at_threads(r, n, 'time_ratio'), '.2f')} " for n in extra)
+            f"| {fmt(r.get('time_ratio'), '.2f')} "
+            + "".join(f"| {fmt(at_threads(r, n, 'time_ratio'), '.2f')} " for n in extra)
             + f"| {secs} "
-            f"| {_fmt(r.get('grad_max_rel_err'), '.2e')} "
-            f"| {_fmt(r.get('grad_cosine'), '.6f')} |"
+            f"| {fmt(r.get('grad_max_rel_err'), '.2e')} "
+            f"| {fmt(r.get('grad_cosine'), '.6f')} |"
         )
     lines += ["", "Growth from the smallest to the largest sweep value:", ""]
     engines = sorted({r["engine"] for r in recs})

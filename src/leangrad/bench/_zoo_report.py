@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _errors as errors
-from ._report import fmt_bytes, load_records
+from ._report import fmt, load_records
 
 __all__ = [
     "LEANGRAD_SIDES",
@@ -30,15 +30,6 @@ NO_ZOO = (
 LEANGRAD_SIDES = ("leangrad", "plan")
 PYTORCH_SIDES = ("pytorch", "compile")
 _ORDER = {"reference": 0, "leangrad": 1, "plan": 2, "pytorch": 3, "compile": 4}
-
-
-def _fmt(v: float | None, spec: str) -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def _bytes(n: float | None) -> str:
-    """MiB below 1 GiB, GiB above (three significant digits); ``—`` for missing."""
-    return fmt_bytes(n) if n is None or n < 2**30 else f"{n / 2**30:.3g} GiB"
 
 
 def _measured(r: dict[str, Any]) -> bool:
@@ -105,16 +96,18 @@ def _cell(r: dict[str, Any] | None) -> str:
 def _batch_cell(r: dict[str, Any] | None) -> str:
     """``96 (method)``; ``≥128`` where the search stopped at its cap, ``40–47`` where it
     bracketed the boundary; ``—`` for none."""
-    if r is None:
-        return "—"
+    return "—" if r is None else f"{_batch_range(r)} ({_how(r)})"
+
+
+def _batch_range(r: dict[str, Any]) -> str:
+    """A record's max batch: ``≥128`` where the search stopped at its cap, ``40–47`` where
+    a search to within 1/relative bracketed the boundary, else the batch."""
     b, fails = r["max_batch"], r.get("max_batch_fails")
     if r.get("max_batch_capped"):
-        n = f"≥{b}"
-    elif r.get("max_batch_relative") and fails is not None and fails - 1 > b:
-        n = f"{b}–{fails - 1}"
-    else:
-        n = str(b)
-    return f"{n} ({_how(r)})"
+        return f"≥{b}"
+    if r.get("max_batch_relative") and fails is not None and fails - 1 > b:
+        return f"{b}–{fails - 1}"
+    return str(b)
 
 
 def headline_table(
@@ -162,7 +155,7 @@ def headline_table(
             ),
             None,
         )
-        row = f"| {series} | {_bytes(bp['peak_bytes']) if bp else '—'} |"
+        row = f"| {series} | {fmt(bp['peak_bytes'], 'gib') if bp else '—'} |"
         for f in fractions:
             row += (
                 f" {_cell(best_within(records, series, LEANGRAD_SIDES, f))} |"
@@ -246,10 +239,7 @@ def _batch(r: dict[str, Any]) -> str:
     if r.get("max_batch") is None:
         return "—"
     how = {"estimate": "est.", "tracker": "tracker"}.get(r.get("max_batch_method") or "", "")
-    b, fails = r["max_batch"], r.get("max_batch_fails")
-    if r.get("max_batch_relative") and fails is not None and fails - 1 > b:
-        return f"{b}–{fails - 1} ({how})"  # a search to within 1/relative: the bracket
-    return f"{'≥' if r.get('max_batch_capped') else ''}{b} ({how})"
+    return f"{_batch_range(r)} ({how})"
 
 
 def _model_table(series: str, rs: list[dict[str, Any]]) -> list[str]:
@@ -276,10 +266,10 @@ def _model_table(series: str, rs: list[dict[str, Any]]) -> list[str]:
         check = r.get("estimate_vs_tracker_at_measured_size", r.get("estimate_vs_tracker"))
         lines.append(
             f"| {how} | {r['side']} | {'yes' if r.get('exact') else 'no'} "
-            f"| {_bytes(r.get('peak_bytes'))} | {r['peak_ratio']:.3f} "
-            f"| {_bytes(r.get('kept_bytes'))} | {_bytes(r.get('rss_peak_bytes'))} "
-            f"| {_fmt(r.get('time_ratio'), '.2f')} | {_fmt(r.get('grad_max_rel_err'), '.1e')} "
-            f"| {_fmt(r.get('grad_cosine'), '.6f')} | {_batch(r)} | {_fmt(check, '.3f')} |"
+            f"| {fmt(r.get('peak_bytes'), 'gib')} | {r['peak_ratio']:.3f} "
+            f"| {fmt(r.get('kept_bytes'), 'gib')} | {fmt(r.get('rss_peak_bytes'), 'gib')} "
+            f"| {fmt(r.get('time_ratio'), '.2f')} | {fmt(r.get('grad_max_rel_err'), '.1e')} "
+            f"| {fmt(r.get('grad_cosine'), '.6f')} | {_batch(r)} | {fmt(check, '.3f')} |"
         )
     lines.append("")
     for key, title in (("failed", "Failed"), ("skipped", "Skipped")):
