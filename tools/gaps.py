@@ -61,7 +61,10 @@ def _row_rad() -> dict[str, float]:
 
     import leangrad
     from leangrad import data, rad
-    from leangrad.bench._rad import rad_model
+    try:  # the registry's RAD networks
+        from leangrad.bench._models import rad_network as rad_model
+    except ImportError:  # an older checkout: the RAD suites' own name
+        from leangrad.bench._rad import rad_model
     from leangrad.measure import MemoryTracker
 
     train = data.load("mnist5k").split(0.8, seed=0)[0]
@@ -240,7 +243,16 @@ def _row_highway() -> dict[str, float]:
     import torch
 
     import leangrad
-    from leangrad.bench._highway import _lm_loss, _TorchLM, char_lm
+    try:  # the paper models' own module
+        from leangrad.bench._highway_paper import TorchLM as _TorchLM
+        from leangrad.bench._highway_paper import char_lm
+        from leangrad.bench._highway_paper import lm_loss as _lm_loss
+    except ImportError:  # an older checkout: the highway suites' names
+        from leangrad.bench._highway import (
+            _lm_loss,
+            _TorchLM,
+            char_lm,
+        )
 
     out = {}
     for cell in ("gru", "lstm"):

@@ -71,8 +71,8 @@ from torch import nn
 
 from . import _errors as errors
 from ._plan_choice import Choice, choose, raced_note
-from ._plan_io import CHOSEN, Candidate, Plan, Progress, fingerprint
-from ._plan_measure import Context, Measured, Tried, measure, not_run, revisit, too_big
+from ._plan_io import CHOSEN, Candidate, Measured, Plan, Progress, fingerprint
+from ._plan_measure import Context, Tried, measure, not_run, revisit, too_big
 from ._plan_measure import key as row_key
 from ._plan_measure import stepwise_on_fake as fake_is_stepwise
 from ._sizes import fmt_bytes, free_bytes

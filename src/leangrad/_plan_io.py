@@ -32,8 +32,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import _errors as errors
+from ._plan_choice import Choice
 from ._plan_compile import COMPILE_NAME, Compiled
-from ._plan_measure import Measured
+from ._plan_measure import Tried
 from ._sizes import fmt_bytes
 from ._version import __version__
 from .engines import Engine
@@ -44,6 +45,7 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "Candidate",
+    "Measured",
     "Plan",
     "Progress",
     "check_made_for",
@@ -150,6 +152,30 @@ class Candidate:
     compile_seconds: float | None = None
     tie_break: str | None = None
     engine: Engine | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a plan measured, kept with it so that a plan of the same step at another budget
+    (``plan(reuse=)``) takes each candidate's peak and warm engine instead of stepping it
+    again: a peak does not depend on the budget, only a verdict does
+    (:func:`leangrad._plan_measure.revisit`)."""
+
+    model: nn.Module
+    """The model stepped: the user's, or the plan's copy where an optimizer steps it."""
+    xs: tuple[torch.Tensor, ...]
+    setting: tuple[Any, ...]
+    """What else decides the rows: exactness, optimizer, autocast, candidates, compile."""
+    rows: dict[str, list[Tried]]
+    """Each candidate's rows (one, or two with an optimizer), by
+    :func:`leangrad._plan_measure.key`."""
+    of: nn.Module
+    """The user's model the plan was asked for."""
+    budget: int = 0
+    choice: Choice | None = None
+    """What the plan's timing decided (a :class:`leangrad._plan_choice.Choice`): at a
+    lower budget every row that fits fitted this plan's budget too, so where its fastest
+    still fits, it is the fastest there."""
 
 
 @dataclasses.dataclass(frozen=True)

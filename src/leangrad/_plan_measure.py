@@ -67,7 +67,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,12 +78,9 @@ from .engines import Engine, engine
 from .engines._time_chunks import fused_recurrent
 from .measure import estimate_step, profile_step
 
-if TYPE_CHECKING:
-    from ._plan_choice import Choice  # which imports this module
-
 __all__ = [
     "BEATEN", "BEATEN_BECAUSE", "COSTLY_FROM", "ESTIMATED", "ESTIMATE_MARGIN", "FAILED",
-    "FIRST_STEP_MARGIN", "PER_LAYER", "Context", "Measured", "Tried", "failed_verdict", "key",
+    "FIRST_STEP_MARGIN", "PER_LAYER", "Context", "Tried", "failed_verdict", "key",
     "measure", "not_run", "revisit", "stepwise_on_fake", "too_big",
 ]
 
@@ -242,28 +239,6 @@ class Tried:
     @property
     def fits(self) -> bool:
         return self.peak is not None and self.verdict.startswith("fits")
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    """What a plan measured, kept with it so that a plan of the same step at another budget
-    (``plan(reuse=)``) takes each candidate's peak and warm engine instead of stepping it
-    again: a peak does not depend on the budget, only a verdict does (:func:`revisit`)."""
-
-    model: nn.Module
-    """The model stepped: the user's, or the plan's copy where an optimizer steps it."""
-    xs: tuple[torch.Tensor, ...]
-    setting: tuple[Any, ...]
-    """What else decides the rows: exactness, optimizer, autocast, candidates, compile."""
-    rows: dict[str, list[Tried]]
-    """Each candidate's rows (one, or two with an optimizer), by :func:`key`."""
-    of: nn.Module
-    """The user's model the plan was asked for."""
-    budget: int = 0
-    choice: Choice | None = None
-    """What the plan's timing decided (a :class:`leangrad._plan_choice.Choice`): at a
-    lower budget every row that fits fitted this plan's budget too, so where its fastest
-    still fits, it is the fastest there."""
 
 
 def key(name: str, options: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from leangrad import hf
 from leangrad._errors import UnknownNameError
-from leangrad.bench import _models, _plan_peers, _rad, _workloads, _zoo_methods
+from leangrad.bench import _models, _plan_peers, _workloads
 from leangrad.bench._models import HF_MODELS, MODELS, Workload, build, fad_batch, rad_network
 from leangrad.loss import PerExample
 
@@ -99,8 +99,7 @@ def test_unknown_name_lists_the_registry() -> None:
 
 
 def test_the_old_entry_points_are_the_registry() -> None:
-    assert _zoo_methods.build is build and _zoo_methods.Workload is Workload
-    assert _zoo_methods.HF_MODELS is HF_MODELS and _workloads.Workload is Workload
+    assert _workloads.Workload is Workload
     config = {"model": "revnet", "size": 8, "blocks": 2, "batch": 4, "dtype": "float64"}
     assert _same(_workloads.build(config), build("revnet", config))
     wl = build("blocks_gpt", GPT)
@@ -151,9 +150,8 @@ def test_suite_files_keep_their_model_keys() -> None:
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "irnn"])
 def test_rad_networks_are_the_old_rad_model_seeded(kind: str) -> None:
     """``rad_<kind>`` at ``seed`` is the RAD suites' old ``torch.manual_seed(seed)`` then
-    ``rad_model(kind)``: the same parameter names (the ``layer_mse`` keys) and values, and
+    ``rad_network(kind)``: the same parameter names (the ``layer_mse`` keys) and values, and
     the global generator left where that left it."""
-    assert _rad.rad_model is rad_network
     wl = build(f"rad_{kind}", {"side": 8, "seed": 3}, batch=2)
     after = torch.rand(3)
     torch.manual_seed(3)

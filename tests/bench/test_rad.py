@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from leangrad.bench import _rad, _rad_paper
+from leangrad.bench._models import rad_network
 from leangrad.bench._suites import RunSettings, load_suite
 
 
@@ -116,7 +117,7 @@ def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> No
 
         train = data.load("digits").split(0.8, seed=0)[0]
         torch.manual_seed(0)
-        base = _rad.rad_model("mlp", side=8)
+        base = rad_network("mlp", side=8)
         model = copy.deepcopy(base)
         rad.randomize(model, fraction=0.1, seed=1)
         x, y = train.x[: b - 1], train.y[: b - 1]

@@ -15,6 +15,7 @@ from torch import nn
 
 from leangrad import data
 from leangrad.bench import _rad
+from leangrad.bench._models import rad_network
 from leangrad.bench._suites import RunSettings, Suite, load_suite
 from leangrad.measure import estimator_stats
 
@@ -42,7 +43,7 @@ def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torc
 def test_fraction_one_without_replacement_is_backprop_bit_for_bit(kind: str) -> None:
     """The suite's models at MNIST size, float32, batch 150: every gradient torch.equal."""
     torch.manual_seed(0)
-    base = _rad.rad_model(kind)
+    base = rad_network(kind)
     x, y = torch.rand(150, 1, 28, 28), torch.randint(10, (150,))
     ref = _grads(copy.deepcopy(base), x, y)
     got = _grads(_rad.randomized(base, 1.0, "different", 1, replace=False), x, y)
@@ -60,7 +61,7 @@ def test_fraction_point_two_is_unbiased(kind: str) -> None:
     weights and batch: the mean over 400 draws matches backprop's gradient (z-test above);
     the same test rejects a reference 5% off."""
     torch.manual_seed(4)
-    base = _rad.rad_model(kind, side=8).double()
+    base = rad_network(kind, side=8).double()
     x, y = torch.rand(16, 1, 8, 8, dtype=torch.float64), torch.randint(10, (16,))
     ref = _grads(copy.deepcopy(base), x, y)
     model = _rad.randomized(base, 0.2, "different", 5)

@@ -78,7 +78,6 @@ __all__ = ["KIND", "STEP_KIND", "run_convergence", "run_rnn", "run_train", "run_
 
 KIND = "highway-transformer"
 STEP_KIND = "highway-transformer-step"
-_lm_loss, _TorchLM = lm_loss, TorchLM  # the names tools/gaps.py imports from here
 
 
 def _base(kind: str, **fields: Any) -> dict[str, Any]:

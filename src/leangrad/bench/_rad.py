@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from .. import data, rad
 from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, grads_of, num_threads, saved_tensor_bytes
-from ._models import build, rad_network
+from ._models import build
 from ._report import by_series, md_table, pyplot, save_series_figure
 from ._runner import new_record
 from ._search import bisect_last_fit
@@ -55,18 +55,13 @@ from ._training import _evaluate
 __all__ = [
     "BAND", "BAND_KEYS", "BAND_NOTE", "BASELINE", "SAVED_NOTE", "LaneConfig", "Replicate",
     "SeedStart", "TrainRun", "band_records", "bands", "final_bands", "fmt_band",
-    "fraction_one_check", "full_gradient", "memory_of", "plot_band", "rad_model",
+    "fraction_one_check", "full_gradient", "memory_of", "plot_band",
     "randomized", "render", "replicates", "run_convergence", "run_fractions", "run_variance",
     "series_sections", "squared_errors", "train_suite",
 ]  # fmt: skip
 
 BASELINE = "baseline"
 """Label of the backprop lane (no RAD) at the suite's batch."""
-
-
-rad_model = rad_network
-"""The RAD suites' networks by kind, from the global generator as the caller seeded it (the
-registry's; the suites build ``rad_<kind>`` of :mod:`._models`, seeded)."""
 
 
 def _network(kind: str, side: int, seed: int, device: str) -> nn.Module:

@@ -43,6 +43,7 @@ from .. import data
 from .._sizes import fmt_bytes
 from ..measure import MemoryTracker, run_rss_worker, time_across_threads
 from ..measure._rss import measure_rss
+from ._models import rad_network
 from ._rad import (
     SAVED_NOTE,
     _load,
@@ -54,7 +55,6 @@ from ._rad import (
     full_gradient,
     memory_of,
     plot_band,
-    rad_model,
     randomized,
     series_sections,
     squared_errors,
@@ -190,7 +190,7 @@ def official_mlp(path: str, fraction: float) -> nn.Module:
 
 def peer_model(row: str, base: nn.Module, fraction: float, *, official: str | None,
                seed: int = 0, mode: str = "different") -> nn.Module:  # fmt: skip
-    """Row ``row`` of :data:`ROWS` on ``base`` (``rad_model("mlp")`` for the official row): a
+    """Row ``row`` of :data:`ROWS` on ``base`` (``rad_network("mlp")`` for the official row): a
     copy sharing nothing, randomized as the row says (``rad`` rows in ``mode``); the official
     network gets ``base``'s weights."""
     if row != "official":
@@ -259,7 +259,7 @@ def _peer_rows(suite: Suite, quick: bool, train: data.Dataset,
     repeats = int(suite.setting("repeats", quick, 20))
     official = os.environ.get(OFFICIAL_ENV) or None
     torch.manual_seed(seed)
-    base = rad_model("mlp", side=train.x.shape[-1])
+    base = rad_network("mlp", side=train.x.shape[-1])
     full = full_gradient(base, train)
     x, y = train.x[:batch], train.y[:batch]
     rows = [r for r in ROWS if r != "official" or official is not None]
@@ -318,7 +318,7 @@ def _crossover(kind: str, fraction: float, mode: str, at: int, largest: int,
     """The smallest batch ``<= largest`` where RAD's tracker peak is below backprop's
     (``None``: none), found by bisection from ``at``; both peaks and RSS there."""
     torch.manual_seed(seed)
-    base = rad_model(kind, side=train.x.shape[-1])
+    base = rad_network(kind, side=train.x.shape[-1])
     model = randomized(base, fraction, mode, seed + 1)
     peaks: dict[int, tuple[int, int]] = {}
 
@@ -353,7 +353,7 @@ def main() -> None:
     train = _load(p.get("dataset", "mnist5k"), p["seed"])[0]
     x, y = train.x[: p["batch"]], train.y[: p["batch"]]
     torch.manual_seed(p["seed"])
-    base = rad_model(p.get("model", "mlp"), side=train.x.shape[-1])
+    base = rad_network(p.get("model", "mlp"), side=train.x.shape[-1])
     model = peer_model(p["row"], base, p["fraction"], official=p.get("official"),
                        seed=p["seed"] + 1, mode=p.get("mode", "different"))  # fmt: skip
     step = _step(model, x, y)

@@ -20,7 +20,7 @@ PyTorch's side (each marks the end of its forward phase, so its kept bytes are m
   ``torch checkpoint(rnn)`` around the whole recurrent module, and ``torch time
   chunks(k)``: the sequence cut into ``k`` chunks run one after another with the state
   carried, each but the last under ``torch.utils.checkpoint``;
-- Hugging Face models (:data:`HF_MODELS`, opt-in, from :mod:`leangrad.hf`):
+- Hugging Face models (:data:`leangrad.bench._models.HF_MODELS`, opt-in, from :mod:`leangrad.hf`):
   ``hf_checkpointing``, the library's own one-liner (transformers'
   ``model.gradient_checkpointing_enable()``, diffusers' ``enable_gradient_checkpointing()``)
   then plain backprop; per-block and selective checkpointing are not written out for
@@ -64,19 +64,16 @@ from ..engines import available, engine, engine_class
 from ..engines._transforms import TRANSFORMS, AccumulateTransform, batch_coupling
 from ..loss import PerExample
 from ..measure import FORWARD_END, mark
-from ._models import HF_MODELS, Inputs, LossFn, Workload, build, gpt_parts, resnet_parts
+from ._models import Inputs, LossFn, gpt_parts, resnet_parts
 from ._plan_peers import peers
 
 __all__ = [
     "ACCUMULATE_ENGINES",
     "HF_CHECKPOINTING",
-    "HF_MODELS",
     "NOT_PER_EXAMPLE",
     "TOO_FEW_EXAMPLES",
     "Method",
     "Skipped",
-    "Workload",
-    "build",
     "call",
     "leangrad_methods",
     "pytorch_methods",
