@@ -21,14 +21,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from tqdm.auto import tqdm
 
 from .. import engine
 from ..measure import MemoryTracker, compare_grads, time_interleaved
 from ..measure._timer import num_threads
 from ._models import Inputs, Parts, Workload, build
-from ._plan_peers import SUITE_MODELS
+from ._plan_peers import SUITE_MODELS, peers
 from ._report import fmt_bytes
 from ._runner import new_record
 from ._suites import RunSettings, Suite
@@ -39,9 +38,11 @@ Step = Callable[[], None]
 
 
 def _methods(wl: Workload, parts: Parts, segments: list[int]) -> dict[str, Step]:
+    """Backprop on the model as written, leangrad's checkpoint on it, and the plan suite's
+    hand-written PyTorch recipes over its stem, blocks and head (:func:`peers`)."""
     model, inp, loss_fn = wl.model, wl.inputs, wl.loss_fn
-    stem, blocks, head = parts
     eng = engine("checkpoint")
+    hand = peers(parts, loss_fn, segments, optimizer=None)
 
     def backprop() -> None:
         loss_fn(model(inp)).backward()
@@ -49,25 +50,8 @@ def _methods(wl: Workload, parts: Parts, segments: list[int]) -> dict[str, Step]
     def ours() -> None:
         eng.backward(model, inp, loss_fn)
 
-    def per_block() -> None:
-        h = stem()
-        for i, b in enumerate(blocks):
-            h = b(h) if i == len(blocks) - 1 else checkpoint(b, h, use_reentrant=False)
-        loss_fn(head(h)).backward()
-
-    seq = nn.Sequential(*blocks)
-
-    def sequential(s: int) -> Step:
-        def step() -> None:
-            h = checkpoint_sequential(seq, s, stem(), use_reentrant=False)
-            loss_fn(head(h)).backward()
-
-        return step
-
-    out: dict[str, Step] = {"backprop": backprop, "leangrad checkpoint": ours,
-                            "torch per-block": per_block}  # fmt: skip
-    out.update({f"checkpoint_sequential({s})": sequential(s) for s in segments})
-    return out
+    return {"backprop": backprop, "leangrad checkpoint": ours,
+            **{n: s for n, s in hand.items() if n != "backprop" and n != "torch selective"}}
 
 
 def _peak(model: nn.Module, inp: Inputs, step: Step) -> int:
