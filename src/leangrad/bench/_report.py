@@ -99,18 +99,13 @@ def line_figure(path: Path, rs: list[dict[str, Any]], *, x: tuple[str, str],
 def fmt(v: Any, spec: str) -> str:
     """``v`` in a report's format ``spec``; :data:`MISSING` for ``None`` or NaN.
 
-    ``spec`` is a format spec (``".3f"``), a template with one ``{}`` field
-    (``"{:.2f}×"``), ``"bytes"`` (:func:`fmt_bytes`), ``"mib"`` (MiB, two decimals) or
-    ``"gib"`` (MiB below 1 GiB, GiB above, three significant digits)."""
+    ``spec`` is a format spec (``".3f"``) or ``"gib"`` (MiB below 1 GiB, GiB above, three
+    significant digits)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return MISSING
-    if spec == "bytes":
-        return fmt_bytes(v)
-    if spec == "mib":
-        return mib(v)
     if spec == "gib":
         return fmt_bytes(v) if v < 2**30 else f"{v / 2**30:.3g} GiB"
-    return spec.format(v) if "{" in spec else format(v, spec)
+    return format(v, spec)
 
 
 def mib(n: float | None) -> str:
