@@ -16,10 +16,11 @@ import torch
 
 import leangrad
 import leangrad._plan as planner
-from leangrad._plan import _offered, beaters_first
+from leangrad._plan import MORE_PIECES, PIECES, _offered, beaters_first, coarser
 from leangrad._plan_measure import BEATEN, BEATEN_BECAUSE
+from leangrad.engines._base import PlanOffer
 from leangrad.engines._blocks import blocks
-from leangrad.engines._checkpoint_plan import BN_PASSES, MICRO_BATCHED
+from leangrad.engines._checkpoint_plan import BN_EVERY, BN_PASSES, MICRO_BATCHED
 from leangrad.engines._fragments_bn import is_bn_only
 from leangrad.measure import Timing
 
@@ -50,10 +51,13 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
     the same step with less recomputation: the same parts and checkpointing of fewer blocks
     or in one level, or no checkpointing at all (time chunks beside the same step without
     them), every other option (fragments, ``trace=True``: other ways of running the work)
-    equal. Two other kinds say why: blocks recomputed in k fragments of the batch, beaten by
-    as many micro-batches alone (:data:`MICRO_BATCHED`), and, where every block holds a
-    BatchNorm, one block more in fragments, beaten by one fewer (:data:`BN_PASSES`)."""
-    seen = micro = bn = 0
+    equal. Other kinds say why: blocks recomputed in k fragments of the batch, beaten by
+    as many micro-batches alone (:data:`MICRO_BATCHED`); where every block holds a
+    BatchNorm, one block more in fragments, beaten by one fewer (:data:`BN_PASSES`), and
+    every block in k fragments, beaten by the stem and blocks with the largest few in k
+    (:data:`BN_EVERY`); and the same step in fewer pieces (:func:`coarser`), measured
+    first too."""
+    seen = micro = bn = every = pieces = 0
     for per_ex in (False, True):
         torch.manual_seed(0)
         model = MODELS[name]()
@@ -90,12 +94,47 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
                 if "checkpoint" in theirs:  # the same checkpointing, of less
                     more, less = _work(model, offer.options), _work(model, by[1])
                     assert more[0] >= less[0] and more[1] >= less[1] and more != less
+            for n, o, why in offer.beaten_because:
+                every += 1
+                assert (n, o) in keys and why == BN_EVERY
+                assert order.index((n, o)) < order.index((offer.name, offer.options))
+                found = blocks(model)
+                assert all(is_bn_only([found.modules[b]]) for b in found.names)
+                assert offer.name == n == "checkpoint" and set(offer.options) == {"fragments"}
+                assert o["fragments"] == offer.options["fragments"] and "fragment_blocks" in o
+            for c in coarser(offer, offers):
+                pieces += 1
+                assert order.index((c.name, c.options)) < order.index((offer.name, offer.options))
+    if name.startswith("zoo_"):
+        assert pieces, name  # every zoo model has fragments, time chunks or micro-batches
     if name.startswith("zoo_"):
         assert seen, name  # every zoo model has beaten offers
     if name in ("zoo_gpt", "zoo_lstm", "zoo_unet"):
         assert micro, name  # their fragments, under a loss declared per example
     if name == "zoo_resnet":
-        assert bn, name  # BatchNorm in every block
+        assert bn and every, name  # BatchNorm in every block
+
+
+def test_the_same_step_in_fewer_pieces_is_coarser() -> None:
+    """:func:`coarser`: the same engine and options but fewer fragments, time chunks or
+    micro-batches (each piece option set in both, none more); not another engine, other
+    options, a piece option set in one only, or more pieces."""
+    def offer(name: str, **options: Any) -> PlanOffer:
+        return PlanOffer(name, options)
+
+    ca = "checkpoint+accumulate"
+    offers = [offer("checkpoint", fragments=2), offer("checkpoint", fragments=8),
+              offer("checkpoint", fragments=4, levels=2), offer("checkpoint"),
+              offer("accumulate", micro_batches=2), offer(ca, time_chunks=4, micro_batches=2),
+              offer(ca, time_chunks=16, micro_batches=2), offer(ca, time_chunks=4, micro_batches=8),
+              offer(ca, time_chunks=16, micro_batches=8)]  # fmt: skip
+    got = {repr(o): [repr(c) for c in coarser(o, offers)] for o in offers}
+    assert got[repr(offers[1])] == [repr(offers[0])]  # 8 fragments: 2
+    assert got[repr(offers[0])] == [] and got[repr(offers[2])] == [] == got[repr(offers[3])]
+    assert got[repr(offers[4])] == []  # no other engine's micro-batches
+    assert got[repr(offers[6])] == [repr(offers[5])] == got[repr(offers[7])]
+    assert got[repr(offers[8])] == [repr(o) for o in offers[5:8]]
+    assert set(PIECES) == {"fragments", "time_chunks", "micro_batches"}
 
 
 def _flat(seconds: float = 1.0) -> Callable[..., dict[str, Timing]]:
@@ -162,7 +201,8 @@ def test_time_chunks_are_not_run_beside_the_same_step_that_fits(
 ) -> None:  # fmt: skip
     """On an LSTM LM at a budget backprop fits, every time-chunked row is beaten and never
     stepped: ``checkpoint(time_chunks=k)`` by backprop, and time chunks under m
-    micro-batches by ``accumulate(micro_batches=m)`` (which fits where backprop does)."""
+    micro-batches by ``accumulate(micro_batches=m)`` (which fits where backprop does), or,
+    where that one is in more pieces than 2 micro-batches, which fit, by those."""
     torch.manual_seed(0)
     model = MODELS["zoo_lstm"]()
     idx = torch.randint(0, 32, (8, 12))
@@ -175,10 +215,13 @@ def test_time_chunks_are_not_run_beside_the_same_step_that_fits(
     assert len(chunked) == 4 + 2 * 3, chunked  # TIME_CHUNKS, and (4, 16) x micro-batches 2-8
     for label in chunked:
         m = rows[label].options.get("micro_batches")
-        by = "backprop" if m is None else leangrad.engine("accumulate", micro_batches=m).label
-        assert rows[label].verdict == BEATEN.format(by=by), label
+        by = "backprop" if m is None else leangrad.engine("accumulate", micro_batches=2).label
+        want = BEATEN.format(by=by) if m in (None, 2) else BEATEN_BECAUSE.format(
+            by=by, why=MORE_PIECES)  # fmt: skip
+        assert rows[label].verdict == want, label
         assert label not in _real(counted)
     assert rows["backprop"].verdict.startswith(("fits", "chosen"))
+    assert rows["accumulate"].verdict.startswith(("fits", "chosen"))
 
 
 def test_fragments_are_not_run_where_as_many_micro_batches_fit(
@@ -189,7 +232,7 @@ def test_fragments_are_not_run_where_as_many_micro_batches_fit(
     levels, beaten by those) are rows saying why, never stepped, though the fragments are
     offered after the micro-batches are measured; the table keeps the offers' order. Under
     the same loss not declared per example there are no micro-batches, and the fragments
-    are measured as before."""
+    are measured as before: 2 of them, which fit, and so no more."""
     model, idx, _ = tiny_gpt_step()
     tgt = torch.randint(0, 32, idx.shape)
     monkeypatch.setattr(planner, "time_interleaved", _flat())
@@ -204,25 +247,29 @@ def test_fragments_are_not_run_where_as_many_micro_batches_fit(
         leangrad.engine(n, **o).label for n, o in planner.candidates(model, loss_fn=per_ex)]
     fragmented = [lb for lb in rows if "fragments" in lb and "chunked_ce" not in lb]
     assert len(fragmented) >= 3, fragmented  # 2 and 4 fragments, and two levels of 4
-    for label in fragmented:
-        k = rows[label].options["fragments"]
-        by = leangrad.engine("accumulate", micro_batches=k).label
-        assert rows[by].verdict.startswith(("fits", "chosen")), by
-        assert rows[label].verdict == BEATEN_BECAUSE.format(by=by, why=MICRO_BATCHED), label
+    by = leangrad.engine("accumulate", micro_batches=2).label
+    assert rows[by].verdict.startswith(("fits", "chosen")), by
+    for label in fragmented:  # 2 fragments by 2 micro-batches; more, by those, in more pieces
+        why = MICRO_BATCHED if rows[label].options["fragments"] == 2 else MORE_PIECES
+        assert rows[label].verdict == BEATEN_BECAUSE.format(by=by, why=why), label
         assert rows[label].peak_bytes is None and label not in _real(counted)
     counted.clear()
     q = leangrad.plan(model, idx, plain, budget=10**9, repeats=3)
     measured = {c.label for c in q.table if c.peak_bytes is not None}
-    assert set(fragmented) - {"checkpoint(fragments=4,levels=2)"} <= measured & _real(counted)
+    assert "checkpoint(fragments=2)" in measured & _real(counted)  # more pieces: by it
+    more = {c.label: c.verdict for c in q.table if c.options.get("fragments") == 4}
+    assert more and set(more.values()) == {BEATEN_BECAUSE.format(by="checkpoint(fragments=2)",
+                                                                 why=MORE_PIECES)}, more
 
 
 def test_more_batchnorm_blocks_in_fragments_are_not_run_where_fewer_fit(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip
     """On a small ResNet (BatchNorm in every block) at a budget everything fits, the stem
-    and blocks with only the largest block in fragments fits, so two and three blocks in
-    fragments (each fragmented BatchNorm block recomputed once per pass) are rows saying
-    why, never stepped."""
+    and blocks with only the largest block in 4 fragments fits, so two and three blocks in
+    fragments (each fragmented BatchNorm block recomputed once per pass) and every block in
+    4 fragments are rows saying why, never stepped; so are the same in 8 fragments, the
+    same steps in more pieces."""
     torch.manual_seed(0)
     model = leangrad.zoo.resnet(10, width=4)
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
@@ -233,25 +280,30 @@ def test_more_batchnorm_blocks_in_fragments_are_not_run_where_fewer_fit(
     fewest = {c.options["fragments"]: c.label for c in p.table
               if c.options.get("fragment_blocks") == 1}  # fmt: skip
     assert set(fewest) == {4, 8}
+    by = fewest[4]
+    assert rows[by].verdict.startswith(("fits", "chosen")) and by in _real(counted)
     more = [c.label for c in p.table if c.options.get("fragment_blocks", 1) > 1]
     assert len(more) == 4, more
-    for label in more:
-        by = fewest[rows[label].options["fragments"]]
-        assert rows[by].verdict.startswith(("fits", "chosen")) and by in _real(counted)
-        assert rows[label].verdict == BEATEN_BECAUSE.format(by=by, why=BN_PASSES), label
+    every = [c.label for c in p.table if c.options == {"fragments": 4}]
+    assert every == ["checkpoint(fragments=4)"]
+    for label in [*more, fewest[8], *every]:
+        k, n = rows[label].options["fragments"], rows[label].options.get("fragment_blocks")
+        why = (MORE_PIECES if k == 8 else BN_EVERY if n is None else BN_PASSES)
+        assert rows[label].verdict == BEATEN_BECAUSE.format(by=by, why=why), label
         assert rows[label].peak_bytes is None and label not in _real(counted)
 
 
-def test_more_fragments_of_the_same_step_are_not_timed_at_about_the_same_peak(
-    monkeypatch: pytest.MonkeyPatch,
+def test_the_same_step_in_more_pieces_is_not_run_where_fewer_fit(
+    monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip
-    """On the small ResNet at a budget everything fits, a row with more fragments than a
-    fitting row of the same step (:attr:`~leangrad.engines._base.PlanOffer.coarser`) is
-    timed only where its peak is more than :data:`~leangrad._plan.FINER_GAIN` lower; else
-    its row fits, says which coarser row it stays near, and no round times it."""
+    """On an LSTM LM under a loss declared per example, at a budget backprop fits: 2
+    micro-batches fit, so 4 and 8 are rows saying so (:data:`MORE_PIECES`), never stepped
+    nor timed; with ``engines=`` naming them, each is run."""
     torch.manual_seed(0)
-    model = leangrad.zoo.resnet(10, width=4)
-    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    model = MODELS["zoo_lstm"]()
+    idx = torch.randint(0, 32, (8, 12))
+    loss_fn = leangrad.loss.per_example(
+        lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()), idx)
     timed: collections.Counter[str] = collections.Counter()
     flat = _flat()
 
@@ -260,25 +312,14 @@ def test_more_fragments_of_the_same_step_are_not_timed_at_about_the_same_peak(
         return flat(fns, **kw)
 
     monkeypatch.setattr(planner, "time_interleaved", timer)
-    p = leangrad.plan(model, x, lambda out: torch.nn.functional.cross_entropy(out, y),
-                      budget=10**9, repeats=3)  # fmt: skip
+    p = leangrad.plan(model, idx, loss_fn, budget=10**9, repeats=3)
     rows = {c.label: c for c in p.table}
-    offers = {c.name + repr(c.options): c for c in _offered(model, exact=True, loss_fn=None)}
-    left_out = 0
-    for c in p.table:
-        offer = offers[c.name + repr(c.options)]
-        near = [rows[leangrad.engine(n, **o).label] for n, o in offer.coarser]
-        near = [r for r in near if r.verdict in ("fits", "chosen") or r.verdict.startswith(
-            "chosen")]  # fmt: skip
-        if c.peak_bytes is None or not c.verdict.startswith(("fits", "chosen")) or not near:
-            continue
-        close = [r for r in near if c.peak_bytes >= (1 - planner.FINER_GAIN) * r.peak_bytes]  # type: ignore[operator]
-        if close:
-            left_out += 1
-            assert c.verdict.startswith("fits; not timed: "), c.label
-            assert any(c.verdict == "fits; " + planner.SAME_IN_MORE_PIECES.format(by=r.label)
-                       for r in close), c.verdict  # fmt: skip
-            assert c.seconds is None and timed[c.label] == 0
-        else:
-            assert timed[c.label] > 0, c.label
-    assert left_out >= 1
+    two = leangrad.engine("accumulate", micro_batches=2).label
+    assert rows[two].verdict.startswith(("fits", "chosen")) and timed[two] > 0
+    for k in (4, 8):
+        label = leangrad.engine("accumulate", micro_batches=k).label
+        assert rows[label].verdict == BEATEN_BECAUSE.format(by=two, why=MORE_PIECES)
+        assert label not in _real(counted) and timed[label] == 0
+    named = [("accumulate", {"micro_batches": k}) for k in (2, 4, 8)]
+    q = leangrad.plan(model, idx, loss_fn, budget=10**9, repeats=3, engines=named)
+    assert all(c.peak_bytes is not None and c.seconds is not None for c in q.table)

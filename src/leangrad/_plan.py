@@ -37,9 +37,11 @@ beaters are measured first: :func:`beaters_first`)
 full-size BERT at ½, 9 of 17 fitting rows. Of the 20 such pairs timed in two full-size
 BERT plans and a U-Net plan, the one doing more was 1-33% slower in 19 and 1.8% faster
 in one, within noise; a row within 5% of its beater could win the tie-break by its lower
-peak, and now is not offered the chance) — and one whose first step fits is
-not run twice (:mod:`leangrad._plan_measure`); a row with more fragments of the same step
-than a fitting row is not timed where its peak is less than :data:`FINER_GAIN` lower; the
+peak, and now is not offered the chance), nor the same step in more pieces where it fits in
+fewer (more fragments, time chunks or micro-batches: :data:`MORE_PIECES` says why), nor,
+on a CNN with BatchNorm in every block, every block in fragments where the largest few in
+as many fit (:data:`leangrad.engines._checkpoint_plan.BN_EVERY`) — and one whose first
+step fits is not run twice (:mod:`leangrad._plan_measure`); the
 timing's first round is a race, one
 round for all and the rest only for those not far behind
 (:data:`leangrad._plan_choice.RACE`); the second round keeps the first round's rounds of
@@ -112,20 +114,37 @@ NOT_REUSABLE = (
 )
 BACKPROP = "backprop"
 """The reference a compiled row's time is scaled from (timed beside the candidates)."""
-FINER_GAIN = 0.02
-"""A fitting row with more fragments than another fitting row of the same step
-(:attr:`~leangrad.engines._base.PlanOffer.coarser`) is timed only where its peak is lower
-by more than this fraction (:data:`SAME_IN_MORE_PIECES`)."""
-SAME_IN_MORE_PIECES = ("not timed: {by} fits at a peak at most 2% higher and runs the same "
-                       "work in fewer pieces")
-"""The verdict's note on a row :data:`FINER_GAIN` leaves out of the timing. The same blocks
-in more fragments of the batch do the same arithmetic in smaller pieces: slower where
-launches and small kernels cost (on the full-size Llama, 8 fragments over 4 at the same
-176-177 MiB: 1.06-1.08× in two plans), about as fast on the CPU's convolutions (the full-size
-ResNet-18's ``fragment_blocks=2, 3`` at 8 fragments over 4, 1-2 MiB lower: 0.89-1.01×,
-10 pairs, within the timing's tie, where the lower peak had decided). Timing such a row
-cost the ResNet's plan about two minutes: its own rounds and a second round beside its
-twin (``results/issue31/plan-wall-estimates.txt``)."""
+PIECES = ("fragments", "time_chunks", "micro_batches")
+"""Options that cut one step's work into pieces: blocks recomputed in fragments of the
+batch, a fused RNN checkpointed in time chunks, gradient accumulation's micro-batches."""
+MORE_PIECES = ("runs the same work or less in fewer pieces (more fragments, time chunks or "
+               "micro-batches of one step: 0.91-1.62× its time, median 1.01×, in 177 pairs "
+               "timed by full-size plans)")
+"""Why an offer is not run where the same step in fewer :data:`PIECES` fits
+(:func:`coarser`; "or less" where the one that fits beats that step in turn): it runs the
+same arithmetic in smaller pieces, so it can only lower the peak, and the plan asks for
+the fastest step that fits, a lower peak deciding only between steps within the timing's
+5% tie. Over every such pair that full-size plans at ½ had timed
+(``results/issue31/plan-wall-*.txt``: GPT, BERT, ViT, Llama, ResNet-18, LSTM and GRU LMs;
+fragments, time chunks and micro-batches), the row in more pieces took 0.91-1.62× the
+time of the row in fewer (median 1.01×, 10th percentile 0.96×; 7 of 177 below 0.95×, the
+lowest the LSTM LM's 16 time chunks over 8: 0.91-0.96× in three plans, 0.99× in three
+others). Until then such a row was stepped and timed, and lost, or won a tie by its lower
+peak. With ``engines=`` every row is run."""
+
+
+def coarser(offer: PlanOffer, offers: Sequence[PlanOffer]) -> list[PlanOffer]:
+    """The ``offers`` that are ``offer`` in fewer pieces (:data:`MORE_PIECES`): the same
+    engine and options but :data:`PIECES`, each of those set in both, none more, one
+    fewer."""
+    mine = {k: v for k, v in offer.options.items() if k in PIECES}
+
+    def rest(o: PlanOffer) -> dict[str, Any]:
+        return {k: v for k, v in o.options.items() if k not in PIECES}
+
+    return [o for o in offers if mine and o.name == offer.name and o.options != offer.options
+            and o.options.keys() == offer.options.keys() and rest(o) == rest(offer)
+            and all(o.options[k] <= v for k, v in mine.items())]  # fmt: skip
 
 
 def candidates(model: nn.Module, *, exact: bool = True,
@@ -156,13 +175,28 @@ def _offered(model: nn.Module, *, exact: bool,
     return sorted(offers, key=lambda o: o.order)  # stable
 
 
-def beaters_first(offers: Sequence[PlanOffer]) -> list[PlanOffer]:
-    """``offers`` in their order, but each after the offers that beat it
-    (:attr:`~leangrad.engines._base.PlanOffer.beaten_by`): the planner must know whether
-    those fit before it decides to run this one. Micro-batches beat fragments of the batch
-    and come later in the offers' order (``accumulate(micro_batches=k)`` is measured before
-    ``checkpoint(fragments=k)``); the table keeps the offers' order."""
+def beaters(offers: Sequence[PlanOffer], *, pieces: bool = True,
+            ) -> dict[str, list[tuple[str, str | None]]]:  # fmt: skip
+    """Each offer's key -> the keys of the offers that beat it, each with why (``None``: a
+    strict part of its work): its :attr:`~leangrad.engines._base.PlanOffer.beaten_by`,
+    its ``beaten_because`` and, with ``pieces``, the same step in fewer pieces
+    (:func:`coarser`)."""
+    return {row_key(o.name, o.options): [
+        *((row_key(*b), o.beaten_why) for b in o.beaten_by),
+        *((row_key(n, opts), why) for n, opts, why in o.beaten_because),
+        *((row_key(c.name, c.options), MORE_PIECES)
+          for c in (coarser(o, offers) if pieces else ())),
+    ] for o in offers}  # fmt: skip
+
+
+def beaters_first(offers: Sequence[PlanOffer], *, pieces: bool = True) -> list[PlanOffer]:
+    """``offers`` in their order, but each after the offers that beat it (:func:`beaters`):
+    the planner must know whether those fit before it decides to run this one.
+    Micro-batches beat fragments of the batch and come later in the offers' order
+    (``accumulate(micro_batches=k)`` is measured before ``checkpoint(fragments=k)``); the
+    table keeps the offers' order."""
     by_key = {row_key(o.name, o.options): o for o in offers}
+    beat = beaters(offers, pieces=pieces)
     out: list[PlanOffer] = []
     placed: set[str] = set()
 
@@ -170,9 +204,9 @@ def beaters_first(offers: Sequence[PlanOffer]) -> list[PlanOffer]:
         k = row_key(o.name, o.options)
         if k in placed or k in path:  # done, or a cycle (none is offered): as offered
             return
-        for b in o.beaten_by:
-            if (bk := row_key(*b)) in by_key:
-                place(by_key[bk], path | {k})
+        for b, _ in beat[k]:
+            if b in by_key:
+                place(by_key[b], path | {k})
         placed.add(k)
         out.append(o)
 
@@ -365,15 +399,16 @@ def _plan(
         return len(rows[key])
 
     # a candidate's key -> the fitting row that beats what it beats, and why where that row
-    # is not a strict part of the work (PlanOffer.beaten_why, along the chain)
+    # is not a strict part of the work (along the chain, else the link's own: beaters())
     winners: dict[str, tuple[str, str | None]] = {}
+    beat = beaters(first, pieces=engines is None)
 
     def candidate(c: PlanOffer) -> None:  # the bar advances per candidate
         k = row_key(c.name, c.options)
-        won = next((winners[b] for b in (row_key(*b) for b in c.beaten_by) if b in winners),
-                   None)  # fmt: skip
+        won = next(((winners[b][0], winners[b][1] or why) for b, why in beat.get(k, [])
+                    if b in winners), None)  # fmt: skip
         if won is not None:
-            by, why = won[0], won[1] or c.beaten_why
+            by, why = won
             take(k, lambda: not_run(c.name, c.options, ctx, tried, by=by, why=why))
             winners[k] = (by, why)
         elif take(k, lambda: measure([(c.name, c.options)], ctx, tried)) and all(
@@ -381,7 +416,7 @@ def _plan(
             winners[k] = (rows[k][0].label, None)
         shown.advance()
 
-    for c in beaters_first(first):
+    for c in beaters_first(first, pieces=engines is None):
         candidate(c)
     tried[:] = [t for k in dict.fromkeys(row_key(c.name, c.options) for c in first)
                 for t in rows[k]]  # the offers' order (least recomputation first) again
@@ -396,9 +431,6 @@ def _plan(
         for _ in range(take(COMPILED, lambda: measure_compiled(
                 ctx, tried, repeats=repeats, autocast=autocast is not None))):  # fmt: skip
             shown.advance()
-    finer = _finer(first, rows)
-    tried[:] = [t if t.label not in finer else dataclasses.replace(
-        t, verdict=f"fits; {SAME_IN_MORE_PIECES.format(by=finer[t.label])}") for t in tried]
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     scaled = {t.label: t.time_ratio for t in tried if t.fits and t.time_ratio is not None}
     choice = Choice(None, {})
@@ -433,20 +465,6 @@ def _plan(
     measured = Measured(model, xs, setting, rows, of=user_model, budget=budget, choice=choice)
     return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
                                made_for=made_for, measured=measured)  # fmt: skip
-
-
-def _finer(offers: Sequence[PlanOffer], rows: dict[str, list[Tried]]) -> dict[str, str]:
-    """Each fitting row left out of the timing (:data:`FINER_GAIN`) -> the label of the
-    fitting row with fewer fragments it stays near (itself timed), per optimizer kind."""
-    out: dict[str, str] = {}
-    for c in offers:
-        for b in c.coarser:
-            for t, u in zip(rows.get(row_key(c.name, c.options), []), rows.get(row_key(*b), []),
-                            strict=False):  # fmt: skip
-                if (t.verdict == u.verdict == "fits" and t.peak is not None and u.peak is not None
-                        and u.label not in out and t.peak >= (1 - FINER_GAIN) * u.peak):
-                    out.setdefault(t.label, u.label)
-    return out
 
 
 def _still(choice: Choice, here: set[str]) -> Choice:

@@ -111,11 +111,11 @@ class PlanOffer(NamedTuple):
     beaten_why: str | None = None
     """Why ``beaten_by`` cannot be slower where they are not a strict part of its work
     (completes "``<offer>`` fits and ..." in the row's verdict); ``None``: they are."""
-    coarser: tuple[tuple[str, dict[str, Any]], ...] = ()
-    """``(name, options)`` of offers that run the same work in fewer pieces (the same blocks
-    in fewer fragments of the batch). Where one of those fits at a peak this one's is not
-    lower than by :data:`leangrad._plan.FINER_GAIN`, this one is not timed
-    (:data:`leangrad._plan.SAME_IN_MORE_PIECES` says why)."""
+    beaten_because: tuple[tuple[str, dict[str, Any], str], ...] = ()
+    """``(name, options, why)`` of offers that beat this one for a reason of their own
+    (completing "``<offer>`` fits and ..." as ``beaten_why`` does), beside ``beaten_by``.
+    The planner adds one more kind itself: the same step in fewer pieces
+    (:data:`leangrad._plan.MORE_PIECES`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ._fragments import split_reason
 from ._fragments_bn import is_bn_only
 from ._time_chunks import fused_recurrent
 
-__all__ = ["BN_PASSES", "FRAGMENTS", "LARGEST_BLOCKS", "MICRO_BATCHED", "TIME_CHUNKS",
+__all__ = ["BN_EVERY", "BN_PASSES", "FRAGMENTS", "LARGEST_BLOCKS", "MICRO_BATCHED", "TIME_CHUNKS",
            "TWO_LEVEL_BLOCKS", "all_but_last", "block_offers", "fragment_offers",
            "stage_modules", "stem_modules", "time_chunk_offers"]  # fmt: skip
 
@@ -71,29 +71,31 @@ by side in four full-size ResNet-18 plans, ``fragment_blocks=3`` over ``2`` was 
 (1 MiB lower) had chosen it."""
 
 
+BN_EVERY = ("fragments only the few largest blocks, where this fragments every block and each "
+            "block with BatchNorm in fragments is recomputed once per pass over them (1.20-1.35× "
+            "this step's time, full-size ResNet-18)")
+"""Why ``checkpoint(fragments=k)`` (every block in fragments) is beaten by a CNN's stem and
+blocks with only its ``fragment_blocks=n`` largest blocks in ``k`` fragments, where every
+block holds a training-mode BatchNorm (:attr:`~leangrad.engines._base.PlanOffer.
+beaten_because`): :data:`BN_PASSES` for every block past the few largest, against one
+recomputation of the stem. Timed side by side in nine full-size ResNet-18 plans, the
+every-block row over a ``fragment_blocks`` row of the same count was 1.20-1.35× (29 pairs,
+median 1.29; ``results/issue31/plan-wall-*``), and it was never chosen."""
+
+
 def _offers(items: list[Item], beaten: dict[int, list[Item]] | None = None,
-            why: dict[int, str] | None = None) -> Offers:  # fmt: skip
+            why: dict[int, str] | None = None,
+            because: dict[int, list[tuple[str, dict[str, Any], str]]] | None = None,
+            ) -> Offers:  # fmt: skip
     """``items`` as offers; ``beaten``: item index -> the offers that beat it
     (:attr:`~leangrad.engines._base.PlanOffer.beaten_by`; one not offered beats nothing),
-    ``why``: item index -> why, where they are not a strict part of its work. Each item
-    with fragments is :attr:`~leangrad.engines._base.PlanOffer.coarser` than the items
-    that differ from it only in more fragments."""
-    by, because = beaten or {}, why or {}
+    ``why``: item index -> why, where they are not a strict part of its work;
+    ``because``: item index -> :attr:`~leangrad.engines._base.PlanOffer.beaten_because`."""
+    by, said, also = beaten or {}, why or {}, because or {}
     return [PlanOffer(name, options, PlanOrder.BLOCKS,
                       tuple(b for j, b in enumerate(by.get(i, [])) if b not in by[i][:j]),
-                      because.get(i), _coarser((name, options), items))
+                      said.get(i), tuple(also.get(i, ())))
             for i, (name, options) in enumerate(items)]  # fmt: skip
-
-
-def _coarser(item: Item, items: list[Item]) -> tuple[Item, ...]:
-    """The ``items`` that are ``item`` with fewer fragments of the batch, nothing else
-    differently."""
-    name, options = item
-    k = options.get("fragments")
-    if not isinstance(k, int):
-        return ()
-    return tuple((n, o) for n, o in items if n == name and isinstance(o.get("fragments"), int)
-                 and o["fragments"] < k and o == {**options, "fragments": o["fragments"]})
 
 
 def all_but_last(found: Blocks) -> list[str] | None:
@@ -160,6 +162,8 @@ def fragment_offers(model: nn.Module, found: Blocks,
                                      for i, k in enumerate(ks)}  # fmt: skip
     why = dict.fromkeys(beaten, MICRO_BATCHED)
 
+    because: dict[int, list[tuple[str, dict[str, Any], str]]] = {}
+
     def add(item: Item, *by: Item) -> None:  # ``by``: offers that beat it (earlier ones)
         beaten[len(out)] = list(by)
         out.append(item)
@@ -176,12 +180,15 @@ def fragment_offers(model: nn.Module, found: Blocks,
         if not stage_modules(model, found):  # a U-Net's stages are offered below
             # where a few blocks at high resolution hold most activations (a ResNet's first
             # stage): only the largest in fragments (fewest first), the others whole
-            # with BatchNorm in every block, each beaten by one block fewer in fragments
+            # with BatchNorm in every block, each beaten by one block fewer in fragments,
+            # and every block in as many fragments beaten by each (BN_EVERY)
             bn = all(is_bn_only([found.modules[n]]) for n in found.names)
             for k in ks[1:]:
                 for i, n in enumerate(LARGEST_BLOCKS):
                     item: Item = ("checkpoint", {"blocks": every, "fragments": k,
                                                  "fragment_blocks": n})  # fmt: skip
+                    if bn:
+                        because.setdefault(ks.index(k), []).append((*item, BN_EVERY))
                     if bn and i:
                         why[len(out)] = BN_PASSES
                         fewer = {**item[1], "fragment_blocks": LARGEST_BLOCKS[i - 1]}
@@ -210,7 +217,7 @@ def fragment_offers(model: nn.Module, found: Blocks,
         if len(every) >= TWO_LEVEL_BLOCKS:
             add(("checkpoint", {"levels": 2, "blocks": every, "fragments": ks[-1]}),
                 ("checkpoint", {"blocks": every, "fragments": ks[-1]}))  # fmt: skip
-    return _offers(out, beaten, why)
+    return _offers(out, beaten, why, because)
 
 
 def stage_modules(model: nn.Module, found: Blocks) -> list[str]:
