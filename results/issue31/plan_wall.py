@@ -1,13 +1,14 @@
 """Wall time of leangrad.plan on a full-size zoo model at a fraction of backprop's peak (1 thread).
 
-Usage: python plan_wall.py REPO [FRACTION] [--model NAME] [--log] [--steps] [--vs-backprop]
+Usage: python plan_wall.py REPO [FRACTION] [--model NAME] [--log] [--steps] [--vs-backprop] [--compile]
 (default llama at 0.5; --log prints the progress timestamps: where the wall time went;
 --steps counts Engine.backward calls (nested ones included) and their seconds per phase,
 peak measurements or timing, and the fake-tensor estimates, and prints each engine's
 outermost real steps in order: phase and seconds (a peak measurement's tracked step against
 its timed rounds);
 --vs-backprop then times the chosen engine beside backprop, 3 interleaved rounds after a
-warm-up, for its time ratio)."""
+warm-up, for its time ratio;
+--compile plans with compile=True: torch.compile rows, each compiled cold in a worker process)."""
 import collections
 import json
 import sys
@@ -74,7 +75,8 @@ def progress(what: str) -> None:
     log.append((round(time.perf_counter() - t0, 1), what))
 
 
-p = leangrad.plan(w.model, w.inputs, w.loss_fn, budget=budget, exact=True, progress=progress)
+p = leangrad.plan(w.model, w.inputs, w.loss_fn, budget=budget, exact=True, progress=progress,
+                  compile="--compile" in args)
 wall = time.perf_counter() - t0
 chosen = p.chosen
 print(json.dumps({"model": name, "fraction": frac, "wall_s": round(wall, 1),
