@@ -20,7 +20,7 @@ from leangrad._plan import MORE_PIECES, PIECES, _offered, beaters_first, coarser
 from leangrad._plan_measure import BEATEN, BEATEN_BECAUSE
 from leangrad.engines._base import PlanOffer
 from leangrad.engines._blocks import blocks
-from leangrad.engines._checkpoint_plan import BN_EVERY, BN_PASSES, MICRO_BATCHED
+from leangrad.engines._checkpoint_plan import BN_EVERY, BN_PASSES, MICRO_BATCHED, TRACED
 from leangrad.engines._fragments_bn import is_bn_only
 from leangrad.measure import Timing
 
@@ -55,9 +55,10 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
     as many micro-batches alone (:data:`MICRO_BATCHED`); where every block holds a
     BatchNorm, one block more in fragments, beaten by one fewer (:data:`BN_PASSES`), and
     every block in k fragments, beaten by the stem and blocks with the largest few in k
-    (:data:`BN_EVERY`); and the same step in fewer pieces (:func:`coarser`), measured
+    (:data:`BN_EVERY`); every block as fx code, beaten by plain checkpointing of as many
+    or fewer (:data:`TRACED`); and the same step in fewer pieces (:func:`coarser`), measured
     first too."""
-    seen = micro = bn = every = pieces = 0
+    seen = micro = bn = every = pieces = traced = 0
     for per_ex in (False, True):
         torch.manual_seed(0)
         model = MODELS[name]()
@@ -95,9 +96,14 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
                     more, less = _work(model, offer.options), _work(model, by[1])
                     assert more[0] >= less[0] and more[1] >= less[1] and more != less
             for n, o, why in offer.beaten_because:
-                every += 1
-                assert (n, o) in keys and why == BN_EVERY
+                assert (n, o) in keys and why in (BN_EVERY, TRACED)
                 assert order.index((n, o)) < order.index((offer.name, offer.options))
+                if why == TRACED:  # every block traced, by a plain checkpoint of as many or fewer
+                    traced += 1
+                    assert (offer.name, offer.options) == ("checkpoint", {"trace": True})
+                    assert n == "checkpoint" and "trace" not in o and set(o) <= {"blocks"}
+                    continue
+                every += 1
                 found = blocks(model)
                 assert all(is_bn_only([found.modules[b]]) for b in found.names)
                 assert offer.name == n == "checkpoint" and set(offer.options) == {"fragments"}
@@ -107,6 +113,8 @@ def test_what_beats_an_offer_is_measured_first_and_only_recomputes_less(name: st
                 assert order.index((c.name, c.options)) < order.index((offer.name, offer.options))
     if name.startswith("zoo_"):
         assert pieces, name  # every zoo model has fragments, time chunks or micro-batches
+    if name == "zoo_gpt":
+        assert traced, name  # a model run as written: its blocks as fx code
     if name.startswith("zoo_"):
         assert seen, name  # every zoo model has beaten offers
     if name in ("zoo_gpt", "zoo_lstm", "zoo_unet"):
@@ -156,8 +164,8 @@ def test_more_blocks_are_not_run_where_fewer_fit(
 ) -> None:  # fmt: skip
     """At 1 MB on the tiny GPT (blocks.0 1.23 MB, blocks.0-1 948 kB, checkpoint 770 kB):
     blocks.0-1 fits, so blocks.0-2, every block (``checkpoint()``) and every block in two
-    levels are rows saying so, never stepped; ``trace=True`` (another mechanism) and the
-    fragments are measured as before."""
+    levels are rows saying so, never stepped, and so is ``trace=True`` (every block as fx
+    code: :data:`TRACED`); the fragments are measured as before."""
     model, idx, loss_fn = tiny_gpt_step()
     monkeypatch.setattr(planner, "time_interleaved", _flat())
     p = leangrad.plan(model, idx, loss_fn, budget=1_000_000, repeats=3)
@@ -167,8 +175,10 @@ def test_more_blocks_are_not_run_where_fewer_fit(
         assert rows[label].verdict == BEATEN.format(by=B2), label
         assert rows[label].peak_bytes is None and rows[label].seconds is None
         assert label not in _real(counted)
-    assert {"checkpoint(trace=True)", "checkpoint(fragments=2)"} <= _real(counted)
-    assert rows["checkpoint(trace=True)"].peak_bytes is not None
+    # every block traced: beaten by the plain row of fewer blocks that fits (TRACED)
+    assert rows["checkpoint(trace=True)"].verdict == BEATEN_BECAUSE.format(by=B2, why=TRACED)
+    assert "checkpoint(trace=True)" not in _real(counted)
+    assert "checkpoint(fragments=2)" in _real(counted)
 
 
 def test_they_are_run_where_fewer_do_not_fit_and_a_reusing_plan_runs_them(

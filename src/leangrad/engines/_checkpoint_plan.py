@@ -23,7 +23,7 @@ from ._fragments_bn import is_bn_only
 from ._time_chunks import fused_recurrent
 
 __all__ = ["BN_EVERY", "BN_PASSES", "FRAGMENTS", "LARGEST_BLOCKS", "MICRO_BATCHED", "TIME_CHUNKS",
-           "TWO_LEVEL_BLOCKS", "all_but_last", "block_offers", "fragment_offers",
+           "TRACED", "TWO_LEVEL_BLOCKS", "all_but_last", "block_offers", "fragment_offers",
            "stage_modules", "stem_modules", "time_chunk_offers"]  # fmt: skip
 
 FRAGMENTS = (2, 4, 8)
@@ -81,6 +81,18 @@ beaten_because`): :data:`BN_PASSES` for every block past the few largest, agains
 recomputation of the stem. Timed side by side in nine full-size ResNet-18 plans, the
 every-block row over a ``fragment_blocks`` row of the same count was 1.20-1.35× (29 pairs,
 median 1.29; ``results/issue31/plan-wall-*``), and it was never chosen."""
+
+
+TRACED = ("recomputes a strict part of its blocks without tracing them (every block as fx code "
+          "took 0.96-1.16× the time of the fastest plain checkpointing of fewer blocks, median "
+          "1.065×, in 29 full-size plans)")
+"""Why ``checkpoint(trace=True)`` (every block recomputed as fx code, its intermediates freed
+at their last use) is beaten by plain checkpointing of the same or fewer blocks
+(:attr:`~leangrad.engines._base.PlanOffer.beaten_because`): the trace can only lower the
+peak, and it recomputes every block. Timed beside the fastest plain row of fewer blocks in
+29 full-size plans at ½ (GPT, BERT, ViT, U-Net; ``results/issue31/plan-wall-*.txt``), it
+took 0.96-1.16× its time (median 1.065×), and it was never chosen; its lower peak (on the
+GPT 282 MiB against 435 MiB) is what a budget those rows miss needs, and there it is run."""
 
 
 def _offers(items: list[Item], beaten: dict[int, list[Item]] | None = None,
@@ -142,8 +154,11 @@ def block_offers(model: nn.Module, found: Blocks,
         # blocks as fx code: intermediates freed at last use (measured: it may not pay).
         # Not offered again with blocks= naming every block found: checkpoint() finds the
         # same blocks (tests/test_plan_candidates.py), so it was the same step measured and
-        # timed twice (a full-size BERT plan: two of its 27 candidates)
+        # timed twice (a full-size BERT plan: two of its 27 candidates). Beaten by every
+        # plain row above (TRACED): each recomputes a strict part of its blocks, untraced
+        because = {len(out): [(n, o, TRACED) for n, o in out if n == "checkpoint"]}
         out += [("checkpoint", {"trace": True})]
+        return _offers(out, beaten, None, because) + fragment_offers(model, found, loss_fn)
     return _offers(out, beaten) + fragment_offers(model, found, loss_fn)
 
 
