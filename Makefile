@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e ".[all]"
 	touch $@
 
+# tools/torchvision_cpu: PyPI's torchvision (a CUDA build) imports beside the CPU torch
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install --quiet -e ".[dev]"
+	$(PY) tools/torchvision_cpu/install.py
 	touch $@
 
 install: $(VENV)/.installed

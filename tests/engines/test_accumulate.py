@@ -238,3 +238,103 @@ def test_plan_offers_time_chunks_inside_micro_batches_and_they_are_exact(cell: s
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(got) == set(ref) and compare_grads(got, ref).max_rel_err <= 1e-10
     assert res.info["micro_batches"] == 3
+
+
+def _padded(batch: int = 5) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The GPT with labels padded per example (-100 past each example's own length), as a
+    Hugging Face collator pads a batch of texts of different lengths."""
+    model, x, _ = _gpt(batch=batch)
+    gen = torch.Generator().manual_seed(2)
+    y = torch.randint(0, 64, (batch, 8), generator=gen)
+    lengths = torch.tensor([8, 2, 5, 1, 7][:batch])
+    y[torch.arange(8) >= lengths[:, None]] = -100
+    return model, x, y
+
+
+def _token_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_mean_over_tokens_weighs_each_micro_batch_by_its_counted_tokens(
+        name: str, k: int) -> None:  # fmt: skip
+    """Padded labels: each micro-batch's mean runs over its own non-ignored tokens, so its
+    share of the batch's mean is its share of those tokens, not of the examples."""
+    model, x, y = _padded()
+    loss_fn = per_example(_token_mean, y, ignore_index=-100)
+    ref_loss, ref = _reference(model, (x,), loss_fn)
+    res = leangrad.engine(name, micro_batches=k).backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-10
+    torch.testing.assert_close(res.loss, ref_loss, rtol=1e-12, atol=0)
+
+
+def test_a_micro_batch_without_a_counted_token_adds_nothing() -> None:
+    model, x, y = _padded()
+    y[1:3] = -100  # micro-batch 1 of 5 x 1 holds no counted token: its own mean is 0/0
+    loss_fn = per_example(_token_mean, y, ignore_index=-100)
+    _, ref = _reference(model, (x,), loss_fn)
+    res = leangrad.engine("accumulate", micro_batches=5).backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-10
+    assert torch.isfinite(res.loss)
+
+
+def test_padded_labels_declared_per_example_only_are_refused_not_weighted_wrongly() -> None:
+    model, x, y = _padded()
+    with pytest.raises(EngineInputError, match=r"-100 .*unequal numbers.*ignore_index=-100"):
+        leangrad.engine("accumulate", micro_batches=2).backward(
+            model, x, per_example(_token_mean, y))  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())  # refused before any micro-batch
+    with pytest.raises(EngineInputError, match=r"one number per example"):
+        per_example(_token_mean, y, counts=torch.ones(3))
+
+
+class _DropPath(nn.Module):
+    """Stochastic depth as timm writes it: a per-example Bernoulli draw in ``forward``, no
+    dropout class anywhere."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class _Residual(nn.Module):
+    def __init__(self, dim: int, p: float, functional: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.drop = _DropPath(p)
+        self.p, self.functional = p, functional
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        h = F.dropout(h, self.p, self.training) if self.functional else self.drop(h)
+        return x + h
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["drop-path", "F.dropout"])
+@pytest.mark.parametrize("name", ENGINES)
+def test_random_draws_are_found_by_watching_not_by_class(name: str, functional: bool) -> None:
+    """Stochastic depth and ``F.dropout`` inside a ``forward`` are refused naming the module
+    (they draw per micro-batch what one forward draws for the whole batch); in eval mode,
+    or with p=0, the same model runs and is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Residual(6, 0.5, functional), _Residual(6, 0.5, functional),
+                          nn.Linear(6, 3)).double()  # fmt: skip
+    x = torch.randn(4, 6, dtype=torch.float64)
+    loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), torch.tensor([0, 1, 2, 0]))
+    where = "'0'" if functional else "'0.drop'"
+    with pytest.raises(EngineInputError, match=rf"{where} draws random numbers .*bernoulli"):
+        leangrad.engine(name, micro_batches=2).backward(model, x, loss_fn)
+    model.eval()
+    _, ref = _reference(model, (x,), loss_fn)
+    leangrad.engine(name, micro_batches=2).backward(model, x, loss_fn)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert compare_grads(got, ref).max_rel_err <= 1e-10

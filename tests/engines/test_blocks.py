@@ -434,3 +434,61 @@ def test_where_the_tree_repeats_nothing_the_fx_graph_is_cut_at_articulation_poin
     model.c.register_forward_hook(lambda *_: None)
     with pytest.raises(E.EngineInputError, match="forward hook"):
         leangrad.engine("checkpoint").backward(model, x, loss_fn)
+
+
+class _Stage(nn.Module):
+    """A stage as timm writes ConvNeXt's and Swin's: a downsample and an ``nn.Sequential``
+    of blocks, in a class of its own."""
+
+    def __init__(self, dim: int, depth: int) -> None:
+        super().__init__()
+        self.downsample = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim))
+        self.blocks = nn.Sequential(*(_Block(dim) for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.downsample(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class _Staged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.stages = nn.Sequential(_Stage(8, 2), _Stage(8, 3))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+def test_blocks_are_found_at_the_finest_repeated_level_through_sequential_stages() -> None:
+    """ConvNeXt's and Swin's stages hold their blocks in an ``nn.Sequential``: the blocks
+    are the units (5 here), not the stages (2), and a Sequential inside a block (its MLP's
+    layers) is no stage."""
+    found = leangrad.blocks(_Staged())
+    assert found.names == ("stages.0.blocks.0", "stages.0.blocks.1", "stages.1.blocks.0",
+                           "stages.1.blocks.1", "stages.1.blocks.2")  # fmt: skip
+
+
+def test_blocks_given_as_a_sequential_expand_to_its_children() -> None:
+    found = leangrad.blocks(_Staged(), names=["stages.0.blocks", "stages.1.blocks"])
+    assert len(found) == 5 and found.names[0] == "stages.0.blocks.0"
+    torch.manual_seed(0)
+    model = _Staged().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    ref(x).square().mean().backward()
+    leangrad.engine("checkpoint", blocks=["stages.0.blocks", "stages.1.blocks"]).backward(
+        model, x, lambda out: out.square().mean())  # fmt: skip
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=TOL, atol=0, msg=n)

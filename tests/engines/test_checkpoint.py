@@ -159,3 +159,50 @@ def test_a_changed_flag_or_mode_is_traced_again() -> None:
 def test_trace_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="trace must be True or False, got 'yes'"):
         leangrad.engine("checkpoint", trace="yes")
+
+
+class _DeepStem(nn.Module):
+    """timm's ResNet-D stem as written: a Sequential of layers with in-place ReLUs (so its
+    layers are found as repeated units, and a lone ReLU(inplace=True) is a block writing its
+    own input), then residual blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4),
+                                   nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1),
+                                   nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                                   nn.Conv2d(4, 4, 3, padding=1))  # fmt: skip
+        self.act = nn.ReLU(inplace=True)
+        self.layers = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.conv1(x))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("options", [{}, {"fragments": 2}])
+def test_a_block_writing_its_input_in_place_runs_on_a_copy_and_stays_exact(
+        options: dict[str, int]) -> None:  # fmt: skip
+    """Checkpointing ``ReLU(inplace=True)`` as a block used to stop the backward ("modified
+    by an inplace operation"): its first call is watched, and it runs on a copy of its
+    input from then on; BatchNorm statistics advance once."""
+    torch.manual_seed(0)
+    model = _DeepStem().double()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 0])
+    start = copy.deepcopy(model.state_dict())
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    for _ in range(2):  # the first call watched, the second on copies
+        model.load_state_dict(start)
+        model.zero_grad(set_to_none=True)
+        res = leangrad.engine("checkpoint", **options).backward(
+            model, x, lambda out: F.cross_entropy(out, y))  # fmt: skip
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=n)
+        for (n, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
+            torch.testing.assert_close(b, c, rtol=1e-12, atol=0, msg=n)
+        assert "conv1.2" in res.info["input_copied"]

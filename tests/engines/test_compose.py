@@ -225,7 +225,25 @@ def test_a_stateless_engine_refuses_a_state_naming_the_fix() -> None:
     with pytest.raises(E.EngineInputError, match=r"keeps no state.*Resume with the engine"):
         leangrad.engine("backprop").load_state_dict({"generators": {}})
     with pytest.raises(E.EngineInputError, match="does not seed; make it with the run's"):
-        leangrad.engine("rad", fraction=0.5).load_state_dict({"generators": {"rad": None}})
+        leangrad.engine("checkpoint+fad").load_state_dict({"generators": {"rad": None}})
+
+
+def test_rad_draws_from_a_generator_of_its_own_and_leaves_the_global_stream_alone() -> None:
+    """Without ``seed=``, rad's samples come from the engine's own stream (seeded from
+    ``torch.initial_seed()``): the global RNG stands where autograd's step leaves it, so
+    every dropout mask after the step is the one ``loss.backward()`` would have drawn."""
+    torch.manual_seed(3)
+    model = _model()
+    x, _ = _data()
+    eng = leangrad.engine("rad", fraction=0.5)
+    before = torch.get_rng_state()
+    eng.backward(model, x, lambda out: out.square().mean())
+    assert torch.equal(torch.get_rng_state(), before)
+    assert "rad" in eng.state_dict()["generators"]  # saved with a training checkpoint
+    torch.manual_seed(3)
+    again = leangrad.engine("rad", fraction=0.5)
+    assert torch.equal(again.state_dict()["generators"]["rad"],
+                       leangrad.engine("rad", fraction=0.5).state_dict()["generators"]["rad"])
 
 
 def test_explain_says_what_each_transform_changed_and_left_alone_and_why() -> None:

@@ -109,8 +109,10 @@ def blocks(model: nn.Module, *, names: Sequence[str] | None = None, graph: bool 
 
     Args:
         model: any module.
-        names: submodule names to use as the blocks (a name of an ``nn.ModuleList`` or
-            ``nn.Sequential`` stands for its children). Overrides the search.
+        names: submodule names to use as the blocks (a name of an ``nn.ModuleList``, or of
+            an ``nn.Sequential`` of repeated blocks such as timm's ``stages.0.blocks``,
+            stands for its children; a Sequential of layers, a stem, is one block).
+            Overrides the search.
         graph: cut the ``torch.fx`` graph where the module tree repeats nothing; with
             ``False`` that case raises instead.
 
@@ -221,7 +223,8 @@ def _given(model: nn.Module, subs: dict[str, nn.Module], names: Sequence[str]) -
                 UNKNOWN_BLOCK.format(name=name, model=type(model).__name__, known=known)
             )
         m = subs[name]
-        if isinstance(m, nn.ModuleList):
+        if isinstance(m, nn.ModuleList) or (isinstance(m, nn.Sequential)
+                                            and _composite_repeats(m)):  # fmt: skip
             out += [f"{name}.{c}" for c, _ in children(m)]
         else:
             out.append(name)
@@ -309,18 +312,35 @@ def _repeated_units(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def _grouping(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """The ``nn.ModuleList`` children of a module that mostly groups them — at least half
-    its parameters are theirs (diffusers' down, mid and up blocks: ``resnets``,
-    ``attentions``, ``downsamplers``) — whose children are then the units; ``None`` for a
-    module that computes itself (a transformer layer, whose experts live deeper)."""
+    """The ``nn.ModuleList`` children, and the ``nn.Sequential`` children that repeat a
+    type, of a module that mostly groups them — at least half its parameters are theirs
+    (diffusers' down, mid and up blocks: ``resnets``, ``attentions``, ``downsamplers``;
+    timm's ConvNeXt and Swin stages: a ``downsample`` and a Sequential of ``blocks``) —
+    whose children are then the units; ``None`` for a module that computes itself (a
+    transformer layer, whose experts live deeper)."""
     lists: list[tuple[str, nn.Module]] = [
-        (n, c) for n, c in children(module) if isinstance(c, nn.ModuleList) and len(c)
+        (n, c) for n, c in children(module)
+        if (isinstance(c, nn.ModuleList) and len(c))
+        or (isinstance(c, nn.Sequential) and _composite_repeats(c))
     ]
     if not lists:
         return None
     total = sum(p.numel() for p in module.parameters())
     inside = sum(p.numel() for _, c in lists for p in c.parameters())
     return lists if total and 2 * inside >= total else None
+
+
+def _composite_repeats(container: nn.Module) -> bool:
+    """Whether ``container`` repeats a type whose modules are blocks with a ``forward`` of
+    their own made of modules (ConvNeXt's ``blocks``), not layers or chains of layers
+    (torchvision's ``Sequential(Conv2dNormActivation, ...)`` inside one block)."""
+    if _repeats(container) is None:
+        return False
+    kind = _most_common_type(container)
+    if issubclass(kind, nn.Sequential | nn.ModuleList):
+        return False
+    return any(next(c.children(), None) is not None
+               for _, c in children(container) if type(c) is kind)  # fmt: skip
 
 
 def _most_common_type(container: nn.Module) -> type:

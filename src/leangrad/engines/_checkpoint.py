@@ -78,6 +78,7 @@ from ._two_level import (
     outer_segments,
 )
 from ._wrapped import DDP, FSDP1, FSDP2, forward_replaced, through_ddp, wrapped_by
+from ._writes import InputWrites
 
 __all__ = ["ALIASED_BLOCKS", "BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint",
            "model_blocks", "split_segments", "trace_block", "traced",
@@ -423,6 +424,7 @@ class Checkpoint(Engine):
         self._auto: PreparedCache[dict[Any, list[range]]] = PreparedCache()
         self._traces: PreparedCache[list[_Traced]] = PreparedCache()
         self._fragmenters: PreparedCache[dict[tuple[int, ...], Fragmenter]] = PreparedCache()
+        self._writes: PreparedCache[dict[tuple[int, ...], InputWrites]] = PreparedCache()
         self._by_position: PreparedCache[list[nn.Module]] = PreparedCache()
         self._cells: PreparedCache[tuple[TwoLevel, list[_Checkpointed]]] = PreparedCache()
         self._in_place: PreparedCache[list[tuple[nn.Module, _InPlace]]] = PreparedCache()
@@ -635,6 +637,10 @@ class Checkpoint(Engine):
                 loss.backward()
             info: dict[str, Any] = {"blocks": len(found),
                                     "checkpointed": len(self.recomputed(found))}  # fmt: skip
+            on_copies = [m.__dict__["block_name"] for m in wrapped.modules()
+                         if isinstance(m, _Checkpointed) and m.__dict__["writes"].last]
+            if on_copies:
+                info["input_copied"] = on_copies  # blocks writing their input in place
             if stats is not None:
                 info.update(levels=2, **stats.info())
             if self.time_chunks is not None:
@@ -665,7 +671,9 @@ class Checkpoint(Engine):
             mods = [b if j in last else traces[j]() for j, b in enumerate(mods)]
 
         frags = self._fragmenters.get(model, lambda _m: {})
+        probes = self._writes.get(model, lambda _m: {})
         whole: dict[str, str] = {}
+        copied: list[str] = []
 
         def run(xs: tuple[torch.Tensor, ...]) -> object:
             # The first block takes the engine's inputs unpacked; every later block
@@ -679,20 +687,32 @@ class Checkpoint(Engine):
                     out = seg(*args)
                     continue
 
-                def plain(*a: Any, seg: _Segment = seg) -> Any:
-                    return checkpoint(seg, *a, use_reentrant=False,
+                names = [found.names[j] for j in group]
+                key = tuple(id(b) for b in seg.blocks)
+                writes = probes.get(key)
+                if writes is None:
+                    writes = probes[key] = InputWrites(seg.blocks)
+                # a segment writing its input in place runs on copies (_writes)
+                run_seg, settle = writes.wrap(seg, args, {})
+
+                def plain(*a: Any, seg: _Segment = seg, run_seg: Any = run_seg) -> Any:
+                    return checkpoint(run_seg, *a, use_reentrant=False,
                                       context_fn=generator_replay(seg.blocks))  # fmt: skip
 
-                names = [found.names[j] for j in group]
                 skip = chosen is not None and not any(chosen.allows(n) for n in names)
                 if self.fragments is None or skip:
                     out = plain(*args)
+                    settle()
+                    if writes.last:
+                        copied.append(",".join(names))
                     continue
-                key = tuple(id(b) for b in seg.blocks)
                 frag = frags.get(key)
                 if frag is None:
                     frag = frags[key] = Fragmenter(seg.blocks, fragments=self.fragments)
-                out = frag(seg, plain, *args)
+                out = frag(run_seg, plain, *args)
+                settle()
+                if writes.last:
+                    copied.append(",".join(names))
                 if frag.last is not None:
                     whole[",".join(found.names[j] for j in group)] = frag.last
             return out
@@ -701,6 +721,8 @@ class Checkpoint(Engine):
         with grad_hooks(params, on_grad):
             loss.backward()
         more: dict[str, Any] = {"whole": whole} if self.fragments is not None else {}
+        if copied:
+            more["input_copied"] = copied  # segments writing their input in place
         if self.fragments is not None:
             more.update(_chosen_info(chosen, whole))
         return self._result(loss, segments=len(groups), **more)
@@ -954,6 +976,7 @@ class _Checkpointed(Wrapper):
                                        else Fragmenter([inner], fragments=fragments))  # fmt: skip
         self.__dict__["two_level"] = two_level
         self.__dict__["block_name"] = name or type(inner).__name__
+        self.__dict__["writes"] = InputWrites([inner])
 
     @property
     def fragmenter(self) -> Fragmenter | None:
@@ -963,7 +986,10 @@ class _Checkpointed(Wrapper):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
-        run = self._traced() if self._traced is not None and not kwargs else self.inner
+        own = self._traced() if self._traced is not None and not kwargs else self.inner
+        # a block writing its input in place runs on copies (_writes)
+        writes: InputWrites = self.__dict__["writes"]
+        run, settle = writes.wrap(own, args, kwargs)
         replay = generator_replay([self.inner])  # layers' own generators, rewound
 
         def plain(*a: Any, **kw: Any) -> Any:
@@ -979,8 +1005,11 @@ class _Checkpointed(Wrapper):
 
         chain: TwoLevel | None = self.__dict__["two_level"]
         if chain is None:
-            return call(*args, **kwargs)
-        return chain.call(self.inner, self.__dict__["block_name"], call, args, kwargs)
+            out = call(*args, **kwargs)
+        else:
+            out = chain.call(self.inner, self.__dict__["block_name"], call, args, kwargs)
+        settle()
+        return out
 
 
 class _InPlace:

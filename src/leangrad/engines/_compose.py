@@ -279,7 +279,7 @@ class Composed(Engine):
 
         step = [t for t in self.transforms if t.scope == "step"]
         for t in step:  # e.g. accumulate: the step as micro-batches
-            run = t.wrap(run, report[t.name]["model"])
+            run = t.wrap(run, report[t.name]["model"], model=model)
         with contextlib.ExitStack() as around:
             for t in step:  # e.g. chunked_ce: a mode around the whole step
                 around.enter_context(t.during(model, report[t.name]["model"]))

@@ -37,7 +37,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from ._contract import graph_nodes, keep_nothing
-from ._coupling import batch_coupling
+from ._coupling import _tolerance, batch_coupling
+from ._draws import Draws
 from ._fragments_bn import (
     BnStats,
     bn_buffers,
@@ -108,14 +109,6 @@ def fragment_edges(rows: int, fragments: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(m)]
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    if dtype == torch.float64:
-        return 1e-9
-    if dtype in (torch.float16, torch.bfloat16):
-        return 2e-2
-    return 1e-4
-
-
 @dataclasses.dataclass
 class _Call:
     """One call of a fragmented block: what to run, how its arguments split, and how its
@@ -133,6 +126,7 @@ class _Call:
     out_dims: tuple[int, ...] = ()  # per output tensor: its batch dimension (the probe's)
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] | None = None  # non-tensor output leaves; tensors: _TENSOR
+    overwritten: frozenset[int] = frozenset()  # BatchNorm calls whose output is written in place
 
     def args(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = [tensors[v.index] if isinstance(v, _Slot) else v for v in self.leaves]
@@ -240,7 +234,8 @@ class _Recompute:
         """Recompute rows ``a:b``: ``(inputs, (output, its gradient) pairs, BatchNorm
         calls)``."""
         call, n = self.call, self.call.n_tensors
-        mode: Any = contextlib.nullcontext() if self.stats is None else frozen_stats(self.stats)
+        mode: Any = contextlib.nullcontext() if self.stats is None else frozen_stats(
+            self.stats, clone=call.overwritten)  # fmt: skip
         with torch.enable_grad(), _autocast(self.autocast), mode:
             part = [_rows(t, call.dim, a, b).detach().requires_grad_(need) if s else w
                     for t, w, s, need in zip(self.inputs, self.whole, call.split,
@@ -350,6 +345,7 @@ class Fragmenter:
             self.modules)  # fmt: skip
         self.static = static_reason(self.modules) if dim else split_reason(self.modules)
         self._probed: dict[Any, tuple[str | None, tuple[int, ...]]] = {}
+        self._overwritten: dict[Any, frozenset[int]] = {}  # BatchNorm calls written in place
         self.last: str | None = self.static
         """Why the last call ran whole (``None``: it ran in fragments)."""
 
@@ -412,14 +408,17 @@ class Fragmenter:
                            t.requires_grad)
                           for t, s in zip(tensors, split, strict=True)), repr(call.spec),
                tuple(repr(v) for v in slots if not isinstance(v, _Slot)),
-               any(is_fake(t) for t in tensors))  # fmt: skip
+               any(is_fake(t) for t in tensors),
+               tuple(m.training for root in self.modules for m in root.modules()))  # fmt: skip
         verdict = self._probed.get(key)
         if verdict is None:
             pair = _differing_rows(tensors, split, dim)
             verdict = self._probe(call, tensors, call.params, pair=pair or 1)
+            self._overwritten[key] = call.overwritten
             if pair is not None:  # all examples equal: this batch cannot show mixing
                 self._probed[key] = verdict
         self.last, call.out_dims = verdict
+        call.overwritten = self._overwritten.get(key, frozenset())
         return self.last
 
     def _probe(self, call: _Call, tensors: list[torch.Tensor], params: list[nn.Parameter], *,
@@ -433,6 +432,11 @@ class Fragmenter:
                    for t, s in zip(tensors, call.split, strict=True)]  # fmt: skip
         buffers = [(n, b) for m in self.modules for n, b in m.named_buffers()]
         saved = [(b, b._version, b.detach().clone()) for _, b in buffers]
+        # arguments passed whole go to every run of the probe as they are: a BatchNorm's
+        # running statistics handed in as arguments (an fx split of a model passes them
+        # so) would advance with each run; they are put back as the buffers are
+        whole = [(t, t.detach().clone()) for t, s in zip(tensors, call.split, strict=True)
+                 if not s and not is_fake(t)]  # fmt: skip
         own = bn_buffers(self.modules) if call.bn else set()  # they advance in the forward
         probe = _Call(fn=call.fn, spec=call.spec, leaves=call.leaves, split=call.split,
                       edges=[(0, 2)], n_tensors=call.n_tensors, dim=call.dim,
@@ -447,7 +451,8 @@ class Fragmenter:
             # block, and the first step's peak was 1.1-1.5x the later ones' on the quick
             # GPT, BERT, ViT and U-Net)
             with torch.random.fork_rng(devices=devices, device_type="cuda"), \
-                    torch.autograd.graph.saved_tensors_hooks(keep_nothing, keep_nothing):
+                    torch.autograd.graph.saved_tensors_hooks(keep_nothing, keep_nothing), \
+                    Draws(self.modules, root_name="the block") as draws:
                 # both examples at once (under BatchNorm: its statistics kept), then each
                 # alone (under BatchNorm: with the two's statistics frozen)
                 capture: Any = capture_stats() if call.bn else contextlib.nullcontext()
@@ -457,11 +462,13 @@ class Fragmenter:
                 def frozen() -> Any:
                     return frozen_stats(capture.stats) if call.bn else contextlib.nullcontext()
 
-                with torch.enable_grad(), frozen():
+                with torch.enable_grad(), frozen() as watched:
                     fresh = [t.detach().requires_grad_(t.requires_grad)
                              for t in probe.piece(tensors, 0, 1)]  # fmt: skip
                     one = probe.run(fresh)
                     outside = _outside_leaves(one, {id(t) for t in fresh}, params)
+                    if call.bn:  # BatchNorm outputs an in-place op overwrote (ReLU(inplace))
+                        call.overwritten = watched.written_in_place()
                 with torch.no_grad(), frozen():
                     other = probe.run(probe.piece(tensors, 1, 2))
         except Exception as err:  # the block cannot run on a piece: run it whole
@@ -473,6 +480,11 @@ class Fragmenter:
             with torch.no_grad():
                 for b, _, value in saved:
                     b.copy_(value)
+                for t, value in whole:  # only what changed: a copy would bump versions
+                    if not torch.equal(t, value):
+                        t.copy_(value)
+        if (drawn := draws.reason(pieces="fragments", option="fragments=")) is not None:
+            return drawn, ()
         if changed:
             return BUFFERS.format(names=", ".join(changed[:3])), ()
         if outside:

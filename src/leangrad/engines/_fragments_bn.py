@@ -125,12 +125,26 @@ class capture_stats(_BatchNormMode):
 class frozen_stats(_BatchNormMode):
     """Run under it, the ``i``-th training-mode ``F.batch_norm`` call normalises with
     ``stats[i]`` (:class:`_FrozenBN`) and updates no running statistic; :attr:`seen` keeps
-    each call's ``(input, output)`` for :func:`gather_sums`."""
+    each call's ``(input, output)`` for :func:`gather_sums`.
 
-    def __init__(self, stats: Sequence[BnStats]) -> None:
+    A BatchNorm whose output the block then overwrites in place (``nn.ReLU(inplace=True)``,
+    timm's ``BatchNormAct2d``) would leave :attr:`seen` holding the activation's output, and
+    the sums would be of the wrong gradient: calls in ``clone`` (found by
+    :meth:`written_in_place` on an earlier run) hand the block a copy, so the output kept
+    stays BatchNorm's — the same bytes the block holds without ``inplace``."""
+
+    def __init__(self, stats: Sequence[BnStats], *, clone: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.stats = stats
+        self.clone = clone
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._versions: list[int] = []
+
+    def written_in_place(self) -> frozenset[int]:
+        """The calls whose output an in-place op has overwritten since it was made."""
+        return frozenset(i for i, ((_, out), v) in enumerate(zip(self.seen, self._versions,
+                                                                 strict=True))
+                         if out._version != v)  # fmt: skip
 
     def batch_norm(self, b: dict[str, Any]) -> torch.Tensor:
         i = len(self.seen)
@@ -142,7 +156,8 @@ class frozen_stats(_BatchNormMode):
         x = b["input"]
         out = _FrozenBN.apply(x, b["weight"], b["bias"], self.stats[i])
         self.seen.append((x, out))
-        return out
+        self._versions.append(out._version)
+        return out.clone() if i in self.clone else out
 
 
 class _FrozenBN(torch.autograd.Function):

@@ -27,6 +27,7 @@ import contextlib
 import copy
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
@@ -36,7 +37,7 @@ from torch import nn
 from .. import _errors as errors
 from ._base import Engine, StepResult
 from ._blocks import blocks as find_blocks
-from ._coupling import BATCH_COUPLED, RANDOM_LAYER, batch_coupling
+from ._coupling import BATCH_COUPLED, RANDOM_LAYER, batch_coupling, watched_coupling
 from ._prepare import Wrapper, share_copy
 from ._signature import untraceable_signature
 
@@ -95,7 +96,7 @@ class Transform(abc.ABC):
         """A step transform's context around the step (``report``: :meth:`inspect`'s)."""
         return contextlib.nullcontext()
 
-    def wrap(self, run: StepRun, report: dict[str, Any]) -> StepRun:
+    def wrap(self, run: StepRun, report: dict[str, Any], *, model: nn.Module) -> StepRun:
         """A step transform's way of running the step: ``run(inputs, loss_fn, on_grad)``
         runs it once, as the base engine does (default: as is)."""
         return run
@@ -113,6 +114,10 @@ class Transform(abc.ABC):
         return out
 
 
+_RAD_STREAM = 0x5EED_4AD
+"""Added to ``torch.initial_seed()`` for ``rad``'s own stream: not the global one's seed."""
+
+
 class RadTransform(Transform):
     """Randomized AD on every supported layer (``leangrad.rad.randomize``).
 
@@ -121,9 +126,10 @@ class RadTransform(Transform):
             (0, 1]; 1 is exact.
         mode: ``"different"`` (per-example samples), ``"same"`` or ``"project"``.
         replace: sample with replacement (the paper) instead of without.
-        seed: seeds one generator owned by the prepared model, so the global RNG stream
-            advances as under autograd; ``None`` draws samples from the global stream
-            (like dropout does).
+        seed: seeds the generator the samples are drawn from, one the engine owns, so the
+            global RNG streams advance exactly as under autograd (every dropout mask after
+            the step is the one ``loss.backward()`` would have seen); ``None`` seeds it from
+            ``torch.initial_seed()``, so a run seeded with ``torch.manual_seed`` repeats.
     """
 
     name = "rad"
@@ -140,7 +146,8 @@ class RadTransform(Transform):
 
         SampleSpec(fraction, mode, replace)  # validates now, not at the first step
         super().__init__(fraction=fraction, mode=mode, replace=replace, seed=seed)
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        own = (torch.initial_seed() + _RAD_STREAM) % 2**63 if seed is None else seed
+        self.generator = torch.Generator().manual_seed(own)
         """One stream for every preparation (a model switched to eval and back is prepared
         again, and must not restart its samples); saved with training checkpoints."""
 
@@ -466,11 +473,12 @@ class AccumulateTransform(Transform):
     Exact where no layer couples the examples (training-mode BatchNorm does: refused) and
     the loss is a mean or sum over examples, declared with
     :func:`leangrad.loss.per_example` (the targets are split with the inputs). Layers that
-    draw random masks (``nn.Dropout`` with p > 0 in training) are refused: micro-batches
-    draw other masks than one whole-batch forward, as are fused RNNs with dropout between
-    layers; dropout called as a function inside a module's ``forward`` (``F.dropout``,
-    attention's ``dropout_p``) cannot be seen and must be off. ``on_grad`` is called once
-    per parameter, after the last micro-batch.
+    draw random numbers are refused, micro-batches would draw other ones than one
+    whole-batch forward: they are found by watching the model's forward on two examples
+    once per kind of input (any op PyTorch tags as seeded: ``nn.Dropout``, ``F.dropout``
+    inside a ``forward``, stochastic depth, attention's ``dropout_p``), as is a forward that
+    changes a buffer or mixes its examples. ``on_grad`` is called once per parameter, after
+    the last micro-batch.
 
     Args:
         micro_batches: how many micro-batches (sizes differ by at most one; a batch with
@@ -490,6 +498,19 @@ class AccumulateTransform(Transform):
     def __init__(self, *, micro_batches: int = 2) -> None:
         Engine._positive_int("micro_batches", micro_batches)
         super().__init__(micro_batches=micro_batches)
+        self._watched: weakref.WeakKeyDictionary[nn.Module, dict[Any, str | None]] = (
+            weakref.WeakKeyDictionary())  # fmt: skip
+        """Per model and kind of input: why micro-batches are not exact, or ``None``."""
+
+    def watched_reason(self, model: nn.Module, xs: tuple[torch.Tensor, ...]) -> str | None:
+        """:func:`watched_coupling` of ``model`` on ``xs``, once per kind of input (the
+        shapes less the batch, dtypes, devices) and training flags."""
+        seen = self._watched.setdefault(model, {})
+        key = (tuple((tuple(x.shape[1:]), x.dtype, x.device) for x in xs),
+               tuple(m.training for m in model.modules()))  # fmt: skip
+        if key not in seen:
+            seen[key] = watched_coupling(model, xs)
+        return seen[key]
 
     def apply(self, module: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
         return module, {}
@@ -502,7 +523,7 @@ class AccumulateTransform(Transform):
             return {"left": ["one micro-batch: the step as it is"], "why": "micro_batches=1"}
         return {"swapped": {"batch": f"{k} micro-batches, gradients accumulated in .grad"}}
 
-    def wrap(self, run: StepRun, report: dict[str, Any]) -> StepRun:
+    def wrap(self, run: StepRun, report: dict[str, Any], *, model: nn.Module) -> StepRun:
         k = self.options["micro_batches"]
 
         def micro(xs: tuple[torch.Tensor, ...], loss_fn: Any, on_grad: Any) -> Any:
@@ -516,6 +537,8 @@ class AccumulateTransform(Transform):
                 if x.dim() == 0 or x.shape[0] != n:
                     rows = x.shape[0] if x.dim() else 0
                     raise errors.EngineInputError(MICRO_ROWS.format(index=i, rows=rows, batch=n))
+            if min(k, n) > 1 and (why := self.watched_reason(model, xs)) is not None:
+                raise errors.EngineInputError(why)
             m = min(k, n)  # a short last batch of an epoch: one example per micro-batch
             edges = [n * i // m for i in range(m + 1)]
             total: torch.Tensor | None = None
