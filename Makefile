@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test lint install install-dev bench-baselines bench-gpu report clean fuzz
+.PHONY: demo test lint install install-dev bench-baselines bench-gpu report clean fuzz corpus
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,11 +38,19 @@ test: install-dev
 # FUZZ_COLLECT=0 stops at the first and lets Hypothesis shrink it. Fails on any new failure.
 FUZZ_LOG ?= build/fuzz-log.jsonl
 FUZZ_COLLECT ?= 1
+# It then holds every engine to autograd on the whole corpus of models people download
+# (tests/model_corpus.py: timm and torchvision; `make test` runs its fast slice).
 fuzz: install-dev
 	@mkdir -p $(dir $(FUZZ_LOG)) && rm -f $(FUZZ_LOG)
 	HYPOTHESIS_PROFILE=fuzz FUZZ_LOG=$(FUZZ_LOG) FUZZ_COLLECT=$(FUZZ_COLLECT) \
 	  $(PY) -m pytest -q tests/engines/test_fuzz.py; rc=$$?; \
-	  $(PY) tests/fuzz_models.py summarize $(FUZZ_LOG) || rc=1; exit $$rc
+	  $(PY) tests/fuzz_models.py summarize $(FUZZ_LOG) || rc=1; \
+	  LEANGRAD_CORPUS=all $(PY) -m pytest -q tests/test_model_corpus.py || rc=1; exit $$rc
+
+# The model corpus's table (model x engine: exact, or refused and why) and the peers'
+# BatchNorm double update, into results/model-corpus.{json,md}.
+corpus: install-dev
+	$(PY) tests/model_corpus.py --all --out results/model-corpus
 
 bench-baselines: install
 	$(VENV)/bin/leangrad bench baselines --quick --out results

@@ -70,7 +70,8 @@ RNG_SEED = 1234  # the global seed both the reference and the engine start from
 # Option variants worth a check of their own (different code paths); modelled on
 # tests/engines/test_contract.py's VARIANTS and COMBOS, plus estimating variants.
 VARIANTS: dict[str, list[dict[str, Any]]] = {
-    "checkpoint": [{}, {"segments": 2}, {"trace": True}],
+    "checkpoint": [{}, {"segments": 2}, {"trace": True}, {"fragments": 2}],
+    "accumulate": [{"micro_batches": 2}],
     "forward": [{"chunk_size": 7}],
     "projforward": [{"samples": 2, "chunk_size": 2, "seed": 0}],
     "moonwalk": [
@@ -86,6 +87,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "fad": [{}, {"mode": "eager"}],
 }
 COMBOS: list[tuple[str, dict[str, Any]]] = [
+    ("checkpoint+accumulate", {"micro_batches": 2}),
     ("checkpoint+fad", {"segments": 2}),
     ("checkpoint+rad", {"fraction": 1.0, "seed": 0}),
     ("checkpoint+bits", {"segments": 2}),
@@ -153,6 +155,62 @@ ACTS = (
     "relu", "tanh", "gelu", "silu", "fad.swish", "fad.gelu", "fad.mish", "fad.elementwise",
     "bits.relu", "bits.leaky", "rad.relu",
 )  # fmt: skip
+
+
+class DropPath(nn.Module):
+    """Stochastic depth as timm's ``DropPath`` and torchvision's ``StochasticDepth`` write
+    it: one Bernoulli draw per example in ``forward``, no dropout class."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.p)
+        return x * keep.div_(1 - self.p)
+
+
+class FunctionalDropout(nn.Module):
+    """``F.dropout`` called inside a ``forward`` (attention code does), no dropout class."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, self.training)
+
+
+class NormAct(nn.Module):
+    """timm's ``BatchNormAct2d``: BatchNorm, then an activation written in place over its
+    output (``F.relu``/``F.silu``/``F.hardswish`` with ``inplace=True``)."""
+
+    def __init__(self, bn: nn.Module, act: str) -> None:
+        super().__init__()
+        self.bn, self.act = bn, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x)
+        fn = {"relu": F.relu, "silu": F.silu, "hardswish": F.hardswish}[self.act]
+        return fn(y, inplace=True)
+
+
+class SqueezeExcite(nn.Module):
+    """Squeeze-and-excitation (EfficientNet, RegNetY, MobileNetV3): each example's channels
+    scaled by a gate computed from its own mean (images) or itself (vectors)."""
+
+    def __init__(self, width: int, img: bool) -> None:
+        super().__init__()
+        self.img = img
+        self.reduce, self.expand = nn.Linear(width, max(1, width // 2)), nn.Linear(
+            max(1, width // 2), width)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.mean((2, 3)) if self.img else x
+        gate = torch.sigmoid(self.expand(F.relu(self.reduce(s))))
+        return x * (gate[:, :, None, None] if self.img else gate)
 
 
 class Residual(nn.Module):
@@ -224,6 +282,19 @@ def _seq_layer(spec: LayerSpec, ctx: _Ctx, depth: int) -> nn.Module:
     if kind == "bn":
         bn = nn.BatchNorm2d(width) if img else nn.BatchNorm1d(width)
         return _mode(ctx, bn, args[0], "bn")
+    if kind == "bnact":  # timm's BatchNormAct2d: an activation in place over BatchNorm's output
+        ctx.features.add("bn-inplace-act")
+        bn = nn.BatchNorm2d(width) if img else nn.BatchNorm1d(width)
+        return NormAct(_mode(ctx, bn, args[0], "bn"), args[1])
+    if kind == "droppath":
+        ctx.features.add("stochastic-depth")
+        return DropPath(args[0])
+    if kind == "fdrop":
+        ctx.features.add("functional-dropout")
+        return FunctionalDropout(args[0])
+    if kind == "se":
+        ctx.features.add("squeeze-excite")
+        return SqueezeExcite(width, img)
     if kind == "gn":
         ctx.features.add("groupnorm")
         return _mode(ctx, nn.GroupNorm(args[0] if width % args[0] == 0 else 1, width), "train",
@@ -447,7 +518,10 @@ def build(spec: Spec) -> Built:
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y)
 
-    return Built(model, x, loss_fn, frozenset(ctx.features), ctx.estimating, depth)
+    # one output row per example: declared a mean over examples, so micro-batches run
+    declared = loss_fn if kind == "time" else leangrad.loss.per_example(
+        lambda out, t: F.cross_entropy(out, t), y)  # fmt: skip
+    return Built(model, x, declared, frozenset(ctx.features), ctx.estimating, depth)
 
 
 def _highway_net(spec: Spec, ctx: _Ctx) -> tuple[nn.Module, int]:
@@ -1040,6 +1114,11 @@ def specs() -> Any:
         st.tuples(st.just("pool"), st.sampled_from(["bits", "rad"])),
         st.tuples(st.just("ref"), st.integers(0, 3)),
         st.tuples(st.just("tie"), st.integers(0, 3)),
+        # blocks the libraries people download are made of (timm, torchvision)
+        st.tuples(st.just("bnact"), mode, st.sampled_from(["relu", "silu", "hardswish"])),
+        st.tuples(st.just("droppath"), st.sampled_from([0.1, 0.5])),
+        st.tuples(st.just("fdrop"), st.just(0.25)),
+        st.tuples(st.just("se")),
     )
     layer = st.recursive(
         leaf,

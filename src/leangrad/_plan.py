@@ -450,6 +450,12 @@ def _plan(
                             rows=tried, repeats=repeats, timer=time_interleaved,
                             progress=shown)  # fmt: skip
     times, chosen = choice.seconds, choice.label
+    checked = ""
+    if exact and chosen is not None and not ctx.estimate_only and chosen in fitting:
+        before = chosen
+        chosen, checked = _checked(chosen, fitting, times, tried, model, xs, loss_fn, shown)
+        if chosen != before:
+            choice = dataclasses.replace(choice, label=chosen, tie_break=None)
     if chosen is None:  # nothing fitting could be run here: the first fitting estimate
         chosen = next((t.label for t in tried if t.fits and t.estimate), None)
         fitting = {t.label: t.engine for t in tried if t.label == chosen}
@@ -460,11 +466,44 @@ def _plan(
                              raced_note(choice, t.label)) for t in tried)  # fmt: skip
     row = next((c for c in table if c.engine is not None), None)
     result = _result(table, row, step, budget, exact, model, xs, loss_fn)
+    if checked and result.engine is not None:
+        result = dataclasses.replace(result, message=result.message + checked)
     shown.advance()
     shown.close()
     measured = Measured(model, xs, setting, rows, of=user_model, budget=budget, choice=choice)
     return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
                                made_for=made_for, measured=measured)  # fmt: skip
+
+
+CHECKED = "; re-checked against loss.backward() on this model and batch (one step each)"
+
+
+def _checked(chosen: str, fitting: dict[str, Any], times: dict[str, float], tried: list[Tried],
+             model: nn.Module, xs: tuple[torch.Tensor, ...],
+             loss_fn: Callable[[Any], torch.Tensor],
+             shown: Progress) -> tuple[str | None, str]:  # fmt: skip
+    """The fastest fitting row whose step leaves what ``loss.backward()`` leaves on this
+    model (:func:`~leangrad._plan_verify.exact_why`), starting at ``chosen``; each one that
+    does not becomes ``inexact: <why>`` in ``tried`` and leaves ``fitting``. With the note
+    for the plan's message."""
+    from ._plan_verify import exact_why
+
+    label: str | None = chosen
+    while label is not None:
+        step = fitting.get(label)
+        inner = step.engine if isinstance(step, Step) else step
+        if inner is None or getattr(inner, "name", "") == BACKPROP:
+            return label, ""
+        shown(f"re-checking {label} against loss.backward()")
+        why = exact_why(inner, model, xs, loss_fn)
+        if why is None:
+            return label, CHECKED
+        tried[:] = [dataclasses.replace(t, verdict=f"inexact: {why}", engine=None)
+                    if t.label == label else t for t in tried]  # fmt: skip
+        fitting.pop(label)
+        timed = [lb for lb in fitting if lb in times]
+        label = min(timed, key=lambda lb: times[lb]) if timed else None
+    return None, ""
 
 
 def _still(choice: Choice, here: set[str]) -> Choice:

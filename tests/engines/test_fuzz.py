@@ -88,7 +88,16 @@ REGRESSIONS: list[tuple[str, fm.Spec]] = [
     ("F5-pure-moonwalk-bits-head", _spec("chain", "vec", ("repeat", []), [],
         [("dropout", 0.25, "bits")])),
     ("F6-projforward-rad-layer", _spec("seq", "vec", ("lin", []), [("rad", 0.5, 0)])),
-    # F7 (fixed by another helper's sdpa_kernel(MATH) in engines/_functional.py):
+    # blocks of the libraries people download: an activation in place over a training-mode
+    # BatchNorm's output (timm's BatchNormAct2d), squeeze-excitation, stochastic depth and
+    # F.dropout in a forward, which no class names (found by watching the draws)
+    ("lib-blocks-img", _spec("seq", "img", ("lin", []), [
+        ("res", [("lin", 3), ("bnact", "train", "relu"), ("se",), ("droppath", 0.5)]),
+        ("res", [("lin", 1), ("bnact", "train", "hardswish"), ("fdrop", 0.25)])], batch=4)),
+    ("lib-blocks-vec", _spec("seq", "vec", ("lin", []), [
+        ("res", [("lin", 1), ("bnact", "train", "silu"), ("se",)]),
+        ("res", [("lin", 1), ("act", "gelu"), ("droppath", 0.1)])], batch=4)),
+
     ("F7-forward-attention", _spec("highway", "tokens", ("lin", []), [("preln", "attention")])),
 ]  # fmt: skip
 

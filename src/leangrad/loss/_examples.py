@@ -110,7 +110,8 @@ def per_example(fn: Callable[..., torch.Tensor], *targets: torch.Tensor,
         reduction: ``"mean"`` (each example weighs 1/batch) or ``"sum"``.
         ignore_index: ``fn`` is a mean over the tokens of ``targets[0]`` that are not
             ``ignore_index`` (``F.cross_entropy(..., ignore_index=-100)``, Hugging Face's
-            ``labels``): each example weighs its count of them.
+            ``labels``): each example weighs its count of them. ``targets[0]`` must hold
+            exactly the labels the mean runs over: a causal LM's shifted ``labels[:, 1:]``.
         counts: each example's weight in the mean, one number per example (e.g. its
             count of unmasked positions), for a mean over other counted elements.
 
