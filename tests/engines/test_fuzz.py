@@ -94,6 +94,11 @@ REGRESSIONS: list[tuple[str, fm.Spec]] = [
     ("lib-blocks-img", _spec("seq", "img", ("lin", []), [
         ("res", [("lin", 3), ("bnact", "train", "relu"), ("se",), ("droppath", 0.5)]),
         ("res", [("lin", 1), ("bnact", "train", "hardswish"), ("fdrop", 0.25)])], batch=4)),
+    # fragments' output was contiguous where the whole block's is channels-last, so the
+    # next block (recomputed whole: it draws) drew its dropout masks in another order
+    ("fragments-channels-last-dropout", _spec("seq", "img", ("lin", []), [
+        ("res", [("lin", 3), ("dropout", 0.25, "nn"), ("bn", "train")])],
+        batch=4, channels_last=True)),
     ("lib-blocks-vec", _spec("seq", "vec", ("lin", []), [
         ("res", [("lin", 1), ("bnact", "train", "silu"), ("se",)]),
         ("res", [("lin", 1), ("act", "gelu"), ("droppath", 0.1)])], batch=4)),

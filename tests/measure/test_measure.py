@@ -473,3 +473,31 @@ def test_reset_peak_rss() -> None:
     assert proc_status_bytes("VmHWM") >= proc_status_bytes("VmRSS") + size // 2
     reset_peak_rss()
     assert proc_status_bytes("VmHWM") - proc_status_bytes("VmRSS") < 32 * 2**20
+
+
+def test_tracking_a_compiled_function_never_breaks_it_for_the_rest_of_the_process() -> None:
+    """A dispatch mode that torch.compile does not know makes it mark the frame skipped for
+    good: a ``fullgraph=True`` function then raised inside the tracker and for the rest of
+    the process, any other ran eagerly from then on. Inside the tracker compiled functions
+    now run eagerly (measured as such); after it, they compile as before."""
+    compiled: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example: object) -> object:
+        compiled.append(1)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).relu().sum()
+
+    x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
+    with MemoryTracker() as tracker:
+        loss(x, w).backward()
+    assert tracker.report.peak_bytes > 0 and not compiled
+    loss(x, w).backward()  # raised "found no compiled frames" before
+    assert compiled
+    with MemoryTracker(), MemoryTracker():  # nested: the outer's exit restores the stance
+        loss(x, w)
+    n = len(compiled)
+    loss(x * 2, w)
+    assert len(compiled) >= n  # compiles (or reuses) outside, never raises

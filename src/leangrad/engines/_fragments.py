@@ -194,7 +194,7 @@ class _Fragmented(torch.autograd.Function):
                 part = call.run(call.piece(inputs, a, b))
                 if not out:
                     rows = call.edges[-1][1]
-                    out = [p.new_empty((*p.shape[:d], rows, *p.shape[d + 1:]))
+                    out = [_empty_as(p, (*p.shape[:d], rows, *p.shape[d + 1:]))
                            for p, d in zip(part, call.out_dims, strict=True)]  # fmt: skip
                 for o, p, d in zip(out, part, call.out_dims, strict=True):
                     o.narrow(d, a, b - a).copy_(p)
@@ -308,6 +308,16 @@ class _Recompute:
                         grads_p[j] = have + g
                         owned.add(j)
         return [*grads_in, *grads_p]
+
+
+def _empty_as(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty tensor of ``shape`` laid out as ``part`` is: a channels-last output stays
+    channels-last, as the whole block's would be, so that the next block computes (and
+    draws its dropout masks, which follow the memory order) as under autograd."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(part.dim())
+    if fmt is not None and not part.is_contiguous() and part.is_contiguous(memory_format=fmt):
+        return torch.empty(shape, dtype=part.dtype, device=part.device, memory_format=fmt)
+    return part.new_empty(shape)
 
 
 def _autocast_now(inputs: Sequence[torch.Tensor]) -> tuple[str, torch.dtype] | None:

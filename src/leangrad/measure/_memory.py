@@ -270,6 +270,7 @@ class MemoryTracker:
         # id(storage) -> (weakref, bytes not ours (baseline/external), bytes counted)
         self._entries: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, int]] = {}
         self._mode: _StorageMode | None = None
+        self._stance: Any = None  # torch.compiler.set_stance("force_eager") while tracking
         self._cuda_start = 0
         self._use_cuda = self.device.type == "cuda" and not estimate
         self._report: MemoryReport | None = None
@@ -335,6 +336,11 @@ class MemoryTracker:
         else:
             for st in unique.values():
                 self._see(st, external=True)
+            # torch.compile refuses a dispatch mode it does not know: the frame would be
+            # marked skipped for good (a fullgraph function then fails, any other runs
+            # eagerly, for the rest of the process). Inside the tracker compiled functions
+            # run eagerly without being looked at, and compile as before after it.
+            self._stance = torch.compiler.set_stance("force_eager")
             mode = _StorageMode(self)
             mode.__enter__()
             self._mode = mode
@@ -373,7 +379,12 @@ class MemoryTracker:
         elif self._mode is not None:
             mode, self._mode = self._mode, None
             _report_resizes(False)
-            mode.__exit__(*exc)
+            try:
+                mode.__exit__(*exc)
+            finally:
+                if self._stance is not None:
+                    self._stance.__exit__(None, None, None)
+                    self._stance = None
         self._report = MemoryReport(
             device=str(self.device),
             baseline_bytes=self._baseline,
