@@ -223,10 +223,11 @@ def test_blocks_are_recomputed(ranks: list[dict]) -> None:
         for case, got in rank["cases"].items():
             _, kind, opts = case.split(" ", 2)
             plain = rank["ref"][kind]["linears"]
-            first, second = got["linears"]  # fragments probes each block in the first
+            # the first step probes each block (fragments; in-place writes of its input)
+            first, second = got["linears"]
             assert first >= second > plain, case
             if json.loads(opts) in ({}, {"trace": True}):
-                assert first == second == plain + recomputed[kind], case
+                assert second == plain + recomputed[kind], case
         for kind in ("mlp", "net"):  # FSDP2 with trace: every checkpointed block as fx code
             traced = rank["cases"][f'fsdp {kind} {{"trace": true}}']["traced"]
             assert traced == [True] * (2 if kind == "mlp" else 3), traced

@@ -693,7 +693,7 @@ class Checkpoint(Engine):
                 if writes is None:
                     writes = probes[key] = InputWrites(seg.blocks)
                 # a segment writing its input in place runs on copies (_writes)
-                run_seg, settle = writes.wrap(seg, args, {})
+                run_seg = writes.wrap(seg, args, {})
 
                 def plain(*a: Any, seg: _Segment = seg, run_seg: Any = run_seg) -> Any:
                     return checkpoint(run_seg, *a, use_reentrant=False,
@@ -702,7 +702,6 @@ class Checkpoint(Engine):
                 skip = chosen is not None and not any(chosen.allows(n) for n in names)
                 if self.fragments is None or skip:
                     out = plain(*args)
-                    settle()
                     if writes.last:
                         copied.append(",".join(names))
                     continue
@@ -710,7 +709,6 @@ class Checkpoint(Engine):
                 if frag is None:
                     frag = frags[key] = Fragmenter(seg.blocks, fragments=self.fragments)
                 out = frag(run_seg, plain, *args)
-                settle()
                 if writes.last:
                     copied.append(",".join(names))
                 if frag.last is not None:
@@ -989,7 +987,7 @@ class _Checkpointed(Wrapper):
         own = self._traced() if self._traced is not None and not kwargs else self.inner
         # a block writing its input in place runs on copies (_writes)
         writes: InputWrites = self.__dict__["writes"]
-        run, settle = writes.wrap(own, args, kwargs)
+        run = writes.wrap(own, args, kwargs)
         replay = generator_replay([self.inner])  # layers' own generators, rewound
 
         def plain(*a: Any, **kw: Any) -> Any:
@@ -1005,11 +1003,8 @@ class _Checkpointed(Wrapper):
 
         chain: TwoLevel | None = self.__dict__["two_level"]
         if chain is None:
-            out = call(*args, **kwargs)
-        else:
-            out = chain.call(self.inner, self.__dict__["block_name"], call, args, kwargs)
-        settle()
-        return out
+            return call(*args, **kwargs)
+        return chain.call(self.inner, self.__dict__["block_name"], call, args, kwargs)
 
 
 class _InPlace:
