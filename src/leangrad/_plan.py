@@ -451,9 +451,11 @@ def _plan(
                             progress=shown)  # fmt: skip
     times, chosen = choice.seconds, choice.label
     checked = ""
+    verdicts = dict(prior.checked) if prior is not None else {}
     if exact and chosen is not None and not ctx.estimate_only and chosen in fitting:
         before = chosen
-        chosen, checked = _checked(chosen, fitting, times, tried, model, xs, loss_fn, shown)
+        chosen, checked = _checked(chosen, fitting, times, tried, model, xs, loss_fn, shown,
+                                   verdicts)  # fmt: skip
         if chosen != before:
             choice = dataclasses.replace(choice, label=chosen, tie_break=None)
     if chosen is None:  # nothing fitting could be run here: the first fitting estimate
@@ -470,7 +472,8 @@ def _plan(
         result = dataclasses.replace(result, message=result.message + checked)
     shown.advance()
     shown.close()
-    measured = Measured(model, xs, setting, rows, of=user_model, budget=budget, choice=choice)
+    measured = Measured(model, xs, setting, rows, of=user_model, budget=budget, choice=choice,
+                        checked=verdicts)  # fmt: skip
     return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
                                made_for=made_for, measured=measured)  # fmt: skip
 
@@ -480,22 +483,27 @@ CHECKED = "; re-checked against loss.backward() on this model and batch (one ste
 
 def _checked(chosen: str, fitting: dict[str, Any], times: dict[str, float], tried: list[Tried],
              model: nn.Module, xs: tuple[torch.Tensor, ...],
-             loss_fn: Callable[[Any], torch.Tensor],
-             shown: Progress) -> tuple[str | None, str]:  # fmt: skip
+             loss_fn: Callable[[Any], torch.Tensor], shown: Progress,
+             verdicts: dict[str, str | None]) -> tuple[str | None, str]:  # fmt: skip
     """The fastest fitting row whose step leaves what ``loss.backward()`` leaves on this
-    model (:func:`~leangrad._plan_verify.exact_why`), starting at ``chosen``; each one that
-    does not becomes ``inexact: <why>`` in ``tried`` and leaves ``fitting``. With the note
-    for the plan's message."""
+    model (:func:`~leangrad._plan_verify.exact_why`, on a fresh engine of the row's name and
+    options), starting at ``chosen``; each one that does not becomes ``inexact: <why>`` in
+    ``tried`` and leaves ``fitting``. ``verdicts`` holds the rows checked already (an
+    earlier plan's, under ``reuse=``) and gains this plan's. With the note for the plan's
+    message."""
     from ._plan_verify import exact_why
 
+    rows = {t.label: t for t in tried}
     label: str | None = chosen
     while label is not None:
-        step = fitting.get(label)
-        inner = step.engine if isinstance(step, Step) else step
-        if inner is None or getattr(inner, "name", "") == BACKPROP:
+        row = rows.get(label)
+        if row is None or row.name == BACKPROP:
             return label, ""
-        shown(f"re-checking {label} against loss.backward()")
-        why = exact_why(inner, model, xs, loss_fn)
+        if label not in verdicts:
+            shown(f"re-checking {label} against loss.backward()")
+            verdicts[label] = exact_why(engine_named(row.name, **row.options), model, xs,
+                                        loss_fn)  # fmt: skip
+        why = verdicts[label]
         if why is None:
             return label, CHECKED
         tried[:] = [dataclasses.replace(t, verdict=f"inexact: {why}", engine=None)

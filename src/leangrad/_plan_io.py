@@ -176,6 +176,9 @@ class Measured:
     """What the plan's timing decided (a :class:`leangrad._plan_choice.Choice`): at a
     lower budget every row that fits fitted this plan's budget too, so where its fastest
     still fits, it is the fastest there."""
+    checked: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    """Rows re-checked against ``loss.backward()`` on this model (:mod:`leangrad.
+    _plan_verify`): ``None`` where the step was autograd's, else what differed."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.instancenorm import _InstanceNorm
@@ -97,7 +98,7 @@ def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
     if changed:
         names = ", ".join(repr(c) for c in changed[:3])
         return CHANGES_BUFFERS.format(names=f"buffer(s) {names}", pieces=pieces, option=option)
-    if n < 2:
+    if n < 2 or any(is_fake(x) for x in xs):  # a fake tensor has no values to compare
         return None
     for i, (b, x, y) in enumerate(zip(*(pytree.tree_leaves(o) for o in (both, *alone)),
                                       strict=False)):  # fmt: skip

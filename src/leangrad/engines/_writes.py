@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from ._generators import layer_generators
@@ -112,7 +113,7 @@ class InputWrites:
         finally:
             with torch.no_grad():
                 for b, value in zip(buffers, saved, strict=True):
-                    if not torch.equal(b, value):
+                    if is_fake(b) or not torch.equal(b, value):
                         b.copy_(value)
             for g, st in zip(gens, states, strict=True):
                 g.set_state(st)

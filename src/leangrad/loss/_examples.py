@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from .. import _errors as errors
@@ -80,10 +81,11 @@ class PerExample:
 
     def share(self, start: int, stop: int) -> float:
         """Examples ``start:stop``'s share of the mean: their count of examples, or of
-        counted tokens (``counts``), over the batch's."""
-        if self.counts is None:
+        counted tokens (``counts``), over the batch's (on fake tensors, which a memory
+        estimate runs on, the examples')."""
+        if self.counts is None or is_fake(self.counts):  # a memory estimate: no values
             first = self.targets[0]
-            if not first.is_floating_point() and first.dim() > 1:
+            if not is_fake(first) and not first.is_floating_point() and first.dim() > 1:
                 per_row = (first == -100).flatten(1).sum(1)
                 if bool((per_row != per_row[0]).any()):
                     raise errors.EngineInputError(UNEQUAL_TOKENS)
