@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
 import leangrad
 import model_corpus as mc
-from leangrad import hf
 from leangrad._errors import LeangradError
 from leangrad.loss import per_example
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+hf = pytest.importorskip("leangrad.hf")
 
 ENGINES = {**mc.ENGINES, "checkpoint+chunked_ce": lambda: leangrad.engine("checkpoint+chunked_ce")}
 
