@@ -78,6 +78,7 @@ def test_a_row_that_fails_the_check_is_inexact_and_not_chosen() -> None:
     row = next(c for c in plan.table if c.label == "checkpoint")
     assert row.verdict.startswith("inexact: the gradient of blocks.0.lin.weight differs")
     assert plan.engine is None  # backprop is over budget, and nothing else is exact here
+    assert "1 fitting row(s) did not leave what loss.backward() leaves" in plan.message
 
 
 def test_a_chosen_engine_that_passes_says_it_was_rechecked() -> None:

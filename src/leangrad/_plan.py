@@ -567,7 +567,8 @@ def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budg
     """The plan of ``table`` whose chosen ``row`` (``None``: nothing fits) was measured as
     ``step`` (its engine, or a :class:`~leangrad._step.Step` around it)."""
     if row is None:
-        measured = [c for c in table if c.peak_bytes is not None]
+        inexact = [c for c in table if c.verdict.startswith("inexact")]
+        measured = [c for c in table if c.peak_bytes is not None and c not in inexact]
         if not measured:
             msg = "nothing could run on this model (see the table)"
         else:
@@ -577,6 +578,9 @@ def _result(table: tuple[Candidate, ...], row: Candidate | None, step: Any, budg
                 best=("~" if best.estimate else "") + fmt_bytes(best.peak_bytes),  # an estimate
                 inexact=", or allow estimators (exact=False / --inexact)" if exact else "",
             )  # fmt: skip
+        if inexact:
+            msg += (f"; {len(inexact)} fitting row(s) did not leave what loss.backward() "
+                    "leaves on this model (inexact: see the table)")
         return Plan(None, None, None, None, budget, table, msg)
     inner = row.engine
     assert inner is not None  # the chosen row carries its engine

@@ -27,13 +27,19 @@ TOLERANCE = {torch.float64: 1e-8, torch.float32: 2e-3}
 """Largest relative difference of a gradient or buffer from autograd's that still counts as
 the same step (a recomputation sums in another order); 5e-2 for 16-bit types. The wrong
 engines this check is for differ by 0.1 to 1e5."""
-FLOOR = 1e-6
-"""A gradient below ``FLOOR`` of the model's largest is compared on that scale (a true 0
-computed as rounding noise)."""
+FLOOR = {torch.float64: 1e-6, torch.float32: 1e-4}
+"""A gradient below this share of the model's largest is compared on that scale: a true 0
+is computed as rounding noise (a BatchNorm shift followed by another training-mode
+BatchNorm: 4e-18 in float64, 1.7e-9 in float32 on torchvision's MobileNetV3, where the
+largest gradient is 0.11; 1e-2 for 16-bit types)."""
 
 
 def _tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE.get(dtype, 5e-2)
+
+
+def _floor(dtype: torch.dtype) -> float:
+    return FLOOR.get(dtype, 1e-2)
 
 
 def _rng(devices: list[torch.device]) -> list[torch.Tensor]:
@@ -85,7 +91,8 @@ def exact_why(step_engine: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
     for n, ga, gb in zip(names, g_ref, g_got, strict=True):
         if ga is None or gb is None or not ga.numel():
             continue
-        err = float((ga - gb).abs().max()) / (float(ga.abs().max()) + FLOOR * top + 1e-300)
+        scale = float(ga.abs().max()) + _floor(ga.dtype) * top + 1e-300
+        err = float((ga - gb).abs().max()) / scale
         if not err <= _tolerance(ga.dtype):
             return f"the gradient of {n} differs from autograd's by {err:.2g} (relative)"
     for n, a, b in zip(buffer_names, ref[1], got[1], strict=True):
