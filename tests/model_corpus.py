@@ -48,11 +48,12 @@ ENGINES: dict[str, Callable[[], leangrad.Engine]] = {
 }
 """The engines each model is held to (``rad`` at fraction 1 keeps everything: exact)."""
 
-TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
-FLOOR = 1e-6
+TOL = {torch.float64: 1e-9, torch.float32: 2e-3}
+FLOOR = {torch.float64: 1e-6, torch.float32: 1e-4}
 """A parameter whose gradient is below ``FLOOR`` of the model's largest is compared on
 that scale: its own relative error would be rounding noise (a BatchNorm shift followed by
-another training-mode BatchNorm has a true gradient of 0, computed as ~1e-16)."""
+another training-mode BatchNorm has a true gradient of 0, computed as ~1e-18 in float64
+and ~1e-9 in float32). The plan's own re-check uses the same (``leangrad._plan_verify``)."""
 
 
 def vision_available() -> bool:
@@ -198,7 +199,8 @@ def verdict(ref: _Step, got: _Step, dtype: torch.dtype) -> str:
         h = got.grads[n]
         if g is None or h is None:
             continue
-        err = float((g - h).abs().max()) / (float(g.abs().max()) + FLOOR * top + 1e-300)
+        scale = float(g.abs().max()) + FLOOR[dtype] * top + 1e-300
+        err = float((g - h).abs().max()) / scale
         if not err <= worst:
             worst, where = err, n
     if not worst <= TOL[dtype]:

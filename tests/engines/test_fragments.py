@@ -263,8 +263,8 @@ def test_sequential_of_mlp_blocks_are_exact_and_recomputed_in_pieces(
 ) -> None:
     """An ``nn.Sequential`` of residual MLP blocks, one block holding a layer the loss never
     uses: exact, that layer's ``.grad`` stays None, and a recomputed block never sees the
-    whole batch of 7 — after its probes (2 rows: does it write its input in place; then
-    both, each alone) it runs the fragments twice (the forward, then the recomputation in
+    whole batch of 7 — after its probes (1 row: does it write its input in place; then
+    2 rows, each alone) it runs the fragments twice (the forward, then the recomputation in
     the backward)."""
     unused, spare = _mlp(8), nn.Linear(8, 8)
     unused.spare = spare  # registered, never called
@@ -278,7 +278,7 @@ def test_sequential_of_mlp_blocks_are_exact_and_recomputed_in_pieces(
     for block in recomputed:
         # autograd's forward (7), then the engine's probes (in-place writes; both, then
         # each alone) and two passes of fragments
-        assert block.seen == [7, 2, 2, 1, 1, *pieces, *pieces], block.seen
+        assert block.seen == [7, 1, 2, 1, 1, *pieces, *pieces], block.seen
     for block in blocks[len(recomputed) :]:
         assert block.seen == [7, 7]  # autograd's forward, then the engine's, whole
     if segments is None:

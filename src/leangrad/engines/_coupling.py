@@ -106,6 +106,8 @@ def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
                 and b.shape[0] == 2 and isinstance(x, torch.Tensor) and x.shape[:1] == (1,)
                 and isinstance(y, torch.Tensor) and y.shape == x.shape):  # fmt: skip
             continue
+        if not bool(torch.isfinite(b).all()):  # NaN/Inf inputs: nothing to compare with
+            continue
         diff = float((b - torch.cat([x, y])).abs().max())
         if not diff <= _tolerance(b.dtype) * (float(b.abs().max()) + 1e-30):
             return MIXES_EXAMPLES.format(index=i, diff=diff, pieces=pieces, option=option)

@@ -6,11 +6,11 @@ in-place activation of its argument) would leave the kept input changed, and
 ``torch.utils.checkpoint`` stops the backward with "modified by an inplace operation"
 (fragments' pieces are views of the input, so the same). :class:`InputWrites` wraps the
 function a checkpoint runs: before the first call of each kind it runs the block once on
-copies of two examples (no autograd, RNG forked, buffers put back) and watches their
+copies of one example (no autograd, RNG forked, buffers put back) and watches their
 version counters; a block that wrote one gets copies of its batch-shaped arguments from
 then on (made inside the recomputed function, so the kept input stays the caller's,
 unchanged, and each recomputation copies again), every other block runs on its arguments
-as before. The probe costs one forward of two examples per block and kind of call; the
+as before. The probe costs one forward of one example per block and kind of call; the
 step's peak is unchanged (a copy of the whole input on the first step, the way this was
 first written, put one block input on the first step's peak: +2.3% on ConvNeXt-T).
 """
@@ -28,6 +28,10 @@ from torch.utils import _pytree as pytree
 from ._generators import layer_generators
 
 __all__ = ["InputWrites"]
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+"""Arguments the probe may pass as they are; with any other object (a Hugging Face cache,
+which a call appends to) the block is not probed and runs as before."""
 
 
 def _batch_shaped(args: Any) -> Callable[[Any], bool]:
@@ -82,19 +86,22 @@ class InputWrites:
 
     def _probe(self, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> bool:  # fmt: skip
-        """Whether ``fn`` wrote a batch-shaped argument in place, run once on copies of two
-        examples (every argument copied: a BatchNorm's running statistics handed in as
+        """Whether ``fn`` wrote a batch-shaped argument in place, run once on copies of one
+        example (every argument copied: a BatchNorm's running statistics handed in as
         arguments stay as they were), without autograd, the RNG streams forked and the
         modules' buffers and their layers' own generators put back."""
         pick = _batch_shaped((args, kwargs))
-        if not any(pick(v) for v in pytree.tree_leaves((args, kwargs))):
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(pick(v) for v in leaves):
             return False
+        if any(not isinstance(v, (torch.Tensor, *_PLAIN)) for v in leaves):
+            return False  # an object the probe's call could change (a key/value cache)
         watched: list[tuple[torch.Tensor, int]] = []
 
         def copy(v: Any) -> Any:
             if not isinstance(v, torch.Tensor):
                 return v
-            c = (v[:2] if pick(v) else v).detach().clone()
+            c = (v[:1] if pick(v) else v).detach().clone()
             if pick(v):
                 watched.append((c, c._version))
             return c
@@ -108,8 +115,8 @@ class InputWrites:
         try:
             with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.no_grad():
                 fn(*a, **kw)
-        except Exception:  # cannot run on two examples: copy to be safe, as a writer
-            return True
+        except Exception:  # cannot run on one example (BatchNorm1d in training): as before
+            return False
         finally:
             with torch.no_grad():
                 for b, value in zip(buffers, saved, strict=True):
