@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
+from fuzz_models import DropPath  # stochastic depth as timm writes it
 from leangrad import zoo
 from leangrad._errors import EngineInputError
 from leangrad._plan import candidates
@@ -291,26 +292,11 @@ def test_padded_labels_declared_per_example_only_are_refused_not_weighted_wrongl
         per_example(_token_mean, y, counts=torch.ones(3))
 
 
-class _DropPath(nn.Module):
-    """Stochastic depth as timm writes it: a per-example Bernoulli draw in ``forward``, no
-    dropout class anywhere."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.p)
-        return x * keep / (1 - self.p)
-
-
 class _Residual(nn.Module):
     def __init__(self, dim: int, p: float, functional: bool) -> None:
         super().__init__()
         self.fc = nn.Linear(dim, dim)
-        self.drop = _DropPath(p)
+        self.drop = DropPath(p)
         self.p, self.functional = p, functional
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

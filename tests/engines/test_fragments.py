@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
+from fuzz_models import DropPath  # stochastic depth as timm writes it
 from leangrad import zoo
 from leangrad.engines import _fragments
 from leangrad.engines._fragments import fragment_edges
@@ -985,21 +986,6 @@ def test_batchnorm_followed_by_an_in_place_activation_stays_exact(act: str, k: i
     assert res.info["whole"] == {} and spy.edges  # really in fragments
     for n, b in _buffers(model).items():
         torch.testing.assert_close(b, ref_buffers[n], rtol=1e-12, atol=0, msg=n)
-
-
-class DropPath(nn.Module):
-    """Stochastic depth as timm and torchvision write it: one Bernoulli draw per example in
-    ``forward``, from no dropout class."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.p)
-        return x * keep / (1 - self.p)
 
 
 @pytest.mark.parametrize("p", [0.05, 0.5])
