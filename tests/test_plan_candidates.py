@@ -11,7 +11,9 @@ finds the same blocks (:func:`test_checkpoint_of_every_block_is_checkpoint`): th
 step was measured and timed twice. And one reordering: in a model run as written, the
 lists of fewer blocks now come before ``checkpoint()`` and per-block checkpointing with
 micro-batches (every block but the last) before every block with as many, for each beats
-what follows it where it fits (``tests/test_plan_beaten.py``): the same rows, reordered."""
+what follows it where it fits (``tests/test_plan_beaten.py``): the same rows, reordered.
+And one addition: ``accumulate`` is offered on the HighwayNet, whose dropout no longer
+keeps it out (micro-batches replay the whole batch's draws, ``engines/_batch_draws``)."""
 
 from __future__ import annotations
 

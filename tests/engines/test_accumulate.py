@@ -138,12 +138,10 @@ def test_refuses_batchnorm_in_training_and_names_it() -> None:
     assert eng.supports(model) is None
 
 
-def test_refuses_dropout_that_draws() -> None:
+def test_dropout_is_offered_for_its_draws_are_replayed() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 2))
-    why = leangrad.engine("accumulate").supports(model)
-    assert why is not None and "Dropout" in why and "p=0.1" in why
-    model[1].p = 0.0
     assert leangrad.engine("accumulate").supports(model) is None
+    assert leangrad.engine("checkpoint+accumulate").supports(model) is None
 
 
 def test_refuses_a_loss_not_declared_per_example() -> None:
@@ -305,22 +303,109 @@ class _Residual(nn.Module):
         return x + h
 
 
+class _Noisy(nn.Module):
+    """Every kind of draw a forward makes: stochastic depth (one number per example),
+    ``F.dropout`` on a channels-last activation, ``nn.Dropout`` and a noise vector shared by
+    every example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.drop = nn.Dropout(0.3)
+        self.path = DropPath(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last)))
+        h = F.dropout(h, 0.4, self.training)
+        h = self.drop(h) + 0.1 * torch.randn(3, 1, 1, dtype=h.dtype)
+        return x + self.path(h)
+
+
 @pytest.mark.parametrize("functional", [False, True], ids=["drop-path", "F.dropout"])
 @pytest.mark.parametrize("name", ENGINES)
-def test_random_draws_are_found_by_watching_not_by_class(name: str, functional: bool) -> None:
-    """Stochastic depth and ``F.dropout`` inside a ``forward`` are refused naming the module
-    (they draw per micro-batch what one forward draws for the whole batch); in eval mode,
-    or with p=0, the same model runs and is exact."""
+def test_random_draws_are_replayed_as_the_whole_batch_draws_them(name: str,
+                                                                 functional: bool) -> None:
+    """Stochastic depth and ``F.dropout`` inside a ``forward``, found by watching: the
+    micro-batches are handed the rows of what one forward of the whole batch draws, so the
+    gradient and the RNG stream after the step are autograd's, also with uneven
+    micro-batches."""
     torch.manual_seed(0)
     model = nn.Sequential(_Residual(6, 0.5, functional), _Residual(6, 0.5, functional),
                           nn.Linear(6, 3)).double()  # fmt: skip
-    x = torch.randn(4, 6, dtype=torch.float64)
-    loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), torch.tensor([0, 1, 2, 0]))
-    where = "'0'" if functional else "'0.drop'"
-    with pytest.raises(EngineInputError, match=rf"{where} draws random numbers .*bernoulli"):
-        leangrad.engine(name, micro_batches=2).backward(model, x, loss_fn)
-    model.eval()
+    x = torch.randn(7, 6, dtype=torch.float64)
+    loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), torch.arange(7) % 3)
+    for k in (2, 3, 7):
+        torch.manual_seed(5)
+        _, ref = _reference(model, (x,), loss_fn)
+        after = torch.get_rng_state()
+        torch.manual_seed(5)
+        leangrad.engine(name, micro_batches=k).backward(model, x, loss_fn)
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert compare_grads(got, ref).max_rel_err <= 1e-10, k
+        assert torch.equal(torch.get_rng_state(), after), k
+        model.zero_grad(set_to_none=True)
+    torch.manual_seed(6)  # another draw: another gradient (the draws matter)
+    _, other = _reference(model, (x,), loss_fn)
+    assert compare_grads(other, ref).max_rel_err > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", ENGINES)
+def test_every_kind_of_draw_is_replayed(name: str, dtype: torch.dtype) -> None:
+    """Per-example, elementwise on a channels-last tensor, ``nn.Dropout`` and a draw shared
+    by the batch, stacked: autograd's gradient (float32: to rounding), input gradient and
+    RNG stream."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Noisy(), _Noisy(), nn.Flatten(), nn.Linear(48, 3)).to(dtype)
+    x = torch.randn(6, 3, 4, 4, dtype=dtype, requires_grad=True)
+    loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), torch.arange(6) % 3)
+    torch.manual_seed(3)
     _, ref = _reference(model, (x,), loss_fn)
-    leangrad.engine(name, micro_batches=2).backward(model, x, loss_fn)
+    ref_x, x.grad = x.grad, None
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    leangrad.engine(name, micro_batches=3).backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert compare_grads(got, ref).max_rel_err <= 1e-10
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert compare_grads(got, ref).max_rel_err <= tol
+    torch.testing.assert_close(x.grad, ref_x, rtol=tol, atol=tol)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+class _Sampled(nn.Module):
+    """Draws from its input's values (``bernoulli`` of probabilities): no shape to replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.fc(x))
+        return h * torch.bernoulli(h.detach())
+
+
+class _OwnCheckpoint(nn.Module):
+    """A block the model checkpoints itself, with dropout inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(4, 4), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda h: self.drop(torch.tanh(self.fc(h))), x, use_reentrant=False)
+
+
+def test_draws_that_cannot_be_replayed_are_refused_naming_the_module() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 0, 1])
+    loss_fn = per_example(F.cross_entropy, y)
+    model = nn.Sequential(nn.Linear(4, 4), _Sampled(), nn.Linear(4, 2))
+    with pytest.raises(EngineInputError, match=r"'1' draws random numbers with bernoulli"
+                                               r".*depends on its input's values"):
+        leangrad.engine("accumulate").backward(model, x, loss_fn)
+    assert all(p.grad is None for p in model.parameters())
+    own = nn.Sequential(_OwnCheckpoint(), nn.Linear(4, 2))  # recomputed outside leangrad
+    with pytest.raises(EngineInputError, match=r"during the backward pass outside leangrad"):
+        leangrad.engine("accumulate").backward(own, x, loss_fn)

@@ -503,7 +503,7 @@ class Accumulate(OnBackprop):
         :data:`ACCUMULATE_TIME_CHUNKS` time chunks inside each micro-batch (each beaten by
         as many micro-batches alone: the same step plus the recomputation of each chunk)."""
         del exact
-        if not isinstance(loss_fn, PerExample) or batch_coupling(model) is not None:
+        if not isinstance(loss_fn, PerExample) or batch_coupling(model, random=False) is not None:
             return []
         ks = [k for k in MICRO_BATCHES if k <= loss_fn.batch]
         out = [PlanOffer("accumulate", {"micro_batches": k}, PlanOrder.MICRO_BATCHES)

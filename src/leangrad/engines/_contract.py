@@ -31,6 +31,7 @@ from torch import nn
 
 from .. import _errors as errors
 from ..measure._memory import FORWARD_END, mark
+from ._draws import aside
 from ._functional import call_with
 from ._loss_fn import LossFn, ModelRun, check_loss
 
@@ -289,7 +290,7 @@ class _LossForward:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), aside():
             state: dict[str, torch.Tensor] = {}
             names: dict[int, str] = {}
             for n, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
@@ -309,7 +310,7 @@ class _LossForward:
     def real_leaves(self) -> set[str]:
         names = {id(p): n for n, p in self.params.items()}
         guard = BufferGuard(self.model)
-        with torch.random.fork_rng(devices=[]), guard, torch.enable_grad():
+        with torch.random.fork_rng(devices=[]), aside(), guard, torch.enable_grad():
             guard.settle()  # every change this forward makes is undone on exit
             with torch.autograd.graph.saved_tensors_hooks(keep_nothing, keep_nothing):
                 loss = self.loss_fn(self.run(self.model, tuple(x.detach() for x in self.xs)))

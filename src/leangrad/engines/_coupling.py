@@ -6,6 +6,9 @@ whole batch's gradient. Shared by :mod:`leangrad.engines._transforms` and
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -14,9 +17,11 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils import _pytree as pytree
 
-from ._draws import drawing
+from .. import _errors as errors
+from ._batch_draws import BatchDraws, Drawn, layout
+from ._draws import DRAWS, Draws
 
-__all__ = ["BATCH_COUPLED", "RANDOM_LAYER", "batch_coupling", "watched_coupling"]
+__all__ = ["BATCH_COUPLED", "RANDOM_LAYER", "Watched", "batch_coupling", "watched_coupling"]
 
 BATCH_COUPLED = (
     "{name} ({kind}) couples the examples of a batch in training mode (its statistics are "
@@ -32,12 +37,13 @@ RANDOM_LAYER = (
 
 def batch_coupling(model: nn.Module, *, pieces: str = "micro-batches",
                    option: str = "accumulate", root: str = "the model",
-                   skip_batchnorm: bool = False) -> str | None:  # fmt: skip
+                   skip_batchnorm: bool = False, random: bool = True) -> str | None:  # fmt: skip
     """Why ``pieces`` of the batch run through ``model`` one after another would not add up
     to the whole batch's gradient (a training-mode layer whose output depends on the other
     examples, or one that draws random masks), or ``None``; the message's fix is to leave
     out ``option``. ``skip_batchnorm``: BatchNorm layers are not counted (the caller
-    handles them)."""
+    handles them); ``random=False``: layers drawing masks are not counted (accumulate replays
+    the whole batch's draws, :mod:`._batch_draws`)."""
     for name, m in model.named_modules():
         if not m.training:
             continue
@@ -50,7 +56,7 @@ def batch_coupling(model: nn.Module, *, pieces: str = "micro-batches",
                                         option=option)  # fmt: skip
         p = m.p if isinstance(m, _DropoutNd) else (
             m.dropout if isinstance(m, nn.RNNBase) and m.num_layers > 1 else 0)  # fmt: skip
-        if p > 0:
+        if p > 0 and random:
             return RANDOM_LAYER.format(name=where, kind=type(m).__name__, p=p, pieces=pieces,
                                        option=option)  # fmt: skip
     return None
@@ -67,39 +73,73 @@ MIXES_EXAMPLES = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Watched:
+    """What one watched forward says about running a batch in pieces: ``why`` they would
+    not add up to the whole batch's gradient (or ``None``), and the random draws the pieces
+    replay (:class:`~leangrad.engines._batch_draws.BatchDraws`; empty: none)."""
+
+    why: str | None
+    draws: tuple[Drawn, ...] = ()
+
+
 def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
-                     pieces: str = "micro-batches", option: str = "accumulate") -> str | None:
-    """Why ``pieces`` of the batch ``xs`` (every tensor one row per example) run through
-    ``model`` one after another would not add up to the whole batch's gradient, found by
-    watching one forward rather than by the layers' classes: a random draw anywhere
-    (:mod:`._draws`), a buffer the forward changes, or an output row that depends on
-    another example (two examples at once against each alone; plain tensors only: a
-    subclass such as chunked cross-entropy's lazy logits is not read). Runs without
-    autograd on two examples, with the RNG streams forked and every buffer put back."""
+                     pieces: str = "micro-batches", option: str = "accumulate") -> Watched:
+    """Whether ``pieces`` of the batch ``xs`` (every tensor one row per example) run through
+    ``model`` one after another add up to the whole batch's gradient, found by watching one
+    forward rather than by the layers' classes: a buffer the forward changes, an output row
+    that depends on another example (two examples at once against each alone; plain
+    tensors only: a subclass such as chunked cross-entropy's lazy logits is not read), and
+    random draws (:mod:`._draws`), which the pieces replay where each draw's shape follows
+    the batch or is shared by it (:func:`~leangrad.engines._batch_draws.layout`) and the
+    examples alone then match them at once, and refuse where not. Runs without autograd on
+    two examples, with the RNG streams forked and every buffer put back."""
     n = xs[0].shape[0] if xs and xs[0].dim() else 0
     if n == 0:
-        return None
+        return Watched(None)
     rows = [x[:2] for x in xs]
+    m = min(n, 2)
     buffers = list(model.named_buffers())
     saved = [(b._version, b.detach().clone()) for _, b in buffers]
     devices = sorted({x.device.index or 0 for x in xs if x.device.type == "cuda"})
+    draws: tuple[Drawn, ...] = ()
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.no_grad():
-            both, drawn = drawing(model, lambda: model(*rows), pieces=pieces, option=option)
-            alone = [model(*[x[i:i + 1] for x in rows]) for i in range(min(n, 2))]
+            start = _rng(devices)
+            with Draws(model) as whole:
+                both = model(*rows)
+            after = _rng(devices)
+            if whole.found:
+                _set_rng(start, devices)
+                with Draws(model) as one:
+                    model(*[x[:1] for x in rows])
+                draws, why = layout(whole.shapes, one.shapes, n_whole=m, n_piece=1)
+                if why is not None:
+                    return Watched(why)
+                _set_rng(start, devices)
+            replay = BatchDraws(draws, edges=range(m + 1))
+            alone = []
+            for i in range(m):
+                with replay.piece(i) if draws else contextlib.nullcontext():
+                    alone.append(model(*[x[i:i + 1] for x in rows]))
+            if draws and not all(torch.equal(a, b) for a, b in
+                                 zip(after, _rng(devices), strict=True)):  # fmt: skip
+                where, op, _ = whole.shapes[0]
+                return Watched(DRAWS.format(where=where, op=op, pieces=pieces, option=option))
+    except errors.LeangradError as e:  # a replay that does not match: refused, named
+        return Watched(str(e))
     finally:
         changed = [name for (name, b), (v, _) in zip(buffers, saved, strict=True)
                    if b._version != v]  # fmt: skip
         with torch.no_grad():
             for (_, b), (_, value) in zip(buffers, saved, strict=True):
                 b.copy_(value)
-    if drawn is not None:
-        return drawn
     if changed:
         names = ", ".join(repr(c) for c in changed[:3])
-        return CHANGES_BUFFERS.format(names=f"buffer(s) {names}", pieces=pieces, option=option)
+        why = CHANGES_BUFFERS.format(names=f"buffer(s) {names}", pieces=pieces, option=option)
+        return Watched(why)
     if n < 2 or any(is_fake(x) for x in xs):  # a fake tensor has no values to compare
-        return None
+        return Watched(None, draws)
     for i, (b, x, y) in enumerate(zip(*(pytree.tree_leaves(o) for o in (both, *alone)),
                                       strict=False)):  # fmt: skip
         if not (type(b) is torch.Tensor and b.is_floating_point() and b.dim()
@@ -110,8 +150,19 @@ def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
             continue
         diff = float((b - torch.cat([x, y])).abs().max())
         if not diff <= _tolerance(b.dtype) * (float(b.abs().max()) + 1e-30):
-            return MIXES_EXAMPLES.format(index=i, diff=diff, pieces=pieces, option=option)
-    return None
+            why = MIXES_EXAMPLES.format(index=i, diff=diff, pieces=pieces, option=option)
+            return Watched(why)
+    return Watched(None, draws)
+
+
+def _rng(devices: list[int]) -> list[torch.Tensor]:
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def _set_rng(states: list[torch.Tensor], devices: list[int]) -> None:
+    torch.set_rng_state(states[0])
+    for d, s in zip(devices, states[1:], strict=True):
+        torch.cuda.set_rng_state(s, d)
 
 
 def _tolerance(dtype: torch.dtype) -> float:

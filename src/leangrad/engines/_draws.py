@@ -14,7 +14,8 @@ other numbers than one forward of the whole batch, so whoever splits a batch ask
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,13 +25,47 @@ from torch.nn.modules import module as module_hooks
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DRAWS", "Draws", "drawing"]
+__all__ = ["BY_FIRST", "DRAWS", "REPLAYING", "Draws", "aside", "draw_shape", "drawing", "may_draw",
+           "op_name", "size_index"]
 
 DRAWS = (
     "{where} draws random numbers in its forward ({op}), and {pieces} would draw other "
     "numbers than one forward of the whole batch (another gradient than autograd's); "
     "put it in eval mode or set its probability to 0, or leave out {option}"
 )
+
+
+BY_FIRST = frozenset({
+    "bernoulli_.float", "bernoulli.p", "uniform_.default", "normal_.default",
+    "exponential_.default", "geometric_.default", "log_normal_.default", "cauchy_.default",
+    "random_.default", "random_.from", "random_.to", "rand_like.default",
+    "randn_like.default", "randint_like.default", "randint_like.low_dtype",
+    "native_dropout.default",
+})  # fmt: skip
+"""Ops whose draw depends on their first tensor's shape and layout only, not its values
+(``native_dropout``'s output does, its mask does not: it is replayed through the mask)."""
+
+REPLAYING: list[Any] = []
+"""The :class:`~leangrad.engines._batch_draws.BatchDraws` replaying a batch's draws now
+(below any :class:`Draws`, which then sees no generator move and counts every seeded op
+that may draw). A plain list, not thread-local: the backward pass may run on other
+threads."""
+
+
+@contextlib.contextmanager
+def aside() -> Iterator[None]:
+    """A probe's run beside the step (on copies, its RNG streams forked): any replay of a
+    batch's draws passes its draws through, for they are the probe's own."""
+    held = REPLAYING[:]
+    for r in held:
+        r.paused += 1
+    REPLAYING.clear()
+    try:
+        yield
+    finally:
+        REPLAYING[:] = held
+        for r in held:
+            r.paused -= 1
 
 
 class Draws(TorchDispatchMode):
@@ -57,6 +92,8 @@ class Draws(TorchDispatchMode):
         self.root_name = root_name
         self.stack: list[str] = []
         self.found: list[tuple[str, str]] = []
+        self.shapes: list[tuple[str, str, tuple[int, ...] | None]] = []
+        """Per draw: module, ``op.overload`` and the shape it draws (``draw_shape``)."""
         self._handles: list[Any] = []
 
     def __enter__(self) -> Draws:
@@ -92,11 +129,13 @@ class Draws(TorchDispatchMode):
         out = func(*args, **kwargs)
         fake = any(is_fake(t) for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor))  # fmt: skip
-        if (_may_draw(func, args, kwargs) if fake or not gens else
+        if (may_draw(func, args, kwargs) if fake or not gens or REPLAYING else
                 any(not torch.equal(b, g.get_state()) for b, g in zip(before, gens,
                                                                      strict=True))):
             where = next((n for n in reversed(self.stack) if n), self.root_name)
             self.found.append((where, func.overloadpacket.__name__))
+            self.shapes.append((where, op_name(func),
+                                draw_shape(func, args, kwargs)))
         return out
 
     def first(self) -> tuple[str, str] | None:
@@ -129,7 +168,7 @@ def _generators(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Gen
     return []
 
 
-def _may_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def may_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a seeded op's arguments let it draw: not with ``dropout_p``/``p`` 0 or
     ``train``/``training`` false."""
     for i, a in enumerate(func._schema.arguments):
@@ -148,3 +187,25 @@ def drawing(root: nn.Module | Sequence[nn.Module], run: Callable[[], Any], *, pi
     with Draws(root, root_name=root_name) as d:
         out = run()
     return out, d.reason(pieces=pieces, option=option)
+
+
+def op_name(func: Any) -> str:
+    return f"{func.overloadpacket.__name__}.{func._overloadname}"
+
+
+def size_index(func: Any) -> int | None:
+    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "size"), None)
+
+
+def draw_shape(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The shape a random op draws, where its draw depends on nothing else (a factory's
+    ``size``, or the first tensor of an op in :data:`BY_FIRST`); ``None`` where the op
+    cannot be replayed by shape."""
+    if op_name(func) in BY_FIRST and args and isinstance(args[0], torch.Tensor):
+        return tuple(args[0].shape)
+    i = size_index(func)
+    if i is not None:
+        size = args[i] if i < len(args) else kwargs.get("size")
+        if isinstance(size, Sequence) and all(isinstance(s, int) for s in size):
+            return tuple(size)
+    return None

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from ._contract import graph_nodes, keep_nothing
 from ._coupling import _tolerance, batch_coupling
-from ._draws import Draws
+from ._draws import Draws, aside
 from ._fragments_bn import (
     BnStats,
     bn_buffers,
@@ -460,7 +460,7 @@ class Fragmenter:
             # tensors themselves: they stayed alive for good, one example's activations per
             # block, and the first step's peak was 1.1-1.5x the later ones' on the quick
             # GPT, BERT, ViT and U-Net)
-            with torch.random.fork_rng(devices=devices, device_type="cuda"), \
+            with torch.random.fork_rng(devices=devices, device_type="cuda"), aside(), \
                     torch.autograd.graph.saved_tensors_hooks(keep_nothing, keep_nothing), \
                     Draws(self.modules, root_name="the block") as draws:
                 # both examples at once (under BatchNorm: its statistics kept), then each

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import noop_context_fn
+
+from ._draws import REPLAYING
 
 __all__ = ["generator_replay", "layer_generators"]
 
@@ -39,18 +40,20 @@ def layer_generators(modules: Iterable[nn.Module]) -> list[torch.Generator]:
 def generator_replay(modules: Iterable[nn.Module]) -> ContextFn:
     """A ``context_fn`` for non-reentrant ``checkpoint``: the recomputation of ``modules``
     starts from the states their generators had when the forward began, and ends with the
-    generators where they were before it (module docstring). No generators: a no-op."""
+    generators where they were before it (module docstring). Inside accumulate's replay of
+    a whole batch's draws (:class:`~leangrad.engines._batch_draws.BatchDraws`), the
+    recomputation is handed the draws the forward was handed."""
     gens = layer_generators(modules)
-    if not gens:
-        return noop_context_fn
 
     def contexts() -> tuple[contextlib.AbstractContextManager[None],
                             contextlib.AbstractContextManager[None]]:  # fmt: skip
         start: list[torch.Tensor] = []
+        cursor: list[int] = []
 
         @contextlib.contextmanager
         def forward() -> Iterator[None]:
             start[:] = [g.get_state() for g in gens]
+            cursor[:] = [r.cursor for r in REPLAYING[-1:]]
             yield
 
         @contextlib.contextmanager
@@ -58,11 +61,19 @@ def generator_replay(modules: Iterable[nn.Module]) -> ContextFn:
             now = [g.get_state() for g in gens]
             for g, s in zip(gens, start, strict=True):
                 g.set_state(s)
+            replay = REPLAYING[-1] if REPLAYING and cursor else None
+            if replay is not None:
+                was = replay.cursor
+                replay.cursor = cursor[0]
+                replay.recomputing += 1
             try:
                 yield
             finally:
                 for g, s in zip(gens, now, strict=True):
                     g.set_state(s)
+                if replay is not None:
+                    replay.cursor = was
+                    replay.recomputing -= 1
 
         return forward(), recompute()
 

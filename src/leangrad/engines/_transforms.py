@@ -36,8 +36,9 @@ from torch import nn
 
 from .. import _errors as errors
 from ._base import Engine, StepResult
+from ._batch_draws import BatchDraws
 from ._blocks import blocks as find_blocks
-from ._coupling import BATCH_COUPLED, RANDOM_LAYER, batch_coupling, watched_coupling
+from ._coupling import BATCH_COUPLED, RANDOM_LAYER, Watched, batch_coupling, watched_coupling
 from ._prepare import Wrapper, share_copy
 from ._signature import untraceable_signature
 
@@ -472,13 +473,15 @@ class AccumulateTransform(Transform):
 
     Exact where no layer couples the examples (training-mode BatchNorm does: refused) and
     the loss is a mean or sum over examples, declared with
-    :func:`leangrad.loss.per_example` (the targets are split with the inputs). Layers that
-    draw random numbers are refused, micro-batches would draw other ones than one
-    whole-batch forward: they are found by watching the model's forward on two examples
-    once per kind of input (any op PyTorch tags as seeded: ``nn.Dropout``, ``F.dropout``
-    inside a ``forward``, stochastic depth, attention's ``dropout_p``), as is a forward that
-    changes a buffer or mixes its examples. ``on_grad`` is called once per parameter, after
-    the last micro-batch.
+    :func:`leangrad.loss.per_example` (the targets are split with the inputs). Random draws
+    (any op PyTorch tags as seeded: ``nn.Dropout``, ``F.dropout`` inside a ``forward``,
+    stochastic depth, attention's ``dropout_p``) are found by watching the model's forward
+    on two examples once per kind of input, and replayed: the first micro-batch draws what
+    the whole batch would have drawn, and each micro-batch gets its rows
+    (:mod:`._batch_draws`), so masks, gradients and the RNG streams are autograd's; a draw
+    that cannot be replayed so is refused, named, as is a forward that changes a buffer or
+    mixes its examples. ``on_grad`` is called once per parameter, after the last
+    micro-batch.
 
     Args:
         micro_batches: how many micro-batches (sizes differ by at most one; a batch with
@@ -498,11 +501,12 @@ class AccumulateTransform(Transform):
     def __init__(self, *, micro_batches: int = 2) -> None:
         Engine._positive_int("micro_batches", micro_batches)
         super().__init__(micro_batches=micro_batches)
-        self._watched: weakref.WeakKeyDictionary[nn.Module, dict[Any, str | None]] = (
+        self._watched: weakref.WeakKeyDictionary[nn.Module, dict[Any, Watched]] = (
             weakref.WeakKeyDictionary())  # fmt: skip
-        """Per model and kind of input: why micro-batches are not exact, or ``None``."""
+        """Per model and kind of input: why micro-batches are not exact (or ``None``) and the
+        random draws they replay."""
 
-    def watched_reason(self, model: nn.Module, xs: tuple[torch.Tensor, ...]) -> str | None:
+    def watched(self, model: nn.Module, xs: tuple[torch.Tensor, ...]) -> Watched:
         """:func:`watched_coupling` of ``model`` on ``xs``, once per kind of input (the
         shapes less the batch, dtypes, devices) and training flags."""
         seen = self._watched.setdefault(model, {})
@@ -516,7 +520,7 @@ class AccumulateTransform(Transform):
         return module, {}
 
     def inspect(self, model: nn.Module, *, blocks: tuple[str, ...]) -> dict[str, Any]:
-        if (why := batch_coupling(model)) is not None:
+        if (why := batch_coupling(model, random=False)) is not None:
             raise errors.EngineInputError(why)
         k = self.options["micro_batches"]
         if k == 1:
@@ -537,17 +541,20 @@ class AccumulateTransform(Transform):
                 if x.dim() == 0 or x.shape[0] != n:
                     rows = x.shape[0] if x.dim() else 0
                     raise errors.EngineInputError(MICRO_ROWS.format(index=i, rows=rows, batch=n))
-            if min(k, n) > 1 and (why := self.watched_reason(model, xs)) is not None:
-                raise errors.EngineInputError(why)
             m = min(k, n)  # a short last batch of an epoch: one example per micro-batch
+            seen = self.watched(model, xs) if m > 1 else Watched(None)
+            if seen.why is not None:
+                raise errors.EngineInputError(seen.why)
             edges = [n * i // m for i in range(m + 1)]
+            replay = BatchDraws(seen.draws, edges=edges) if seen.draws else None
             total: torch.Tensor | None = None
             res: Any = None
             for i in range(m):
                 a, b = edges[i], edges[i + 1]
                 last = i == m - 1
-                res = run(tuple(x[a:b] for x in xs), loss_fn.rows(a, b),
-                          on_grad if last else None)  # fmt: skip
+                with replay.piece(i) if replay is not None else contextlib.nullcontext():
+                    res = run(tuple(x[a:b] for x in xs), loss_fn.rows(a, b),
+                              on_grad if last else None)  # fmt: skip
                 total = res.loss if total is None else total + res.loss
             assert total is not None
             return StepResult(loss=total, engine=res.engine,

@@ -25,6 +25,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
+from ._draws import aside
 from ._generators import layer_generators
 
 __all__ = ["InputWrites"]
@@ -113,7 +114,8 @@ class InputWrites:
         states = [g.get_state() for g in gens]
         devices = sorted({c.device.index or 0 for c, _ in watched if c.device.type == "cuda"})
         try:
-            with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.no_grad():
+            with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.no_grad(), \
+                    aside():
                 fn(*a, **kw)
         except Exception:  # cannot run on one example (BatchNorm1d in training): as before
             return False

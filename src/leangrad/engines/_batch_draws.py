@@ -1,0 +1,194 @@
+"""Micro-batches that draw the whole batch's random numbers.
+
+One forward of the whole batch draws, say, timm's ``DropPath`` mask as one ``(B, 1, 1, 1)``
+tensor and a dropout mask as one tensor of the activation's shape; ``k`` micro-batches
+drawing ``k`` smaller tensors one after another get other numbers, so accumulation would
+compute the gradient of another network. :class:`BatchDraws` makes them get the same: at
+each random op of the first micro-batch it draws the tensor the whole batch would have
+drawn (same shape but the batch, same memory layout, same generator, same order, so the
+generator moves exactly as in autograd's step) and hands the micro-batch its rows; the
+later micro-batches, and every recomputation of a checkpointed block, get their rows of the
+same tensor without drawing. A draw whose shape does not follow the batch (a noise vector
+shared by every example) is drawn once and handed to every micro-batch whole, as one
+forward would use it.
+
+Which draws follow the batch is watched, not assumed: :func:`layout` compares the shapes a
+forward of two examples draws with those of one example (``Draws`` records them). Ops that
+draw from their input's values (``multinomial``, ``bernoulli(probs)``, ``randperm`` in a
+data-dependent place, fused attention kernels with dropout) cannot be replayed this way:
+the caller refuses them, naming the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import _errors as errors
+from ._draws import BY_FIRST, REPLAYING, draw_shape, may_draw, op_name, size_index
+
+__all__ = ["BatchDraws", "Drawn", "layout"]
+
+CANNOT_REPLAY = (
+    "{where} draws random numbers with {op}, which micro-batches cannot replay as the whole "
+    "batch draws them ({why}); put it in eval mode or set its probability to 0, or leave "
+    "out accumulate"
+)
+REPLAY_MISMATCH = (
+    "the model's forward drew other random numbers in micro-batch {piece} than in the "
+    "first ({why}); accumulate replays the whole batch's draws, which needs the same random "
+    "calls in every micro-batch: make the forward's draws independent of the data, or leave "
+    "out accumulate"
+)
+RECOMPUTED_DRAW = (
+    "a random op ({op}) ran during the backward pass outside leangrad's checkpointing (the "
+    "model's own torch.utils.checkpoint, or Hugging Face's gradient checkpointing?): "
+    "accumulate cannot replay the whole batch's draws there; turn the model's own "
+    "checkpointing off and use engine='checkpoint+accumulate', or leave out accumulate"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """One random op of the forward: its name, and whether its draw follows the batch
+    (``True``: dimension 0 is the batch) or is shared by every example."""
+
+    op: str
+    batch: bool
+
+
+def layout(whole: Sequence[tuple[str, str, tuple[int, ...] | None]],
+           piece: Sequence[tuple[str, str, tuple[int, ...] | None]], *,
+           n_whole: int, n_piece: int) -> tuple[tuple[Drawn, ...], str | None]:  # fmt: skip
+    """Which of the draws ``(module, op, shape)`` of a forward of ``n_whole`` examples follow
+    the batch, against a forward of ``n_piece`` examples: ``(draws, None)``, or ``((), why)``
+    naming the first draw that cannot be replayed."""
+    if len(whole) != len(piece):
+        where, op, _ = (whole or piece)[0]
+        return (), CANNOT_REPLAY.format(where=where, op=op, why=(
+            f"{len(whole)} draws for {n_whole} examples, {len(piece)} for {n_piece}"))
+    out = []
+    for (where, op, a), (_, op_b, b) in zip(whole, piece, strict=True):
+        if a is None or b is None or op != op_b:
+            return (), CANNOT_REPLAY.format(where=where, op=op, why=(
+                "its draw depends on its input's values" if a is None or b is None
+                else f"another op, {op_b}, on fewer examples"))  # fmt: skip
+        if a == b:
+            out.append(Drawn(op, batch=False))
+        elif a[1:] == b[1:] and a[:1] == (n_whole,) and b[:1] == (n_piece,):
+            out.append(Drawn(op, batch=True))
+        else:
+            return (), CANNOT_REPLAY.format(where=where, op=op, why=(
+                f"its shape {list(a)} for {n_whole} examples is not the batch's along "
+                f"dimension 0 ({list(b)} for {n_piece})"))  # fmt: skip
+    return tuple(out), None
+
+
+def _full(t: torch.Tensor, n: int) -> torch.Tensor:
+    """An empty tensor like ``t`` with ``n`` rows, laid out in memory as the whole batch's
+    would be (``t``'s order of dimensions, the batch outermost)."""
+    stride = t.stride()
+    inner = sorted(range(1, t.dim()), key=lambda d: (-stride[d], d))
+    if t.shape[0] > 1 and any(t.shape[d] > 1 and stride[0] < stride[d] * t.shape[d]
+                              for d in inner):  # fmt: skip
+        raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=0, why=(
+            "a draw on a tensor whose batch dimension is not outermost in memory")))  # fmt: skip
+    perm = [0, *inner]
+    shape = [n if d == 0 else t.shape[d] for d in perm]
+    back = sorted(range(t.dim()), key=lambda d: perm[d]) if t.dim() else []
+    return torch.empty(shape, dtype=t.dtype, device=t.device).permute(back)
+
+
+class BatchDraws(TorchDispatchMode):
+    """Replays a whole batch's random draws in its micro-batches (module docstring).
+
+    ``draws`` from :func:`layout`; ``edges`` the micro-batches' first rows and the batch
+    size (``[0, 4, 8]``). Enter it around each micro-batch's step with :meth:`piece`;
+    leangrad's checkpointing rewinds :attr:`cursor` for its recomputations
+    (:mod:`._generators`).
+    """
+
+    def __init__(self, draws: Sequence[Drawn], *, edges: Sequence[int]) -> None:
+        super().__init__()
+        self.draws = tuple(draws)
+        self.edges = tuple(edges)
+        self.index = 0
+        self.cursor = 0
+        self.recomputing = 0
+        self.paused = 0
+        """Above 0 while a probe runs beside the step (:func:`~._draws.aside`)."""
+        self.tape: list[Any] = [None] * len(self.draws)
+
+    @contextlib.contextmanager
+    def piece(self, index: int) -> Iterator[None]:
+        """Micro-batch ``index`` runs (forward and backward) inside."""
+        self.index, self.cursor = index, 0
+        REPLAYING.append(self)
+        try:
+            with self:
+                yield
+        finally:
+            REPLAYING.remove(self)
+        if self.cursor != len(self.draws):
+            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=index, why=(
+                f"{self.cursor} random calls, {len(self.draws)} expected")))  # fmt: skip
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:  # fmt: skip
+        kwargs = kwargs or {}
+        if (self.paused or torch.Tag.nondeterministic_seeded not in func.tags
+                or not may_draw(func, args, kwargs)):  # fmt: skip
+            return func(*args, **kwargs)
+        if not self.recomputing and torch._C._current_graph_task_id() != -1:
+            raise errors.EngineInputError(RECOMPUTED_DRAW.format(op=op_name(func)))
+        i = self.cursor
+        self.cursor += 1
+        if i >= len(self.draws) or self.draws[i].op != op_name(func):
+            want = self.draws[i].op if i < len(self.draws) else "none"
+            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.index, why=(
+                f"call {i}: {op_name(func)}, expected {want}")))  # fmt: skip
+        drawn = self.draws[i]
+        a, b = self.edges[self.index], self.edges[self.index + 1]
+        shape = draw_shape(func, args, kwargs)
+        if shape is None or (drawn.batch and shape[:1] != (b - a,)):
+            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.index, why=(
+                f"call {i}: {op_name(func)} of shape {shape}")))  # fmt: skip
+        if self.tape[i] is None:
+            self.tape[i] = self._draw(func, args, kwargs, drawn)
+        return self._rows(func, args, self.tape[i], drawn, a, b)
+
+    def _draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              drawn: Drawn) -> Any:  # fmt: skip
+        """What the whole batch draws at this op: its output (the mask for dropout)."""
+        n = self.edges[-1]
+        if op_name(func) in BY_FIRST:
+            first = _full(args[0], n) if drawn.batch else torch.empty_like(args[0])
+            if op_name(func) == "native_dropout.default":
+                return func(first.zero_(), *args[1:], **kwargs)[1]
+            return func(first, *args[1:], **kwargs)
+        i = size_index(func)
+        assert i is not None
+        size = list(args[i] if i < len(args) else kwargs["size"])
+        if drawn.batch:
+            size[0] = n
+        if i < len(args):
+            return func(*args[:i], size, *args[i + 1:], **kwargs)
+        return func(*args, **{**kwargs, "size": size})
+
+    @staticmethod
+    def _rows(func: Any, args: tuple[Any, ...], full: torch.Tensor, drawn: Drawn,
+              a: int, b: int) -> Any:  # fmt: skip
+        rows = full[a:b] if drawn.batch else full
+        if op_name(func) == "native_dropout.default":
+            p = float(args[1])
+            scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+            out = torch.ops.aten.native_dropout_backward(args[0], rows, scale)
+            return out, rows.clone()
+        if func._schema.is_mutable:  # an in-place draw: fill the micro-batch's tensor
+            return args[0].copy_(rows)
+        return rows.clone()
