@@ -153,6 +153,8 @@ def _configs() -> list[object]:
     named = [(n, o) for n in leangrad.available() for o in VARIANTS.get(n, [{}])]
     for name, opts in named + COMBOS:
         for kind in MODELS:
+            if kind == "highway" and "accumulate" in name:
+                continue  # time-major: its loss cannot be declared per example
             model, _, _ = _build(kind)
             if leangrad.engine(name, **opts).supports(model) is None:
                 label = ",".join(f"{k}={v}" for k, v in opts.items())

@@ -179,8 +179,8 @@ def test_hugging_face_gpt2_with_dropout(fragments: int | None) -> None:
     model, ids, loss_fn = _gpt2(0.2)
     res = _check(model, (ids,), loss_fn, seed=3, fragments=fragments)
     assert res.info["dropped"] == 5 - 3 and res.info["rebuilt"] == 2
-    if fragments is not None:  # dropout couples nothing, but fragments would draw k masks
-        assert set(res.info["whole"]) == {f"gpt2.transformer.h.{i}" for i in range(5)}
+    if fragments is not None:  # each fragment gets its rows of the whole batch's masks
+        assert res.info["whole"] == {}
 
 
 class DropBlock(nn.Module):

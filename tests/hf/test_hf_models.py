@@ -213,8 +213,9 @@ def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch
 
 def test_gpt2_dropout_option_sets_all_three_probabilities() -> None:
     """``dropout=`` is GPT-2's three dropout probabilities (0.1 as released, the default);
-    at 0 the blocks hold no training-mode dropout, so fragments of the batch may split them."""
-    from leangrad.engines._fragments import split_reason
+    at 0 the blocks hold no training-mode dropout, so fragments of the sequence may split
+    them (fragments of the batch may split them either way: their draws are replayed)."""
+    from leangrad.engines._fragments import split_reason, static_reason
 
     released = hf.gpt2(**hf.TINY["gpt2"])
     assert (released.config.resid_pdrop, released.config.embd_pdrop,
@@ -223,5 +224,6 @@ def test_gpt2_dropout_option_sets_all_three_probabilities() -> None:
     cfg = model.config
     assert (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop) == (0.0, 0.0, 0.0)
     model.train()
-    assert split_reason([model.transformer.h[0]]) is None
-    assert "Dropout" in (split_reason([released.train().transformer.h[0]]) or "")
+    assert static_reason([model.transformer.h[0]]) is None
+    assert "Dropout" in (static_reason([released.train().transformer.h[0]]) or "")
+    assert split_reason([released.transformer.h[0]]) is None

@@ -32,18 +32,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import _errors as errors
 from ._draws import BY_FIRST, REPLAYING, draw_shape, may_draw, op_name, size_index
 
-__all__ = ["BatchDraws", "Drawn", "layout"]
+__all__ = ["BatchDraws", "Drawn", "layout", "rng_states", "set_rng_states"]
 
 CANNOT_REPLAY = (
-    "{where} draws random numbers with {op}, which micro-batches cannot replay as the whole "
+    "{where} draws random numbers with {op}, which {pieces} cannot replay as the whole "
     "batch draws them ({why}); put it in eval mode or set its probability to 0, or leave "
-    "out accumulate"
+    "out {option}"
 )
 REPLAY_MISMATCH = (
-    "the model's forward drew other random numbers in micro-batch {piece} than in the "
-    "first ({why}); accumulate replays the whole batch's draws, which needs the same random "
-    "calls in every micro-batch: make the forward's draws independent of the data, or leave "
-    "out accumulate"
+    "the model's forward drew other random numbers in piece {piece} of the batch than in "
+    "the first ({why}); micro-batches and fragments replay the whole batch's draws, which "
+    "needs the same random calls in every piece: make the forward's draws independent of "
+    "the data, or leave out accumulate (fragments=)"
 )
 RECOMPUTED_DRAW = (
     "a random op ({op}) ran during the backward pass outside leangrad's checkpointing (the "
@@ -64,18 +64,20 @@ class Drawn:
 
 def layout(whole: Sequence[tuple[str, str, tuple[int, ...] | None]],
            piece: Sequence[tuple[str, str, tuple[int, ...] | None]], *,
-           n_whole: int, n_piece: int) -> tuple[tuple[Drawn, ...], str | None]:  # fmt: skip
+           n_whole: int, n_piece: int, pieces: str = "micro-batches",
+           option: str = "accumulate") -> tuple[tuple[Drawn, ...], str | None]:  # fmt: skip
     """Which of the draws ``(module, op, shape)`` of a forward of ``n_whole`` examples follow
     the batch, against a forward of ``n_piece`` examples: ``(draws, None)``, or ``((), why)``
-    naming the first draw that cannot be replayed."""
+    naming the first draw that ``pieces`` cannot replay (the fix: leave out ``option``)."""
+    named = {"pieces": pieces, "option": option}
     if len(whole) != len(piece):
         where, op, _ = (whole or piece)[0]
-        return (), CANNOT_REPLAY.format(where=where, op=op, why=(
+        return (), CANNOT_REPLAY.format(where=where, op=op, **named, why=(
             f"{len(whole)} draws for {n_whole} examples, {len(piece)} for {n_piece}"))
     out = []
     for (where, op, a), (_, op_b, b) in zip(whole, piece, strict=True):
         if a is None or b is None or op != op_b:
-            return (), CANNOT_REPLAY.format(where=where, op=op, why=(
+            return (), CANNOT_REPLAY.format(where=where, op=op, **named, why=(
                 "its draw depends on its input's values" if a is None or b is None
                 else f"another op, {op_b}, on fewer examples"))  # fmt: skip
         if a == b:
@@ -83,7 +85,7 @@ def layout(whole: Sequence[tuple[str, str, tuple[int, ...] | None]],
         elif a[1:] == b[1:] and a[:1] == (n_whole,) and b[:1] == (n_piece,):
             out.append(Drawn(op, batch=True))
         else:
-            return (), CANNOT_REPLAY.format(where=where, op=op, why=(
+            return (), CANNOT_REPLAY.format(where=where, op=op, **named, why=(
                 f"its shape {list(a)} for {n_whole} examples is not the batch's along "
                 f"dimension 0 ({list(b)} for {n_piece})"))  # fmt: skip
     return tuple(out), None
@@ -108,34 +110,48 @@ class BatchDraws(TorchDispatchMode):
     """Replays a whole batch's random draws in its micro-batches (module docstring).
 
     ``draws`` from :func:`layout`; ``edges`` the micro-batches' first rows and the batch
-    size (``[0, 4, 8]``). Enter it around each micro-batch's step with :meth:`piece`;
-    leangrad's checkpointing rewinds :attr:`cursor` for its recomputations
+    size (``[0, 4, 8]``); ``forward_only``: see the attribute. Enter it around each
+    micro-batch's step with :meth:`piece` (or any rows with :meth:`span`: checkpoint's
+    fragments); leangrad's checkpointing rewinds :attr:`cursor` for its recomputations
     (:mod:`._generators`).
     """
 
-    def __init__(self, draws: Sequence[Drawn], *, edges: Sequence[int]) -> None:
+    def __init__(self, draws: Sequence[Drawn], *, edges: Sequence[int],
+                 forward_only: bool = True) -> None:  # fmt: skip
         super().__init__()
+        self.forward_only = forward_only
+        """Whether a draw in the backward pass outside a recomputation it was told of is an
+        error (accumulate: a recomputation it cannot rewind); fragments run their forward
+        inside other recomputations too (two-level checkpointing), each with its own tape."""
         self.draws = tuple(draws)
         self.edges = tuple(edges)
-        self.index = 0
+        self.rows = (0, 0)
+        self.label = ""
         self.cursor = 0
         self.recomputing = 0
         self.paused = 0
         """Above 0 while a probe runs beside the step (:func:`~._draws.aside`)."""
         self.tape: list[Any] = [None] * len(self.draws)
 
-    @contextlib.contextmanager
-    def piece(self, index: int) -> Iterator[None]:
+    def piece(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Micro-batch ``index`` runs (forward and backward) inside."""
-        self.index, self.cursor = index, 0
+        return self.span(self.edges[index], self.edges[index + 1], label=str(index))
+
+    @contextlib.contextmanager
+    def span(self, a: int, b: int, *, label: str = "", recompute: bool = False) -> Iterator[None]:
+        """Rows ``a:b`` of the batch run inside; ``recompute``: a recomputation in the
+        backward pass, handed what the forward drew."""
+        self.rows, self.label, self.cursor = (a, b), label or f"{a}:{b}", 0
+        self.recomputing += recompute
         REPLAYING.append(self)
         try:
             with self:
                 yield
         finally:
             REPLAYING.remove(self)
+            self.recomputing -= recompute
         if self.cursor != len(self.draws):
-            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=index, why=(
+            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.label, why=(
                 f"{self.cursor} random calls, {len(self.draws)} expected")))  # fmt: skip
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -144,19 +160,20 @@ class BatchDraws(TorchDispatchMode):
         if (self.paused or torch.Tag.nondeterministic_seeded not in func.tags
                 or not may_draw(func, args, kwargs)):  # fmt: skip
             return func(*args, **kwargs)
-        if not self.recomputing and torch._C._current_graph_task_id() != -1:
+        if (self.forward_only and not self.recomputing
+                and torch._C._current_graph_task_id() != -1):  # fmt: skip
             raise errors.EngineInputError(RECOMPUTED_DRAW.format(op=op_name(func)))
         i = self.cursor
         self.cursor += 1
         if i >= len(self.draws) or self.draws[i].op != op_name(func):
             want = self.draws[i].op if i < len(self.draws) else "none"
-            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.index, why=(
+            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.label, why=(
                 f"call {i}: {op_name(func)}, expected {want}")))  # fmt: skip
         drawn = self.draws[i]
-        a, b = self.edges[self.index], self.edges[self.index + 1]
+        a, b = self.rows
         shape = draw_shape(func, args, kwargs)
         if shape is None or (drawn.batch and shape[:1] != (b - a,)):
-            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.index, why=(
+            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.label, why=(
                 f"call {i}: {op_name(func)} of shape {shape}")))  # fmt: skip
         if self.tape[i] is None:
             self.tape[i] = self._draw(func, args, kwargs, drawn)
@@ -192,3 +209,15 @@ class BatchDraws(TorchDispatchMode):
         if func._schema.is_mutable:  # an in-place draw: fill the micro-batch's tensor
             return args[0].copy_(rows)
         return rows.clone()
+
+
+def rng_states(devices: Sequence[int]) -> list[torch.Tensor]:
+    """The global RNG states: the CPU's, then each CUDA device's in ``devices``."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def set_rng_states(states: Sequence[torch.Tensor], devices: Sequence[int]) -> None:
+    """Puts back what :func:`rng_states` read."""
+    torch.set_rng_state(states[0])
+    for d, st in zip(devices, states[1:], strict=True):
+        torch.cuda.set_rng_state(st, d)

@@ -89,7 +89,7 @@ def block_lines(base: CheckpointLike, model: nn.Module, *,
                                  "bytes inside (sized on fake tensors at the first step)")
             elif isinstance(base.fragment_blocks, int):
                 status[name] += f" (among the {base.fragment_blocks} largest)"
-            if static_reason(block) is not None:  # BatchNorm: frozen statistics
+            if static_reason(block, random=False) is not None:  # BatchNorm: frozen statistics
                 status[name] += (" (training-mode BatchNorm: its statistics frozen, its "
                                  "backward's batch sums gathered in extra passes)")  # fmt: skip
     if base.sequence_fragments is not None:

@@ -18,7 +18,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils import _pytree as pytree
 
 from .. import _errors as errors
-from ._batch_draws import BatchDraws, Drawn, layout
+from ._batch_draws import BatchDraws, Drawn, layout, rng_states, set_rng_states
 from ._draws import DRAWS, Draws
 
 __all__ = ["BATCH_COUPLED", "RANDOM_LAYER", "Watched", "batch_coupling", "watched_coupling"]
@@ -105,25 +105,26 @@ def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
     draws: tuple[Drawn, ...] = ()
     try:
         with torch.random.fork_rng(devices=devices, device_type="cuda"), torch.no_grad():
-            start = _rng(devices)
+            start = rng_states(devices)
             with Draws(model) as whole:
                 both = model(*rows)
-            after = _rng(devices)
+            after = rng_states(devices)
             if whole.found:
-                _set_rng(start, devices)
+                set_rng_states(start, devices)
                 with Draws(model) as one:
                     model(*[x[:1] for x in rows])
-                draws, why = layout(whole.shapes, one.shapes, n_whole=m, n_piece=1)
+                draws, why = layout(whole.shapes, one.shapes, n_whole=m, n_piece=1,
+                                    pieces=pieces, option=option)  # fmt: skip
                 if why is not None:
                     return Watched(why)
-                _set_rng(start, devices)
+                set_rng_states(start, devices)
             replay = BatchDraws(draws, edges=range(m + 1))
             alone = []
             for i in range(m):
                 with replay.piece(i) if draws else contextlib.nullcontext():
                     alone.append(model(*[x[i:i + 1] for x in rows]))
             if draws and not all(torch.equal(a, b) for a, b in
-                                 zip(after, _rng(devices), strict=True)):  # fmt: skip
+                                 zip(after, rng_states(devices), strict=True)):  # fmt: skip
                 where, op, _ = whole.shapes[0]
                 return Watched(DRAWS.format(where=where, op=op, pieces=pieces, option=option))
     except errors.LeangradError as e:  # a replay that does not match: refused, named
@@ -153,16 +154,6 @@ def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
             why = MIXES_EXAMPLES.format(index=i, diff=diff, pieces=pieces, option=option)
             return Watched(why)
     return Watched(None, draws)
-
-
-def _rng(devices: list[int]) -> list[torch.Tensor]:
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-
-
-def _set_rng(states: list[torch.Tensor], devices: list[int]) -> None:
-    torch.set_rng_state(states[0])
-    for d, s in zip(devices, states[1:], strict=True):
-        torch.cuda.set_rng_state(s, d)
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -36,6 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
+from ._batch_draws import BatchDraws, Drawn, layout, rng_states, set_rng_states
 from ._contract import graph_nodes, keep_nothing
 from ._coupling import _tolerance, batch_coupling
 from ._draws import Draws, aside
@@ -71,13 +72,15 @@ DIM_NAMES = {0: "example", 1: "position"}
 GENERATORS = "its layers draw from generators of their own, which fragments would draw k times"
 
 
-def static_reason(modules: Sequence[nn.Module], *, batchnorm: bool = False) -> str | None:
+def static_reason(modules: Sequence[nn.Module], *, batchnorm: bool = False,
+                  random: bool = True) -> str | None:  # fmt: skip
     """Why ``modules`` cannot run in fragments of the batch, seen from their types alone
-    (training-mode BatchNorm unless ``batchnorm``, dropout, layers holding their own
-    generators), or ``None``."""
+    (training-mode BatchNorm unless ``batchnorm``, dropout unless ``random=False`` — cut
+    along the batch, the probe watches the draws and the fragments replay them — layers
+    holding their own generators), or ``None``."""
     for module in modules:
         why = batch_coupling(module, pieces="fragments", option="fragments=", root="the block",
-                             skip_batchnorm=batchnorm)  # fmt: skip
+                             skip_batchnorm=batchnorm, random=random)  # fmt: skip
         if why is not None:
             return why
     if layer_generators(modules):
@@ -88,17 +91,17 @@ def static_reason(modules: Sequence[nn.Module], *, batchnorm: bool = False) -> s
 def frozen_batchnorm(modules: Sequence[nn.Module]) -> bool:
     """Whether what couples the examples in ``modules`` is training-mode BatchNorm alone,
     which runs in fragments with its statistics frozen (:mod:`._fragments_bn`)."""
-    return is_bn_only(modules) and static_reason(modules, batchnorm=True) is None
+    return is_bn_only(modules) and static_reason(modules, batchnorm=True, random=False) is None
 
 
 def split_reason(modules: Sequence[nn.Module]) -> str | None:
     """Why ``modules`` cannot run in fragments of the batch, from their types alone (the
     first call's probe may still find a reason), or ``None``: training-mode BatchNorm runs
     in fragments with frozen statistics."""
-    why = static_reason(modules)
+    why = static_reason(modules, random=False)
     if why is None or frozen_batchnorm(modules):
         return None
-    return static_reason(modules, batchnorm=True) or why  # what besides BatchNorm, if any
+    return static_reason(modules, batchnorm=True, random=False) or why  # besides BatchNorm
 
 
 def fragment_edges(rows: int, fragments: int) -> list[tuple[int, int]]:
@@ -127,6 +130,13 @@ class _Call:
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] | None = None  # non-tensor output leaves; tensors: _TENSOR
     overwritten: frozenset[int] = frozenset()  # BatchNorm calls whose output is written in place
+    draws: tuple[Drawn, ...] = ()  # random draws the fragments replay (_batch_draws)
+
+    def replay(self) -> BatchDraws | None:
+        """What replays the whole batch's draws in this call's fragments, or ``None``."""
+        if not self.draws:
+            return None
+        return BatchDraws(self.draws, edges=(0, self.edges[-1][1]), forward_only=False)
 
     def args(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = [tensors[v.index] if isinstance(v, _Slot) else v for v in self.leaves]
@@ -184,14 +194,16 @@ class _Fragmented(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs)
         ctx.stats = None
+        ctx.replay = replay = call.replay()
         if call.bn:  # whole, keeping each BatchNorm's statistics (_fragments_bn)
-            with capture_stats() as mode:
+            with capture_stats() as mode, _span(replay, 0, call.edges[-1][1]):
                 out = call.run(inputs)
             ctx.stats = mode.stats
         else:
             out = []
             for a, b in call.edges:
-                part = call.run(call.piece(inputs, a, b))
+                with _span(replay, a, b):
+                    part = call.run(call.piece(inputs, a, b))
                 if not out:
                     rows = call.edges[-1][1]
                     out = [_empty_as(p, (*p.shape[:d], rows, *p.shape[d + 1:]))
@@ -206,7 +218,7 @@ class _Fragmented(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
         run = _Recompute(call, list(ctx.saved_tensors), grads, ctx.needs_input_grad[1:],
-                         ctx.autocast, ctx.stats)  # fmt: skip
+                         ctx.autocast, ctx.stats, ctx.replay)  # fmt: skip
         if ctx.stats is not None:
             run.gather_batchnorm_sums()
         return (None, *run.differentiate())
@@ -222,9 +234,9 @@ class _Recompute:
     def __init__(self, call: _Call, inputs: list[torch.Tensor],
                  grads: Sequence[torch.Tensor | None], needs: Sequence[bool],
                  autocast: tuple[str, torch.dtype] | None,
-                 stats: list[BnStats] | None) -> None:  # fmt: skip
+                 stats: list[BnStats] | None, replay: BatchDraws | None) -> None:  # fmt: skip
         self.call, self.inputs, self.grads, self.needs = call, inputs, grads, needs
-        self.autocast, self.stats = autocast, stats
+        self.autocast, self.stats, self.replay = autocast, stats, replay
         n = call.n_tensors
         self.whole = [t.detach().requires_grad_(need) if not s and need else t
                       for t, s, need in zip(inputs, call.split, needs[:n],
@@ -236,7 +248,8 @@ class _Recompute:
         call, n = self.call, self.call.n_tensors
         mode: Any = contextlib.nullcontext() if self.stats is None else frozen_stats(
             self.stats, clone=call.overwritten)  # fmt: skip
-        with torch.enable_grad(), _autocast(self.autocast), mode:
+        with torch.enable_grad(), _autocast(self.autocast), mode, \
+                _span(self.replay, a, b, recompute=True):
             part = [_rows(t, call.dim, a, b).detach().requires_grad_(need) if s else w
                     for t, w, s, need in zip(self.inputs, self.whole, call.split,
                                              self.needs[:n], strict=True)]  # fmt: skip
@@ -320,6 +333,14 @@ def _empty_as(part: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return part.new_empty(shape)
 
 
+def _span(replay: BatchDraws | None, a: int, b: int, *,
+          recompute: bool = False) -> contextlib.AbstractContextManager[None]:  # fmt: skip
+    """Rows ``a:b`` handed their part of the whole batch's draws (where there are any)."""
+    if replay is None:
+        return contextlib.nullcontext()
+    return replay.span(a, b, recompute=recompute)
+
+
 def _autocast_now(inputs: Sequence[torch.Tensor]) -> tuple[str, torch.dtype] | None:
     """The autocast the forward ran under (device type, dtype), for the recomputation:
     a custom Function's backward runs outside it."""
@@ -351,10 +372,9 @@ class Fragmenter:
         self.modules = list(modules)
         self.fragments = fragments
         self.dim = dim
-        self.bn = dim == 0 and static_reason(self.modules) is not None and frozen_batchnorm(
-            self.modules)  # fmt: skip
+        self.bn = dim == 0 and frozen_batchnorm(self.modules)
         self.static = static_reason(self.modules) if dim else split_reason(self.modules)
-        self._probed: dict[Any, tuple[str | None, tuple[int, ...]]] = {}
+        self._probed: dict[Any, tuple[str | None, tuple[int, ...], tuple[Drawn, ...]]] = {}
         self._overwritten: dict[Any, frozenset[int]] = {}  # BatchNorm calls written in place
         self.last: str | None = self.static
         """Why the last call ran whole (``None``: it ran in fragments)."""
@@ -427,16 +447,19 @@ class Fragmenter:
             self._overwritten[key] = call.overwritten
             if pair is not None:  # all examples equal: this batch cannot show mixing
                 self._probed[key] = verdict
-        self.last, call.out_dims = verdict
+        self.last, call.out_dims, call.draws = verdict
         call.overwritten = self._overwritten.get(key, frozenset())
         return self.last
 
     def _probe(self, call: _Call, tensors: list[torch.Tensor], params: list[nn.Parameter], *,
-               pair: int) -> tuple[str | None, tuple[int, ...]]:  # fmt: skip
-        """Why this call cannot run in fragments (module docstring), or ``None`` and each
+               pair: int) -> tuple[str | None, tuple[int, ...], tuple[Drawn, ...]]:  # fmt: skip
+        """Why this call cannot run in fragments (module docstring), or ``None``, each
         output's batch dimension (where two examples give 2 and one gives 1: an LSTM's
-        ``(h, c)`` have it second). The probe's two examples are the first and the
-        ``pair``-th (one that differs from the first: equal ones would hide mixing)."""
+        ``(h, c)`` have it second) and the random draws the fragments replay (cut along
+        the batch, where each draw's shape follows it or is shared: :mod:`._batch_draws`;
+        the examples alone are run with the two's draws replayed). The probe's two
+        examples are the first and the ``pair``-th (one that differs from the first: equal
+        ones would hide mixing)."""
         d = call.dim
         tensors = [torch.cat([t.narrow(d, 0, 1), t.narrow(d, pair, 1)], d) if s else t
                    for t, s in zip(tensors, call.split, strict=True)]  # fmt: skip
@@ -452,6 +475,7 @@ class Fragmenter:
                       edges=[(0, 2)], n_tensors=call.n_tensors, dim=call.dim,
                       bn=call.bn)  # fmt: skip
         devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        draws: tuple[Drawn, ...] = ()
         try:
             # own saved-tensor hooks: inside a checkpointed block's forward, torch's
             # checkpoint would count the probe's saved tensors, which its recomputation
@@ -461,29 +485,49 @@ class Fragmenter:
             # block, and the first step's peak was 1.1-1.5x the later ones' on the quick
             # GPT, BERT, ViT and U-Net)
             with torch.random.fork_rng(devices=devices, device_type="cuda"), aside(), \
-                    torch.autograd.graph.saved_tensors_hooks(keep_nothing, keep_nothing), \
-                    Draws(self.modules, root_name="the block") as draws:
+                    torch.autograd.graph.saved_tensors_hooks(keep_nothing, keep_nothing):
                 # both examples at once (under BatchNorm: its statistics kept), then each
                 # alone (under BatchNorm: with the two's statistics frozen)
+                start = rng_states(devices)
                 capture: Any = capture_stats() if call.bn else contextlib.nullcontext()
-                with torch.no_grad(), capture:
+                with torch.no_grad(), capture, Draws(self.modules, root_name="the block") as seen:
                     both = probe.run(probe.piece(tensors, 0, 2))
+                drawn = seen.reason(pieces="fragments", option="fragments=")
 
                 def frozen() -> Any:
                     return frozen_stats(capture.stats) if call.bn else contextlib.nullcontext()
 
-                with torch.enable_grad(), frozen() as watched:
+                if drawn is not None and d == 0:  # replayed, where each draw's shape allows
+                    after = rng_states(devices)
+                    set_rng_states(start, devices)
+                    with torch.no_grad(), frozen(), Draws(self.modules,
+                                                          root_name="the block") as single:
+                        probe.run(probe.piece(tensors, 0, 1))
+                    draws, why = layout(seen.shapes, single.shapes, n_whole=2, n_piece=1,
+                                        pieces="fragments", option="fragments=")  # fmt: skip
+                    drawn = why
+                    set_rng_states(start, devices)
+                replay = BatchDraws(draws, edges=(0, 1, 2), forward_only=False) if draws else None
+                watch: Any = (Draws(self.modules, root_name="the block") if replay is None
+                              else contextlib.nullcontext())  # fmt: skip
+                with watch, torch.enable_grad(), frozen() as watched, _piece(replay, 0):
                     fresh = [t.detach().requires_grad_(t.requires_grad)
                              for t in probe.piece(tensors, 0, 1)]  # fmt: skip
                     one = probe.run(fresh)
                     outside = _outside_leaves(one, {id(t) for t in fresh}, params)
                     if call.bn:  # BatchNorm outputs an in-place op overwrote (ReLU(inplace))
                         call.overwritten = watched.written_in_place()
-                with torch.no_grad(), frozen():
+                with watch, torch.no_grad(), frozen(), _piece(replay, 1):
                     other = probe.run(probe.piece(tensors, 1, 2))
+                if drawn is None and replay is None:
+                    drawn = watch.reason(pieces="fragments", option="fragments=")
+                if replay is not None and not all(
+                        torch.equal(x, y) for x, y in zip(after, rng_states(devices),
+                                                          strict=True)):  # fmt: skip
+                    drawn = seen.reason(pieces="fragments", option="fragments=")
         except Exception as err:  # the block cannot run on a piece: run it whole
             first = (str(err).strip().splitlines() or [""])[0][:120]
-            return FAILED.format(error=f"{type(err).__name__}: {first}"), ()
+            return FAILED.format(error=f"{type(err).__name__}: {first}"), (), ()
         finally:
             changed = [n for (n, _), (b, v, _) in zip(buffers, saved, strict=True)
                        if b._version != v and id(b) not in own]  # fmt: skip
@@ -493,30 +537,34 @@ class Fragmenter:
                 for t, value in whole:  # only what changed: a copy would bump versions
                     if not torch.equal(t, value):
                         t.copy_(value)
-        if (drawn := draws.reason(pieces="fragments", option="fragments=")) is not None:
-            return drawn, ()
+        if drawn is not None:
+            return drawn, (), ()
         if changed:
-            return BUFFERS.format(names=", ".join(changed[:3])), ()
+            return BUFFERS.format(names=", ".join(changed[:3])), (), ()
         if outside:
-            return OUTSIDE.format(count=outside), ()
+            return OUTSIDE.format(count=outside), (), ()
         dims: list[int] = []
         for i, (b, x, y) in enumerate(zip(both, one, other, strict=True)):
             at = _batch_dim(b.shape, x.shape)
             if at is None:
-                return NOT_BATCH.format(index=i, shape=tuple(b.shape)), ()
+                return NOT_BATCH.format(index=i, shape=tuple(b.shape)), (), ()
             dims.append(at)
             if is_fake(b):  # a memory estimate on fake tensors: shapes only, no values
                 continue
             apart = torch.cat([x.detach(), y], dim=at)
             if not b.is_floating_point():
                 if not torch.equal(b, apart):
-                    return MIXES.format(diff=float("nan")), ()
+                    return MIXES.format(diff=float("nan")), (), ()
                 continue
             diff = float((b - apart).abs().max())
             scale = float(b.abs().max()) + 1e-30
             if not diff <= _tolerance(b.dtype) * scale:  # NaN differences fail too
-                return MIXES.format(diff=diff), ()
-        return None, tuple(dims)
+                return MIXES.format(diff=diff), (), ()
+        return None, tuple(dims), draws
+
+
+def _piece(replay: BatchDraws | None, index: int) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if replay is None else replay.piece(index)
 
 
 def _differing_rows(tensors: Sequence[torch.Tensor], split: Sequence[bool],
