@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _errors as errors
+from ..layers._bits import PackedBits, pack_bits, unpack_bits
 from ._draws import BY_FIRST, REPLAYING, draw_shape, may_draw, op_name, size_index
 
 __all__ = ["BatchDraws", "Drawn", "layout", "rng_states", "set_rng_states"]
@@ -91,6 +93,53 @@ def layout(whole: Sequence[tuple[str, str, tuple[int, ...] | None]],
     return tuple(out), None
 
 
+_MASKS = frozenset({"bernoulli_.float", "bernoulli.p", "native_dropout.default"})
+"""Draws of 0s and 1s (dropout's and stochastic depth's masks): kept as packed bits."""
+
+
+@dataclasses.dataclass
+class _Kept:
+    """One draw of the whole batch, kept in pieces (``edges``; ``None``: shared by every
+    example, one piece), each a tensor or, for a 0/1 mask, packed bits (1 bit per element
+    where one forward would hold the mask in the activation's dtype)."""
+
+    pieces: list[torch.Tensor | PackedBits | None]
+    edges: tuple[int, ...] | None
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, full: torch.Tensor, edges: Sequence[int] | None, *, bits: bool) -> _Kept:
+        cuts = [full] if edges is None else [full[a:b] for a, b in itertools.pairwise(edges)]
+        pieces: list[torch.Tensor | PackedBits | None] = [
+            pack_bits(c.bool()) if bits else c.clone() for c in cuts]  # fmt: skip
+        return cls(pieces, None if edges is None else tuple(edges), full.dtype)
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """Rows ``a:b`` of the draw (all of it where it is shared)."""
+        if self.edges is None:
+            return self._piece(0)
+        picked = [i for i in range(len(self.pieces))
+                  if self.edges[i] < b and self.edges[i + 1] > a]  # fmt: skip
+        parts = [self._piece(i) for i in picked]
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+        lo = self.edges[picked[0]]
+        return whole[a - lo:b - lo]
+
+    def _piece(self, i: int) -> torch.Tensor:
+        kept = self.pieces[i]
+        if kept is None:
+            raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=i, why=(
+                "its rows of a draw were asked for after its turn")))  # fmt: skip
+        if isinstance(kept, PackedBits):
+            return unpack_bits(kept).to(self.dtype)
+        return kept
+
+    def release(self, i: int) -> None:
+        """Lets piece ``i`` go (a shared draw stays: every piece uses it)."""
+        if self.edges is not None:
+            self.pieces[i] = None
+
+
 def _full(t: torch.Tensor, n: int) -> torch.Tensor:
     """An empty tensor like ``t`` with ``n`` rows, laid out in memory as the whole batch's
     would be (``t``'s order of dimensions, the batch outermost)."""
@@ -131,11 +180,17 @@ class BatchDraws(TorchDispatchMode):
         self.recomputing = 0
         self.paused = 0
         """Above 0 while a probe runs beside the step (:func:`~._draws.aside`)."""
-        self.tape: list[Any] = [None] * len(self.draws)
+        self.tape: list[_Kept | None] = [None] * len(self.draws)
 
-    def piece(self, index: int) -> contextlib.AbstractContextManager[None]:
-        """Micro-batch ``index`` runs (forward and backward) inside."""
-        return self.span(self.edges[index], self.edges[index + 1], label=str(index))
+    @contextlib.contextmanager
+    def piece(self, index: int) -> Iterator[None]:
+        """Micro-batch ``index`` runs (forward and backward) inside; its rows of the draws
+        are let go after it."""
+        with self.span(self.edges[index], self.edges[index + 1], label=str(index)):
+            yield
+        for kept in self.tape:
+            if kept is not None:
+                kept.release(index)
 
     @contextlib.contextmanager
     def span(self, a: int, b: int, *, label: str = "", recompute: bool = False) -> Iterator[None]:
@@ -175,9 +230,12 @@ class BatchDraws(TorchDispatchMode):
         if shape is None or (drawn.batch and shape[:1] != (b - a,)):
             raise errors.EngineInputError(REPLAY_MISMATCH.format(piece=self.label, why=(
                 f"call {i}: {op_name(func)} of shape {shape}")))  # fmt: skip
-        if self.tape[i] is None:
-            self.tape[i] = self._draw(func, args, kwargs, drawn)
-        return self._rows(func, args, self.tape[i], drawn, a, b)
+        kept = self.tape[i]
+        if kept is None:
+            full = self._draw(func, args, kwargs, drawn)
+            kept = self.tape[i] = _Kept.of(full, self.edges if drawn.batch else None,
+                                           bits=op_name(func) in _MASKS)  # fmt: skip
+        return self._rows(func, args, kept.rows(a, b))
 
     def _draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
               drawn: Drawn) -> Any:  # fmt: skip
@@ -198,9 +256,8 @@ class BatchDraws(TorchDispatchMode):
         return func(*args, **{**kwargs, "size": size})
 
     @staticmethod
-    def _rows(func: Any, args: tuple[Any, ...], full: torch.Tensor, drawn: Drawn,
-              a: int, b: int) -> Any:  # fmt: skip
-        rows = full[a:b] if drawn.batch else full
+    def _rows(func: Any, args: tuple[Any, ...], rows: torch.Tensor) -> Any:
+        """The op's result for a piece handed ``rows`` of the whole batch's draw."""
         if op_name(func) == "native_dropout.default":
             p = float(args[1])
             scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)

@@ -136,7 +136,7 @@ class _Call:
         """What replays the whole batch's draws in this call's fragments, or ``None``."""
         if not self.draws:
             return None
-        return BatchDraws(self.draws, edges=(0, self.edges[-1][1]), forward_only=False)
+        return BatchDraws(self.draws, edges=(0, *(b for _, b in self.edges)), forward_only=False)
 
     def args(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = [tensors[v.index] if isinstance(v, _Slot) else v for v in self.leaves]
