@@ -14,7 +14,8 @@ step leaves it), ``refused: <reason>`` (a :class:`~leangrad.LeangradError`), or 
 wrong (``WRONG ...``, ``CRASH ...``): the last two are defects.
 
 ``python tests/model_corpus.py [--all] [--out results/model-corpus]`` writes the table;
-``--plans`` plans a few of the models at 1/2 and 1/4 of backprop's peak instead.
+``--plans`` plans a few of the models at 1/2 and 1/4 of backprop's peak instead (with
+``--all``: every model, at its corpus image size).
 """
 
 from __future__ import annotations
@@ -288,7 +289,9 @@ def main(argv: list[str]) -> int:
     every = "--all" in argv
     out = argv[argv.index("--out") + 1] if "--out" in argv else None
     if "--plans" in argv:
-        rows = plans()
+        picked = (tuple((e.name, e.image, 64 if e.image == 32 else 16) for e in CORPUS)
+                  if every else PLANNED)  # fmt: skip
+        rows = plans(picked)
         if out:
             with open(f"{out}-plans.json", "w") as f:
                 json.dump(rows, f, indent=1)
@@ -429,7 +432,8 @@ def plans_markdown(rows: list[dict[str, Any]]) -> str:
              "plus a fraction of backprop's step peak (tracker). The chosen engine re-checked",
              "from outside: one step of it",
              "beside `loss.backward()` (gradients, `.grad` None-ness, buffers, RNG).",
-             "Regenerate: `python tests/model_corpus.py --plans --out results/model-corpus`.",
+             "Regenerate: `python tests/model_corpus.py --plans --all --out "
+             "results/model-corpus`.",
              "", "| model | budget | chosen | re-checked from outside | rows found inexact |",
              "|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

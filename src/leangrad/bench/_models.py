@@ -13,7 +13,8 @@ the exact step. :data:`MODELS` holds the names:
 - the ``zoo`` suite's architectures as written (:mod:`leangrad.zoo`, batches by
   :func:`leangrad.zoo.batch`): ``resnet``, ``gpt``, ``bert``, ``lstm_lm``, ``gru_lm``,
   ``highway_gru_lm``, ``vit``, ``llama``, ``gpt_50k`` (the zoo's GPT at GPT-2's vocabulary),
-  ``unet``; opt-in, Hugging Face models (:data:`HF_MODELS`, the ``[hf]`` extra);
+  ``unet``; opt-in, Hugging Face models (:data:`HF_MODELS`, the ``[hf]`` extra) and timm
+  ones (:data:`TIMM_MODELS`, the ``[vision]`` extra);
 - the ``blocks`` and ``plan`` suites' models (those suites' files call them ``resnet``,
   ``gpt`` and ``mlp``): ``blocks_resnet`` and ``blocks_gpt``, the zoo's ResNet and GPT on
   another batch (generator seed 1) with a plain loss, not declared per example (the
@@ -51,6 +52,7 @@ __all__ = [
     "ACTIVATIONS",
     "HF_MODELS",
     "MODELS",
+    "TIMM_MODELS",
     "Act",
     "ActEncoder",
     "ActResNet",
@@ -244,6 +246,14 @@ HF_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 """Opt-in zoo model name -> (:data:`leangrad.hf.MODELS` name, its size keys); needs the
 ``[hf]`` extra. Float32, the libraries' defaults (SDPA attention, dropout as configured)."""
+TIMM_MODELS: dict[str, str] = {
+    "timm_resnet50": "resnet50",
+    "timm_convnext_tiny": "convnext_tiny",
+    "timm_vit_small": "vit_small_patch16_224",
+}
+"""Opt-in zoo model name -> timm architecture (the ``[vision]`` extra), random weights, as
+``timm.create_model`` builds it; size keys ``image``, ``drop_path`` (timm's
+``drop_path_rate``: stochastic depth), ``classes`` (default 1000) and ``batch``."""
 
 
 def _length(size: Mapping[str, Any]) -> int:
@@ -282,6 +292,29 @@ def _hf(name: str) -> Builder:
         return Workload(model, xs, loss_fn)
 
     return build_hf
+
+
+def _timm(name: str) -> Builder:
+    arch = TIMM_MODELS[name]
+
+    def build_timm(size: Mapping[str, Any], n: int, device: str | torch.device) -> Workload:
+        try:
+            import timm
+        except ImportError as err:
+            raise errors.OptionalDependencyError(errors.MISSING_EXTRA.format(
+                feature=f"the zoo's {name}", package="timm", extra="vision")) from err
+        image, classes = int(size.get("image", 224)), int(size.get("classes", 1000))
+        extra: dict[str, Any] = {"img_size": image} if arch.startswith("vit") else {}
+        torch.manual_seed(0)
+        model = timm.create_model(arch, pretrained=False, num_classes=classes,
+                                  drop_path_rate=float(size.get("drop_path", 0.0)), **extra)
+        model.to(device)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(n, 3, image, image, generator=gen).to(device)
+        y = torch.randint(0, classes, (n,), generator=gen).to(device)
+        return Workload(model, x, per_example(F.cross_entropy, y))
+
+    return build_timm
 
 
 # --- the blocks and plan suites' models, cut into stem, blocks and head ---
@@ -563,6 +596,7 @@ MODELS: dict[str, Builder] = {
     **{name: _paper(name, shaped) for name, shaped in _PAPER.items()},
     **{name: _zoo(name) for name in _ZOO},
     **{name: _hf(name) for name in HF_MODELS},
+    **{name: _timm(name) for name in TIMM_MODELS},
     "blocks_resnet": _peer("resnet", resnet_parts),
     "blocks_gpt": _peer("gpt", gpt_parts),
     "dropout_mlp": _dropout_mlp,

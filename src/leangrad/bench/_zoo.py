@@ -25,7 +25,8 @@ Per model (ResNet-18-style CNN, GPT, BERT, LSTM and GRU LMs, the GRU LM as a
 Hugging Face models (``hf_gpt2``, ``hf_llama``, ``hf_bert``, ``hf_unet``: :mod:`leangrad.hf`,
 the ``[hf]`` extra) are opt-in: sized under ``hf_models`` and run only when ``--only`` names
 them, with the libraries' own ``gradient_checkpointing_enable()`` as the PyTorch-side row
-(``hf_checkpointing``).
+(``hf_checkpointing``); so are timm's ResNet-50, ConvNeXt-T and ViT-S (``timm_models``, the
+``[vision]`` extra), beside timm's own ``set_grad_checkpointing()``.
 
 Columns: tracker peak above parameters and inputs (``.grad`` allocated by the step) and
 its ratio to backprop's; kept bytes (live when the forward phase ended); fresh-process
@@ -96,7 +97,8 @@ def run_zoo(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             allocator at the base batch, else by real steps on the GPU.
             ``progress``: a progress bar naming the model and the step at work.
             ``only``: run just these models (measured and estimated sizes of each); the
-            opt-in Hugging Face models (``hf_models``) run only when named here.
+            opt-in Hugging Face and timm models (``hf_models``, ``timm_models``) run
+            only when named here.
             ``save``: called with the records so far after each model, so a stopped run of
             hours keeps the models it finished (``run_suite`` writes them to its file).
 
@@ -123,12 +125,14 @@ def run_zoo(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
     ctx = Context(quick, common, values, suite.repeats(quick), device=str(device))
     models: dict[str, dict[str, Any]] = dict(ctx.get("models", {}))
     estimates: dict[str, dict[str, Any]] = dict(ctx.get("estimate_models", {}))
-    opt_in: dict[str, dict[str, Any]] = dict(ctx.get("hf_models", {}))
+    opt_in: dict[str, dict[str, Any]] = {**ctx.get("hf_models", {}),
+                                         **ctx.get("timm_models", {})}  # fmt: skip
     if only is not None:
         unknown = [n for n in only if n not in models and n not in estimates and n not in opt_in]
         if unknown:
             known = ", ".join(dict.fromkeys([*models, *estimates]))
-            extra = f"; opt-in (the [hf] extra): {', '.join(opt_in)}" if opt_in else ""
+            extra = (f"; opt-in (the [hf] and [vision] extras): {', '.join(opt_in)}" if opt_in
+                     else "")  # fmt: skip
             raise errors.OptionError(
                 f"zoo suite has no model {', '.join(unknown)}; its models: {known}{extra}"
             )
@@ -255,7 +259,8 @@ class _ModelRun:
         wl = build(name, size, device=ctx.device)
         self.model, self.x, self.loss_fn = wl.model, wl.inputs, wl.loss_fn
         self.ctx, self.say = ctx, say
-        self.methods, self.skipped = methods_for(name, self.model, ctx, loss_fn=self.loss_fn)
+        self.methods, self.skipped = methods_for(name, self.model, ctx, loss_fn=self.loss_fn,
+                                                 inputs=self.x)  # fmt: skip
         self.engines = {m.label: m.make() for m in self.methods}
         self.model.zero_grad(set_to_none=True)
         cuda = [ctx.device] if torch.device(ctx.device).type == "cuda" else []

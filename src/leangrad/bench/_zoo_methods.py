@@ -61,6 +61,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import _errors as errors
 from .. import zoo
 from ..engines import available, engine, engine_class
+from ..engines._coupling import watched_coupling
 from ..engines._transforms import TRANSFORMS, AccumulateTransform, batch_coupling
 from ..loss import PerExample
 from ..measure import FORWARD_END, mark
@@ -71,15 +72,23 @@ __all__ = [
     "ACCUMULATE_ENGINES",
     "HF_CHECKPOINTING",
     "NOT_PER_EXAMPLE",
+    "TIMM_CHECKPOINTING",
     "TOO_FEW_EXAMPLES",
     "Method",
     "Skipped",
     "call",
     "leangrad_methods",
+    "library_checkpointing",
     "pytorch_methods",
 ]
 
+HAND_DRAWS = (
+    "the model draws random numbers in its forward ({op}, found by watching it): a "
+    "hand-written loop's micro-batches draw other masks than one forward of the whole "
+    "batch (leangrad's accumulate hands them the whole batch's)"
+)
 HF_CHECKPOINTING = "hf_checkpointing"
+TIMM_CHECKPOINTING = "timm set_grad_checkpointing"
 """The label of the libraries' own gradient checkpointing row."""
 ACCUMULATE_ENGINES = ("accumulate", "checkpoint+accumulate")
 """leangrad's gradient accumulation rows, one per micro-batch count of the suite file."""
@@ -251,14 +260,17 @@ def pytorch_methods(
     chunks: list[int],
     micro_batches: list[int] | None = None,
     loss_fn: LossFn | None = None,
+    inputs: Inputs | None = None,
 ) -> tuple[list[Method], list[Skipped]]:
     """The PyTorch-only rows for ``model`` (module docstring): checkpointing and autocast,
     then gradient accumulation over each of ``micro_batches`` (none: no such rows), exact
     only for a ``loss_fn`` declared per example on a model whose layers do not couple the
-    examples (else skipped, with the reason)."""
+    examples nor draw random numbers, watched on ``inputs`` where given (else skipped, with
+    the reason: a hand-written loop's micro-batches draw other masks than one forward)."""
     methods, skipped = _checkpoint_methods(model, segments=segments, chunks=chunks)
     acc, acc_skipped = _accumulate_methods(model, list(micro_batches or []), loss_fn,
-                                           chunks=max(chunks, default=None))  # fmt: skip
+                                           chunks=max(chunks, default=None),
+                                           inputs=inputs)  # fmt: skip
     return methods + acc, skipped + acc_skipped
 
 
@@ -268,13 +280,13 @@ def _checkpoint_methods(
     """bf16 autocast and PyTorch's checkpointing recipes for ``model``."""
     methods = [Method("torch bf16 autocast", "pytorch", False, {"torch": "bf16"})]
     skipped: list[Skipped] = []
-    if hf_checkpointing(model) is not None:
+    if (own := library_checkpointing(model)) is not None:
         why = (
             f"{type(model).__name__} is a library's model: its stem and head are the "
             "library's code, not written out per block here; its own gradient "
-            "checkpointing (hf_checkpointing) is the PyTorch-side row"
+            f"checkpointing ({own}) is the PyTorch-side row"
         )
-        methods.append(Method(HF_CHECKPOINTING, "pytorch", True, {"torch": "hf_checkpointing"}))
+        methods.append(Method(own, "pytorch", True, {"torch": "library_checkpointing"}))
         skipped += [Skipped(lb, "pytorch", why) for lb in ("torch per-block", "torch selective")]
         return methods, skipped
     if isinstance(model, zoo.RNNLM):
@@ -313,7 +325,7 @@ def _checkpoint_methods(
 
 def _accumulate_methods(
     model: nn.Module, micro_batches: list[int], loss_fn: LossFn | None, *,
-    chunks: int | None = None,
+    chunks: int | None = None, inputs: Inputs | None = None,
 ) -> tuple[list[Method], list[Skipped]]:  # fmt: skip
     """``torch accumulate(k)`` and, with checkpointing inside each micro-batch, ``torch
     accumulate(k) + per-block`` (Hugging Face models: ``hf_checkpointing +
@@ -321,11 +333,15 @@ def _accumulate_methods(
     fused module in the most time ``chunks``) for each ``k``, or why not."""
     methods: list[Method] = []
     skipped: list[Skipped] = []
-    lib = hf_checkpointing(model) is not None
+    own = library_checkpointing(model)
     coupled = batch_coupling(model)
+    if coupled is None and micro_batches and inputs is not None:
+        xs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+        seen = watched_coupling(model, xs)
+        coupled = seen.why or (HAND_DRAWS.format(op=seen.draws[0].op) if seen.draws else None)
     for k in micro_batches:
         plain = (f"torch accumulate({k})", "accumulate")
-        ck = ((f"{HF_CHECKPOINTING} + accumulate({k})", "hf_checkpointing+accumulate") if lib
+        ck = ((f"{own} + accumulate({k})", "library_checkpointing+accumulate") if own
               else (f"torch accumulate({k}) + per-block", "accumulate+per-block"))  # fmt: skip
         if isinstance(model, zoo.RNNLM) and chunks is not None:
             ck = (f"torch accumulate({k}) + time chunks({chunks})", "accumulate+chunks")
@@ -392,6 +408,18 @@ def _unet_checkpointing(model: zoo.UNet) -> Iterator[None]:
         model.checkpointing = before
 
 
+def library_checkpointing(model: nn.Module) -> str | None:
+    """The row label of a library model's own gradient checkpointing — Hugging Face's
+    (:func:`hf_checkpointing`), or timm's ``set_grad_checkpointing()`` (a model from
+    ``timm.models``) — or ``None``."""
+    if hf_checkpointing(model) is not None:
+        return HF_CHECKPOINTING
+    if (type(model).__module__.startswith("timm.")
+            and callable(getattr(model, "set_grad_checkpointing", None))):  # fmt: skip
+        return TIMM_CHECKPOINTING
+    return None
+
+
 def hf_checkpointing(model: nn.Module) -> tuple[str, str] | None:
     """``(enable, disable)`` method names of a Hugging Face model's own gradient
     checkpointing (transformers' ``gradient_checkpointing_enable``, spelled
@@ -432,7 +460,7 @@ class TorchStep:
             with torch.autocast(x.device.type, dtype=torch.bfloat16):
                 loss = marked(model(*xs))
             loss.backward()
-        elif self.kind == "hf_checkpointing":  # switched on for this step only
+        elif self.kind == "library_checkpointing":  # switched on for this step only
             with _library_checkpointing(model):
                 marked(model(*xs)).backward()
         elif self.kind in ("rnn", "chunks"):
@@ -459,7 +487,7 @@ class TorchStep:
         edges = [n * i // k for i in range(k + 1)]
         unet = isinstance(model, zoo.UNet) and self.kind == "accumulate+per-block"
         around: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        if self.kind == "hf_checkpointing+accumulate":
+        if self.kind == "library_checkpointing+accumulate":
             around = _library_checkpointing(model)
         elif unet:  # the U-Net's own flag: every block checkpointed in each micro-batch
             assert isinstance(model, zoo.UNet)
@@ -478,7 +506,7 @@ class TorchStep:
                     part(call(model, tuple(x[a:b] for x in xs))).backward()
 
 
-_ACCUMULATE_KINDS = ("accumulate", "accumulate+per-block", "hf_checkpointing+accumulate",
+_ACCUMULATE_KINDS = ("accumulate", "accumulate+per-block", "library_checkpointing+accumulate",
                      "accumulate+chunks")  # fmt: skip
 
 
@@ -496,16 +524,22 @@ def _marked(loss_fn: LossFn) -> LossFn:
 
 @contextlib.contextmanager
 def _library_checkpointing(model: nn.Module) -> Iterator[None]:
-    """A Hugging Face model's own gradient checkpointing, on for the block only (the
-    hooks its enable leaves behind removed: :func:`_drop_new_hooks`)."""
+    """A library model's own gradient checkpointing (Hugging Face's, timm's), on for the
+    block only (the hooks an enable leaves behind removed: :func:`_drop_new_hooks`)."""
     names = hf_checkpointing(model)
-    assert names is not None, f"{type(model).__name__} has no gradient checkpointing"
     hooks = _hooks(model)
-    getattr(model, names[0])()
+    if names is None:
+        assert library_checkpointing(model) == TIMM_CHECKPOINTING, type(model).__name__
+        switch: Callable[[bool], Any] = getattr(model, "set_grad_checkpointing")  # noqa: B009
+        on: Callable[[], Any] = lambda: switch(True)  # noqa: E731
+        off: Callable[[], Any] = lambda: switch(False)  # noqa: E731
+    else:
+        on, off = getattr(model, names[0]), getattr(model, names[1])
+    on()
     try:
         yield
     finally:
-        getattr(model, names[1])()
+        off()
         _drop_new_hooks(model, hooks)
 
 

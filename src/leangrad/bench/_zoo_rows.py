@@ -80,11 +80,12 @@ def record(
 
 
 def methods_for(
-    name: str, model: nn.Module, ctx: Context, *, loss_fn: Any = None
+    name: str, model: nn.Module, ctx: Context, *, loss_fn: Any = None, inputs: Any = None
 ) -> tuple[list[Method], list[Skipped]]:
     """leangrad's and PyTorch's methods for zoo model ``name`` (``no_pytorch`` names models
     without PyTorch rows, with the reason); gradient accumulation over each of the suite's
-    ``micro_batches`` on both sides, where ``loss_fn`` (the workload's) makes it exact."""
+    ``micro_batches`` on both sides, where ``loss_fn`` (the workload's) makes it exact
+    (``inputs``: the batch, watched for what couples its examples or draws)."""
     micro_batches = [int(v) for v in ctx.get("micro_batches", [])]
     lg, lg_skip = leangrad_methods(
         model,
@@ -113,6 +114,7 @@ def methods_for(
         chunks=chunks,
         micro_batches=micro_batches,
         loss_fn=loss_fn,
+        inputs=inputs,
     )
     return lg + pt, lg_skip + pt_skip
 
@@ -247,7 +249,7 @@ def estimate_records(
     with FakeTensorMode():
         wl = build(name, size)
         model = wl.model
-        methods, skipped = methods_for(name, model, ctx, loss_fn=wl.loss_fn)
+        methods, skipped = methods_for(name, model, ctx, loss_fn=wl.loss_fn, inputs=wl.inputs)
     fixed = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # + gradients
     base, series = int(size["batch"]), f"{name} (estimate)"
     skipped += [Skipped(m.label, m.side, why) for m in methods if (why := estimable(m))]
