@@ -15,7 +15,8 @@ wrong (``WRONG ...``, ``CRASH ...``): the last two are defects.
 
 ``python tests/model_corpus.py [--all] [--out results/model-corpus]`` writes the table;
 ``--plans`` plans a few of the models at 1/2 and 1/4 of backprop's peak instead (with
-``--all``: every model, at its corpus image size).
+``--all``: every model, at its corpus image size); ``--zoo-rows`` measures the zoo suite's
+timm models at full size beside timm's own checkpointing (:func:`zoo_rows`).
 """
 
 from __future__ import annotations
@@ -288,6 +289,14 @@ def _peers_markdown(peers: dict[str, dict[str, str]]) -> str:
 def main(argv: list[str]) -> int:
     every = "--all" in argv
     out = argv[argv.index("--out") + 1] if "--out" in argv else None
+    if "--zoo-rows" in argv:
+        rows = zoo_rows()
+        if out:
+            with open(f"{out}-zoo.json", "w") as f:
+                json.dump(rows, f, indent=1)
+            with open(f"{out}-zoo.md", "w") as f:
+                f.write(zoo_rows_markdown(rows))
+        return 0
     if "--plans" in argv:
         picked = (tuple((e.name, e.image, 64 if e.image == 32 else 16) for e in CORPUS)
                   if every else PLANNED)  # fmt: skip
@@ -441,6 +450,108 @@ def plans_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {r['fraction']}x | `{chosen[:90]}` | "
                      f"{r['re-checked from outside']} | {len(r['inexact rows'])} |")
     return "\n".join(lines) + "\n"
+
+
+ZOO_ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+    "backprop": ("backprop", {}),
+    "leangrad checkpoint": ("checkpoint", {}),
+    "leangrad checkpoint(fragments=4)": ("checkpoint", {"fragments": 4}),
+    "leangrad accumulate(4)": ("accumulate", {"micro_batches": 4}),
+    "leangrad checkpoint+accumulate(4)": ("checkpoint+accumulate", {"micro_batches": 4}),
+}
+"""The key rows of the zoo suite for its timm models, beside timm's own checkpointing."""
+
+
+def zoo_rows(names: tuple[str, ...] = ("timm_resnet50", "timm_convnext_tiny",
+                                       "timm_vit_small"),
+             repeats: int = 3) -> list[dict[str, Any]]:  # fmt: skip
+    """The zoo suite's timm models at their full sizes (>= 1 GiB of backprop's step):
+    tracker peak above parameters and batch, and the median of interleaved 1-thread steps
+    (after a warm-up round), per row of :data:`ZOO_ROWS` and timm's
+    ``set_grad_checkpointing()``, each row's float32 gradient against backprop's from the
+    same RNG state (a refused row: the reason). ``leangrad bench zoo --only <name>`` runs
+    every method on the same models (hours here)."""
+    from leangrad.bench import load_suite
+    from leangrad.bench._models import build
+    from leangrad.bench._zoo_methods import TIMM_CHECKPOINTING, TorchStep
+    from leangrad.measure import compare_grads, profile_step, time_interleaved
+
+    sizes = load_suite("zoo").setting("timm_models", False)
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        wl = build(name, sizes[name])
+        model, x, loss_fn = wl.model, wl.inputs, wl.loss_fn
+        engines: dict[str, Any] = {label: leangrad.engine(e, **o)
+                                   for label, (e, o) in ZOO_ROWS.items()}  # fmt: skip
+        engines[TIMM_CHECKPOINTING] = TorchStep(TIMM_CHECKPOINTING, "library_checkpointing")
+        grads: dict[str, dict[str, torch.Tensor]] = {}
+        peaks: dict[str, int] = {}
+        refused: dict[str, str] = {}
+        for label, eng in engines.items():
+            model.zero_grad(set_to_none=True)
+            try:
+                with torch.random.fork_rng():
+                    torch.manual_seed(0)
+                    eng.backward(model, x, loss_fn)
+                grads[label] = {n: p.grad.clone() for n, p in model.named_parameters()
+                                if p.grad is not None}  # fmt: skip
+                model.zero_grad(set_to_none=True)
+                with torch.random.fork_rng():
+                    peaks[label] = profile_step(eng, model, x, loss_fn, repeats=0).peak_bytes
+            except LeangradError as e:
+                refused[label] = str(e).splitlines()[0]
+            print(f"{name} {label}: {peaks.get(label, refused.get(label))}", flush=True)
+        steps = {label: _step_call(eng, model, x, loss_fn)
+                 for label, eng in engines.items() if label in peaks}  # fmt: skip
+        with torch.random.fork_rng():
+            times = time_interleaved(steps, repeats=repeats, warmup=1, reference="backprop")
+        for label in engines:
+            row: dict[str, Any] = {"model": name, "size": sizes[name], "row": label}
+            if label in refused:
+                row["refused"] = refused[label]
+            else:
+                row["peak_mib"] = round(peaks[label] / 2**20, 1)
+                row["peak_vs_backprop"] = round(peaks[label] / peaks["backprop"], 3)
+                row["seconds"] = round(times[label].median, 2)
+                row["time_vs_backprop"] = round(float(times[label].ratio or 0), 2)
+                row["grad_max_rel_err"] = float(f"{compare_grads(grads[label], grads['backprop']).max_rel_err:.2g}")  # noqa: E501
+            rows.append(row)
+    return rows
+
+
+def _step_call(eng: Any, model: nn.Module, x: Any, loss_fn: Any) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        eng.backward(model, x, loss_fn)
+
+    return step
+
+
+def zoo_rows_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["# timm models beside timm's own checkpointing", "",
+             "The zoo suite's opt-in timm models at their full sizes (>= 1 GiB of backprop's",
+             "step here; random weights, stochastic depth 0.1 on ConvNeXt-T and ViT-S), float32,",
+             "CPU. Peak: tracker, above the parameters and the batch. Time: median of 3",
+             "interleaved steps after a warm-up round, 1 thread, one effective step (the whole",
+             "batch). Gradient error: float32 against backprop's from the same RNG state.",
+             "Regenerate (alone on the machine): `python tests/model_corpus.py --zoo-rows --out "
+             "results/model-corpus`.", ""]  # fmt: skip
+    for name in dict.fromkeys(r["model"] for r in rows):
+        size = next(r["size"] for r in rows if r["model"] == name)
+        lines += [f"## {name} ({', '.join(f'{k} {v}' for k, v in size.items())})", "",
+                  "| row | peak MiB | peak / backprop | s / step | time / backprop | grad err |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            if r["model"] != name:
+                continue
+            if "refused" in r:
+                lines.append(f"| {r['row']} | refused: {r['refused'][:110]} | | | | |")
+            else:
+                lines.append(f"| {r['row']} | {r['peak_mib']} | {r['peak_vs_backprop']:.3f} | "
+                             f"{r['seconds']} | {r['time_vs_backprop']:.2f} | "
+                             f"{r['grad_max_rel_err']:.1e} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
