@@ -14,7 +14,15 @@ import torch
 from leangrad import hf
 from leangrad._errors import UnknownNameError
 from leangrad.bench import _models, _plan_peers, _workloads
-from leangrad.bench._models import HF_MODELS, MODELS, Workload, build, fad_batch, rad_network
+from leangrad.bench._models import (
+    HF_MODELS,
+    MODELS,
+    TIMM_MODELS,
+    Workload,
+    build,
+    fad_batch,
+    rad_network,
+)
 from leangrad.loss import PerExample
 
 SUITES = Path(_models.__file__).parent / "suites"
@@ -42,6 +50,7 @@ TINY: dict[str, dict[str, Any]] = {
     "gpt_50k": GPT,
     "unet": UNET,
     **{name: {**hf.TINY[base], "batch": 2} for name, (base, _) in HF_MODELS.items()},
+    **{name: {"image": 32, "classes": 10, "batch": 2} for name in TIMM_MODELS},
     "blocks_resnet": RESNET,
     "blocks_gpt": GPT,
     "dropout_mlp": {"features": 6, "width": 8, "layers": 3, "batch": 4},
@@ -53,6 +62,7 @@ TINY: dict[str, dict[str, Any]] = {
     "fad_bert": {"d": 16, "heads": 2, "layers": 1, "seq": 8, "activation": "gelu", "batch": 2},
 }
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "diffusers"))
+HAS_TIMM = importlib.util.find_spec("timm") is not None
 
 
 def _tensors(wl: Workload) -> list[torch.Tensor]:
@@ -73,6 +83,8 @@ def test_every_name_has_a_tiny_size_here() -> None:
 def test_every_model_builds_the_same_step_twice(name: str) -> None:
     if name in HF_MODELS and not HAS_HF:
         pytest.skip("the [hf] extra is not installed")
+    if name in TIMM_MODELS and not HAS_TIMM:
+        pytest.skip("the [vision] extra is not installed")
     first, again = build(name, TINY[name]), build(name, TINY[name])
     assert _same(first, again)
     xs = first.inputs if isinstance(first.inputs, tuple) else (first.inputs,)
