@@ -397,7 +397,9 @@ class _Checkpointed(nn.Module):
 
 PLANNED = (("timm/resnet18", 128, 16), ("timm/efficientnet_b0", 128, 16),
            ("timm/convnext_atto", 128, 16), ("timm/vit_tiny", 32, 64),
-           ("tv/mobilenet_v3_small", 128, 16))
+           ("tv/mobilenet_v3_small", 128, 16), ("timm/deit_tiny", 32, 64),
+           ("timm/swin_tiny", 64, 32), ("timm/pvt_v2_b0", 64, 32),
+           ("tv/convnext_tiny", 64, 16))
 """Corpus models :func:`plans` plans at a fraction of backprop's step peak: (name, image
 size, batch), where the activations outweigh the parameters and their gradients."""
 
