@@ -9,7 +9,9 @@ torchvision's ``StochasticDepth`` (``x.new_empty(...).bernoulli_()``), attention
 
 Running the batch in pieces (checkpoint's fragments, accumulate's micro-batches) draws
 other numbers than one forward of the whole batch, so whoever splits a batch asks
-:class:`Draws` first and refuses, naming the module.
+:class:`Draws` first: it records each draw's shape, and where every draw's shape follows
+the batch (or is shared by it) the pieces are handed the whole batch's draws
+(:mod:`._batch_draws`); where not, the splitter refuses, naming the module.
 """
 
 from __future__ import annotations
