@@ -1022,11 +1022,13 @@ class _InPlace:
         self.__wrapped__ = self.own
         self.traced = _Traced(block) if trace else None
         self.replay = generator_replay([block])  # layers' own generators, rewound
+        self.writes = InputWrites([block])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.own(*args, **kwargs)
         run = self.traced() if self.traced is not None and not kwargs else self.own
+        run = self.writes.wrap(run, args, kwargs)  # a block writing its input: on copies
         return checkpoint(run, *args, use_reentrant=False, context_fn=self.replay, **kwargs)
 
 
