@@ -443,8 +443,8 @@ def plans_markdown(rows: list[dict[str, Any]]) -> str:
              "plus a fraction of backprop's step peak (tracker). The chosen engine re-checked",
              "from outside: one step of it",
              "beside `loss.backward()` (gradients, `.grad` None-ness, buffers, RNG).",
-             "Regenerate: `python tests/model_corpus.py --plans --all --out "
-             "results/model-corpus`.",
+             "Regenerate: `python tests/model_corpus.py --plans --out results/model-corpus`",
+             "(with `--all`: every corpus model, hours here).",
              "", "| model | budget | chosen | re-checked from outside | rows found inexact |",
              "|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
@@ -473,6 +473,7 @@ def zoo_rows(names: tuple[str, ...] = ("timm_resnet50", "timm_convnext_tiny",
     ``set_grad_checkpointing()``, each row's float32 gradient against backprop's from the
     same RNG state (a refused row: the reason). ``leangrad bench zoo --only <name>`` runs
     every method on the same models (hours here)."""
+    from leangrad._step import as_call
     from leangrad.bench import load_suite
     from leangrad.bench._models import build
     from leangrad.bench._zoo_methods import TIMM_CHECKPOINTING, TorchStep
@@ -503,7 +504,7 @@ def zoo_rows(names: tuple[str, ...] = ("timm_resnet50", "timm_convnext_tiny",
             except LeangradError as e:
                 refused[label] = str(e).splitlines()[0]
             print(f"{name} {label}: {peaks.get(label, refused.get(label))}", flush=True)
-        steps = {label: _step_call(eng, model, x, loss_fn)
+        steps = {label: as_call(eng, model, x, loss_fn)
                  for label, eng in engines.items() if label in peaks}  # fmt: skip
         with torch.random.fork_rng():
             times = time_interleaved(steps, repeats=repeats, warmup=1, reference="backprop")
@@ -519,14 +520,6 @@ def zoo_rows(names: tuple[str, ...] = ("timm_resnet50", "timm_convnext_tiny",
                 row["grad_max_rel_err"] = float(f"{compare_grads(grads[label], grads['backprop']).max_rel_err:.2g}")  # noqa: E501
             rows.append(row)
     return rows
-
-
-def _step_call(eng: Any, model: nn.Module, x: Any, loss_fn: Any) -> Callable[[], None]:
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        eng.backward(model, x, loss_fn)
-
-    return step
 
 
 def zoo_rows_markdown(rows: list[dict[str, Any]]) -> str:

@@ -73,6 +73,17 @@ def _check(model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: LossFn, *,
     return res
 
 
+def _check_rng(model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: LossFn, *,
+               seed: int, **options: Any) -> leangrad.StepResult:  # fmt: skip
+    """:func:`_check`, and the global RNG after the step where autograd's step leaves it."""
+    torch.manual_seed(seed)
+    _reference(model, xs, loss_fn)
+    after_autograd = torch.get_rng_state()
+    res = _check(model, xs, loss_fn, seed=seed, **options)
+    assert torch.equal(torch.get_rng_state(), after_autograd)
+    return res
+
+
 class _Spy:
     """What the fragmented blocks ran: per call, the fragments' row ranges and each tensor
     argument's shape and whether it was cut along the batch."""
@@ -444,12 +455,8 @@ def test_batchnorm_beside_dropout_runs_in_fragments_with_the_draws_replayed() ->
     block = Residual(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.4),
                                    nn.Linear(8, 8)))  # fmt: skip
     model, x, loss_fn = _sequential(block, batch=7)
-    torch.manual_seed(2)
-    _reference(model, (x,), loss_fn)
-    after_autograd = torch.get_rng_state()
-    res = _check(model, (x,), loss_fn, seed=2, fragments=2)
+    res = _check_rng(model, (x,), loss_fn, seed=2, fragments=2)
     assert res.info["whole"] == {}
-    assert torch.equal(torch.get_rng_state(), after_autograd)
 
 
 def test_batchnorm_fragments_lower_the_peak() -> None:
@@ -491,11 +498,7 @@ class _Sampled(nn.Module):
 
 def test_a_draw_that_cannot_be_replayed_runs_whole_named() -> None:
     model, x, loss_fn = _sequential(_Sampled().double(), batch=6)
-    torch.manual_seed(6)
-    _reference(model, (x,), loss_fn)
-    after_autograd = torch.get_rng_state()
-    res = _check(model, (x,), loss_fn, seed=6, fragments=2)
-    assert torch.equal(torch.get_rng_state(), after_autograd)
+    res = _check_rng(model, (x,), loss_fn, seed=6, fragments=2)
     assert set(res.info["whole"]) == {"1"}
     assert "bernoulli.default" in res.info["whole"]["1"]
     assert "depends on its input's values" in res.info["whole"]["1"]
@@ -837,11 +840,7 @@ def test_the_probe_leaves_the_global_rng_as_it_found_it() -> None:
             return x + self.lin(x) + 0.1 * torch.randn_like(x)
 
     model2, x2, loss_fn2 = _sequential(Noisy().double(), batch=5)
-    torch.manual_seed(7)
-    _reference(model2, (x2,), loss_fn2)
-    after_autograd = torch.get_rng_state()
-    res = _check(model2, (x2,), loss_fn2, seed=7, fragments=2)
-    assert torch.equal(torch.get_rng_state(), after_autograd)
+    res = _check_rng(model2, (x2,), loss_fn2, seed=7, fragments=2)
     assert res.info["whole"] == {}
 
 
@@ -1022,11 +1021,7 @@ def test_stochastic_depth_is_found_by_watching_its_draws_and_replayed(p: float) 
     it."""
     block = Residual(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), DropPath(p)))
     model, x, loss_fn = _sequential(block, batch=6)
-    torch.manual_seed(4)
-    _reference(model, (x,), loss_fn)
-    after_autograd = torch.get_rng_state()
-    res = _check(model, (x,), loss_fn, seed=4, fragments=2)
-    assert torch.equal(torch.get_rng_state(), after_autograd)
+    res = _check_rng(model, (x,), loss_fn, seed=4, fragments=2)
     assert res.info["whole"] == {}
 
 
