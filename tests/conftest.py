@@ -53,7 +53,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[tup
     (a test of that rule sets it itself)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    import leangrad._plan_measure as measuring  # imported here: conftest loads before any test
+    import leangrad.planner._measure as measuring  # imported here: conftest loads before any test
 
     steps: collections.Counter[tuple[str, str]] = collections.Counter()
     make = measuring.engine

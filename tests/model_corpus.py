@@ -15,7 +15,8 @@ wrong (``WRONG ...``, ``CRASH ...``): the last two are defects.
 
 ``python tests/model_corpus.py [--all] [--out results/model-corpus]`` writes the table;
 ``--plans`` plans a few of the models at 1/2 and 1/4 of backprop's peak instead (with
-``--all``: every model, at its corpus image size); ``--zoo-rows`` measures the zoo suite's
+``--all``: every model, at its corpus image size; ``--resume`` keeps the rows already in
+the output and plans the rest); ``--zoo-rows`` measures the zoo suite's
 timm models at full size beside timm's own checkpointing (:func:`zoo_rows`).
 """
 
@@ -27,7 +28,7 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ FLOOR = {torch.float64: 1e-6, torch.float32: 1e-4}
 """A parameter whose gradient is below ``FLOOR`` of the model's largest is compared on
 that scale: its own relative error would be rounding noise (a BatchNorm shift followed by
 another training-mode BatchNorm has a true gradient of 0, computed as ~1e-18 in float64
-and ~1e-9 in float32). The plan's own re-check uses the same (``leangrad._plan_verify``)."""
+and ~1e-9 in float32). The plan's own re-check uses the same (``leangrad.planner._verify``)."""
 
 
 def vision_available() -> bool:
@@ -300,12 +301,19 @@ def main(argv: list[str]) -> int:
     if "--plans" in argv:
         picked = (tuple((e.name, e.image, 64 if e.image == 32 else 16) for e in CORPUS)
                   if every else PLANNED)  # fmt: skip
-        rows = plans(picked)
-        if out:
-            with open(f"{out}-plans.json", "w") as f:
-                json.dump(rows, f, indent=1)
-            with open(f"{out}-plans.md", "w") as f:
-                f.write(plans_markdown(rows))
+        done: list[dict[str, Any]] = []
+        if out and "--resume" in argv and os.path.exists(f"{out}-plans.json"):
+            with open(f"{out}-plans.json") as f:
+                done = json.load(f)
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            if out:  # after every model: an hours-long run keeps what it measured
+                with open(f"{out}-plans.json", "w") as f:
+                    json.dump(rows, f, indent=1)
+                with open(f"{out}-plans.md", "w") as f:
+                    f.write(plans_markdown(rows))
+
+        rows = plans(picked, done=done, saved=save)
         return 0 if all(r["re-checked from outside"].startswith(("exact", "nothing"))
                         for r in rows) else 1  # fmt: skip
     only = [a for a in argv if not a.startswith("--") and a != out]
@@ -405,15 +413,21 @@ size, batch), where the activations outweigh the parameters and their gradients.
 
 
 def plans(names: tuple[tuple[str, int, int], ...] = PLANNED,
-          fractions: tuple[float, ...] = (0.5, 0.25)) -> list[dict[str, Any]]:  # fmt: skip
+          fractions: tuple[float, ...] = (0.5, 0.25), *, done: Sequence[dict[str, Any]] = (),
+          saved: Callable[[list[dict[str, Any]]], None] | None = None,
+          ) -> list[dict[str, Any]]:  # fmt: skip
     """``leangrad.plan`` on corpus models (float32, weights off their init) at ``fractions``
     of backprop's step peak (the bytes the step adds to the parameters and the batch), and
     the chosen engine re-checked from outside against
-    ``loss.backward()`` (:func:`check`'s verdict on that engine alone)."""
+    ``loss.backward()`` (:func:`check`'s verdict on that engine alone). Rows in ``done``
+    (an earlier run's) are kept and their models skipped; ``saved`` gets the rows after
+    every model."""
     from leangrad.measure import profile_step
 
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = list(done)
     for name, image, batch in names:
+        if any(r["model"] == f"{name} ({batch} x {image}²)" for r in done):
+            continue
         entry = dataclasses.replace(next(e for e in CORPUS if e.name == name), image=image)
         model, x, y = model_and_batch(entry, torch.float32, batch=batch)
         loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), y)
@@ -434,6 +448,8 @@ def plans(names: tuple[tuple[str, int, int], ...] = PLANNED,
                          "chosen": plan.message,
                          "re-checked from outside": outside, "inexact rows": inexact})
             print(f"{name} at {frac}: {outside}; {plan.message[:160]}", flush=True)
+        if saved is not None:
+            saved(rows)
     return rows
 
 

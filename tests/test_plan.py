@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 import leangrad
 from leangrad import zoo
-from leangrad._plan import BAD_BUDGET, candidates
 from leangrad.bench._report import fmt_bytes
 from leangrad.measure import MemoryTracker, grads_of, profile_step
+from leangrad.planner._plan import BAD_BUDGET, candidates
 
 
 def _gpt():  # type: ignore[no-untyped-def]

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import leangrad
-import leangrad._plan as planner
-from leangrad._plan import MORE_PIECES, PIECES, _offered, beaters_first, coarser
-from leangrad._plan_measure import BEATEN, BEATEN_BECAUSE
+import leangrad.planner._plan as planner
 from leangrad.engines._base import PlanOffer
 from leangrad.engines._blocks import blocks
 from leangrad.engines._checkpoint_plan import BN_EVERY, BN_PASSES, MICRO_BATCHED, TRACED
 from leangrad.engines._fragments_bn import is_bn_only
 from leangrad.measure import Timing
+from leangrad.planner._measure import BEATEN, BEATEN_BECAUSE
+from leangrad.planner._plan import MORE_PIECES, PIECES, _offered, beaters_first, coarser
 
 from .plan_candidate_models import MODELS, loss
 from .shared_models import tiny_gpt_step

@@ -3,7 +3,7 @@
 the same ``(name, options)`` in the same order for the registered training models, the
 zoo's, a HighwayNet and a Chain, with and without a per-example loss, exact or not.
 
-``plan_candidates.json`` was written by the hand-written ``leangrad._plan.candidates``
+``plan_candidates.json`` was written by the hand-written ``leangrad.planner._plan.candidates``
 and ``last_resorts`` before the change (tests/plan_candidate_models.py builds the
 models). One change since, on purpose: ``checkpoint`` with ``blocks=`` naming every block
 found (with and without ``trace=True``) is no longer offered beside ``checkpoint()``, which
@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-from leangrad._plan import candidates, last_resorts
 from leangrad.engines import engine
 from leangrad.engines._blocks import blocks
+from leangrad.planner._plan import candidates, last_resorts
 
 from .plan_candidate_models import MODELS, loss
 

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from leangrad import _plan_compile as pc
-from leangrad._plan import Candidate, Plan
-from leangrad._plan_io import fingerprint
 from leangrad.cli import _parser
 from leangrad.measure import profile_step
+from leangrad.planner import _compile as pc
+from leangrad.planner._io import fingerprint
+from leangrad.planner._plan import Candidate, Plan
 
 
 def _mlp(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.Tensor, Any]:
@@ -188,7 +188,7 @@ def test_a_step_too_small_for_rss_is_not_compiled() -> None:
 
 def test_training_rebuilds_a_compiled_plans_engine() -> None:
     """``train --plan`` / ``fit(plan=)`` name the plan's engine; a compiled one is not
-    registered, and is rebuilt as the plan's :class:`~leangrad._plan_compile.Compiled`
+    registered, and is rebuilt as the plan's :class:`~leangrad.planner._compile.Compiled`
     (nothing compiles until its first backward)."""
     from leangrad.train._fit import _engine_for
 

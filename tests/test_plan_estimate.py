@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 import leangrad
-import leangrad._plan as planner
-import leangrad._plan_measure as measuring
+import leangrad.planner._measure as measuring
+import leangrad.planner._plan as planner
 from leangrad import zoo
-from leangrad._plan import BAD_SETTING, NOT_TIMED
-from leangrad._plan_measure import ESTIMATED
 from leangrad._sizes import BAD_BYTES, parse_bytes
 from leangrad.measure import estimate_step, profile_step
 from leangrad.measure._timer import Timing
+from leangrad.planner._measure import ESTIMATED
+from leangrad.planner._plan import BAD_SETTING, NOT_TIMED
 from shared_models import tiny_gpt_step
 
 _gpt = tiny_gpt_step
@@ -177,7 +177,7 @@ def test_no_estimate_screens_where_fake_tensors_run_an_rnn_step_by_step(
     stepwise: bool,
 ) -> None:  # fmt: skip
     """``nn.GRU`` (and ``nn.LSTM`` in float64) has no fused CPU kernel, so fake tensors run
-    it one time step at a time: :func:`~leangrad._plan_measure.stepwise_on_fake` names it,
+    it one time step at a time: :func:`~leangrad.planner._measure.stepwise_on_fake` names it,
     and the plan estimates no candidate (only backprop, once, asking whether anything can
     be allocated), stepping them for real instead; a float32 LSTM runs one fused op on fake
     tensors too, and each candidate is estimated first."""

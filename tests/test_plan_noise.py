@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import leangrad
-import leangrad._plan as planner
-import leangrad._plan_choice as pc
+import leangrad.planner._choice as pc
+import leangrad.planner._plan as planner
 from leangrad import zoo
-from leangrad._plan_measure import Tried
 from leangrad.measure import Timing
+from leangrad.planner._measure import Tried
 
 Spread = tuple[float, float, float]  # median, minimum, maximum
 

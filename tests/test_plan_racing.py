@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import leangrad
-import leangrad._plan as planner
-import leangrad._plan_choice as pc
-import leangrad._plan_measure as pm
-from leangrad._plan_measure import ESTIMATE_MARGIN, ESTIMATED, FIRST_STEP_MARGIN, Tried
+import leangrad.planner._choice as pc
+import leangrad.planner._measure as pm
+import leangrad.planner._plan as planner
 from leangrad._sizes import fmt_bytes
 from leangrad.measure import Timing, estimate_step, profile_step
+from leangrad.planner._measure import ESTIMATE_MARGIN, ESTIMATED, FIRST_STEP_MARGIN, Tried
 from shared_models import tiny_gpt_step
 
 

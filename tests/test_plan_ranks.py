@@ -1,5 +1,5 @@
 """Per-rank memory of a step spread over processes (issue 32, item 3):
-:func:`leangrad._plan_ranks.estimate_per_rank` and ``leangrad plan --nproc N --parallel``.
+:func:`leangrad.planner._ranks.estimate_per_rank` and ``leangrad plan --nproc N --parallel``.
 
 The parts add up to the total; FSDP2 holds 1/N of each parameter (up to one padded row),
 as much of each gradient and twice that in Adam's state; a model built on ``meta`` or
@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from leangrad import _errors as errors
 from leangrad import models
-from leangrad._plan_ranks import RankEstimate, estimate_per_rank, fsdp_budget_check
 from leangrad.cli import main
+from leangrad.planner._ranks import RankEstimate, estimate_per_rank, fsdp_budget_check
 from two_processes import run_two
 
 WIDTH = 97  # odd: the shards of 2 processes are padded

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from leangrad import _plan_compile as pc
-from leangrad import _plan_regional as pr
-from leangrad._plan import Candidate, Plan
-from leangrad._plan_io import fingerprint
 from leangrad.measure import profile_step
+from leangrad.planner import _compile as pc
+from leangrad.planner import _regional as pr
+from leangrad.planner._io import fingerprint
+from leangrad.planner._plan import Candidate, Plan
 
 WIDTH = 16
 

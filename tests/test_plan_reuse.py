@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import leangrad
-import leangrad._plan as planner
-import leangrad._plan_measure as measuring
-from leangrad._plan_measure import ESTIMATE_MARGIN, ESTIMATED, FIRST_STEP_MARGIN, Tried
+import leangrad.planner._measure as measuring
+import leangrad.planner._plan as planner
+from leangrad.planner._measure import ESTIMATE_MARGIN, ESTIMATED, FIRST_STEP_MARGIN, Tried
 from test_plan_racing import B0, B01, ENGINES, FRAG, Clock, _gpt
 
 
@@ -46,7 +46,7 @@ def test_a_lower_budget_reuses_every_peak_and_steps_only_what_it_judges_anew(
     """At 900 kB the tiny GPT's checkpoint (770 kB) and fragments=2 (681 kB) fit on their
     first steps. At 768 kB, reusing that plan, checkpoint's first-step peak no longer fits,
     so it alone is tracked again (warm, one step); at 720 kB it is over by more than
-    :data:`~leangrad._plan_measure.FIRST_STEP_MARGIN` and decides alone (no step).
+    :data:`~leangrad.planner._measure.FIRST_STEP_MARGIN` and decides alone (no step).
     fragments=2 is timed without a peak measurement of its own. The rows, peaks and choice
     are those of a fresh plan at that budget, which measures fragments=2's peak again and
     checkpoint's in two steps at 768 kB (0.3% over, its estimate too), at 720 kB (7% over)

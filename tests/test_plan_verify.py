@@ -1,5 +1,5 @@
 """The plan calls exact only what it re-checked on the user's model: one step of the chosen
-engine beside ``loss.backward()`` (:mod:`leangrad._plan_verify`). A row whose step differs
+engine beside ``loss.backward()`` (:mod:`leangrad.planner._verify`). A row whose step differs
 is shown ``inexact: <why>`` and never chosen under ``exact=True``."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from leangrad._plan_verify import exact_why
 from leangrad.measure import profile_step
+from leangrad.planner._verify import exact_why
 
 
 class _Flip(nn.Module):

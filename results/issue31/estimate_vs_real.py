@@ -8,7 +8,7 @@ torch.set_num_threads(1)
 import leangrad
 from leangrad.bench._models import build
 from leangrad.measure import estimate_step
-from leangrad._plan import candidates
+from leangrad.planner._plan import candidates
 model = sys.argv[2]
 logs = sys.argv[3:]
 real: dict[str, float] = {}

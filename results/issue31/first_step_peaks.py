@@ -7,7 +7,7 @@ warnings.simplefilter("ignore")
 repo = Path(sys.argv[1]); sys.path.insert(0, str(repo / "src"))
 import torch; torch.set_num_threads(1)
 import leangrad
-from leangrad._plan import candidates
+from leangrad.planner._plan import candidates
 from leangrad.bench._models import build
 from leangrad.measure import profile_step
 suite = tomllib.loads((repo / "src/leangrad/bench/suites/zoo.toml").read_text())

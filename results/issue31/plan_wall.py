@@ -60,7 +60,7 @@ def counted(fn, kind=None):  # fn's calls and seconds, under kind or the plan's 
 
 
 if "--steps" in args:
-    import leangrad._plan_measure as plan_measure
+    import leangrad.planner._measure as plan_measure
     from leangrad.engines import Engine
 
     Engine.backward = counted(Engine.backward)

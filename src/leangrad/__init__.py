@@ -9,12 +9,27 @@ Quick use::
     optimizer.step()
 """
 
-from . import bits, data, engines, fad, hf, highway, layers, loss, measure, models, rad, train, zoo
+from . import (
+    bits,
+    data,
+    engines,
+    fad,
+    hf,
+    highway,
+    layers,
+    loss,
+    measure,
+    models,
+    planner,
+    rad,
+    train,
+    zoo,
+)
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
-from ._plan import Plan, plan
 from ._version import __version__
 from .engines import Blocks, Engine, StepResult, available, blocks, engine, explain
 from .layers import Chain, ChainLayer, PrecisionWarning
+from .planner import Plan, plan
 
 __all__ = [
     "Blocks",
@@ -44,6 +59,7 @@ __all__ = [
     "measure",
     "models",
     "plan",
+    "planner",
     "rad",
     "train",
     "zoo",

@@ -16,9 +16,9 @@ import leangrad
 from fuzz_models import DropPath  # stochastic depth as timm writes it
 from leangrad import zoo
 from leangrad._errors import EngineInputError
-from leangrad._plan import candidates
 from leangrad.loss import PerExample, per_example
 from leangrad.measure import compare_grads, profile_step
+from leangrad.planner._plan import candidates
 
 ENGINES = ("accumulate", "checkpoint+accumulate")
 

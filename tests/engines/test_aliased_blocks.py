@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from leangrad import _plan_compile as pc
 from leangrad import zoo
-from leangrad._plan import candidates
-from leangrad._plan_regional import CompiledBlock, Regional, regions_why
 from leangrad.engines._blocks import ALIASED_BLOCKS
 from leangrad.loss import per_example
+from leangrad.planner import _compile as pc
+from leangrad.planner._plan import candidates
+from leangrad.planner._regional import CompiledBlock, Regional, regions_why
 from shared_models import SharedMLP, beside_autograd
 
 LossFn = Callable[[Any], torch.Tensor]

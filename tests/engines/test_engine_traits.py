@@ -9,10 +9,16 @@ from torch import nn
 
 import leangrad
 from leangrad import _errors as errors
-from leangrad._parallel import BAD_PARALLEL, FSDP_ENGINE, PARALLEL, check_parallel, fsdp_refusal
 from leangrad.engines._catalog import engine_class
 from leangrad.engines._compose import NOT_IN_TABLE, OnBackprop
 from leangrad.engines._transforms import TRANSFORMS, RadTransform
+from leangrad.planner._parallel import (
+    BAD_PARALLEL,
+    FSDP_ENGINE,
+    PARALLEL,
+    check_parallel,
+    fsdp_refusal,
+)
 
 
 def _stack() -> nn.Sequential:

@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from leangrad import _plan_compile as pc
 from leangrad import zoo
-from leangrad._plan import candidates
 from leangrad.engines import _fragments
 from leangrad.engines._blocks import blocks
 from leangrad.engines._checkpoint_plan import stage_modules
+from leangrad.planner import _compile as pc
+from leangrad.planner._plan import candidates
 from shared_models import CallsTwice, SharedMLP, beside_autograd
 
 LossFn = Callable[[Any], torch.Tensor]

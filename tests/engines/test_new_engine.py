@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from leangrad._plan import candidates
 from leangrad.engines._base import Engine, LossFn, OnGrad, PlanOffer, StepResult, forward_loss
 from leangrad.engines._blocks import Blocks
 from leangrad.engines._catalog import register, unregister
 from leangrad.loss import per_example
+from leangrad.planner._plan import candidates
 
 from .test_contract import MODELS, check_backward_contract
 

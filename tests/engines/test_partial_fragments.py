@@ -20,11 +20,11 @@ from torch import nn
 import leangrad
 from leangrad import _errors as errors
 from leangrad import zoo
-from leangrad._plan import candidates
 from leangrad.engines import _fragments
 from leangrad.engines._blocks import blocks
 from leangrad.engines._segments import largest, saved_inside
 from leangrad.measure import compare_grads, profile_step
+from leangrad.planner._plan import candidates
 
 LossFn = Callable[[Any], torch.Tensor]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}

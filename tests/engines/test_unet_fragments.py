@@ -15,10 +15,10 @@ from torch import nn
 
 import leangrad
 from leangrad import zoo
-from leangrad._plan import candidates
 from leangrad.engines._blocks import blocks
 from leangrad.engines._checkpoint_plan import stage_modules
 from leangrad.measure import compare_grads, profile_step
+from leangrad.planner._plan import candidates
 
 STAGES = ["down.0", "down.1", "down.2", "mid.0", "mid.1", "mid.2", "up.0", "up.1", "up.2", "out"]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}

@@ -78,7 +78,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-# Above the planner's 20,000 parameters (leangrad._plan.FORWARD_MAX_PARAMS), so where
+# Above the planner's 20,000 parameters (leangrad.planner._plan.FORWARD_MAX_PARAMS), so where
 # nothing fits it does not measure ``forward`` (one jvp per parameter: seconds even here).
 WIDER: dict[str, dict[str, Any]] = {
     "gpt2": {"vocab": 2560},

@@ -15,14 +15,14 @@ import json, sys
 import torch
 import torch.distributed as dist
 from leangrad import _errors as errors, train
-import leangrad._plan
+import leangrad.planner._plan
 
 torch.set_num_threads(1)
 ctx = train.init_distributed(torch.device("cpu"))
 if ctx.rank != 0:
     def refuse(*args, **kwargs):
         raise AssertionError("rank 1 planned")
-    leangrad._plan.plan = refuse
+    leangrad.planner._plan.plan = refuse
 kw = {"data": "synthetic", "data_options": {"n": 64}, "max_steps": 2, "optimizer": "sgd",
       "lr": 0.1, "progress": False, "track_memory_every": 0, "batch_size": 8,
       "plan_engines": ["backprop", "checkpoint", "accumulate"]}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-import leangrad._plan
+import leangrad.planner._plan
 from leangrad import train
 from leangrad.train import _fit
 from train_cases import SMALL, assert_equal, weights
@@ -29,7 +29,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> tuple[list[leangrad.Plan], list[Any
     plans: list[leangrad.Plan] = []
     engines: list[Any] = []
     copies = [0]
-    real_plan, real_init, real_deepcopy = leangrad._plan.plan, _fit._Run.__init__, copy.deepcopy
+    real_plan, real_init = leangrad.planner._plan.plan, _fit._Run.__init__
+    real_deepcopy = copy.deepcopy
 
     def plan(*args: Any, **kwargs: Any) -> leangrad.Plan:
         plans.append(real_plan(*args, **kwargs))
@@ -44,7 +45,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> tuple[list[leangrad.Plan], list[Any
             copies[0] += 1
         return real_deepcopy(x, memo)
 
-    monkeypatch.setattr(leangrad._plan, "plan", plan)
+    monkeypatch.setattr(leangrad.planner._plan, "plan", plan)
     monkeypatch.setattr(_fit._Run, "__init__", init)
     monkeypatch.setattr(copy, "deepcopy", deepcopy)
     return plans, engines, copies
@@ -137,7 +138,7 @@ def test_chosen_is_the_row_carrying_the_measured_engine_estimate_or_not(tmp_path
 
 
 def test_a_chosen_row_must_carry_the_plans_engine() -> None:
-    row = leangrad._plan.Candidate("backprop", True, 10, 0.1, "chosen", "backprop", {})
+    row = leangrad.planner._plan.Candidate("backprop", True, 10, 0.1, "chosen", "backprop", {})
     eng = leangrad.engine("backprop")
     with pytest.raises(ValueError, match="must carry the plan's engine"):
         leangrad.Plan(eng, 10, 0.1, True, 100, (row,), "chosen: backprop", chosen=row)

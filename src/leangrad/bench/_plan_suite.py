@@ -30,10 +30,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .. import _step
-from .._plan import Plan, plan
 from ..measure import profile_step, time_interleaved
 from ..measure._rss import run_json_worker
 from ..measure._timer import num_threads
+from ..planner._plan import Plan, plan
 from ._plan_peers import HOOKED, Step, make_sgd, optimizer_in_backward, peers, workload
 from ._report import fmt_bytes
 from ._runner import new_record

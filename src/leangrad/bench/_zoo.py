@@ -51,10 +51,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
-from .._plan import Plan, plan
 from .._step import as_call
 from ..measure import StepProfile, profile_step, time_interleaved
 from ..measure._timer import num_threads
+from ..planner._plan import Plan, plan
 from ._models import build
 from ._suites import RunSettings, Suite, runner
 from ._zoo_batch import estimable, footprint, max_batch

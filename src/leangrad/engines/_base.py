@@ -115,7 +115,7 @@ class PlanOffer(NamedTuple):
     """``(name, options, why)`` of offers that beat this one for a reason of their own
     (completing "``<offer>`` fits and ..." as ``beaten_why`` does), beside ``beaten_by``.
     The planner adds one more kind itself: the same step in fewer pieces
-    (:data:`leangrad._plan.MORE_PIECES`)."""
+    (:data:`leangrad.planner._plan.MORE_PIECES`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +249,7 @@ class Engine(abc.ABC):
         skip (``checkpoint(fragments=...)`` probes each block once, ``trace=True`` traces
         it): an estimate on fake tensors warms it up first
         (:func:`leangrad.measure.estimate_step`). The work holds nothing at a real step's
-        peak, so a real measurement tracks the first step (:mod:`leangrad._plan_measure`)."""
+        peak, so a real measurement tracks the first step (:mod:`leangrad.planner._measure`)."""
         return False
 
     @property
@@ -257,7 +257,7 @@ class Engine(abc.ABC):
         """``True`` when a fake-tensor estimate of a step costs about as much as the step
         (``checkpoint(fragments=...)``: fragments multiply a step's operators, and a fake
         operator costs what a real one does at small sizes); the planner then measures it
-        for real instead of asking the estimate first (:mod:`leangrad._plan_measure`)."""
+        for real instead of asking the estimate first (:mod:`leangrad.planner._measure`)."""
         return False
 
     @property

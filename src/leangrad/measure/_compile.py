@@ -1,6 +1,6 @@
 """What ``torch.compile`` costs, measured in the process that calls it (a fresh one: the
 bench's worker, :mod:`leangrad.bench._worker`, and ``plan(compile=True)``'s,
-:mod:`leangrad._plan_compile`).
+:mod:`leangrad.planner._compile`).
 
 :func:`compile_costs` compiles a model afresh — the first step's seconds (dynamo, AOT
 autograd's partition, where ``activation_memory_budget`` acts, and inductor) — and checks
@@ -101,7 +101,7 @@ def compile_costs(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], 
     ``rss``/``rss_eager`` (CPU) or ``cuda_peak``/``cuda_peak_eager`` (CUDA), ``t``/``t_eager``.
     ``inputs``: one tensor, or a tuple for ``model(*inputs)``. ``step``: another compiled
     step to measure in its place (forward and backward of ``model``'s loss, compiling on its
-    first call: regional compilation, :mod:`leangrad._plan_regional`); each run starts
+    first call: regional compilation, :mod:`leangrad.planner._regional`); each run starts
     with the model's ``.grad`` set to None."""
     import torch._dynamo
     import torch._functorch.config as functorch_config

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import _cli_types as cli_types
 from .._cli_types import check_out_dir
-from .._parallel import PARALLEL
+from ..planner._parallel import PARALLEL
 
 __all__ = ["add_plan_parser", "add_train_parser", "run_plan", "run_train"]
 
@@ -377,8 +377,8 @@ def run_plan(args: argparse.Namespace) -> int:
     ``--parallel fsdp``, which plans nothing: when the per-rank estimate is over budget)."""
     import torch
 
-    from .._plan import plan
     from .._sizes import fmt_bytes
+    from ..planner._plan import plan
     from ._fit import _loss_fn, _make_optimizer, autocast_dtype
     from ._registry import build_model, data_info, example_batch, load_data, parse_options
 
@@ -466,7 +466,7 @@ def _print_fsdp(args: argparse.Namespace, model: Any, x: Any, loss_fn: Any,
     """``--parallel fsdp``: each named engine's per-rank estimate (one line for an engine
     FSDP2 cannot train); exit code 0 when one fits ``--budget``, else 1."""
     from .. import engines as _engines
-    from .._parallel import fsdp_refusal
+    from ..planner._parallel import fsdp_refusal
 
     codes = []
     for name in names:
@@ -480,10 +480,10 @@ def _print_fsdp(args: argparse.Namespace, model: Any, x: Any, loss_fn: Any,
 
 def _print_per_rank(args: argparse.Namespace, model: Any, x: Any, loss_fn: Any,
                     parallel: str, engine: Any) -> int:  # fmt: skip
-    """Print the per-rank estimate (:func:`leangrad._plan_ranks.estimate_per_rank`) and
+    """Print the per-rank estimate (:func:`leangrad.planner._ranks.estimate_per_rank`) and
     how it compares with ``--budget``: exit code 0 when it fits, 1 when it does not (with
     ddp the plan's exit code stands: the caller ignores this one)."""
-    from .._plan_ranks import estimate_per_rank
+    from ..planner._ranks import estimate_per_rank
 
     est = estimate_per_rank(model, x, loss_fn, nproc=args.nproc, parallel=parallel,
                             optimizer=args.optimizer, engine=engine)  # fmt: skip

@@ -34,13 +34,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import _errors as errors
-from .._parallel import check_parallel
-from .._plan import Plan
 from .._sizes import fmt_bytes
 from .._step import MakeReducer, Step
 from ..data import Dataset
 from ..engines import Engine
 from ..measure import MemoryTracker
+from ..planner._parallel import check_parallel
+from ..planner._plan import Plan
 from . import _distributed as distributed
 from . import _sharded as sharded
 from . import _snapshot as snapshot
@@ -451,8 +451,8 @@ def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.devic
     The plan measures ``net`` as the run will hold it (on ``dev``, in the run's dtype) and
     leaves it as it was: it steps its optimizer on its own deep copy, the only one made.
     The engine's prepared copies are keyed by model, so the run builds its own for ``net``."""
-    from .._plan import plan
     from .._sizes import parse_bytes
+    from ..planner._plan import plan
 
     limit = parse_bytes(budget) if isinstance(budget, str) else budget
     dtype = getattr(torch, cfg.dtype)
@@ -461,7 +461,7 @@ def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.devic
     x = x.to(dtype) if x.is_floating_point() else x
     make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
     if cfg.parallel == "fsdp" and cfg.world_size > 1:  # the budget is per rank (issue 32)
-        from .._plan_ranks import fsdp_budget_check
+        from ..planner._ranks import fsdp_budget_check
 
         name, est = fsdp_budget_check(net, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)),
                                       budget=limit, nproc=cfg.world_size,
@@ -484,7 +484,7 @@ def _from_plan(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.device,
     """``cfg`` with the engine of a saved plan, once it is checked to be made for this
     model (in the run's dtype, on ``dev``) and a batch of this data (printed), and the
     plan's engine object (a loaded plan's, rebuilt from the file)."""
-    from .._plan_io import check_made_for
+    from ..planner._io import check_made_for
 
     if cfg.engine_options:
         raise errors.OptionError(PLAN_AND_ENGINE.format(options=cfg.engine_options))
@@ -889,6 +889,6 @@ def _same(a: Path, b: Path) -> bool:
 def _engine_for(name: str, options: dict[str, Any]) -> Engine:
     """``leangrad.engine(name, **options)``, or the compiled step a saved plan chose
     (``leangrad plan --compile``: not a registered engine)."""
-    from .._plan_io import _rebuild
+    from ..planner._io import _rebuild
 
     return _rebuild(name, options)

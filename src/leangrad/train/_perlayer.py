@@ -20,10 +20,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from .._plan_io import Plan
 from .._step import MakeOptimizer, PerLayerOptimizer, Step
 from ..engines._base import Engine, LossFn
 from ..measure import MemoryTracker, baseline_bytes
+from ..planner._io import Plan
 
 __all__ = ["GradMemory", "MakeOptimizer", "PerLayerOptimizer", "grad_memory_of_plan",
            "measure_grad_memory"]  # fmt: skip

@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from .. import _errors as errors
-from .._parallel import FSDP_ENGINE
 from ..engines import Engine
+from ..planner._parallel import FSDP_ENGINE
 from . import _distributed as distributed
 from . import _snapshot as snapshot
 

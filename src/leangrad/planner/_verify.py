@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engines import engine as engine_named
-from .measure._profile import untouched
+from ..engines import engine as engine_named
+from ..measure._profile import untouched
 
 __all__ = ["TOLERANCE", "exact_why"]
 

@@ -3,7 +3,7 @@
 FSDP2 can train.
 
 One home for the rules that :mod:`leangrad.train` (which runs the modes,
-:mod:`leangrad.train._sharded`) and the per-rank estimates (:mod:`leangrad._plan_ranks`)
+:mod:`leangrad.train._sharded`) and the per-rank estimates (:mod:`leangrad.planner._ranks`)
 both apply, below both, so that neither reaches up into the other.
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _errors as errors
-from .engines._wrapped import FSDP2
+from .. import _errors as errors
+from ..engines._wrapped import FSDP2
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .engines import Engine
+    from ..engines import Engine
 
 __all__ = ["BAD_PARALLEL", "FSDP_ENGINE", "PARALLEL", "check_parallel", "fsdp_refusal"]
 

@@ -38,7 +38,7 @@ the second round's alone was.
 
 Warm-up: none of these rounds runs one of its own. Every row timed here ran before the first
 round — its peak was measured on a real step, after a warm-up step where its first step
-differs (:mod:`leangrad._plan_measure`), so the engine's first-call work (a fragment probe,
+differs (:mod:`leangrad.planner._measure`), so the engine's first-call work (a fragment probe,
 a trace, prepared copies), the allocator and caches are done — and the planner runs a row
 it has not run yet (the reference backprop when only compiled rows need it) once before
 the race; the second round's contenders have just run the first round's. (Before issue
@@ -90,8 +90,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from ._plan_measure import Tried
-from .measure import Timing
+from ..measure import Timing
+from ._measure import Tried
 
 __all__ = [
     "CLOSE", "MOST_CONTENDERS", "RACE", "RACED_OUT", "RACE_FROM", "RACE_TWO", "RETIME_REPEATS",

@@ -58,7 +58,7 @@ was the second's but for ``trace=True`` on BERT (4.8%, the cycles) and the Llama
 fragment rows (32 KiB, 0.02%). A first step that does undeclared extra work can only make a
 fitting row's peak higher than its later steps', never make a fit that a warm step would
 not. Either way the candidate has run before it is
-timed, which is the timing's warm-up (:mod:`leangrad._plan_choice` runs none of its own).
+timed, which is the timing's warm-up (:mod:`leangrad.planner._choice` runs none of its own).
 """
 
 from __future__ import annotations
@@ -72,11 +72,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _errors as errors
-from ._step import PER_LAYER, MakeOptimizer, Step
-from .engines import Engine, engine
-from .engines._time_chunks import fused_recurrent
-from .measure import estimate_step, profile_step
+from .. import _errors as errors
+from .._step import PER_LAYER, MakeOptimizer, Step
+from ..engines import Engine, engine
+from ..engines._time_chunks import fused_recurrent
+from ..measure import estimate_step, profile_step
 
 __all__ = [
     "BEATEN", "BEATEN_BECAUSE", "COSTLY_FROM", "ESTIMATED", "ESTIMATE_MARGIN", "FAILED",
@@ -215,7 +215,7 @@ class Context:
 @dataclasses.dataclass(frozen=True)
 class Tried:
     """One candidate's measurement. ``compile_seconds`` and ``time_ratio`` are a
-    compiled row's (:mod:`leangrad._plan_compile`): its cold compile's seconds, and its
+    compiled row's (:mod:`leangrad.planner._compile`): its cold compile's seconds, and its
     step's time over eager backprop's in the worker (the plan scales backprop's median by
     it, for the row is not timed in this process)."""
 

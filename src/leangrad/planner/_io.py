@@ -1,7 +1,7 @@
 """A plan as a value, kept and shown: :class:`Plan` and its rows (:class:`Candidate`),
 :meth:`leangrad.Plan.save` / :meth:`leangrad.Plan.load` as JSON, the fingerprint of the
 model and batch a plan was made for, and the progress bar of :func:`leangrad.plan`. The
-planner (:mod:`leangrad._plan`) builds on this module; nothing here imports it.
+planner (:mod:`leangrad.planner._plan`) builds on this module; nothing here imports it.
 
 A plan is measured on one model and one batch shape; its verdicts hold for them only. The
 file records what it was made for — the model's class, its parameters' names, shapes and
@@ -10,7 +10,7 @@ and leangrad versions — and :meth:`Plan.load` given a model and inputs refuses
 (another version only warns: the measurements may have moved, the engine still works).
 The chosen engine is stored as what :func:`leangrad.engine` makes it from (name and
 options), and rebuilt on load; a compiled row's (``plan(..., compile=True)``) is rebuilt as
-:class:`leangrad._plan_compile.Compiled` with its setting, which compiles afresh on its
+:class:`leangrad.planner._compile.Compiled` with its setting, which compiles afresh on its
 first backward. A row's ``compile_seconds`` and ``tie_break`` are written only where it
 has one, so plans without compiled rows or ties are the same files as before.
 """
@@ -31,14 +31,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import _errors as errors
-from ._plan_choice import Choice
-from ._plan_compile import COMPILE_NAME, Compiled
-from ._plan_measure import Tried
-from ._sizes import fmt_bytes
-from ._version import __version__
-from .engines import Engine
-from .engines import engine as engine_named
+from .. import _errors as errors
+from .._sizes import fmt_bytes
+from .._version import __version__
+from ..engines import Engine
+from ..engines import engine as engine_named
+from ._choice import Choice
+from ._compile import COMPILE_NAME, Compiled
+from ._measure import Tried
 
 __all__ = [
     "CHOSEN",
@@ -133,7 +133,7 @@ class Candidate:
         tie_break: on the chosen row only, where the fastest candidates were within timing
             noise of each other even when timed again: which ones, and the rule that chose
             (``"within noise of chunked_ce (0.98×): chose by lower peak"``,
-            :mod:`leangrad._plan_choice`); ``None`` where the timing decided.
+            :mod:`leangrad.planner._choice`); ``None`` where the timing decided.
         engine: the chosen row's engine object, the one the plan measured (with the
             prepared copies it built; ``None`` on every other row). Not compared, not
             written to a plan file (a loaded plan's is rebuilt from ``name`` and
@@ -159,7 +159,7 @@ class Measured:
     """What a plan measured, kept with it so that a plan of the same step at another budget
     (``plan(reuse=)``) takes each candidate's peak and warm engine instead of stepping it
     again: a peak does not depend on the budget, only a verdict does
-    (:func:`leangrad._plan_measure.revisit`)."""
+    (:func:`leangrad.planner._measure.revisit`)."""
 
     model: nn.Module
     """The model stepped: the user's, or the plan's copy where an optimizer steps it."""
@@ -168,12 +168,12 @@ class Measured:
     """What else decides the rows: exactness, optimizer, autocast, candidates, compile."""
     rows: dict[str, list[Tried]]
     """Each candidate's rows (one, or two with an optimizer), by
-    :func:`leangrad._plan_measure.key`."""
+    :func:`leangrad.planner._measure.key`."""
     of: nn.Module
     """The user's model the plan was asked for."""
     budget: int = 0
     choice: Choice | None = None
-    """What the plan's timing decided (a :class:`leangrad._plan_choice.Choice`): at a
+    """What the plan's timing decided (a :class:`leangrad.planner._choice.Choice`): at a
     lower budget every row that fits fitted this plan's budget too, so where its fastest
     still fits, it is the fastest there."""
     checked: dict[str, str | None] = dataclasses.field(default_factory=dict)
@@ -187,7 +187,7 @@ class Plan:
 
     Attributes:
         engine: the chosen engine, usable like any engine (``None`` if nothing fits); a
-            compiled row's is a :class:`leangrad._plan_compile.Compiled`, which compiles
+            compiled row's is a :class:`leangrad.planner._compile.Compiled`, which compiles
             the model on its first backward (once per model) under the row's setting.
         peak_bytes, seconds, exact: the chosen engine's measured peak, time, exactness.
         budget: the budget in bytes.
@@ -455,7 +455,7 @@ def _encode_row(c: Candidate) -> dict[str, Any]:
 
 def _rebuild(name: str, options: dict[str, Any]) -> Engine:
     """The engine a plan file names: ``leangrad.engine(name, **options)``, or a compiled
-    row's :class:`~leangrad._plan_compile.Compiled`."""
+    row's :class:`~leangrad.planner._compile.Compiled`."""
     return Compiled(**options) if name == COMPILE_NAME else engine_named(name, **options)
 
 

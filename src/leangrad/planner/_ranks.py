@@ -54,10 +54,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _errors as errors
+from .. import _errors as errors
+from ..engines import Engine
+from ..engines import engine as engine_named
 from ._parallel import check_parallel, fsdp_refusal
-from .engines import Engine
-from .engines import engine as engine_named
 
 __all__ = ["FSDP_CANDIDATES", "FSDP_NO_ENGINE", "FSDP_OVER_BUDGET", "OPTIMIZERS", "RankEstimate",
            "estimate_per_rank", "fsdp_budget_check"]  # fmt: skip
@@ -136,7 +136,7 @@ class RankEstimate:
 
     def summary(self, budget: int) -> str:
         """One line: the total per rank against ``budget``, and whether it fits."""
-        from ._sizes import fmt_bytes
+        from .._sizes import fmt_bytes
 
         verdict = "fits" if self.fits(budget) else "over budget"
         return (f"per rank ({self.parallel}, {self.nproc} processes, {self.engine}): about "
@@ -153,7 +153,7 @@ class RankEstimate:
     def table(self) -> str:
         """The parts, one a line, the total, and a note on what was measured and what
         counted (the lines ``leangrad plan --nproc N`` prints)."""
-        from ._sizes import fmt_bytes
+        from .._sizes import fmt_bytes
 
         rows = [(name.replace("_", " "), fmt_bytes(b)) for name, b in self.parts().items()]
         rows.append(("total per rank", fmt_bytes(self.total)))
@@ -195,7 +195,7 @@ def estimate_per_rank(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Te
 
     Raises:
         OptionError: ``nproc`` below 1, an unknown ``parallel`` or ``optimizer``, or an
-            engine fsdp cannot train (:func:`leangrad._parallel.fsdp_refusal`).
+            engine fsdp cannot train (:func:`leangrad.planner._parallel.fsdp_refusal`).
         EngineInputError: fsdp finds no blocks in the model (as training would).
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -238,7 +238,7 @@ def fsdp_budget_check(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Te
     process holding the whole model, so instead the budget is compared with each engine's
     per-rank estimate (:func:`estimate_per_rank`), in the order of ``engines`` (default
     :data:`FSDP_CANDIDATES`: backprop, then checkpoint), skipping those FSDP2 cannot train
-    (:func:`~leangrad._parallel.fsdp_refusal`). Returns the first that fits, by name, and
+    (:func:`~leangrad.planner._parallel.fsdp_refusal`). Returns the first that fits, by name, and
     its estimate (not timed: the order puts the least recomputation first).
 
     Raises:
@@ -246,7 +246,7 @@ def fsdp_budget_check(model: nn.Module, inputs: torch.Tensor | Sequence[torch.Te
         EngineInputError: none fits ``budget`` (the message names the least total, its
             engine and its parts).
     """
-    from ._sizes import fmt_bytes
+    from .._sizes import fmt_bytes
 
     names = list(engines) if engines is not None else list(FSDP_CANDIDATES)
     tried: list[tuple[str, RankEstimate]] = []
@@ -362,7 +362,7 @@ def _activation_peak(eng: Engine, model: nn.Module, xs: tuple[torch.Tensor, ...]
                      loss_fn: Callable[[Any], torch.Tensor]) -> tuple[int, str]:  # fmt: skip
     """The step's peak above parameters and inputs, gradients dropped as they arrive, and
     how it was measured: on real tensors where the model and inputs are, else on fake ones."""
-    from .measure import profile_step
+    from ..measure import profile_step
 
     tensors = list(itertools.chain(model.parameters(), model.buffers(), xs))
     step = _GradsDropped(eng)
@@ -385,8 +385,8 @@ def _fake_peak(step: _GradsDropped, model: nn.Module, xs: tuple[torch.Tensor, ..
         FakeTensorMode,
     )
 
-    from .measure import MemoryTracker
-    from .measure._estimate import READS_VALUES, _with_fake_tensors
+    from ..measure import MemoryTracker
+    from ..measure._estimate import READS_VALUES, _with_fake_tensors
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     real = [x for x in xs if _is_real(x)]

@@ -4,7 +4,7 @@ of the whole model, with its default partition and with AOT autograd's
 ``torch._functorch.config.activation_memory_budget``, PyTorch 2.4+), and regional
 compilation — each of the model's blocks compiled, under plain autograd
 (``compile(regions=blocks)``) and under leangrad's per-block checkpointing
-(``compile(regions=checkpoint)``; :mod:`leangrad._plan_regional`) — each a row of the
+(``compile(regions=checkpoint)``; :mod:`leangrad.planner._regional`) — each a row of the
 plan's table beside leangrad's engines, so a plan is never slower than what compile alone
 gives at a budget both meet. A model whose module tree repeats no block has regional rows
 saying so.
@@ -12,7 +12,7 @@ saying so.
 How a compiled step is measured. On the CPU, inductor's generated code allocates buffers
 the tracker (a dispatch-mode tracker) never sees, so compile's memory is measurable only as
 the resident set of a fresh process. Each setting therefore runs in its own process
-(``python -m leangrad._plan_compile``, started by
+(``python -m leangrad.planner._compile``, started by
 :func:`leangrad.measure._rss.run_json_worker`), which loads the model, inputs and loss
 from a ``torch.save`` pickle and runs the zoo suite's measurement of a compile
 (:func:`leangrad.measure._compile.compile_costs`; a regional row's step is
@@ -47,11 +47,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._plan_measure import Context, Tried, failed_verdict
-from ._plan_regional import REGIONS, Regional, regions_why
-from .engines import Engine, engine
-from .engines._backprop import grad_hooks
-from .engines._base import LossFn, OnGrad, StepResult, forward_loss
+from ..engines import Engine, engine
+from ..engines._backprop import grad_hooks
+from ..engines._base import LossFn, OnGrad, StepResult, forward_loss
+from ._measure import Context, Tried, failed_verdict
+from ._regional import REGIONS, Regional, regions_why
 
 __all__ = [
     "COMPILE_BUDGETS",
@@ -70,7 +70,7 @@ COMPILE_NAME = "compile"
 COMPILE_BUDGETS: tuple[float | None, ...] = (None, 0.5)
 """``activation_memory_budget`` settings tried (``None``: torch.compile's default)."""
 COMPILE_REGIONS: tuple[str, ...] = REGIONS
-"""Regional settings tried, each with the default partition (:mod:`leangrad._plan_regional`):
+"""Regional settings tried, each with the default partition (:mod:`leangrad.planner._regional`):
 ``"blocks"`` (each block compiled, plain autograd), ``"checkpoint"`` (each block compiled
 and checkpointed)."""
 COMPILE_TIMEOUT_S = 900
@@ -116,7 +116,7 @@ WORKER_FAILED = "failed: the compile worker exited: {why}"
 GRAD_DIFFERS = (
     "failed: compiled gradient differs from autograd's (max relative error {err:.2e} > {tol:g})"
 )
-WORKER = "leangrad._plan_compile"
+WORKER = "leangrad.planner._compile"
 """The module run as each setting's fresh process."""
 
 
@@ -141,7 +141,7 @@ class Compiled(Engine):
     default partition, which saves what the min-cut partitioner chooses).
 
     With ``regions``, each of the model's blocks is compiled instead of the model
-    (regional compilation, :mod:`leangrad._plan_regional`), in a copy that shares the
+    (regional compilation, :mod:`leangrad.planner._regional`), in a copy that shares the
     model's tensors: ``"blocks"`` runs it under plain autograd, ``"checkpoint"`` under
     leangrad's ``checkpoint`` engine (each block checkpointed); the code between the
     blocks runs eagerly.
@@ -222,8 +222,8 @@ def measure_compiled(ctx: Context, tried: list[Tried], *, repeats: int,
     """Measure each compiled setting in a fresh process and append its row to ``tried``:
     peak and time are backprop's here scaled by the worker's compiled/eager ratios
     (``Tried.time_ratio``; :func:`leangrad.plan` multiplies by backprop's median)."""
-    from .measure import profile_step
-    from .measure._rss import rss_supported
+    from ..measure import profile_step
+    from ..measure._rss import rss_supported
 
     todo = compile_candidates()
     device = ctx.xs[0].device if ctx.xs else next(ctx.model.parameters()).device
@@ -278,7 +278,7 @@ def _pickle(ctx: Context, path: str) -> str | None:
 def _measured(opts: dict[str, Any], path: str, ctx: Context, baseline: int, step_peak: int,
               *, repeats: int, device: torch.device) -> Tried:  # fmt: skip
     """One setting's row from its worker's report."""
-    from .measure._rss import run_json_worker
+    from ..measure._rss import run_json_worker
 
     payload = {"path": path, "budget": opts.get("activation_memory_budget"),
                "regions": opts.get("regions"),
@@ -337,7 +337,7 @@ def main() -> None:
     except Exception as err:  # a class or function not importable here
         print(json.dumps({"unpickle_failed": f"{type(err).__name__}: {str(err)[:300]}"}))
         return
-    from .measure._compile import cold_inductor_cache, compile_costs
+    from ..measure._compile import cold_inductor_cache, compile_costs
 
     budget, regions = payload.get("budget"), payload.get("regions")
     step = None

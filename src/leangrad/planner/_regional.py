@@ -1,6 +1,6 @@
 """Regional compilation: each of a model's blocks compiled, not the whole model — the
 compiled rows ``compile(regions=blocks)`` and ``compile(regions=checkpoint)`` of
-``plan(..., compile=True)`` (:mod:`leangrad._plan_compile`).
+``plan(..., compile=True)`` (:mod:`leangrad.planner._compile`).
 
 PyTorch's recipe for a model built of repeated blocks (a transformer's layers, a ResNet's
 residual blocks) compiles the block, not the model: dynamo treats the blocks' parameters
@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _errors as errors
-from .engines import Engine
-from .engines._backprop import grad_hooks
-from .engines._base import LossFn, OnGrad, StepResult, forward_loss
-from .engines._blocks import blocks
-from .engines._checkpoint import Checkpoint
-from .engines._prepare import PreparedCache, Wrapper
+from .. import _errors as errors
+from ..engines import Engine
+from ..engines._backprop import grad_hooks
+from ..engines._base import LossFn, OnGrad, StepResult, forward_loss
+from ..engines._blocks import blocks
+from ..engines._checkpoint import Checkpoint
+from ..engines._prepare import PreparedCache, Wrapper
 
 __all__ = ["REGIONS", "CompiledBlock", "Regional", "regions_why"]
 
@@ -90,7 +90,7 @@ def _compile_block(name: str, block: nn.Module) -> nn.Module:
 
 
 class Regional:
-    """The regional step of :class:`leangrad._plan_compile.Compiled` for one ``regions``
+    """The regional step of :class:`leangrad.planner._compile.Compiled` for one ``regions``
     setting: the prepared copy with compiled blocks, made once per model (again when its
     modules, parameters or modes change), run under autograd or ``checkpoint``."""
 

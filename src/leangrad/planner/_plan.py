@@ -15,18 +15,18 @@ randomized AD and Highway-BP — with an ``optimizer``, each also with per-layer
 steps inside ``on_grad`` (gradients never all live at once: Moonwalk v1, Algorithm 1), and
 with ``compile=True`` ``torch.compile`` itself, default and with an
 ``activation_memory_budget``, and each block compiled (regional compilation, with and
-without checkpointing), each measured in a fresh process (:mod:`leangrad._plan_compile`) —
+without checkpointing), each measured in a fresh process (:mod:`leangrad.planner._compile`) —
 measures each one's peak memory with the allocator-level
 tracker (:func:`leangrad.measure.profile_step`), times the ones that fit side by side
 (medians of interleaved repeats), and returns the fastest that fits, with the table it
 decided from; candidates within timing noise of the fastest are timed again, and a tie
-they still make is broken by a stated rule (:mod:`leangrad._plan_choice`). Nothing fits:
+they still make is broken by a stated rule (:mod:`leangrad.planner._choice`). Nothing fits:
 it says so and names the smallest peak it found.
 
 Where the time goes (issue 31, item 6: a full-size zoo plan in ≤ 3 minutes): steps, a few
 seconds each at full size. A plan spends them only where they decide: a candidate whose
 fake-tensor estimate is over the budget by more than 2%
-(:data:`leangrad._plan_measure.ESTIMATE_MARGIN`: on 50 full-size zoo rows the estimate was
+(:data:`leangrad.planner._measure.ESTIMATE_MARGIN`: on 50 full-size zoo rows the estimate was
 the tracked peak to 0.25%) is not run, nor one that does all of a
 fitting candidate's work and more — the same checkpointing of more blocks or in two
 levels, or checkpointing where the same step without it fits (backprop, micro-batches,
@@ -41,16 +41,16 @@ peak, and now is not offered the chance), nor the same step in more pieces where
 fewer (more fragments, time chunks or micro-batches: :data:`MORE_PIECES` says why), nor,
 on a CNN with BatchNorm in every block, every block in fragments where the largest few in
 as many fit (:data:`leangrad.engines._checkpoint_plan.BN_EVERY`) — and one whose first
-step fits is not run twice (:mod:`leangrad._plan_measure`); the
+step fits is not run twice (:mod:`leangrad.planner._measure`); the
 timing's first round is a race, one
 round for all and the rest only for those not far behind
-(:data:`leangrad._plan_choice.RACE`); the second round keeps the first round's rounds of
+(:data:`leangrad.planner._choice.RACE`); the second round keeps the first round's rounds of
 its contenders; no round runs a warm-up of its own (each candidate's peak measurement
 warmed it); the chosen step's peak is re-measured without another warm-up. Counted on the
 zoo's Llama at twice the quick size's width and context (28 rows; one thread): at 0.5×
 (10 fit) 115 real steps before, 64 after and 18 fake-tensor ones; at 0.25× (8 fit) 107,
 then 47 and 18. Planning the same step at several budgets, a plan after the first takes
-the earlier one's peaks and warm engines (``reuse=``: :func:`leangrad._plan_measure.revisit`
+the earlier one's peaks and warm engines (``reuse=``: :func:`leangrad.planner._measure.revisit`
 says which rows are stepped again), so only the timing of what fits is repeated.
 
 A step too big to allocate here (backprop's estimate above ``allocate_limit``, or a
@@ -71,23 +71,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _errors as errors
-from ._plan_choice import Choice, choose, raced_note
-from ._plan_io import CHOSEN, Candidate, Measured, Plan, Progress, fingerprint
-from ._plan_measure import Context, Tried, measure, not_run, revisit, too_big
-from ._plan_measure import key as row_key
-from ._plan_measure import stepwise_on_fake as fake_is_stepwise
-from ._sizes import fmt_bytes, free_bytes
-from ._step import Step, as_call
-from .engines import Engine, available, engine_class
-from .engines import engine as engine_named
-from .engines._base import PlanOffer
-from .engines._wrapped import wrapped_by
-from .measure import profile_step, time_interleaved
-from .measure._profile import untouched
+from .. import _errors as errors
+from .._sizes import fmt_bytes, free_bytes
+from .._step import Step, as_call
+from ..engines import Engine, available, engine_class
+from ..engines import engine as engine_named
+from ..engines._base import PlanOffer
+from ..engines._wrapped import wrapped_by
+from ..measure import profile_step, time_interleaved
+from ..measure._profile import untouched
+from ._choice import Choice, choose, raced_note
+from ._io import CHOSEN, Candidate, Measured, Plan, Progress, fingerprint
+from ._measure import Context, Tried, measure, not_run, revisit, too_big
+from ._measure import key as row_key
+from ._measure import stepwise_on_fake as fake_is_stepwise
 
 if TYPE_CHECKING:
-    from ._step import MakeOptimizer
+    from .._step import MakeOptimizer
 
 __all__ = ["Candidate", "Plan", "candidates", "plan"]
 
@@ -163,7 +163,7 @@ def candidates(model: nn.Module, *, exact: bool = True,
 def _offered(model: nn.Module, *, exact: bool,
              loss_fn: Callable[[Any], torch.Tensor] | None) -> list[PlanOffer]:  # fmt: skip
     """:func:`candidates` as the engines offer them (with what beats each)."""
-    from .engines._blocks import blocks
+    from ..engines._blocks import blocks
 
     try:
         found = blocks(model)
@@ -273,7 +273,7 @@ def plan(
             the lower peak, then the simpler engine (fewer composed parts, a per-layer
             optimizer counting as one), then the planner's order, and the chosen row's
             ``tie_break`` and the message say so (``"within noise of chunked_ce (0.98×):
-            chose by lower peak"``). The margins' reasons: :mod:`leangrad._plan_choice`.
+            chose by lower peak"``). The margins' reasons: :mod:`leangrad.planner._choice`.
         allocate_limit: bytes a step may allocate here; when backprop's fake-tensor
             estimate is above it, every candidate is estimated, not run (default: the
             device's free memory, :func:`leangrad._sizes.free_bytes`). A candidate that
@@ -288,10 +288,10 @@ def plan(
             not checked under autocast are rows saying so. Run the
             chosen engine under the same autocast (``leangrad train --precision bf16``).
         compile: also try ``torch.compile`` of the whole model, default and with AOT
-            autograd's ``activation_memory_budget`` (:data:`leangrad._plan_compile.
+            autograd's ``activation_memory_budget`` (:data:`leangrad.planner._compile.
             COMPILE_BUDGETS`), and regional compilation: each of the model's blocks
             compiled, under plain autograd and under checkpointing
-            (:data:`leangrad._plan_compile.COMPILE_REGIONS`; a model whose module tree
+            (:data:`leangrad.planner._compile.COMPILE_REGIONS`; a model whose module tree
             repeats no block has rows saying so); each compiled cold and measured in a
             fresh process (the model, inputs and loss_fn are pickled for it; where they
             cannot be, the rows say why): about 20-30 s per setting on a small model,
@@ -379,7 +379,7 @@ def _plan(
              else _offered(model, exact=exact, loss_fn=loss_fn))  # fmt: skip
     shown = Progress(progress, total=len(first) + 1)  # each candidate, then the timing
     if compile:
-        from ._plan_compile import compile_candidates
+        from ._compile import compile_candidates
 
         shown.grow(len(compile_candidates()))
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
@@ -426,7 +426,7 @@ def _plan(
         for c in rest:
             candidate(c)
     if compile:  # after the others: its workers never share the CPU with a measurement here
-        from ._plan_compile import measure_compiled
+        from ._compile import measure_compiled
 
         for _ in range(take(COMPILED, lambda: measure_compiled(
                 ctx, tried, repeats=repeats, autocast=autocast is not None))):  # fmt: skip
@@ -486,12 +486,12 @@ def _checked(chosen: str, fitting: dict[str, Any], times: dict[str, float], trie
              loss_fn: Callable[[Any], torch.Tensor], shown: Progress,
              verdicts: dict[str, str | None]) -> tuple[str | None, str]:  # fmt: skip
     """The fastest fitting row whose step leaves what ``loss.backward()`` leaves on this
-    model (:func:`~leangrad._plan_verify.exact_why`, on a fresh engine of the row's name and
+    model (:func:`~leangrad.planner._verify.exact_why`, on a fresh engine of the row's name and
     options), starting at ``chosen``; each one that does not becomes ``inexact: <why>`` in
     ``tried`` and leaves ``fitting``. ``verdicts`` holds the rows checked already (an
     earlier plan's, under ``reuse=``) and gains this plan's. With the note for the plan's
     message."""
-    from ._plan_verify import exact_why
+    from ._verify import exact_why
 
     rows = {t.label: t for t in tried}
     label: str | None = chosen
@@ -550,7 +550,7 @@ def _candidate(t: Tried, seconds: float | None, chosen: str | None, engine: Engi
                tie_break: str | None = None, raced: str | None = None) -> Candidate:  # fmt: skip
     """``t``'s row; the chosen one carries ``engine``, the object that was measured, and
     ``tie_break``, how it was chosen among contenders within noise (``None``: fastest); a
-    row the race dropped says so (``raced``: :func:`~leangrad._plan_choice.raced_note`)."""
+    row the race dropped says so (``raced``: :func:`~leangrad.planner._choice.raced_note`)."""
     if t.label != chosen:
         verdict = t.verdict if raced is None else f"{t.verdict}; {raced}"
         return Candidate(t.label, t.exact, t.peak, seconds, verdict, t.name, t.options,
