@@ -18,8 +18,8 @@ import leangrad
 import leangrad.planner._plan as planner
 from leangrad.engines._base import PlanOffer
 from leangrad.engines._blocks import blocks
-from leangrad.engines._checkpoint_plan import BN_EVERY, BN_PASSES, MICRO_BATCHED, TRACED
-from leangrad.engines._fragments_bn import is_bn_only
+from leangrad.engines.checkpoint._batchnorm import is_bn_only
+from leangrad.engines.checkpoint._offers import BN_EVERY, BN_PASSES, MICRO_BATCHED, TRACED
 from leangrad.measure import Timing
 from leangrad.planner._measure import BEATEN, BEATEN_BECAUSE
 from leangrad.planner._plan import MORE_PIECES, PIECES, _offered, beaters_first, coarser

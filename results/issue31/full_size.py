@@ -17,7 +17,7 @@ import torch
 from leangrad import blocks, engine
 from leangrad.bench._models import build
 from leangrad.bench._zoo_methods import Method
-from leangrad.engines._checkpoint_plan import stage_modules, stem_modules
+from leangrad.engines.checkpoint._offers import stage_modules, stem_modules
 from leangrad.measure import profile_step, time_interleaved
 
 

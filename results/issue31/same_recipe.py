@@ -24,7 +24,7 @@ import leangrad  # noqa: E402
 from leangrad.bench._models import build  # noqa: E402
 from leangrad.bench._zoo_methods import TorchStep  # noqa: E402
 from leangrad.engines._blocks import blocks  # noqa: E402
-from leangrad.engines._checkpoint_plan import all_but_last  # noqa: E402
+from leangrad.engines.checkpoint._offers import all_but_last  # noqa: E402
 
 args = sys.argv[2:]
 name = args[args.index("--model") + 1] if "--model" in args else "bert"

@@ -17,7 +17,7 @@ import leangrad
 from leangrad import _errors as E
 from leangrad import zoo
 from leangrad.engines._blocks import NESTED_BLOCKS, NO_BLOCKS, UNKNOWN_BLOCK
-from leangrad.engines._checkpoint import SEGMENTS_NEED_SEQUENCE
+from leangrad.engines.checkpoint._engine import SEGMENTS_NEED_SEQUENCE
 from leangrad.measure import MemoryTracker
 
 TOL = 1e-10
@@ -278,7 +278,7 @@ def test_auto_segments_from_measured_sizes_beat_every_equal_split() -> None:
 
 
 def test_block_sizes_leave_rng_and_statistics_alone() -> None:
-    from leangrad.engines._segments import auto_segments, block_sizes, estimate
+    from leangrad.engines.checkpoint._segments import auto_segments, block_sizes, estimate
 
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)),
@@ -303,7 +303,7 @@ def test_block_sizes_on_fake_tensors_equal_the_real_ones() -> None:
     boundaries from these sizes) equals its tracked peak."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from leangrad.engines._segments import block_sizes
+    from leangrad.engines.checkpoint._segments import block_sizes
     from leangrad.measure import estimate_step, profile_step
 
     model, idx, loss_fn = _sequential_gpt()

@@ -13,7 +13,7 @@ from torch import fx, nn
 
 import leangrad
 from leangrad import zoo
-from leangrad.engines._checkpoint import traced
+from leangrad.engines.checkpoint._engine import traced
 from leangrad.measure import profile_step
 
 

@@ -27,9 +27,9 @@ from leangrad import _errors as E
 from leangrad import models
 from leangrad.engines import engine_class
 from leangrad.engines._blocks import NO_BLOCKS
-from leangrad.engines._checkpoint import BAD_SEGMENTS
 from leangrad.engines._forward import BAD_CHUNK
 from leangrad.engines._projforward import BAD_DISTRIBUTION
+from leangrad.engines.checkpoint._engine import BAD_SEGMENTS
 from leangrad.measure import compare_grads, estimator_stats, grads_of
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}

@@ -37,9 +37,9 @@ from torch import nn
 
 import leangrad
 from leangrad import zoo
-from leangrad.engines import _fragments
 from leangrad.engines._blocks import blocks
-from leangrad.engines._checkpoint_plan import stage_modules
+from leangrad.engines.checkpoint import _fragments
+from leangrad.engines.checkpoint._offers import stage_modules
 from leangrad.planner import _compile as pc
 from leangrad.planner._plan import candidates
 from shared_models import CallsTwice, SharedMLP, beside_autograd
@@ -256,8 +256,8 @@ def test_a_block_used_twice_is_sized_once_per_call_and_the_model_left_real() -> 
     ``torch.func.functional_call``, which then put the first fake back: the user's model
     kept fake Parameters and the step failed. Now every name of it gets its largest call's
     bytes, and the model holds its own tensors."""
-    from leangrad.engines._checkpoint import _Segment
-    from leangrad.engines._segments import saved_inside
+    from leangrad.engines.checkpoint._engine import _Segment
+    from leangrad.engines.checkpoint._segments import saved_inside
 
     model, x, _ = _seq_twice(torch.float64)
     before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
@@ -307,7 +307,7 @@ def test_blocks_given_one_inside_another_by_a_second_name() -> None:
     """Named by ``blocks=``: refused where the inner block's slot is inside the outer
     block (``extra.0``); accepted where only the module is (``extra`` itself, whose slot is
     the model's: its wrapper runs beside the blocks, not inside one), and exact."""
-    from leangrad.engines._checkpoint import ALIASED_BLOCKS
+    from leangrad.engines.checkpoint._engine import ALIASED_BLOCKS
 
     model, x, loss_fn = _shared_mlp(torch.float64)
     with pytest.raises(leangrad.EngineInputError) as err:

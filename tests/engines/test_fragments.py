@@ -1,9 +1,9 @@
-"""Fragmented recomputation along the batch (``checkpoint(fragments=k)``, issue 31 item 1):
-each checkpointed block runs its forward and its recomputation in ``k`` pieces of the batch
-(:mod:`leangrad.engines._fragments`). Held to autograd: the same gradients (parameters and
-inputs), the same loss, ``on_grad`` once per parameter, buffers and RNG as autograd leaves
-them; blocks that couple their examples run whole and are named with the reason. Nothing
-here asserts a time."""
+"""Fragmented recomputation along the batch (``checkpoint(fragments=k)``): each
+checkpointed block runs its forward and its recomputation in ``k`` pieces of the batch
+(:mod:`leangrad.engines.checkpoint._fragments`). Held to autograd: the same gradients
+(parameters and inputs), the same loss, ``on_grad`` once per parameter, buffers and RNG as
+autograd leaves them; blocks that couple their examples run whole and are named with the
+reason. Nothing here asserts a time."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from torch import nn
 import leangrad
 from fuzz_models import DropPath  # stochastic depth as timm writes it
 from leangrad import zoo
-from leangrad.engines import _fragments
-from leangrad.engines._fragments import fragment_edges
+from leangrad.engines.checkpoint import _fragments
+from leangrad.engines.checkpoint._fragments import fragment_edges
 from leangrad.measure import compare_grads, profile_step
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -932,7 +932,7 @@ def test_a_block_returning_none_beside_its_output() -> None:
 def test_sequence_fragments_are_exact_and_leave_attention_whole(opts: dict[str, int]) -> None:
     """``sequence_fragments``: the token-wise children of each block (the MLP) run in pieces
     of the sequence; attention mixes positions, so its probe runs it whole."""
-    from leangrad.engines._checkpoint import Checkpoint, _ByPosition
+    from leangrad.engines.checkpoint._engine import Checkpoint, _ByPosition
 
     torch.manual_seed(0)
     model = zoo.gpt(vocab=32, dim=16, layers=2, heads=2, context=16).double()

@@ -311,7 +311,7 @@ def test_a_parent_reads_its_wrapped_blocks_attributes(spec: str, blocks: Any) ->
 
 
 def test_a_wrapper_reads_through_and_keeps_its_own() -> None:
-    from leangrad.engines._checkpoint import _Checkpointed
+    from leangrad.engines.checkpoint._engine import _Checkpointed
 
     block = DownBlock(4, True)
     w = _Checkpointed(block, trace=False)

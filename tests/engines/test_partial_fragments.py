@@ -20,9 +20,9 @@ from torch import nn
 import leangrad
 from leangrad import _errors as errors
 from leangrad import zoo
-from leangrad.engines import _fragments
 from leangrad.engines._blocks import blocks
-from leangrad.engines._segments import largest, saved_inside
+from leangrad.engines.checkpoint import _fragments
+from leangrad.engines.checkpoint._segments import largest, saved_inside
 from leangrad.measure import compare_grads, profile_step
 from leangrad.planner._plan import candidates
 

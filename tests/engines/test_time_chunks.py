@@ -15,8 +15,8 @@ from torch import nn
 import leangrad
 from leangrad import _errors as E
 from leangrad import zoo
-from leangrad.engines._checkpoint import CHUNKS_AND_SEGMENTS, NO_RECURRENT
-from leangrad.engines._time_chunks import BAD_TIME_CHUNKS
+from leangrad.engines.checkpoint._engine import CHUNKS_AND_SEGMENTS, NO_RECURRENT
+from leangrad.engines.checkpoint._time_chunks import BAD_TIME_CHUNKS
 
 TOL64 = 1e-12
 

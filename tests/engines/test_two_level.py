@@ -1,6 +1,7 @@
 """Two-level checkpointing (``checkpoint(levels=2)``, issue 31 item 2): outer segments of
 block calls keep only their first input through the forward; the other inputs are rebuilt
-in the backward (:mod:`leangrad.engines._two_level`). Held to autograd: the same gradients
+in the backward
+(:mod:`leangrad.engines.checkpoint._two_level`). Held to autograd: the same gradients
 (parameters and inputs), the same loss, ``.grad`` None-ness, dropout masks, BatchNorm
 statistics advancing once, the global RNG as autograd leaves it; alone and with
 ``fragments=``. Nothing here asserts a time."""
@@ -20,8 +21,8 @@ from torch import nn
 import leangrad
 from leangrad import _errors as E
 from leangrad import zoo
-from leangrad.engines import _fragments
-from leangrad.engines._two_level import BAD_LEVELS, LEVELS_AND_AUTO, outer_segments
+from leangrad.engines.checkpoint import _fragments
+from leangrad.engines.checkpoint._two_level import BAD_LEVELS, LEVELS_AND_AUTO, outer_segments
 from leangrad.measure import compare_grads, profile_step
 
 LossFn = Callable[[Any], torch.Tensor]

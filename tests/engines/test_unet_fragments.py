@@ -16,7 +16,7 @@ from torch import nn
 import leangrad
 from leangrad import zoo
 from leangrad.engines._blocks import blocks
-from leangrad.engines._checkpoint_plan import stage_modules
+from leangrad.engines.checkpoint._offers import stage_modules
 from leangrad.measure import compare_grads, profile_step
 from leangrad.planner._plan import candidates
 

@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 
 import leangrad
 from leangrad import hf
-from leangrad.engines import _fragments
+from leangrad.engines.checkpoint import _fragments
 
 LAYERS = 4
 BLOCK = {"gpt2": "transformer.h", "llama": "model.layers"}

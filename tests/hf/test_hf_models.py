@@ -215,7 +215,7 @@ def test_gpt2_dropout_option_sets_all_three_probabilities() -> None:
     """``dropout=`` is GPT-2's three dropout probabilities (0.1 as released, the default);
     at 0 the blocks hold no training-mode dropout, so fragments of the sequence may split
     them (fragments of the batch may split them either way: their draws are replayed)."""
-    from leangrad.engines._fragments import split_reason, static_reason
+    from leangrad.engines.checkpoint._fragments import split_reason, static_reason
 
     released = hf.gpt2(**hf.TINY["gpt2"])
     assert (released.config.resid_pdrop, released.config.embd_pdrop,

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..engines import engine
-from ..engines._time_chunks import fused_recurrent
+from ..engines.checkpoint._time_chunks import fused_recurrent
 from ..measure import StepProfile
 from ..measure._rss import run_json_worker
 from ._models import build
@@ -124,7 +124,7 @@ def _fragment_methods(model: nn.Module,
     """Checkpointing with each block recomputed in ``k`` fragments of the batch (each of
     ``counts``), alone and under chunked cross-entropy; skipped, with the reason, where no
     block can be split or the composition changes nothing."""
-    from ..engines._fragments import split_reason
+    from ..engines.checkpoint._fragments import split_reason
 
     methods: list[Method] = []
     skipped: list[Skipped] = []

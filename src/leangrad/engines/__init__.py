@@ -7,7 +7,6 @@ and fills ``p.grad`` like ``loss.backward()``. ``available()`` lists the names.
 from ._backprop import Backprop
 from ._base import Engine, StepResult
 from ._blocks import Blocks, blocks
-from ._checkpoint import Checkpoint
 from ._compose import Accumulate, Bits, ChunkedCE, Composed, Fad, Rad
 from ._explain import Explanation, explain
 from ._forward import Forward
@@ -17,6 +16,7 @@ from ._projforward import ProjForward
 from ._registry import available, engine, engine_class, register
 from ._revbackprop import RevBackprop
 from ._transforms import Transform
+from .checkpoint._engine import Checkpoint
 
 __all__ = [
     "Accumulate",

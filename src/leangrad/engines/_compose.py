@@ -42,11 +42,9 @@ from ._base import (
 )
 from ._blocks import Blocks
 from ._catalog import available, engine_class, register
-from ._checkpoint_plan import all_but_last
 from ._contract import BufferGuard
 from ._coupling import batch_coupling
 from ._prepare import PreparedCache
-from ._time_chunks import fused_recurrent
 from ._transforms import (
     TRANSFORMS,
     AccumulateTransform,
@@ -58,6 +56,8 @@ from ._transforms import (
     Transform,
     kw_options,
 )
+from .checkpoint._offers import all_but_last
+from .checkpoint._time_chunks import fused_recurrent
 
 __all__ = ["IDLE", "INCOMPATIBLE", "Accumulate", "Bits", "ChunkedCE", "Composed", "Fad",
            "OnBackprop", "Rad", "compose"]  # fmt: skip

@@ -1,7 +1,7 @@
 """Which layers couple the examples of a batch: why running pieces of it one after
 another (accumulate's micro-batches, checkpoint's fragments) would not add up to the
 whole batch's gradient. Shared by :mod:`leangrad.engines._transforms` and
-:mod:`leangrad.engines._fragments`, which both import it from below.
+:mod:`leangrad.engines.checkpoint._fragments`, which both import it from below.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import dataclasses
 from torch import nn
 
 from ._base import Engine
-from ._checkpoint_explain import LAST_SEGMENT
+from .checkpoint._explain import LAST_SEGMENT
 
 __all__ = ["LAST_SEGMENT", "Explanation", "explain"]
 

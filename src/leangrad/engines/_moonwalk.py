@@ -81,9 +81,9 @@ from ._chain_run import (
     head_backward,
     refuse_random_layers,
 )
-from ._checkpoint import split_segments
 from ._contract import RngReplay, batch_coupling, forward_end, random_module, used_parameters
 from ._dropout import DropoutTape
+from .checkpoint._engine import split_segments
 
 __all__ = ["NEEDS_FRAGMENT", "NO_FRAGMENT_RULE", "Moonwalk", "Seed"]
 

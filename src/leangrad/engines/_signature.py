@@ -1,5 +1,5 @@
 """Whether ``torch.fx`` may trace a module, judged from its ``forward``'s signature
-alone. Shared by :mod:`leangrad.engines._checkpoint` (tracing blocks) and
+alone. Shared by :mod:`leangrad.engines.checkpoint._engine` (tracing blocks) and
 :mod:`leangrad.engines._transforms` (fad's fx pass), which both import it from below.
 """
 

@@ -75,7 +75,7 @@ from torch import nn
 from .. import _errors as errors
 from .._step import PER_LAYER, MakeOptimizer, Step
 from ..engines import Engine, engine
-from ..engines._time_chunks import fused_recurrent
+from ..engines.checkpoint._time_chunks import fused_recurrent
 from ..measure import estimate_step, profile_step
 
 __all__ = [

@@ -31,7 +31,7 @@ the tracked peak to 0.25%) is not run, nor one that does all of a
 fitting candidate's work and more — the same checkpointing of more blocks or in two
 levels, or checkpointing where the same step without it fits (backprop, micro-batches,
 chunked cross-entropy), or blocks recomputed in k fragments of the batch where k
-micro-batches fit (:data:`leangrad.engines._checkpoint_plan.MICRO_BATCHED` says why; such
+micro-batches fit (:data:`leangrad.engines.checkpoint._offers.MICRO_BATCHED` says why; such
 beaters are measured first: :func:`beaters_first`)
 (:attr:`leangrad.engines._base.PlanOffer.beaten_by`: on the
 full-size BERT at ½, 9 of 17 fitting rows. Of the 20 such pairs timed in two full-size
@@ -40,7 +40,7 @@ in one, within noise; a row within 5% of its beater could win the tie-break by i
 peak, and now is not offered the chance), nor the same step in more pieces where it fits in
 fewer (more fragments, time chunks or micro-batches: :data:`MORE_PIECES` says why), nor,
 on a CNN with BatchNorm in every block, every block in fragments where the largest few in
-as many fit (:data:`leangrad.engines._checkpoint_plan.BN_EVERY`) — and one whose first
+as many fit (:data:`leangrad.engines.checkpoint._offers.BN_EVERY`) — and one whose first
 step fits is not run twice (:mod:`leangrad.planner._measure`); the
 timing's first round is a race, one
 round for all and the rest only for those not far behind

@@ -14,7 +14,7 @@ The blocks are leangrad's own (:func:`leangrad.engines._blocks.blocks`, from the
 tree only: where nothing repeats, the fx split's pieces are each different code, and
 compiling them one by one saves no compile time, so there is no regional row). The model
 run is a copy that shares the user's tensors, each block replaced by a wrapper that
-compiles it on first call — the copy :meth:`leangrad.engines._checkpoint.Checkpoint.
+compiles it on first call — the copy :meth:`leangrad.engines.checkpoint._engine.Checkpoint.
 apply_transforms` builds — so the user's module is never modified:
 
 - ``"blocks"``: that copy run under plain autograd (backprop with compiled blocks);
@@ -40,8 +40,8 @@ from ..engines import Engine
 from ..engines._backprop import grad_hooks
 from ..engines._base import LossFn, OnGrad, StepResult, forward_loss
 from ..engines._blocks import blocks
-from ..engines._checkpoint import Checkpoint
 from ..engines._prepare import PreparedCache, Wrapper
+from ..engines.checkpoint._engine import Checkpoint
 
 __all__ = ["REGIONS", "CompiledBlock", "Regional", "regions_why"]
 

@@ -56,18 +56,20 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.checkpoint import checkpoint
 
-from .. import _errors as errors
-from ._backprop import grad_hooks
-from ._base import Engine, LossFn, OnGrad, PlanOffer, StepResult, forward_loss
-from ._blocks import ALIASED_BLOCKS, Blocks, blocks
-from ._catalog import register
-from ._checkpoint_explain import block_lines
-from ._checkpoint_plan import block_offers, time_chunk_offers
+from ... import _errors as errors
+from .._backprop import grad_hooks
+from .._base import Engine, LossFn, OnGrad, PlanOffer, StepResult, forward_loss
+from .._blocks import ALIASED_BLOCKS, Blocks, blocks
+from .._catalog import register
+from .._generators import generator_replay
+from .._prepare import PreparedCache, Wrapper, share_copy
+from .._signature import untraceable_signature
+from .._wrapped import DDP, FSDP1, FSDP2, forward_replaced, through_ddp, wrapped_by
+from .._writes import InputWrites
+from ._explain import block_lines
 from ._fragments import BAD_FRAGMENTS, Fragmenter
-from ._generators import generator_replay
-from ._prepare import PreparedCache, Wrapper, share_copy
+from ._offers import block_offers, time_chunk_offers
 from ._segments import auto_segments, block_sizes, largest, saved_inside
-from ._signature import untraceable_signature
 from ._time_chunks import BAD_TIME_CHUNKS, chunk_recurrent, fused_recurrent, unchunkable
 from ._two_level import (
     BAD_LEVELS,
@@ -77,8 +79,6 @@ from ._two_level import (
     TwoLevelStats,
     outer_segments,
 )
-from ._wrapped import DDP, FSDP1, FSDP2, forward_replaced, through_ddp, wrapped_by
-from ._writes import InputWrites
 
 __all__ = ["ALIASED_BLOCKS", "BAD_SEGMENTS", "SEGMENTS_NEED_SEQUENCE", "Checkpoint",
            "model_blocks", "split_segments", "trace_block", "traced",
@@ -295,8 +295,8 @@ class Checkpoint(Engine):
             ``"sqrt"`` uses ⌈√L⌉ segments for L blocks (memory O(√L)); an int
             uses that many; ``"auto"`` places the boundaries from measured block sizes
             (each block's input and saved bytes, one measuring forward per input shape;
-            :mod:`leangrad.engines._segments`). Every segment but the last is checkpointed: the
-            last one's activations are the first the backward pass needs, so
+            :mod:`leangrad.engines.checkpoint._segments`). Every segment but the last is
+            checkpointed: the last one's activations are the first the backward pass needs, so
             recomputing them would cost time and save no peak memory
             (as ``torch.utils.checkpoint.checkpoint_sequential``). A model run as written
             has every block checkpointed, the last one too: a final norm, the head and
@@ -311,12 +311,12 @@ class Checkpoint(Engine):
         time_chunks: run each fused recurrent module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``)
             that is not inside a checkpointed block over its sequence in this many time
             chunks, the state carried, every chunk but the last checkpointed
-            (:mod:`leangrad.engines._time_chunks`; Chen et al. 2016). A fused
+            (:mod:`leangrad.engines.checkpoint._time_chunks`; Chen et al. 2016). A fused
             recurrent module is one op with no block boundary inside it, so this is the only
             way to checkpoint it. Where the module tree repeats nothing, the chunks are the
             only blocks (no fx split). ``None`` (the default) runs such modules whole.
         fragments: run each checkpointed block's forward and recomputation in this many
-            pieces of the batch, one after another (:mod:`leangrad.engines._fragments`;
+            pieces of the batch, one after another (:mod:`leangrad.engines.checkpoint._fragments`;
             Moonwalk v2's fragmental checkpointing): about ``1/fragments`` of a block's
             internals are alive during its backward instead of all of them. A block that
             couples its examples (training-mode BatchNorm, dropout) or fails the first
@@ -325,7 +325,8 @@ class Checkpoint(Engine):
         fragment_blocks: which checkpointed blocks run in ``fragments`` (the others are
             recomputed whole, as plain checkpointing): a list of block names, or an int
             ``n``, the ``n`` blocks that save the most bytes inside (measured on fake
-            tensors at each new input shape, :func:`~leangrad.engines._segments.saved_inside`).
+            tensors at each new input shape,
+            :func:`~leangrad.engines.checkpoint._segments.saved_inside`).
             Fragments cost time (with training-mode BatchNorm, two extra recomputations of
             a ResNet block): where a few blocks hold most of the activations (a CNN's first
             stage at high resolution) fragmenting only those lowers the peak about as much
@@ -338,7 +339,7 @@ class Checkpoint(Engine):
             alike: for a small batch of long sequences, where ``fragments`` has nothing to
             cut. Composes with ``fragments``.
         levels: ``1`` (the default): one level, as above. ``2``: two-level checkpointing
-            (:mod:`leangrad.engines._two_level`; the √L scheme applied to the block
+            (:mod:`leangrad.engines.checkpoint._two_level`; the √L scheme applied to the block
             boundaries): every block is checkpointed on its own, on any model (one written
             the ordinary way too), and ``segments`` then counts *outer* segments of
             consecutive block calls (``None`` or ``"sqrt"``: ⌈√L⌉ for L blocks; an int:
@@ -516,7 +517,7 @@ class Checkpoint(Engine):
                         exact: bool) -> list[PlanOffer]:  # fmt: skip
         """Checkpointing of the blocks found, alone, in fragments and under ``fad`` and
         ``bits``; fused recurrent modules in time chunks
-        (:mod:`leangrad.engines._checkpoint_plan`)."""
+        (:mod:`leangrad.engines.checkpoint._offers`)."""
         del exact
         offers = block_offers(model, found, loss_fn) if found is not None else []
         return offers + time_chunk_offers(model)
@@ -551,7 +552,7 @@ class Checkpoint(Engine):
 
     def explain_lines(self, model: nn.Module) -> list[str]:
         """The blocks, each checkpointed or left plain and why
-        (:func:`leangrad.engines._checkpoint_explain.block_lines`)."""
+        (:func:`leangrad.engines.checkpoint._explain.block_lines`)."""
         return block_lines(self, model, trace_why=lambda block: trace_block(block)[1],
                            position_children=position_children)  # fmt: skip
 
@@ -783,7 +784,7 @@ class Checkpoint(Engine):
     ) -> StepResult:
         """``levels=2`` on a sequence of blocks: each block checkpointed alone, run one
         after another (the first takes the inputs unpacked, every later one the previous
-        output whole), in outer segments (:mod:`leangrad.engines._two_level`); ``via``
+        output whole), in outer segments (:mod:`leangrad.engines.checkpoint._two_level`); ``via``
         runs the sequence (through DDP's forward, on a DDP model)."""
         chain, cells = self._cells.get(model, lambda m: self._two_level_cells(m, found))
 
@@ -962,7 +963,7 @@ class _Checkpointed(Wrapper):
     keyword arguments, its output as it returns it, its attributes readable through the
     wrapper), run as its fx trace where that is safe (``trace``; called with keyword
     arguments: as written); with ``two_level``, a call in that forward's outer segments
-    (:mod:`leangrad.engines._two_level`; ``name`` names the block in its errors)."""
+    (:mod:`leangrad.engines.checkpoint._two_level`; ``name`` names the block in its errors)."""
 
     def __init__(self, inner: nn.Module, *, trace: bool, fragments: int | None = None,
                  two_level: TwoLevel | None = None, name: str = "",

@@ -2,7 +2,8 @@
 
 Per-block checkpointing (``checkpoint``) keeps every block's input — its *boundary* — for
 the whole backward pass: L boundaries for L blocks. Where the blocks' internals are cut small
-(fragments of the batch, :mod:`leangrad.engines._fragments`), those boundaries are most of
+(fragments of the batch,
+:mod:`leangrad.engines.checkpoint._fragments`), those boundaries are most of
 what is left of the peak (~60% on the full GPT with ``fragments=8``). Chen et al. (2016,
 "Training deep nets with sublinear memory cost") keep only every ``√L``-th boundary and
 recompute the rest; applied one level up:
@@ -60,8 +61,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from .. import _errors as errors
-from ._generators import layer_generators
+from ... import _errors as errors
+from .._generators import layer_generators
 
 __all__ = ["ARGUMENT_CHANGED", "BAD_LEVELS", "INPUT_CHANGED", "LEVELS_AND_AUTO",
            "LEVELS_AND_CHUNKS", "TwoLevel", "TwoLevelStats", "outer_segments"]  # fmt: skip

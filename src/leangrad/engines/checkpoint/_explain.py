@@ -10,7 +10,7 @@ from typing import Protocol
 
 from torch import nn
 
-from ._blocks import Blocks
+from .._blocks import Blocks
 from ._fragments import split_reason, static_reason
 from ._two_level import TwoLevel, outer_segments
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..loss import Head, PerExample, final_linear
-from ._base import PlanOffer, PlanOrder
-from ._blocks import Blocks
+from ...loss import Head, PerExample, final_linear
+from .._base import PlanOffer, PlanOrder
+from .._blocks import Blocks
+from ._batchnorm import is_bn_only
 from ._fragments import split_reason
-from ._fragments_bn import is_bn_only
 from ._time_chunks import fused_recurrent
 
 __all__ = ["BN_EVERY", "BN_PASSES", "FRAGMENTS", "LARGEST_BLOCKS", "MICRO_BATCHED", "TIME_CHUNKS",
@@ -64,7 +64,7 @@ BN_PASSES = ("fragments one block fewer: each block with BatchNorm in fragments 
 """Why ``fragment_blocks=n`` beats ``fragment_blocks=n+1`` where every block holds a
 training-mode BatchNorm (:attr:`~leangrad.engines._base.PlanOffer.beaten_why`): the
 block that one more fragments is recomputed whole once under ``n``, and once per pass over
-its fragments under ``n+1`` (:mod:`leangrad.engines._fragments_bn`: two passes and a last
+its fragments under ``n+1`` (:mod:`leangrad.engines.checkpoint._batchnorm`: two passes and a last
 one on a ResNet basic block) — the same work with two more recomputations of it. Timed side
 by side in four full-size ResNet-18 plans, ``fragment_blocks=3`` over ``2`` was 1.04-1.10
 (8 pairs, 4 and 8 fragments; ``results/issue31/plan-wall-*``), and a tie-break by its peak
@@ -165,7 +165,8 @@ def block_offers(model: nn.Module, found: Blocks,
 def fragment_offers(model: nn.Module, found: Blocks,
                     loss_fn: Callable[[Any], torch.Tensor] | None) -> Offers:  # fmt: skip
     """Checkpointing with blocks recomputed in fragments of the batch, where some block
-    can be split (:func:`leangrad.engines._fragments.split_reason`); under the loss head's
+    can be split
+    (:func:`leangrad.engines.checkpoint._fragments.split_reason`); under the loss head's
     chunked cross-entropy too where there is one."""
     if all(split_reason([found.modules[n]]) is not None for n in found.names):
         return []

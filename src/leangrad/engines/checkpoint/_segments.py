@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ._contract import keep_nothing
+from .._contract import keep_nothing
 
 __all__ = ["auto_segments", "block_sizes", "estimate", "largest", "saved_inside"]
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ._contract import graph_nodes
+from .._contract import graph_nodes
 
 __all__ = ["BnStats", "bn_buffers", "capture_stats", "dependencies", "frozen_stats", "gather_sums",
            "is_bn_only", "schedule"]

@@ -36,11 +36,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
-from ._batch_draws import BatchDraws, Drawn, layout, rng_states, set_rng_states
-from ._contract import graph_nodes, keep_nothing
-from ._coupling import _tolerance, batch_coupling
-from ._draws import Draws, aside
-from ._fragments_bn import (
+from .._batch_draws import BatchDraws, Drawn, layout, rng_states, set_rng_states
+from .._contract import graph_nodes, keep_nothing
+from .._coupling import _tolerance, batch_coupling
+from .._draws import Draws, aside
+from .._generators import layer_generators
+from ._batchnorm import (
     BnStats,
     bn_buffers,
     capture_stats,
@@ -50,7 +51,6 @@ from ._fragments_bn import (
     is_bn_only,
     schedule,
 )
-from ._generators import layer_generators
 
 __all__ = ["BAD_FRAGMENTS", "Fragmenter", "fragment_edges", "frozen_batchnorm", "split_reason",
            "static_reason"]
