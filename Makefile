@@ -8,11 +8,12 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test lint install install-dev bench-baselines bench-gpu report clean fuzz corpus
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml benchmarks/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e ".[all]"
+	$(PIP) install --quiet --no-deps -e benchmarks
 	touch $@
 
 # tools/torchvision_cpu: PyPI's torchvision (a CUDA build) imports beside the CPU torch
@@ -29,7 +30,7 @@ demo: install
 	$(VENV)/bin/leangrad demo
 
 test: install-dev
-	$(VENV)/bin/ruff check src tests tools
+	$(VENV)/bin/ruff check src benchmarks tests tools
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 

@@ -490,10 +490,10 @@ def zoo_rows(names: tuple[str, ...] = ("timm_resnet50", "timm_convnext_tiny",
     same RNG state (a refused row: the reason). ``leangrad bench zoo --only <name>`` runs
     every method on the same models (hours here)."""
     from leangrad._step import as_call
-    from leangrad.bench import load_suite
-    from leangrad.bench._models import build
-    from leangrad.bench._zoo_methods import TIMM_CHECKPOINTING, TorchStep
     from leangrad.measure import compare_grads, profile_step, time_interleaved
+    from leangrad_bench import load_suite
+    from leangrad_bench._models import build
+    from leangrad_bench._zoo_methods import TIMM_CHECKPOINTING, TorchStep
 
     sizes = load_suite("zoo").setting("timm_models", False)
     rows: list[dict[str, Any]] = []

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from leangrad import _cli_types, bench, cli
+import leangrad_bench as bench
+from leangrad import _cli_types, cli
 from leangrad.cli import main
 
 QUICK = ["--max-steps", "1", "--no-plots", "--no-progress"]
@@ -375,3 +376,16 @@ def test_python_dash_m_leangrad_help() -> None:
                           text=True, env=_env(), timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0 and "usage: leangrad" in proc.stdout
     assert json.dumps(proc.stderr) == '""'
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["bench", "--list"], ["report", "results"]])
+def test_benchmark_commands_without_the_benchmark_package_are_one_line(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pip install leangrad`` alone does not carry the benchmarks (``benchmarks/``): the
+    commands that run them say how to install them, in one line, exit code 2."""
+    monkeypatch.setitem(sys.modules, "leangrad_bench", None)  # import fails as if absent
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "leangrad: error: " + cli.NO_BENCHMARKS.format(command=argv[0]) + "\n"
+    assert "pip install -e benchmarks" in err

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 import leangrad
 from leangrad import zoo
-from leangrad.bench._report import fmt_bytes
 from leangrad.measure import MemoryTracker, grads_of, profile_step
 from leangrad.planner._plan import BAD_BUDGET, candidates
+from leangrad_bench._report import fmt_bytes
 
 
 def _gpt():  # type: ignore[no-untyped-def]
@@ -148,12 +148,12 @@ def test_plan_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: ig
     plan's prediction beside its fresh-process RSS; a report that says what it omits."""
     import json
 
-    from leangrad.bench import run_suite
-    from leangrad.bench._plan_suite import NOT_MEASURED, render
+    from leangrad_bench import run_suite
+    from leangrad_bench._plan_suite import NOT_MEASURED, render
 
     suite = tmp_path / "tiny-plan.toml"
     suite.write_text(
-        'runner = "leangrad.bench._plan_suite:run_plan_suite"\n'
+        'runner = "leangrad_bench._plan_suite:run_plan_suite"\n'
         "[settings]\nrepeats = 1\nfractions = [0.75, 0.35]\nsegments = [2]\n"
         "compile_budgets = [1.0]\n"
         "[settings.models]\n"

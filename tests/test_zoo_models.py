@@ -15,10 +15,10 @@ from torch import nn
 
 import leangrad
 from leangrad import zoo
-from leangrad.bench._models import build
-from leangrad.bench._zoo_methods import NOT_A_SEQUENCE, pytorch_methods
 from leangrad.loss import PerExample
 from leangrad.measure import compare_grads
+from leangrad_bench._models import build
+from leangrad_bench._zoo_methods import NOT_A_SEQUENCE, pytorch_methods
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
 Grads = dict[str, torch.Tensor]

@@ -62,9 +62,9 @@ def _row_rad() -> dict[str, float]:
     import leangrad
     from leangrad import data, rad
     try:  # the registry's RAD networks
-        from leangrad.bench._models import rad_network as rad_model
+        from leangrad_bench._models import rad_network as rad_model
     except ImportError:  # an older checkout: the RAD suites' own name
-        from leangrad.bench._rad import rad_model
+        from leangrad_bench._rad import rad_model
     from leangrad.measure import MemoryTracker
 
     train = data.load("mnist5k").split(0.8, seed=0)[0]
@@ -163,13 +163,13 @@ def _row_fad() -> dict[str, float]:
 
     size = {"channels": 16, "stages": 2, "blocks": 1, "side": 32}
     try:  # a checkout with the FAD models in the bench's registry
-        from leangrad.bench._models import Act, build
+        from leangrad_bench._models import Act, build
 
         def made(act: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
             w = build("fad_resnet", {**size, "activation": act}, batch=32)
             return w.model, w.inputs[0], w.targets
     except ImportError:  # an older one: their own module
-        from leangrad.bench._fad_models import Act, fad_model
+        from leangrad_bench._fad_models import Act, fad_model
 
         def made(act: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
             torch.manual_seed(0)
@@ -202,7 +202,7 @@ def _row_fad() -> dict[str, float]:
 
 def _row_pure() -> dict[str, float]:
     import leangrad
-    from leangrad.bench._workloads import build
+    from leangrad_bench._workloads import build
 
     wl = build({"model": "revnet", "data": "digits", "in_channels": 1, "channels": 8,
                 "size": 8, "blocks": 2, "batch": 32, "classes": 10, "dtype": "float32",
@@ -218,8 +218,8 @@ def _row_mixed() -> dict[str, float]:
     import torch
 
     import leangrad
-    from leangrad.bench._workloads import build
     from leangrad.measure import profile_step
+    from leangrad_bench._workloads import build
 
     wl = build({"model": "subcnn", "stem": "repeat", "in_channels": 3, "channels": 32,
                 "size": 128, "batch": 8, "classes": 10, "dtype": "float32", "seed": 0,
@@ -244,11 +244,11 @@ def _row_highway() -> dict[str, float]:
 
     import leangrad
     try:  # the paper models' own module
-        from leangrad.bench._highway_paper import TorchLM as _TorchLM
-        from leangrad.bench._highway_paper import char_lm
-        from leangrad.bench._highway_paper import lm_loss as _lm_loss
+        from leangrad_bench._highway_paper import TorchLM as _TorchLM
+        from leangrad_bench._highway_paper import char_lm
+        from leangrad_bench._highway_paper import lm_loss as _lm_loss
     except ImportError:  # an older checkout: the highway suites' names
-        from leangrad.bench._highway import (
+        from leangrad_bench._highway import (
             _lm_loss,
             _TorchLM,
             char_lm,

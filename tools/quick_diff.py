@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.base / "src" / "leangrad").is_dir():
         parser.error(f"{args.base} has no src/leangrad")
     suites = [s for s in args.suites.split(",") if s] or sorted(
-        p.stem for p in (HERE / "src/leangrad/bench/suites").glob("*.toml"))
+        p.stem for p in (HERE / "benchmarks/leangrad_bench/suites").glob("*.toml"))
     failed = 0
     for suite in suites:
         try:

@@ -22,11 +22,11 @@ import torch
 
 import leangrad
 from leangrad import blocks
-from leangrad.bench._models import build
+from leangrad_bench._models import build
 from leangrad.loss import PerExample
 from leangrad.measure import compare_grads
 
-SUITE = Path(__file__).resolve().parents[2] / "src/leangrad/bench/suites/zoo.toml"
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks/leangrad_bench/suites/zoo.toml"
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 MODELS = ["gpt", "llama", "gpt_50k", "bert", "vit", "resnet", "unet", "lstm_lm", "gru_lm"]
 

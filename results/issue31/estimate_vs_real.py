@@ -6,7 +6,7 @@ repo = Path(sys.argv[1]); sys.path.insert(0, str(repo / "src"))
 import torch
 torch.set_num_threads(1)
 import leangrad
-from leangrad.bench._models import build
+from leangrad_bench._models import build
 from leangrad.measure import estimate_step
 from leangrad.planner._plan import candidates
 model = sys.argv[2]
@@ -23,7 +23,7 @@ for log in logs:
         m = re.match(r"^(\S+(?:\(.*?\))?)\s+(yes|no)\s+([0-9.e+]+) MiB\s", line)
         if m and "estimate" not in line:
             real.setdefault(m.group(1), float(m.group(3)))
-suite = tomllib.loads((repo / "src/leangrad/bench/suites/zoo.toml").read_text())
+suite = tomllib.loads((repo / "benchmarks/leangrad_bench/suites/zoo.toml").read_text())
 w = build(model, dict(suite["settings"]["models"][model]))
 for cname, opts in candidates(w.model, loss_fn=w.loss_fn):
     eng = leangrad.engine(cname, **opts)

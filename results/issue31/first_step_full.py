@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 import leangrad  # noqa: E402
-from leangrad.bench._models import build  # noqa: E402
+from leangrad_bench._models import build  # noqa: E402
 from leangrad.measure import profile_step  # noqa: E402
 
 STEM = ["stem", *[f"stages.{i}.{j}" for i in range(4) for j in range(2)]]
@@ -30,7 +30,7 @@ ROWS = {
                ("checkpoint", {"trace": True}), ("checkpoint", {"blocks": STEM, "levels": 2}),
                ("checkpoint", {"blocks": STEM})],
 }
-suite = tomllib.loads((repo / "src/leangrad/bench/suites/zoo.toml").read_text())
+suite = tomllib.loads((repo / "benchmarks/leangrad_bench/suites/zoo.toml").read_text())
 for name in sys.argv[2].split(",") if len(sys.argv) > 2 else ROWS:
     w = build(name, dict(suite["settings"]["models"][name]))
     for eng_name, opts in ROWS[name]:

@@ -8,9 +8,9 @@ repo = Path(sys.argv[1]); sys.path.insert(0, str(repo / "src"))
 import torch; torch.set_num_threads(1)
 import leangrad
 from leangrad.planner._plan import candidates
-from leangrad.bench._models import build
+from leangrad_bench._models import build
 from leangrad.measure import profile_step
-suite = tomllib.loads((repo / "src/leangrad/bench/suites/zoo.toml").read_text())
+suite = tomllib.loads((repo / "benchmarks/leangrad_bench/suites/zoo.toml").read_text())
 names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(suite["settings"]["quick_models"])
 for name in names:
     w = build(name, dict(suite["settings"]["quick_models"][name]))

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from leangrad import blocks, engine
-from leangrad.bench._models import build
-from leangrad.bench._zoo_methods import Method
+from leangrad_bench._models import build
+from leangrad_bench._zoo_methods import Method
 from leangrad.engines.checkpoint._offers import stage_modules, stem_modules
 from leangrad.measure import profile_step, time_interleaved
 
@@ -28,7 +28,7 @@ def torch_row(kind: str, k: int | None = None) -> object:
 
 def main(name: str, device: str = "cpu") -> None:
     torch.manual_seed(0)
-    suite = Path("src/leangrad/bench/suites/zoo.toml")
+    suite = Path("benchmarks/leangrad_bench/suites/zoo.toml")
     size = dict(tomllib.loads(suite.read_text())["settings"]["models"][name])
     w = build(name, size, device=device)
     m, x, lf = w.model, w.inputs, w.loss_fn

@@ -6,11 +6,11 @@ import json, platform, sys, time, tomllib
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from leangrad.bench._models import build
-from leangrad.bench._zoo_methods import Method, call, pytorch_methods
+from leangrad_bench._models import build
+from leangrad_bench._zoo_methods import Method, call, pytorch_methods
 from leangrad.measure import profile_step, time_interleaved
 
-size = dict(tomllib.loads((Path(__file__).parents[2] / "src/leangrad/bench/suites/zoo.toml")
+size = dict(tomllib.loads((Path(__file__).parents[2] / "benchmarks/leangrad_bench/suites/zoo.toml")
                         .read_text())["settings"]["models"]["llama"])  # the zoo's full size
 wl = build("llama", size, device="cpu")
 model, x, loss_fn = wl.model, wl.inputs, wl.loss_fn

@@ -5,7 +5,7 @@ backprop's memory at the zoo's sequence length (issue 31, "Targets").
 (d 256, 8 layers, 4 heads) at batch 1. The budget is backprop's total at the zoo's length
 (256 tokens): parameters, inputs and the step's peak with ``.grad`` allocated by the step.
 For each method, the longest length whose total fits is found by bisection on fake-tensor
-estimates (:func:`leangrad.bench._zoo_batch.footprint`); ``--check`` re-measures each
+estimates (:func:`leangrad_bench._zoo_batch.footprint`); ``--check`` re-measures each
 method's answer with the tracker on real tensors (the estimate must fit there too).
 Micro-batching cannot split one example, so PyTorch's exact options at batch 1 are
 per-block checkpointing and ``checkpoint_sequential``. Writes ``/tmp/long-sequence.json``.
@@ -20,10 +20,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from leangrad.bench._zoo_batch import footprint
-from leangrad.bench._zoo_methods import Method
+from leangrad_bench._zoo_batch import footprint
+from leangrad_bench._zoo_methods import Method
 
-SUITE = Path(__file__).resolve().parents[2] / "src/leangrad/bench/suites/zoo.toml"
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks/leangrad_bench/suites/zoo.toml"
 LIMIT = 1 << 17  # tokens: the search's ceiling (positional table sized to it)
 
 METHODS = [

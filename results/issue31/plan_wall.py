@@ -22,14 +22,14 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 import leangrad  # noqa: E402
-from leangrad.bench._models import build  # noqa: E402
+from leangrad_bench._models import build  # noqa: E402
 from leangrad.measure import profile_step, time_interleaved  # noqa: E402
 
 args = sys.argv[2:]
 name = args[args.index("--model") + 1] if "--model" in args else "llama"
 numbers = [a for a in args if a.replace(".", "", 1).isdigit()]
 frac = float(numbers[0]) if numbers else 0.5
-suite = tomllib.loads((repo / "src/leangrad/bench/suites/zoo.toml").read_text())
+suite = tomllib.loads((repo / "benchmarks/leangrad_bench/suites/zoo.toml").read_text())
 w = build(name, dict(suite["settings"]["models"][name]))
 bp = profile_step(leangrad.engine("backprop"), w.model, w.inputs, w.loss_fn, repeats=0)
 budget = bp.baseline_bytes + int(frac * bp.peak_bytes)

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 import leangrad  # noqa: E402
-from leangrad.bench._models import build  # noqa: E402
-from leangrad.bench._zoo_methods import TorchStep  # noqa: E402
+from leangrad_bench._models import build  # noqa: E402
+from leangrad_bench._zoo_methods import TorchStep  # noqa: E402
 from leangrad.engines._blocks import blocks  # noqa: E402
 from leangrad.engines.checkpoint._offers import all_but_last  # noqa: E402
 
@@ -30,7 +30,7 @@ args = sys.argv[2:]
 name = args[args.index("--model") + 1] if "--model" in args else "bert"
 rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 12
 ks = [int(k) for k in (args[args.index("--k") + 1] if "--k" in args else "4,8").split(",")]
-suite = tomllib.loads((repo / "src/leangrad/bench/suites/zoo.toml").read_text())
+suite = tomllib.loads((repo / "benchmarks/leangrad_bench/suites/zoo.toml").read_text())
 sizes = suite["settings"]["quick_models" if "--quick" in args else "models"]
 w = build(name, dict(sizes[name]))
 steps = {"backprop": leangrad.engine("backprop")}

@@ -1,5 +1,6 @@
-"""The ``leangrad`` command: a thin layer over :mod:`leangrad.bench`, :func:`leangrad.plan`
-and :func:`leangrad.train.fit`.
+"""The ``leangrad`` command: a thin layer over :func:`leangrad.plan`,
+:func:`leangrad.train.fit` and the benchmarks (``demo``, ``bench``, ``report``: the
+``leangrad_bench`` package in the repository's ``benchmarks/``, installed beside the library).
 
 leangrad demo [--out DIR]
 leangrad bench --list
@@ -19,10 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 from typing import NoReturn
 
 from . import _cli_types as cli_types
-from ._cli_types import OUT_CANNOT_MAKE as OUT_CANNOT_MAKE  # moved to _cli_types (#28), kept here
+from ._cli_types import OUT_CANNOT_MAKE as OUT_CANNOT_MAKE  # moved to _cli_types, kept here
 from ._cli_types import OUT_NOT_WRITABLE as OUT_NOT_WRITABLE
 from ._cli_types import OUT_UNDER_FILE as OUT_UNDER_FILE
 from ._cli_types import check_out_dir
@@ -137,6 +139,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+NO_BENCHMARKS = (
+    "`leangrad {command}` runs the benchmarks, which live beside the library in its "
+    "repository (benchmarks/, the leangrad-bench package) and are not installed here; "
+    "from a checkout: pip install -e benchmarks (make install does it)"
+)
+
+
+def _benchmarks(command: str) -> ModuleType:
+    """The benchmark package (``leangrad_bench``: suites, demo, report), installed from the
+    repository's ``benchmarks/`` beside the library; a one-line error where it is not."""
+    try:
+        import leangrad_bench
+    except ModuleNotFoundError as err:
+        if err.name != "leangrad_bench":
+            raise
+        from ._errors import OptionalDependencyError
+
+        raise OptionalDependencyError(NO_BENCHMARKS.format(command=command)) from None
+    return leangrad_bench
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     import torch
 
@@ -148,8 +171,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .train._cli import run_plan
 
         return run_plan(args)
-    from . import bench
-
+    bench = _benchmarks(args.command)
     if args.command == "demo":
         check_out_dir(args.out)
         torch.set_num_threads(1)
@@ -188,9 +210,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(bench.zoo_headline(args.dir))
         return 0
     if args.reproduction:
-        from .bench._reproduction import reproduction_markdown
-
-        print(reproduction_markdown(args.dir))
+        print(bench.reproduction_markdown(args.dir))
         return 0
     path = bench.render_report(args.dir)
     print(f"wrote {path}")

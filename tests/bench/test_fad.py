@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from leangrad.bench._fad import METHODS, render, run_fad
-from leangrad.bench._suites import RunSettings, load_suite
+from leangrad_bench._fad import METHODS, render, run_fad
+from leangrad_bench._suites import RunSettings, load_suite
 
 TINY = """
-runner = "leangrad.bench._fad:run_fad"
-report = "leangrad.bench._fad:render"
+runner = "leangrad_bench._fad:run_fad"
+report = "leangrad_bench._fad:render"
 [settings]
 batch = 4
 budget_batch = 4

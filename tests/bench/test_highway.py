@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from leangrad.bench._highway import run_convergence, run_rnn, run_train
-from leangrad.bench._highway_paper import char_corpus
-from leangrad.bench._highway_report import render
-from leangrad.bench._suites import RunSettings, load_suite
+from leangrad_bench._highway import run_convergence, run_rnn, run_train
+from leangrad_bench._highway_paper import char_corpus
+from leangrad_bench._highway_report import render
+from leangrad_bench._suites import RunSettings, load_suite
 
 
 def _tiny(name: str, **settings: object):  # type: ignore[no-untyped-def]

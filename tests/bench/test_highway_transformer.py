@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from leangrad._errors import OptionError
-from leangrad.bench._highway import KIND, STEP_KIND, run_transformer
-from leangrad.bench._highway_paper import BAD_NORM, gpt_char_lm, lm_loss
-from leangrad.bench._highway_report import render
-from leangrad.bench._suites import RunSettings, load_suite
 from leangrad.engines import engine
 from leangrad.highway import HighwayNet, PostLNSublayer, PreLNSublayer
 from leangrad.measure import compare_grads, grads_of
+from leangrad_bench._highway import KIND, STEP_KIND, run_transformer
+from leangrad_bench._highway_paper import BAD_NORM, gpt_char_lm, lm_loss
+from leangrad_bench._highway_report import render
+from leangrad_bench._suites import RunSettings, load_suite
 
 VOCAB, D, LAYERS, HEADS, T, B = 11, 8, 2, 2, 6, 3
 

@@ -13,8 +13,9 @@ import torch
 
 from leangrad import hf
 from leangrad._errors import UnknownNameError
-from leangrad.bench import _models, _plan_peers, _workloads
-from leangrad.bench._models import (
+from leangrad.loss import PerExample
+from leangrad_bench import _models, _plan_peers, _workloads
+from leangrad_bench._models import (
     HF_MODELS,
     MODELS,
     TIMM_MODELS,
@@ -23,7 +24,6 @@ from leangrad.bench._models import (
     fad_batch,
     rad_network,
 )
-from leangrad.loss import PerExample
 
 SUITES = Path(_models.__file__).parent / "suites"
 RESNET = {"depth": 10, "width": 4, "image": 8, "batch": 3}

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 import leangrad
 from leangrad import Chain, EngineInputError, models
 from leangrad._errors import OptionError
-from leangrad.bench._moonwalk_depth import (
+from leangrad.engines._base import LossFn
+from leangrad.measure import compare_grads, grads_of
+from leangrad_bench._moonwalk_depth import (
     BAD_SAMPLE,
     _freeze_except,
     render,
@@ -25,9 +27,7 @@ from leangrad.bench._moonwalk_depth import (
     timed_couplings,
     work_bound,
 )
-from leangrad.bench._suites import RunSettings, Suite, load_suite
-from leangrad.engines._base import LossFn
-from leangrad.measure import compare_grads, grads_of
+from leangrad_bench._suites import RunSettings, Suite, load_suite
 
 
 def _revnet(depth: int, *, channels: int = 4, size: int = 4, batch: int = 3,

@@ -6,9 +6,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-from leangrad.bench import _rad, _rad_paper
-from leangrad.bench._models import rad_network
-from leangrad.bench._suites import RunSettings, load_suite
+from leangrad_bench import _rad, _rad_paper
+from leangrad_bench._models import rad_network
+from leangrad_bench._suites import RunSettings, load_suite
 
 
 def _tiny(name: str, **settings: object) -> object:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from leangrad import data
-from leangrad.bench import _rad
-from leangrad.bench._models import rad_network
-from leangrad.bench._suites import RunSettings, Suite, load_suite
 from leangrad.measure import estimator_stats
+from leangrad_bench import _rad
+from leangrad_bench._models import rad_network
+from leangrad_bench._suites import RunSettings, Suite, load_suite
 
 # Unbiasedness tolerance, as tests/rad/test_layers.py: for an unbiased estimator each
 # coordinate's z = (mean - exact) / (sd / sqrt(N)) is ~ N(0, 1) for large N, so the mean of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from leangrad.bench import RECORD_FIELDS, Record, new_record
+from leangrad_bench import RECORD_FIELDS, Record, new_record
 
 
 def test_record_fields_are_the_dataclass_fields_in_order() -> None:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from leangrad._errors import LeangradError
-from leangrad.bench import list_suites, render_report
-from leangrad.bench._report import load_records
-from leangrad.bench._reproduction import (
+from leangrad.cli import main
+from leangrad_bench import list_suites, render_report
+from leangrad_bench._report import load_records
+from leangrad_bench._reproduction import (
     _EXTRACTORS,
     NOT_IN_RECORDS,
     NOT_RUN,
@@ -26,7 +27,6 @@ from leangrad.bench._reproduction import (
     reproduction_section,
     reproduction_table,
 )
-from leangrad.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"

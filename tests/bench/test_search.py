@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from leangrad.bench._search import bisect_last_fit
+from leangrad_bench._search import bisect_last_fit
 
 
 def _probing(limit: int, probes: list[int]) -> Callable[[int], bool]:

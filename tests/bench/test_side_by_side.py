@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from leangrad.bench._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
+from leangrad_bench._side_by_side import Curves, Lane, make_optimizer, train_side_by_side
 
 
 class _Toy(Curves):

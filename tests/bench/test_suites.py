@@ -11,7 +11,8 @@ import torch
 
 from leangrad import UnknownNameError
 from leangrad._errors import LeangradError
-from leangrad.bench import (
+from leangrad.cli import main
+from leangrad_bench import (
     RECORD_FIELDS,
     EngineSpec,
     build,
@@ -22,7 +23,6 @@ from leangrad.bench import (
     run_suite,
     timing_threads,
 )
-from leangrad.cli import main
 
 TINY = {"model": "mlp", "in_features": 8, "width": 8, "depth": 2, "batch": 16, "classes": 3}
 
@@ -174,7 +174,7 @@ def test_a_bad_threads_setting_or_a_one_count_runner_is_refused(tmp_path: Path) 
 
 
 RUNNERS = '''
-from leangrad.bench._suites import runner
+from leangrad_bench._suites import runner
 
 SEEN = []
 
@@ -246,12 +246,12 @@ def test_cli_list_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_cli_demo_prints_the_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from leangrad.bench import _demo
+    from leangrad_bench import _demo
 
     small = {k: {**v, "batch": 16, "channels": 4} for k, v in _demo.DEMO_CONFIGS.items()}
     small["mlp"]["width"] = 8
     monkeypatch.setattr(_demo, "DEMO_CONFIGS", small)
-    from leangrad.bench import _demo_headline as H
+    from leangrad_bench import _demo_headline as H
 
     monkeypatch.setattr(H, "DEPTH_CONFIG", {**H.DEPTH_CONFIG, "length": 32, "channels": 8})
     monkeypatch.setattr(H, "DEPTH_BUDGET", 200_000)
@@ -307,7 +307,7 @@ def test_cli_demo_prints_the_table(
 def test_best_pytorch_is_the_fastest_timed_option_within_the_budget() -> None:
     """The plan figure's PyTorch bar: a faster option over the budget, or one not timed,
     never wins; with none fitting there is none."""
-    from leangrad.bench._demo_headline import best_pytorch
+    from leangrad_bench._demo_headline import best_pytorch
 
     mib = 2**20
     options = [

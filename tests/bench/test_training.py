@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from leangrad.bench import RECORD_FIELDS, RunSettings, Suite, load_suite, render_report
-from leangrad.bench._run import write_records
-from leangrad.bench._training import run_constrained, run_stability
+from leangrad_bench import RECORD_FIELDS, RunSettings, Suite, load_suite, render_report
+from leangrad_bench._run import write_records
+from leangrad_bench._training import run_constrained, run_stability
 
 TRAINING_FIELDS = ("kind", "series", "sweep", "x", "train_loss", "train_acc", "test_acc")
 

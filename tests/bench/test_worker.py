@@ -1,14 +1,14 @@
-"""The bench's one fresh-process worker (:mod:`leangrad.bench._worker`): each mode's payload
+"""The bench's one fresh-process worker (:mod:`leangrad_bench._worker`): each mode's payload
 runs in a fresh process and returns its fields; an unknown mode is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 
-from leangrad.bench._worker import MODES
 from leangrad.measure._rss import rss_supported, run_json_worker
+from leangrad_bench._worker import MODES
 
-WORKER = "leangrad.bench._worker"
+WORKER = "leangrad_bench._worker"
 
 pytestmark = pytest.mark.skipif(not rss_supported(), reason="no /proc RSS here")
 

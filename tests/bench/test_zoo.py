@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from leangrad import zoo
-from leangrad.bench import RECORD_FIELDS, RunSettings, load_suite
-from leangrad.bench._models import build
-from leangrad.bench._zoo import run_zoo
-from leangrad.bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
-from leangrad.bench._zoo_methods import Method, leangrad_methods, pytorch_methods
-from leangrad.bench._zoo_report import best_within, headline_table, largest_batch, render
 from leangrad.cli import main
+from leangrad_bench import RECORD_FIELDS, RunSettings, load_suite
+from leangrad_bench._models import build
+from leangrad_bench._zoo import run_zoo
+from leangrad_bench._zoo_batch import NOT_ESTIMABLE, estimable, footprint, max_batch
+from leangrad_bench._zoo_methods import Method, leangrad_methods, pytorch_methods
+from leangrad_bench._zoo_report import best_within, headline_table, largest_batch, render
 
 GPT = {"vocab": 32, "dim": 24, "layers": 4, "heads": 2, "context": 32, "batch": 8}
 LSTM = {"vocab": 1024, "embed": 8, "hidden": 16, "layers": 2, "length": 12, "batch": 4}

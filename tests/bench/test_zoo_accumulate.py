@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from leangrad import zoo
-from leangrad.bench import RunSettings, load_suite
-from leangrad.bench._models import build
-from leangrad.bench._zoo import _ModelRun, run_zoo
-from leangrad.bench._zoo_batch import footprint, micro_batches
-from leangrad.bench._zoo_methods import (
+from leangrad.loss import PerExample
+from leangrad_bench import RunSettings, load_suite
+from leangrad_bench._models import build
+from leangrad_bench._zoo import _ModelRun, run_zoo
+from leangrad_bench._zoo_batch import footprint, micro_batches
+from leangrad_bench._zoo_methods import (
     NOT_PER_EXAMPLE,
     TOO_FEW_EXAMPLES,
     Method,
@@ -26,9 +27,8 @@ from leangrad.bench._zoo_methods import (
     leangrad_methods,
     pytorch_methods,
 )
-from leangrad.bench._zoo_report import PYTORCH_SIDES, best_within, headline_table, render
-from leangrad.bench._zoo_rows import Context
-from leangrad.loss import PerExample
+from leangrad_bench._zoo_report import PYTORCH_SIDES, best_within, headline_table, render
+from leangrad_bench._zoo_rows import Context
 
 GPT = {"vocab": 32, "dim": 16, "layers": 3, "heads": 2, "context": 8, "batch": 6}
 SIZES: dict[str, dict[str, Any]] = {
@@ -219,7 +219,7 @@ def test_suite_run_records_and_renders_accumulation_rows() -> None:
     suite = load_suite("zoo")
     assert suite.setting("micro_batches", True) and suite.setting("micro_batches", False)
     keep = {"backprop", "accumulate", "checkpoint+accumulate"}
-    from leangrad.bench._zoo_methods import engine_names
+    from leangrad_bench._zoo_methods import engine_names
 
     settings = {
         **suite.settings,

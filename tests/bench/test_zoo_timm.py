@@ -11,15 +11,15 @@ import torch
 
 pytest.importorskip("timm")
 
-from leangrad.bench import load_suite
-from leangrad.bench._models import TIMM_MODELS, build
-from leangrad.bench._zoo_methods import (
+from leangrad.measure import compare_grads
+from leangrad_bench import load_suite
+from leangrad_bench._models import TIMM_MODELS, build
+from leangrad_bench._zoo_methods import (
     TIMM_CHECKPOINTING,
     call,
     library_checkpointing,
     pytorch_methods,
 )
-from leangrad.measure import compare_grads
 
 
 def test_suite_sizes_every_timm_model_and_keeps_them_opt_in() -> None:

@@ -210,13 +210,13 @@ def test_blocks_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: 
     peak no higher than torch.utils.checkpoint around each block by hand."""
     import json
 
-    from leangrad.bench import run_suite
-    from leangrad.bench._blocks import render
+    from leangrad_bench import run_suite
+    from leangrad_bench._blocks import render
 
     suite = tmp_path / "tiny-blocks.toml"
     suite.write_text(
-        'runner = "leangrad.bench._blocks:run_blocks"\n'
-        'report = "leangrad.bench._blocks:render"\n'
+        'runner = "leangrad_bench._blocks:run_blocks"\n'
+        'report = "leangrad_bench._blocks:render"\n'
         "[settings]\nrepeats = 1\nsegments = [2]\n"
         "[settings.models]\n"
         "resnet = { depth = 10, width = 4, image = 8, batch = 2 }\n"

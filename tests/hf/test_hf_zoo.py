@@ -16,16 +16,16 @@ pytest.importorskip("diffusers")
 
 from leangrad import hf
 from leangrad._errors import OptionError
-from leangrad.bench import RunSettings, load_suite
-from leangrad.bench._models import HF_MODELS, build
-from leangrad.bench._zoo import run_zoo
-from leangrad.bench._zoo_methods import (
+from leangrad.measure import compare_grads
+from leangrad_bench import RunSettings, load_suite
+from leangrad_bench._models import HF_MODELS, build
+from leangrad_bench._zoo import run_zoo
+from leangrad_bench._zoo_methods import (
     HF_CHECKPOINTING,
     call,
     hf_checkpointing,
     pytorch_methods,
 )
-from leangrad.measure import compare_grads
 
 TINY = {
     "hf_gpt2": {**hf.TINY["gpt2"], "batch": 2},

@@ -364,7 +364,7 @@ def test_budget_aborts_the_step_that_crosses_it() -> None:
 def test_deepest_fitting_finds_the_boundary(limit: int) -> None:
     """Doubling + bisection finds the largest fitting depth of a monotone predicate,
     capped at max_depth, probing each depth at most once."""
-    from leangrad.bench._fragmental import DepthProbe, deepest_fitting
+    from leangrad_bench._fragmental import DepthProbe, deepest_fitting
 
     calls: list[int] = []
 
@@ -380,7 +380,7 @@ def test_deepest_fitting_finds_the_boundary(limit: int) -> None:
 def test_deepest_fitting_looks_past_a_non_monotone_dip() -> None:
     """A depth that fails between fitting ones (peak not monotone in depth) does not stop
     the search when a deeper probe fits."""
-    from leangrad.bench._fragmental import DepthProbe, deepest_fitting
+    from leangrad_bench._fragmental import DepthProbe, deepest_fitting
 
     fit = set(range(1, 10)) | {11}  # bisection stops at 9 | 10; the extra probes find 11
     depth, probes = deepest_fitting(

@@ -1,5 +1,5 @@
 """What ``torch.compile`` costs, measured in the process that calls it (a fresh one: the
-bench's worker, :mod:`leangrad.bench._worker`, and ``plan(compile=True)``'s,
+bench's worker, :mod:`leangrad_bench._worker`, and ``plan(compile=True)``'s,
 :mod:`leangrad.planner._compile`).
 
 :func:`compile_costs` compiles a model afresh — the first step's seconds (dynamo, AOT
