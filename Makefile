@@ -34,7 +34,7 @@ test: install-dev
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
-# The engine fuzz test's long profile (issue 30): 2,000 drawn models, every engine against
+# The engine fuzz test's long profile: 2,000 drawn models, every engine against
 # autograd. FUZZ_COLLECT=1 logs every failure and goes on (the summary counts them);
 # FUZZ_COLLECT=0 stops at the first and lets Hypothesis shrink it. Fails on any new failure.
 FUZZ_LOG ?= build/fuzz-log.jsonl

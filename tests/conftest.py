@@ -25,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# --- Hypothesis profiles of the engine fuzz test (tests/engines/test_fuzz.py, issue 30) ---
+# --- Hypothesis profiles of the engine fuzz test (tests/engines/test_fuzz.py) ---
 # Not loaded here: the fuzz test applies the one named by $HYPOTHESIS_PROFILE ("ci" by
 # default; `make fuzz` runs "fuzz"). Hypothesis loads its own "ci" profile by itself on CI
 # machines, and re-registering a loaded profile reloads it, so "ci" is Hypothesis' own

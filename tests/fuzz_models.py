@@ -1,4 +1,4 @@
-"""A grammar of small models and a contract checker for the engine fuzz test (issue 30).
+"""A grammar of small models and a contract checker for the engine fuzz test.
 
 A *spec* is plain data (dicts, lists, tuples, ints, floats, strings): Hypothesis draws it
 (:func:`specs`), :func:`build` turns it into ``(model, x, loss_fn, features)``
@@ -609,7 +609,7 @@ def _leangrad_error_problem(err: BaseException) -> tuple[str, str] | None:
     """None when ``err`` is an acceptable refusal, else ``(failure kind, description)``:
     not a leangrad error; a message of several lines; or a leangrad error that only
     wraps an error PyTorch raised inside the engine (it names PyTorch's symptom, not the
-    condition: issue 30 class 6)."""
+    condition: known class 6)."""
     name = type(err).__name__
     if not isinstance(err, LeangradError):
         return "non-leangrad-error", f"non-leangrad exception {name}"

@@ -1,5 +1,5 @@
 """The planner's candidates, collected from what each registered engine offers
-(``Engine.plan_candidates``, issue 28), are exactly the hand-written list they replaced:
+(``Engine.plan_candidates``), are exactly the hand-written list they replaced:
 the same ``(name, options)`` in the same order for the registered training models, the
 zoo's, a HighwayNet and a Chain, with and without a per-example loss, exact or not.
 

@@ -1,5 +1,5 @@
 """``leangrad.plan`` when the fastest candidates are within timing noise of each other
-(issue 31): only the contenders are timed again, interleaved and longer, and a tie that
+: only the contenders are timed again, interleaved and longer, and a tie that
 remains is broken by a stated rule (lower peak, simpler engine, the planner's order) that
 the chosen row, the message and the table report. The clock is a fake: every timing here
 is given, none is measured or asserted."""

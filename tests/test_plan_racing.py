@@ -1,4 +1,4 @@
-"""``leangrad.plan`` spends its steps only where they decide (issue 31, item 6): the first
+"""``leangrad.plan`` spends its steps only where they decide: the first
 timing round is a race (a candidate far behind after one round is out, its row saying
 so), a candidate whose fake-tensor estimate is well over the budget is never run, one
 whose first step fits is tracked once, and no timing round runs a warm-up of its own (the

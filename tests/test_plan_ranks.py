@@ -1,4 +1,4 @@
-"""Per-rank memory of a step spread over processes (issue 32, item 3):
+"""Per-rank memory of a step spread over processes:
 :func:`leangrad.planner._ranks.estimate_per_rank` and ``leangrad plan --nproc N --parallel``.
 
 The parts add up to the total; FSDP2 holds 1/N of each parameter (up to one padded row),

@@ -1,5 +1,5 @@
 """``leangrad.plan(..., reuse=earlier_plan)``: a plan of the same step at another budget
-takes the earlier plan's peaks and warm engines (issue 31, item 6: the zoo plans each model
+takes the earlier plan's peaks and warm engines (item 6: the zoo plans each model
 at ½, ¼ and ⅛ of backprop's peak, and stepped every candidate three times). Its rows are
 the rows a fresh plan at that budget makes; only a row the new budget could judge
 differently is stepped again. Counted, never timed (``tests/test_plan_racing.py``'s fake

@@ -1,4 +1,4 @@
-"""A user error under several processes prints once (issue 32): rank 0 prints its line, a
+"""A user error under several processes prints once: rank 0 prints its line, a
 rank whose line differs from rank 0's (or rank 0 has none) prints its own, prefixed
 ``[rank R] ``; every process exits 2; nothing waits past the timeout.
 

@@ -1,4 +1,4 @@
-"""``leangrad._step.Step``: the training step as one value (issue 28). Its steps equal a
+"""``leangrad._step.Step``: the training step as one value. Its steps equal a
 hand-written autograd loop bit for bit in float64, whole and per layer, with backprop and
 checkpointing; its optimizer state persists across steps; it is what the planner measures."""
 

@@ -1,4 +1,4 @@
-"""The zoo's Llama-style decoder and diffusion U-Net (issue 31, item 7) and the GPT at a real
+"""The zoo's Llama-style decoder and diffusion U-Net and the GPT at a real
 vocabulary: shapes, the blocks leangrad finds, checkpointing (whole blocks and in fragments
 of the batch) exact against autograd in float64, the offline batches, and the zoo suite's
 PyTorch rows on them. Tiny sizes: seconds."""

@@ -1,4 +1,4 @@
-"""Issue 16's rows, measured side by side for two versions of leangrad (before and after).
+"""The speed-gap rows, measured side by side for two versions of leangrad (before and after).
 
 Run as a file, not a module, so the same measurement runs against another checkout::
 

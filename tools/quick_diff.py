@@ -1,4 +1,4 @@
-"""Issue 28's check for a bench refactor: each suite's quick JSON, before and after, equal in
+"""The check for a bench refactor: each suite's quick JSON, before and after, equal in
 every memory and gradient field.
 
 Run as a file, so the same command runs a suite from another checkout's sources::

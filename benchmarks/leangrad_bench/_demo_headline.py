@@ -1,4 +1,4 @@
-"""The demo's headline (issue 14): what leangrad buys, in two measurements and two figures.
+"""The demo's headline: what leangrad buys, in two measurements and two figures.
 
 1. **The deepest network each engine trains in one budget** — Moonwalk v2 §6.3's
    experiment scaled to a few seconds: the fragmental 1D CNN, one training step under a

@@ -1,4 +1,4 @@
-"""Highway-BP suites (issues 7, 29): speed and memory on RNNs, training curves, convergence in k.
+"""Highway-BP suites: speed and memory on RNNs, training curves, convergence in k.
 
 Runners (``runner = "leangrad_bench._highway:FN"``), float32; the paper's models and data
 are in :mod:`._highway_paper`, the report in :mod:`._highway_report`:

@@ -1,4 +1,4 @@
-"""Paper-only code of the Highway-BP suites (issues 7, 29): the models and data of the
+"""Paper-only code of the Highway-BP suites: the models and data of the
 Highway-BP paper's experiments, as :mod:`leangrad_bench._highway`'s runners train them.
 
 - :func:`char_corpus`, :func:`lm_windows`, :func:`lm_loss` — character-level language

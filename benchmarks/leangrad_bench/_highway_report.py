@@ -1,4 +1,4 @@
-"""The Markdown section of ``leangrad report`` for the Highway-BP suites (issues 7, 16, 29),
+"""The Markdown section of ``leangrad report`` for the Highway-BP suites,
 from the records of :mod:`leangrad_bench._highway`'s runners: the RNN targets and
 speed/memory table, scan timings, training curves (highway-train, highway-transformer:
 one renderer) and convergence in k."""
@@ -36,8 +36,8 @@ def _at(rs: list[dict[str, Any]], cell: str, length: int, label: str) -> dict[st
 
 
 def _targets(rs: list[dict[str, Any]]) -> list[str]:
-    """The targets of issues 7 and 16 beside the measured values (hidden 128, batch 32)."""
-    lines = ["Targets of issue 7 (GRU, hidden 128, batch 32, one thread):", ""]
+    """The targets beside the measured values (hidden 128, batch 32)."""
+    lines = ["Targets (GRU, hidden 128, batch 32, one thread):", ""]
     for label, key, want in (("highway(k=0)", "backward_speedup", 2.4),
                              ("highway(k=2)", "backward_speedup", 1.15),
                              ("highway(k=2)", "grad_cosine", 0.999)):  # fmt: skip
@@ -51,7 +51,7 @@ def _targets(rs: list[dict[str, Any]]) -> list[str]:
             more = "larger" if b["backward_speedup"] > a["backward_speedup"] else "NOT larger"
             lines.append(f"- {label} backward speedup L=1024 {b['backward_speedup']:.2f}x vs "
                          f"L=256 {a['backward_speedup']:.2f}x: {more}")  # fmt: skip
-    for n in [rs[0].get("threads", 1), *extra_threads(rs)]:  # issue 16: vs nn.GRU / nn.LSTM
+    for n in [rs[0].get("threads", 1), *extra_threads(rs)]:  # vs nn.GRU / nn.LSTM
         for cell, label, want in (("gru", "highway(k=0)", 2.0), ("gru", "highway(k=2)", 1.4),
                                   ("lstm", "highway(k=0)", 1.0)):  # fmt: skip
             mine, peer = _at(rs, cell, 256, label), _at(rs, cell, 256, f"nn.{cell.upper()}")

@@ -1,4 +1,4 @@
-"""The bench's model registry (issue 28, item 4): every model a suite runs, one name each.
+"""The bench's model registry: every model a suite runs, one name each.
 
 :func:`build` ``(name, size, *, batch=None, device="cpu")`` gives a :class:`Workload`: the
 model, its offline batch and its loss, the same weights and batch for the same name and

@@ -1,4 +1,4 @@
-"""Suite ``moonwalk-v1-depth`` (issue 29, item 3): pure Moonwalk's speed-up over Forward as
+"""Suite ``moonwalk-v1-depth``: pure Moonwalk's speed-up over Forward as
 the RevNet deepens, beside the work bound P/(2d).
 
 Moonwalk v1 (Krylov et al.), Fig. 3 and section 6.4: Forward takes 1839 s per batch and
@@ -98,7 +98,7 @@ PAPER_SPEEDUP = {6: 27.0, 60: 110.0}
 PAPER_SECONDS = {6: (1839.0, 67.0), 60: (80000.0, 700.0)}
 """The same, as (Forward s, Moonwalk s) per batch of 512 on 32x32x18 inputs (RTX A4500)."""
 TARGET = 0.7
-"""Issue 29: each measured ratio at least this fraction of its bound P/(2d)."""
+"""The target: each measured ratio at least this fraction of its bound P/(2d)."""
 PHASE_III_PASSES = 4.5
 """Passes per coupling of Moonwalk's Phase III: vijp (F, one vjp through F: 2) and the
 parameter gradient (F, the vjp of two weights and one input through F: 2.5)."""
@@ -363,7 +363,7 @@ def _by_threads(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]
 
 
 def _targets(n: int, rs: list[dict[str, Any]]) -> list[str]:
-    """Issue 29's two targets at one thread count."""
+    """The two targets at one thread count."""
     sp = [r["speedup"] for r in rs]
     grows = all(b > a for a, b in itertools.pairwise(sp))
     worst = min(rs, key=lambda r: r["speedup_over_bound"])
@@ -446,7 +446,7 @@ def render(suite: str, records: list[dict[str, Any]], directory: Any, *, plots: 
         f"(27×), > {PAPER_SECONDS[60][0]:.0f} s vs {PAPER_SECONDS[60][1]:.0f} s at 60 "
         "(110×), on a GPU with 32×32×18 inputs, batch 512.",
         "",
-        "Targets of issue 29:",
+        "Targets:",
         "",
     ]
     for n, rs in groups.items():

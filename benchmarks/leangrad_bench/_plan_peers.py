@@ -1,5 +1,5 @@
 """What a PyTorch user can do by hand to fit a training step into less memory: the peers
-of the ``plan`` suite (issue 13), each a whole training step (backward and SGD step).
+of the ``plan`` suite, each a whole training step (backward and SGD step).
 
 - ``checkpoint_sequential(s)`` over the model's blocks, ``torch.utils.checkpoint`` around
   every block, selective checkpointing of every block (matmuls and convolutions saved,

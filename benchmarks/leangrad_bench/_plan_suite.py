@@ -1,5 +1,5 @@
 """Suite ``plan``: ``leangrad.plan`` against what a PyTorch user can do by hand, at budgets
-that are fractions of backprop's training-step memory (issue 13's targets).
+that are fractions of backprop's training-step memory.
 
 A training step is backward and an SGD step (momentum 0.9; its state exists before the
 measured step). For each model (a class-based ResNet-18-style CNN and GPT from

@@ -3,7 +3,7 @@
 - :func:`run_pde` (``rad-pde``, section 5 and Fig. 7): the reaction-diffusion control
   problem (:mod:`leangrad.rad._pde`) optimised with Adam from exact and RAD gradients;
   loss curves and the measured stored state.
-- :func:`run_peer` (``rad-peer``, issue 16, section 4.3) on the paper's MNIST MLP
+- :func:`run_peer` (``rad-peer``, section 4.3) on the paper's MNIST MLP
   (784-300-300-300-10, batch 150, fraction 0.1, a different sample per example):
 
   - *peer rows*: backprop; leangrad ``rad`` without replacement (its default) and with

@@ -3,7 +3,7 @@
 at (:func:`at_threads`, :func:`extra_threads`).
 
 Below :mod:`~leangrad_bench._report` and :mod:`~leangrad_bench._reproduction`, which both
-read records with it (issue 28: no import circle); ``_report`` re-exports these names.
+read records with it ( no import circle); ``_report`` re-exports these names.
 """
 
 from __future__ import annotations

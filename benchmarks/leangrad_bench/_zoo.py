@@ -1,4 +1,4 @@
-"""Suite ``zoo`` (issue 14, item 2): every way to compute a step's gradients on standard
+"""Suite ``zoo``: every way to compute a step's gradients on standard
 architectures written the ordinary way (:mod:`leangrad.zoo`), leangrad's and PyTorch's,
 side by side in one run.
 

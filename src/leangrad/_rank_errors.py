@@ -1,4 +1,4 @@
-"""One error line for all processes of a ``torchrun`` launch (issue 32).
+"""One error line for all processes of a ``torchrun`` launch.
 
 Under ``torchrun --nproc-per-node N -m leangrad ...`` every process meets the same user
 error (a bad option, a run directory that already holds a run) and would print the same

@@ -1,4 +1,4 @@
-"""The highway-transformer suite (issue 29): the GPT-2-style HighwayNet against a plain
+"""The highway-transformer suite: the GPT-2-style HighwayNet against a plain
 PyTorch forward, Highway-BP's exactness at k = L − 1 and beyond in float64, and the suite
 end to end on a tiny config (records and report). No time is asserted."""
 

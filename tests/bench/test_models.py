@@ -1,4 +1,4 @@
-"""The bench's one model registry (issue 28, item 4): one name = one model, one Workload
+"""The bench's one model registry: one name = one model, one Workload
 type, one ``build``; the suites' old entry points delegate to it. Tiny sizes, CPU."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""rad-fractions (issue 29): fraction 1.0 is backprop bit for bit, fraction 0.2 is unbiased,
+"""rad-fractions: fraction 1.0 is backprop bit for bit, fraction 0.2 is unbiased,
 and the suite (and rad-convergence) record per-seed curves with median/band summaries."""
 
 from __future__ import annotations

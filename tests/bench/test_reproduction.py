@@ -1,4 +1,4 @@
-"""The reproduction table (issue 29): rows are data, *ours* is read from the suites' JSON when
+"""The reproduction table: rows are data, *ours* is read from the suites' JSON when
 rendered, a suite without results renders "not run", and the README embeds the rendered
 table verbatim."""
 
@@ -30,7 +30,7 @@ from leangrad_bench._reproduction import (
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
-# Suites being written beside this table (issue 29); their rows render "not run" until then.
+# Suites being written beside this table; their rows render "not run" until then.
 PENDING = {"moonwalk-v1-depth", "rad-fractions", "highway-transformer"}
 # Rows a quick run does not measure (the full run's models only).
 FULL_RUN_ONLY = {"rad-fig6-cnn"}

@@ -1,4 +1,4 @@
-"""Gradient accumulation in the ``zoo`` suite (issue 31, item 0): the per-example losses of
+"""Gradient accumulation in the ``zoo`` suite: the per-example losses of
 ``zoo.batch`` and ``hf.batch``, PyTorch's hand-written accumulation rows and leangrad's
 ``accumulate`` rows, exact where offered, skipped with the reason elsewhere, and in the
 report. Tiny sizes; nothing here asserts a time."""

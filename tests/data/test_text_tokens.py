@@ -1,4 +1,4 @@
-"""Token-level text data (``--data text --tokenizer bpe:N|tokenizer.json``, issue 27): the
+"""Token-level text data (``--data text --tokenizer bpe:N|tokenizer.json``): the
 model's vocabulary is a real tokenizer's, windows shift by one token, ``bpe:N`` is cached."""
 
 from __future__ import annotations

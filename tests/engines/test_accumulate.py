@@ -1,4 +1,4 @@
-"""Gradient accumulation (``accumulate``, issue 31 item 0): micro-batches whose gradients
+"""Gradient accumulation (``accumulate``): micro-batches whose gradients
 add up to the whole batch's — exact against autograd where the loss is declared a mean or
 sum over examples (:func:`leangrad.loss.per_example`) and no layer couples them; refused,
 naming why, everywhere else. Nothing here asserts a time."""

@@ -1,4 +1,4 @@
-"""A block's submodule reached under a second name outside the block (issue 31).
+"""A block's submodule reached under a second name outside the block.
 
 ``self.extra = self.g.blocks[0].mlp`` (the tied GPT) or ``self.alias = self.layers[1].fc``
 (an MLP whose blocks hold an ``nn.Sequential``), called once more after the blocks: the

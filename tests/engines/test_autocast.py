@@ -1,4 +1,4 @@
-"""Engines under ``torch.autocast`` (issue 31, item 5): each engine either computes what
+"""Engines under ``torch.autocast``: each engine either computes what
 autograd computes under the same autocast, or refuses naming why. Exactness under
 autocast is "equal to autograd under the same autocast": bitwise where the engine runs
 autograd's own ops (backprop, checkpoint), within reduced-precision rounding where it

@@ -1,4 +1,4 @@
-"""``checkpoint`` on models wrapped by DistributedDataParallel and FSDP2 (issue 32), on 2
+"""``checkpoint`` on models wrapped by DistributedDataParallel and FSDP2, on 2
 local processes (gloo): under DDP the step runs through DDP's own forward (its reducer
 prepared, its hooks averaging in the backward), every option; under FSDP2 each block is
 checkpointed inside its own FSDP unit (FSDP's hooks around the checkpoint). The gradients

@@ -1,4 +1,4 @@
-"""What callers outside the engines ask an engine instead of checking its class (issue 28):
+"""What callers outside the engines ask an engine instead of checking its class:
 :meth:`Engine.blocks` and :meth:`Engine.idle_reason`; the one-transform engines' names
 and exactness read from the transform table; the parallel modes' one home."""
 

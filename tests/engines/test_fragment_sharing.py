@@ -1,4 +1,4 @@
-"""Every fragment kind on shared modules and tied weights (issue 31): ``checkpoint`` with
+"""Every fragment kind on shared modules and tied weights: ``checkpoint`` with
 ``fragment_blocks`` (a number, sized on fake tensors, and names), ``sequence_fragments``
 and ``levels=2``, alone and combined, on a module used at two places, a list holding one
 block twice, a model calling one submodule twice (fx split), a block with training-mode

@@ -1,4 +1,4 @@
-"""Property-based test of the engine contract on drawn models (issue 30, "What to build").
+"""Property-based test of the engine contract on drawn models ("What to build").
 
 Hypothesis draws a model from the grammar in ``tests/fuzz_models.py`` — PyTorch layers
 (Linear, Conv2d, activations, Dropout, BatchNorm / GroupNorm / LayerNorm in train and eval
@@ -16,7 +16,7 @@ examples, part of ``make test``) and ``fuzz`` (2,000 models; ``make fuzz``, whic
 sets ``FUZZ_LOG`` and ``FUZZ_COLLECT=1``: failures are logged and summarised instead of
 stopping at the first). ``FUZZ_MAX_EXAMPLES=N`` overrides the profile's count.
 
-Failures still being fixed (issue-30 classes, and the NEW ones the fuzzer found, written
+Failures still being fixed (the known classes, and the NEW ones the fuzzer found, written
 up in the findings the coordinator holds) are listed in :data:`KNOWN_FAILURES`: tolerated
 in the drawn test, xfail in the regression test; entries go as fixes land. Every failure
 the fuzzer found stays in :data:`REGRESSIONS`.
@@ -37,7 +37,7 @@ from leangrad.engines import Backprop
 # --- failures tolerated until their fix lands (the coordinator removes entries) ----------
 
 KNOWN_FAILURES: list[fm.Known] = [
-    # Empty: F1-F6, the defects this test found beyond issue 30's nine classes (dropout
+    # Empty: F1-F6, the defects this test found beyond the nine known classes (dropout
     # masks in another layout under forward mode, a random stem under moonwalk+fad, the rad
     # transform re-randomizing the user's rad layers, leangrad's own autograd.Functions
     # and rad layers under functorch), are fixed; tests/engines/test_fuzz_findings.py holds
@@ -59,7 +59,7 @@ def _spec(family: str, input_kind: str, stem: Any, body: Any, head: Any = (), **
 
 REGRESSIONS: list[tuple[str, fm.Spec]] = [
     # Shared modules and tied weights in each family, on_grad and input gradients on
-    # (issue 30 classes 1-3; GPT-2-style tying): pass today, must stay so.
+    # (known classes 1-3; GPT-2-style tying): pass today, must stay so.
     ("seq-shared-and-tied", _spec("seq", "vec", ("lin", []),
         [("lin", 1), ("act", "tanh"), ("ref", 0), ("tie", 0), ("dropout", 0.25, "nn")],
         on_grad=True, input_grad=True, prefill=True)),
@@ -71,10 +71,10 @@ REGRESSIONS: list[tuple[str, fm.Spec]] = [
          ("coupling_ref", 0), ("subconv", "down")], on_grad=True, prefill=True)),
     ("highway-shared-block", _spec("highway", "img", ("lin", []),
         [("preact",), ("ref", 0)], on_grad=True)),
-    # Issue 30 class 8: GroupNorm in a coupling on a channels-last input (was a segfault).
+    # Known class 8: GroupNorm in a coupling on a channels-last input (was a segfault).
     ("chain-groupnorm-channels-last", _spec("chain", "img", ("lin", []),
         [("coupling", [("gn", 1), ("lin", 3)])], channels_last=True)),
-    # Issue 30 class 4: training-mode dropout in the head under pure Moonwalk.
+    # Known class 4: training-mode dropout in the head under pure Moonwalk.
     ("chain-head-dropout", _spec("chain", "img", ("lin", []),
         [("coupling", [("lin", 1), ("act", "tanh")]), ("leaky", 0.5)],
         [("dropout", 0.5, "nn")])),
@@ -188,7 +188,7 @@ class _Broken(Backprop):
             p.grad.mul_(1 + 1e-6)
         elif self.how == "none":
             p.grad = None
-        elif self.how == "identity":  # what functional_call did (issue 30 class 2)
+        elif self.how == "identity":  # what functional_call did (known class 2)
             owner = model.get_submodule(name.rpartition(".")[0])
             leaf = name.rpartition(".")[2]
             del owner._parameters[leaf]

@@ -1,4 +1,4 @@
-"""Regression tests for the defects the engine fuzz test found (issue 30, findings F1–F6).
+"""Regression tests for the defects the engine fuzz test found (findings F1–F6).
 
 Each test compares an engine with ``loss_fn(model(*inputs)).backward()`` on a copy of the
 model: float64 gradients to 1e-10 relative, buffers to 1e-12, RNG states (and the layers'

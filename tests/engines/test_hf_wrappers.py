@@ -1,4 +1,4 @@
-"""Engines on models written as Hugging Face writes them (issue 27), with plain torch
+"""Engines on models written as Hugging Face writes them, with plain torch
 modules that do what ``transformers`` and ``diffusers`` do — blocks called with keyword
 arguments, a parent reading its blocks' attributes, ``ModelOutput``-like outputs, UNet
 blocks that hold one resnet, attention by ``F.scaled_dot_product_attention`` — and, where

@@ -84,7 +84,7 @@ def test_pure_moonwalk_keeps_nothing_but_the_chain_input() -> None:
 
 
 def test_moonwalk_is_exact_on_deep_float32_chains() -> None:
-    """Target of issue 3: float32 ≤ 1e-4 relative at depth 8 with default initialisation."""
+    """The target: float32 ≤ 1e-4 relative at depth 8 with default initialisation."""
     model, x, loss_fn = _subcnn(depth=5, dtype=torch.float32, size=32)
     ref = copy.deepcopy(model).double()
     loss_fn(ref(x.double())).backward()

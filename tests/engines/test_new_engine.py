@@ -1,4 +1,4 @@
-"""Adding an engine is one module plus its registration (issue 28): an engine defined here
+"""Adding an engine is one module plus its registration: an engine defined here
 alone, registered, is made by ``leangrad.engine``, keeps the contract of every engine
 (tests/engines/test_contract.py), is among the planner's candidates through its own
 ``plan_candidates`` and is printed by ``leangrad.explain`` — with no other change."""

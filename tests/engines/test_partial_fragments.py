@@ -1,4 +1,4 @@
-"""Fragments only where they pay (issue 31): ``checkpoint(fragments=k, fragment_blocks=...)``
+"""Fragments only where they pay: ``checkpoint(fragments=k, fragment_blocks=...)``
 runs the named checkpointed blocks — or the ``n`` that save the most bytes inside, sized on
 fake tensors — in ``k`` fragments of the batch, and recomputes the others whole. Held to
 autograd: float64 within 1e-10, float32 within 1e-4, training-mode BatchNorm's running

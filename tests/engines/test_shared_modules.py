@@ -1,4 +1,4 @@
-"""Shared modules and tied weights under every engine (issue 30, classes 2–4 and 8).
+"""Shared modules and tied weights under every engine (classes 2–4 and 8).
 
 - ``on_grad`` fires exactly once per trainable parameter per step, with its final
   gradient, under every engine (and compositions) that accepts the model: a chain layer

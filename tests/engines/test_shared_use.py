@@ -1,4 +1,4 @@
-"""Modules used at two places of one model, and tied weights (issue 30, classes 1, 2, 6).
+"""Modules used at two places of one model, and tied weights (classes 1, 2, 6).
 
 - Class 1: a module listed twice (``nn.Sequential(lin, nn.Tanh(), lin)``) is two blocks;
   checkpointing (every option) runs both uses, and block discovery resolves every name.

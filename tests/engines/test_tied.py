@@ -1,4 +1,4 @@
-"""Tied weights (issue 30): GPT-2 ties its output layer to its token embedding. The zoo's
+"""Tied weights: GPT-2 ties its output layer to its token embedding. The zoo's
 GPT with ``head.weight`` tied to ``tok.weight`` runs exactly under every engine that takes
 any module, and under ``plan``; the tie survives the step and its gradient lands once, on
 the user's Parameter, with ``on_grad`` called once per parameter with its final value.
@@ -95,7 +95,7 @@ def test_tied_gpt_under_plan() -> None:
     ids=str,
 )  # fmt: skip
 def test_tied_gpt_under_fragments_and_two_levels(options: dict[str, object]) -> None:
-    """Issue 31's recomputation options on the tied GPT: exact, the tie kept, one gradient."""
+    """The recomputation options on the tied GPT: exact, the tie kept, one gradient."""
     model, x, loss_fn = _tied_gpt()
     want = _autograd(model, x, loss_fn)
     leangrad.engine("checkpoint", **options).backward(model, x, loss_fn)

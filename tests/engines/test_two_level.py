@@ -1,4 +1,4 @@
-"""Two-level checkpointing (``checkpoint(levels=2)``, issue 31 item 2): outer segments of
+"""Two-level checkpointing (``checkpoint(levels=2)``): outer segments of
 block calls keep only their first input through the forward; the other inputs are rebuilt
 in the backward
 (:mod:`leangrad.engines.checkpoint._two_level`). Held to autograd: the same gradients

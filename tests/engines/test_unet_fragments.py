@@ -1,4 +1,4 @@
-"""The zoo U-Net at a quarter of backprop's peak (issue 31): its stages as checkpointed blocks,
+"""The zoo U-Net at a quarter of backprop's peak: its stages as checkpointed blocks,
 recomputed in fragments of the batch (``checkpoint(blocks=<stages + head>, fragments=k)``,
 alone and with ``levels=2``), which the planner offers (:func:`stage_modules`). Held to
 autograd: float64 within 1e-10, float32 within 1e-4; GroupNorm couples nothing across the

@@ -1,4 +1,4 @@
-"""fad's own layers inside fad (issue 30, class 7).
+"""fad's own layers inside fad (class 7).
 
 Every layer :mod:`leangrad.fad` exports (``Swish``, ``GELU`` in both forms, ``Mish``, a
 :class:`~leangrad.fad.FusedChain` of any program, :func:`~leangrad.fad.elementwise`) must be

@@ -1,4 +1,4 @@
-"""Fragments on the Hugging Face models people train (issue 31): ``GPT2LMHeadModel`` (its LM
+"""Fragments on the Hugging Face models people train: ``GPT2LMHeadModel`` (its LM
 head tied to the token embedding) and ``LlamaForCausalLM``, built tiny from configs offline
 (:mod:`leangrad.hf`, float64, four layers so that ``levels=2`` drops boundaries), under
 ``checkpoint`` with ``fragments=2``, ``fragment_blocks`` (a number, sized on fake tensors,

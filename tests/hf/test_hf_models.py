@@ -1,4 +1,4 @@
-"""The models people download (issue 27): GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM
+"""The models people download: GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM
 and diffusers' UNet2DModel, built tiny from configs (:mod:`leangrad.hf`, float64, no
 downloads), under every registered engine, every base engine + one transform, and
 ``leangrad.plan``.
@@ -48,7 +48,7 @@ def _names() -> list[str]:
 KNOWN: dict[tuple[str, str], str] = {}
 """(model, engine) pairs that crash or give a wrong gradient today, with the cause.
 
-Fixed while this module was written (issue 27; strict xfails then): ``fad`` on all four
+Fixed while this module was written (strict xfails then): ``fad`` on all four
 (its eager fallback handed ``loss_fn`` a dict, not the ``ModelOutput``);
 ``checkpoint+fad|bits|rad`` on the three transformers (keyword arguments such as
 ``attention_mask`` lost by the block wrappers); ``bits``, ``rad``, ``checkpoint+bits``,
@@ -195,7 +195,7 @@ def _hf_checkpointing_peak(model: Any, x: tuple[torch.Tensor, ...], loss_fn: Any
 
 
 def test_default_checkpoint_peak_is_at_most_gradient_checkpointing_enable() -> None:
-    """Issue 27: the default ``checkpoint`` left the last block plain, so on GPT-2 (its
+    """The default ``checkpoint`` left the last block plain, so on GPT-2 (its
     50,257-token vocabulary, where the logits are most of the step) its peak was above the
     one-liner's (0.985x vs 0.978x of backprop's here; a strict xfail until the fix)."""
     model = hf.gpt2(dim=32, layers=3, heads=2, context=32)  # GPT-2's vocabulary, 50,257

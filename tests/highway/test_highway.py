@@ -273,7 +273,7 @@ def test_sequences_of_length_0_or_1_are_rejected(kind: str, length: int) -> None
     tokens = inputs[0][:length]
     name = "GRULayer" if kind == "gru" else "LSTMLayer"
     # An empty input is refused by every engine before any work (the engine contract),
-    # naming the empty dimension: the sequence, not the batch (issue 30, class 9).
+    # naming the empty dimension: the sequence, not the batch (class 9).
     msg = SHORT_SEQUENCE.format(where=name, length=length) if length else (
         "input 0 has sequence length 0"
     )

@@ -1,4 +1,4 @@
-"""Highway errors that name the real condition (issue 30, class 9).
+"""Highway errors that name the real condition (class 9).
 
 - A time-first input (``(L, batch, …)``, recurrent stacks) of sequence length 0 is
   refused by every engine as a sequence of length 0, not as "an empty batch"; a batch of

@@ -1,4 +1,4 @@
-"""Float32 Moonwalk through LeakyReLU chains (issue 30, class 5).
+"""Float32 Moonwalk through LeakyReLU chains (class 5).
 
 Where the digits go: Phase III rebuilds every cotangent from h₀ (or h₁) *as stored*, and
 a LeakyReLU's vijp divides by its slope where x ≤ 0 only, so after channel-mixing convs a
@@ -150,7 +150,7 @@ CASES = [(4, 0.1, 0), (4, 0.1, 1), (8, 0.1, 3), (8, 0.1, 35), (6, 0.01, 0), (8, 
 @pytest.mark.parametrize(("depth", "slope", "seed"), CASES)
 def test_float32_mixed_moonwalk_within_5x_autograd(depth: int, slope: float, seed: int
                                                         ) -> None:  # fmt: skip
-    """The documented contract (issue 30's target) on ``submersive_cnn(3, 4, depth, 3)`` at
+    """The documented contract on ``submersive_cnn(3, 4, depth, 3)`` at
     256×256: the float32 gradient is within 5x float32 autograd's error, or the step
     warned. Depth 8 is the issue's case (computing every cotangent by vijps: 7e-5 and 4e-4
     at seeds 3 and 35 with slope 0.1, 25 with slope 0.01; float32 autograd ~1e-6)."""

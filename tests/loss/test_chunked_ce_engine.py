@@ -1,4 +1,4 @@
-"""The ``chunked_ce`` engine and transform (issue 31 item 3, issue 27's target).
+"""The ``chunked_ce`` engine and transform.
 
 On ``zoo.gpt`` and the Hugging Face language models (GPT-2, Llama, BERT, float64, with
 their loss written as users write it), ``chunked_ce`` under ``backprop`` and

@@ -1,5 +1,5 @@
 """``fit`` on 2 local processes (gloo) averages the losses of ``SYNC_EVERY`` steps in one
-collective (issue 32: not one collective per step that every process waits for), yet logs
+collective ( not one collective per step that every process waits for), yet logs
 every step, in order, with that step's own loss — equal to one process on the combined
 batch — and a SIGINT on one rank stops both at the same step, with a checkpoint there."""
 

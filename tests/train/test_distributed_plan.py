@@ -1,5 +1,5 @@
 """``fit(budget=...)`` on 2 local processes (gloo): rank 0 plans alone and every rank
-trains with its choice (issue 32: each rank planning on its own chose differently and gloo
+trains with its choice ( each rank planning on its own chose differently and gloo
 aborted on mismatched collectives); a budget nothing fits is refused on every rank, none
 left waiting. Rank 1's planner is made to fail here, so a pass shows it never ran."""
 

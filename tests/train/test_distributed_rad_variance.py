@@ -1,4 +1,4 @@
-"""RAD averaged over ranks (issue 32): with each rank drawing its own samples
+"""RAD averaged over ranks: with each rank drawing its own samples
 (``train.seed_per_rank``, as ``fit`` does under torchrun), the all-reduced RAD gradient of
 one batch over N = 2 processes has about 1/N of one process's variance — the estimators
 are independent. (Before, every rank drew the same samples and averaging changed nothing.)

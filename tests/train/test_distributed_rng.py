@@ -1,4 +1,4 @@
-"""Randomness per rank under 2 local processes (gloo, issue 32), training backprop through
+"""Randomness per rank under 2 local processes (gloo), training backprop through
 PyTorch's DistributedDataParallel: every rank draws its own
 dropout masks (and estimator samples) from ``seed``, instead of all ranks drawing the same
 ones, and a resumed run continues each rank's own stream, so it ends bit-equal to an

@@ -1,5 +1,5 @@
 """``fit(budget=...)`` trains with the engine object the plan measured, deep-copying the
-model at most once (issue 28), and :attr:`leangrad.Plan.chosen` is the chosen row whatever
+model at most once, and :attr:`leangrad.Plan.chosen` is the chosen row whatever
 its verdict says ("chosen", "chosen (estimate)")."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """FSDP2 on a model whose block's submodule is reached under a second name outside the
-block (issue 31/32): ``self.alias = self.layers[1].fc``, or the tied GPT whose first two
+block: ``self.alias = self.layers[1].fc``, or the tied GPT whose first two
 blocks share one MLP, also called as ``extra``. ``fully_shard`` on each block, then the
 root, failed inside torch (``Invariant encountered: value was None``: the alias's
 parameters sharded twice); such blocks are now left to the root's unit, with a warning

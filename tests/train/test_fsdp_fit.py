@@ -1,4 +1,4 @@
-"""``fit(parallel="fsdp")`` on 2 local processes (gloo, issue 32): FSDP2 shards every
+"""``fit(parallel="fsdp")`` on 2 local processes (gloo): FSDP2 shards every
 block and the root, so each rank holds half of the parameters, gradients and Adam state;
 training equals one process on the combined batch; a checkpoint holds the whole state and
 a resume from it ends bit-equal to the uninterrupted run; an engine that does not run

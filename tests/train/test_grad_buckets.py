@@ -2,7 +2,7 @@
 autograd's own backward are averaged in buckets whose all-reduces start while the backward
 still runs (not one blocking all-reduce per parameter after it), equal to one process on
 the combined batch; with ``then`` (per-layer optimizer steps) each parameter is handed on
-once, after its bucket is averaged (issue 32)."""
+once, after its bucket is averaged."""
 
 from __future__ import annotations
 

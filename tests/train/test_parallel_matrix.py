@@ -1,4 +1,4 @@
-"""The engine x {DDP, FSDP2} x {whole step, per-layer} matrix (issue 32): on 2 local
+"""The engine x {DDP, FSDP2} x {whole step, per-layer} matrix: on 2 local
 processes (gloo), ``fit`` trains every exact engine that applies, 3 float64 steps with each
 ``parallel`` and each ``step_per_layer``, and either ends with the weights one process
 reaches on the combined batch (max |delta| <= 1e-12), or refuses, naming the engine and a
@@ -24,7 +24,7 @@ Adam's conditioning rather than the averaging.
 
 One spawn runs the whole matrix; the table (engine | model | parallel | steps | result) is
 printed (``pytest -s``) and written to ``tmp_path/matrix.txt``.
-``results/issue32/matrix.py`` runs the same matrix into ``results/issue32/matrix.md``.
+``results/distributed/matrix.py`` runs the same matrix into ``results/distributed/matrix.md``.
 """
 
 from __future__ import annotations

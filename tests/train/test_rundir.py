@@ -1,4 +1,4 @@
-"""One run per directory, and only finite checkpoints (issue 12: no mixed-up or lost runs).
+"""One run per directory, and only finite checkpoints ( no mixed-up or lost runs).
 
 A fresh run into a directory that holds another run is refused and leaves it untouched;
 ``overwrite`` deletes exactly that run's files and starts over; ``resume`` continues it
@@ -97,7 +97,7 @@ def test_resume_continues_the_old_run_bit_exactly(tmp_path) -> None:
     run = tmp_path / "run"
     train.fit("mlp", **kw, max_steps=6, checkpoint_every=4, out=run)
     with pytest.raises(snapshot.RunDirectoryError):
-        train.fit("mlp", **kw, max_steps=10, out=run)  # the mistake of issue 12
+        train.fit("mlp", **kw, max_steps=10, out=run)  # a run directory reused by mistake
     again = train.fit("mlp", **kw, max_steps=10, checkpoint_every=4, out=run, resume=run)
     assert again.steps == 10
     assert_equal(weights(again.model), weights(ref.model))

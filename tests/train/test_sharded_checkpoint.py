@@ -1,4 +1,4 @@
-"""Sharded checkpoints (issue 32, item 4): under ``parallel="fsdp"`` every rank writes its
+"""Sharded checkpoints: under ``parallel="fsdp"`` every rank writes its
 own shards with torch.distributed.checkpoint into ``step-N.dcp/`` (renamed into place once
 complete) beside rank 0's side file. On 2 local processes (gloo, float64): a resume ends
 bit-equal to the uninterrupted run; a rank SIGKILLed mid-save leaves only complete

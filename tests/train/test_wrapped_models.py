@@ -2,7 +2,7 @@
 processes (gloo): plain backprop is DDP's (and FSDP2's) own backward, so its gradients —
 and what ``on_grad`` receives — are the average over processes, equal to one process on the
 combined batch; every other engine (and ``plan``) refuses, naming how to unwrap the model,
-instead of leaving each process its own local gradient in silence (issue 32)."""
+instead of leaving each process its own local gradient in silence."""
 
 from __future__ import annotations
 

@@ -302,7 +302,7 @@ class _LossForward:
             fxs = tuple(mode.from_tensor(x.detach()) for x in self.xs)
             with mode, torch.enable_grad():
                 # each attribute slot gets its fake: a weight tied into a second module is
-                # found through either (issue 30)
+                # found through either
                 out = self.run(lambda *a: call_with(self.model, state, a), fxs)
                 loss = self.loss_fn(out)
                 return _graph_leaves(loss, names)

@@ -4,7 +4,7 @@ Under ``vmap`` (and ``jvp``) PyTorch draws a dropout mask in the memory layout o
 transformed tensor, which is not the layout of the activation autograd sees: on a
 channels-last activation autograd fills its mask in channels-last order, the vmapped
 forward in contiguous order, so the same random numbers land on other elements and the
-forward-mode engines computed the gradient of another network (issue 30, fuzz finding F1).
+forward-mode engines computed the gradient of another network (fuzz finding F1).
 
 :class:`DropoutTape` fixes it at the draw: one real forward of the model (the one the
 engines already run to find the used parameters) records each dropout call's mask, drawn

@@ -4,7 +4,7 @@
 not a ``torch.Generator`` a layer holds (``rad.RandLinear(seed=...)`` draws each call's
 sample seed from its own generator, as does every layer the ``rad`` engine randomizes with
 a ``seed``): the recomputation drew the next seed — another sample than the forward's, so
-another gradient — and left the generator two draws on instead of one (issue 30, found
+another gradient — and left the generator two draws on instead of one (found
 with fuzz finding F3). :func:`generator_replay` is a ``context_fn`` for
 ``checkpoint(..., use_reentrant=False)`` that rewinds those generators for the
 recomputation and puts them back afterwards.

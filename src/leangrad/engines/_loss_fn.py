@@ -3,7 +3,7 @@ the forward call (:func:`run_forward`) and the loss it returns (:func:`check_los
 
 They sit below :mod:`~leangrad.engines._base` (the engine interface),
 :mod:`~leangrad.engines._contract` and :mod:`~leangrad.engines._functional`, which all
-use them, so that none of those imports another in a circle (issue 28); ``_base``
+use them, so that none of those imports another in a circle; ``_base``
 re-exports them.
 """
 

@@ -475,7 +475,7 @@ class Moonwalk(ChainEngine):
         """x₁ = f₁(stem(x)), the stem run in ``chunks`` batch chunks; returns x₁ and the
         chunks and ``info`` that apply. A stem (or first layer) that draws random numbers
         the module check cannot see — ``F.dropout`` in a forward, a dropout that a
-        transform turned into a traced function (issue 30, fuzz finding F2) — moves the RNG
+        transform turned into a traced function (fuzz finding F2) — moves the RNG
         on the first chunk: chunks would draw other masks than autograd's one run, so the
         stream is rewound and the batch run whole (``"auto"``) or the option refused."""
         ranges = stem.chunks(chunks)
@@ -560,7 +560,7 @@ class Moonwalk(ChainEngine):
         :class:`RngReplay` rewinds the stream before the head's backward. The masks are
         recorded on one real forward from x₀ in its own layout and replayed under the
         transforms (:class:`DropoutTape`): vmap would draw them in another memory layout
-        (issue 30, fuzz finding F1)."""
+        (fuzz finding F1)."""
         x_own = x0
         x0 = x0.contiguous()
 

@@ -157,7 +157,7 @@ class RadTransform(Transform):
 
         holder = nn.Sequential(share_copy(module))  # randomize swaps children, not the root
         # layers the user randomized are the user's estimators, on the user's streams:
-        # they keep their settings and generators (issue 30, fuzz finding F3)
+        # they keep their settings and generators (fuzz finding F3)
         before = list(holder.modules())  # held: a replaced module's id must not be reused
         theirs = {id(m) for m in before}
         opts = {**self.options, "seed": None, "keep_randomized": True}

@@ -1,4 +1,4 @@
-"""Models wrapped by PyTorch's data-parallel engines (issue 32).
+"""Models wrapped by PyTorch's data-parallel engines.
 
 ``DistributedDataParallel`` averages gradients over processes in hooks that fire while
 autograd runs the backward of *its own* forward; FSDP (``fully_shard``, and the older

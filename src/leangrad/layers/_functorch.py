@@ -5,7 +5,7 @@ leangrad's lean layers (``bits.BitReLU``, ``bits.BitLeakyReLU``, ``bits.BitDropo
 autograd *saves* for its backward pass; their forward and gradient are those of the plain
 PyTorch op. ``torch.func`` transforms (``vmap``, ``jvp``: the engines ``forward``,
 ``projforward`` and Moonwalk's pure mode) save nothing for a backward pass and refuse a
-Function without ``setup_context`` (issue 30, fuzz findings F4/F5). Under a transform these
+Function without ``setup_context`` (fuzz findings F4/F5). Under a transform these
 layers therefore run the plain op — the same values, the same derivative, the same random
 draws — which every transform has rules for.
 

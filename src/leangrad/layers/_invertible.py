@@ -534,7 +534,7 @@ class AdditiveCoupling(ChainLayer):
     def _f_shape(self, x1: torch.Tensor) -> torch.Size:
         state = {**dict(self.F.named_parameters()), **dict(self.F.named_buffers())}
         # tie_weights=False: with True, a module F holds twice is swapped twice and left
-        # holding the stand-in (meta) tensors (issue 30)
+        # holding the stand-in (meta) tensors
         try:
             meta = {n: t.to("meta") for n, t in state.items()}
             with torch.no_grad():

@@ -29,7 +29,7 @@ The rule, in two rounds (the first raced):
    **planner's order** (least recomputation first). The chosen row's ``tie_break`` says so:
    ``"within noise of chunked_ce (0.98×): chose by lower peak"``.
 
-The second round keeps the first round's rounds of its contenders (issue 31, item 6): they
+The second round keeps the first round's rounds of its contenders: they
 are the same steps timed the same way (interleaved, one repeat each), so they are as good
 evidence as new ones, and a contender now runs
 ``max(RETIME_REPEATS, 2 * repeats) - repeats`` more steps instead of
@@ -41,12 +41,11 @@ round — its peak was measured on a real step, after a warm-up step where its f
 differs (:mod:`leangrad.planner._measure`), so the engine's first-call work (a fragment probe,
 a trace, prepared copies), the allocator and caches are done — and the planner runs a row
 it has not run yet (the reference backprop when only compiled rows need it) once before
-the race; the second round's contenders have just run the first round's. (Before issue
-31's item 6 each round ran its own warm-up round: a step per candidate that decided
-nothing.)
+the race; the second round's contenders have just run the first round's. (Earlier, each
+round ran its own warm-up round: a step per candidate that decided nothing.)
 
 Why these margins: the first round is medians of a few repeats, and steps that do the same
-work differ by up to ~9% there (``results/issue31/full-size.json``: leangrad's per-block
+work differ by up to ~9% there (``results/full-size/full-size.json``: leangrad's per-block
 checkpointing of the full-size GPT at 1.06× backprop's time, PyTorch's at 0.97×, the same
 peak), so a gap under :data:`CLOSE` (10%) in that round is no evidence, and a spread that
 overlaps is none either. The second round's medians are over twice as many rounds (five at
@@ -59,7 +58,7 @@ Why the race is safe: :data:`RACE` (1.5×) is five times the noise above. A cand
 drops would have had to be slowed by a third or more in its one round, or the fastest sped
 up as much, to have been a contender at all (within :data:`CLOSE` of the leader) under the
 full rule; steps that do the same work never differed by that much in one round here. It
-exists for the full-size plans (issue 31, item 6): a candidate twice as slow as the fastest
+exists for the full-size plans: a candidate twice as slow as the fastest
 (micro-batching over 8 with checkpointing, a fragment count too fine) spent a warm-up and
 ``repeats`` whole steps only to lose; now one. That noise is of steps that take seconds,
 though: where the fastest's round took less than :data:`RACE_FROM`, nothing is raced out
@@ -80,7 +79,7 @@ contender of the full rule. It exists for the rows the first cut keeps but that 
 win: on the full-size BERT and GPT at ½ the fragment rows and per-block checkpointing under
 micro-batches, 1.26-1.5× the leader's slower round, each ran a third round of 4.5-5.1 s to
 lose; with the cut the plans took 151 s and 161 s instead of 181 s and 182 s, choosing the
-same (``results/issue31/plan-wall-first-step.txt``).
+same (``results/full-size/plan-wall-first-step.txt``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ after backward or per layer inside ``on_grad``), its peak — for real with
 row of the plan's table that records it.
 
 A candidate whose fake-tensor estimate is above the budget by more than
-:data:`ESTIMATE_MARGIN` is over budget without being run (issue 31, item 6: a full-size
+:data:`ESTIMATE_MARGIN` is over budget without being run (item 6: a full-size
 plan spent most of its time stepping candidates that could never fit, two steps each);
 its row says ``over budget (estimate)``. Every other candidate is measured for real as
 before, so no decision that a measurement made (fits, or over by less than the margin)
@@ -40,7 +40,7 @@ after a warm-up step where the first step is known to hold more than later ones:
 optimizer (its state is made by the first step) and autocast (kept as it was measured
 before each step had its own autocast context). Any other step's first step is tracked,
 without a warm-up, and where it fits the budget its peak is the row's: one step instead of
-two (issue 31, item 6). Where it does not fit, the step is tracked again — now warm, as
+two. Where it does not fit, the step is tracked again — now warm, as
 after a warm-up — and that decides, as before; except on the CPU where it is over the
 budget by more than :data:`FIRST_STEP_MARGIN`, 25 times the largest first-step
 excess measured since the fixes below: over budget on its first step alone. Engines whose first step
@@ -53,7 +53,7 @@ did — a leak in the fragments' probe and in ``segments="auto"``, fake tensors 
 the CPU tracker, garbage cycles left by tracing that kept block inputs alive until the
 collector ran — 1.1-2.8× on the quick zoo, and those rows were warmed up, a whole step more
 each. Over every exact candidate of every quick zoo model tracked twice in a row (255;
-``results/issue31/first-step-peaks.jsonl``, before the tracing fix) the first step's peak
+``results/full-size/first-step-peaks.jsonl``, before the tracing fix) the first step's peak
 was the second's but for ``trace=True`` on BERT (4.8%, the cycles) and the Llama's
 fragment rows (32 KiB, 0.02%). A first step that does undeclared extra work can only make a
 fitting row's peak higher than its later steps', never make a fit that a warm step would
@@ -90,7 +90,7 @@ confidently over budget)."""
 ESTIMATE_MARGIN = 0.02
 """A candidate whose fake-tensor estimate is above ``(1 + this)`` × the budget is not run.
 It was 10% until the estimates of the 50 full-size zoo rows that plans had tracked (GPT,
-BERT, ViT, Llama, ResNet-18; ``results/issue31/estimate-vs-real.jsonl``) came within 0.25%
+BERT, ViT, Llama, ResNet-18; ``results/full-size/estimate-vs-real.jsonl``) came within 0.25%
 of their tracked peaks (never above by more than 0.21%), and the quick zoo's within 0.8%:
 2% is ten times the first and 2.5 times the second. At 10% the full-size ResNet stepped
 five rows 6% over budget, 15-17 s each, to say what their estimates had said."""
@@ -106,9 +106,9 @@ FIRST_STEP_MARGIN = 0.005
 """On the CPU, a first step whose peak is above ``(1 + this)`` × the budget is over budget
 without being tracked again, warm. The largest first-step excess measured on the quick
 zoo was 4.8% (``trace=True`` on BERT, before its fix; 0.02% since:
-``results/issue31/first-step-peaks.jsonl``), and on the 14 full-size rows that plans at ½
+``results/full-size/first-step-peaks.jsonl``), and on the 14 full-size rows that plans at ½
 tracked twice (1.5-8% over; GPT, LSTM and GRU LMs, ResNet-18) none: the first step's
-bytes were the second's to the byte (``results/issue31/first-step-full.jsonl``). 0.5% is
+bytes were the second's to the byte (``results/full-size/first-step-full.jsonl``). 0.5% is
 25 times the largest excess since the fixes. It was 10%, then 2%; rows 0.5-10% over (on
 the full-size ResNet two 15 s rows, on the LSTM LM three 4 s rows, on the GRU LM
 ``accumulate`` and ``checkpoint+accumulate``, 1.6% over, 8-12 s each) took a second step

@@ -1,4 +1,4 @@
-"""How a step is spread over processes (issue 32): the modes ``fit(parallel=...)``,
+"""How a step is spread over processes: the modes ``fit(parallel=...)``,
 ``leangrad train --parallel`` and ``leangrad plan --parallel`` take, and which engines
 FSDP2 can train.
 

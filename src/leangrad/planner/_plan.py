@@ -23,7 +23,7 @@ decided from; candidates within timing noise of the fastest are timed again, and
 they still make is broken by a stated rule (:mod:`leangrad.planner._choice`). Nothing fits:
 it says so and names the smallest peak it found.
 
-Where the time goes (issue 31, item 6: a full-size zoo plan in ≤ 3 minutes): steps, a few
+Where the time goes (item 6: a full-size zoo plan in ≤ 3 minutes): steps, a few
 seconds each at full size. A plan spends them only where they decide: a candidate whose
 fake-tensor estimate is over the budget by more than 2%
 (:data:`leangrad.planner._measure.ESTIMATE_MARGIN`: on 50 full-size zoo rows the estimate was
@@ -125,7 +125,7 @@ MORE_PIECES = ("runs the same work or less in fewer pieces (more fragments, time
 same arithmetic in smaller pieces, so it can only lower the peak, and the plan asks for
 the fastest step that fits, a lower peak deciding only between steps within the timing's
 5% tie. Over every such pair that full-size plans at ½ had timed
-(``results/issue31/plan-wall-*.txt``: GPT, BERT, ViT, Llama, ResNet-18, LSTM and GRU LMs;
+(``results/full-size/plan-wall-*.txt``: GPT, BERT, ViT, Llama, ResNet-18, LSTM and GRU LMs;
 fragments, time chunks and micro-batches), the row in more pieces took 0.91-1.62× the
 time of the row in fewer (median 1.01×, 10th percentile 0.96×; 7 of 177 below 0.95×, the
 lowest the LSTM LM's 16 time chunks over 8: 0.91-0.96× in three plans, 0.99× in three

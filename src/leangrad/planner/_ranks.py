@@ -1,4 +1,4 @@
-"""What one process holds when a step is spread over ``nproc`` processes (issue 32):
+"""What one process holds when a step is spread over ``nproc`` processes:
 ``leangrad plan --nproc N --parallel fsdp|ddp`` and ``fit(budget=..., parallel="fsdp")``.
 
 :func:`leangrad.plan` measures a step on one process holding the whole model. Under
@@ -39,7 +39,7 @@ processes (``models.mlp(64, 1024, 8, 10)``, batch 8 per rank, Adam) a
 held between steps, where gathered plus activations count 17.1 MB (the gradient in flight
 inside the activations' peak is also the block's unsharded gradient counted in gathered);
 the parameters, gradients and Adam moments each rank held were the count to the byte
-(``results/issue32/fsdp_memory.py``; the count adds Adam's 4-byte ``step`` scalars).
+(``results/distributed/fsdp_memory.py``; the count adds Adam's 4-byte ``step`` scalars).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def _device(device: str | torch.device | None) -> torch.device:
 SYNC_EVERY = 8
 """Under several processes, steps whose losses one collective averages (with the stop
 request): one small all-reduce per step that every process waits for cost 7% of a 17 ms
-DDP step on 2 CPU processes (``results/issue32/ddp_step_time.py``)."""
+DDP step on 2 CPU processes (``results/distributed/ddp_step_time.py``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,7 +460,7 @@ def _plan_choice(cfg: TrainConfig, net: nn.Module, ds: Dataset, dev: torch.devic
     x = ds.x[: cfg.batch_size].to(dev)
     x = x.to(dtype) if x.is_floating_point() else x
     make = _make_optimizer(cfg.optimizer, cfg.lr)  # the step is planned with its optimizer
-    if cfg.parallel == "fsdp" and cfg.world_size > 1:  # the budget is per rank (issue 32)
+    if cfg.parallel == "fsdp" and cfg.world_size > 1:  # the budget is per rank
         from ..planner._ranks import fsdp_budget_check
 
         name, est = fsdp_budget_check(net, x, _loss_fn(ds.y[: cfg.batch_size].to(dev)),

@@ -1,5 +1,5 @@
 """FSDP2 inside ``fit`` (``parallel="fsdp"``, ``leangrad train --parallel fsdp`` under
-torchrun; issue 32): each block :func:`leangrad.blocks` finds, then the root, is
+torchrun): each block :func:`leangrad.blocks` finds, then the root, is
 ``fully_shard``-ed, so a rank holds 1/N of the parameters, gradients and optimizer state.
 
 Only engines whose backward is the wrapper's own (``wrapped_models``: backprop, and

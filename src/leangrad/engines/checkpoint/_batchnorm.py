@@ -1,4 +1,4 @@
-"""Fragments of a block with training-mode BatchNorm, exact (issue 31, item 1).
+"""Fragments of a block with training-mode BatchNorm, exact.
 
 BatchNorm in training mode normalises with the batch's statistics, so a fragment of the
 batch run on its own would use other statistics; and its backward reduces over the whole

@@ -24,7 +24,7 @@ not the default: the generated code ran 2% (ResNet) to 6% (GPT, no memory gained
 here, so :func:`leangrad.plan` measures both and keeps what pays.
 
 A model wrapped by ``DistributedDataParallel`` or FSDP2 (``fully_shard``) trains as
-PyTorch's own per-block checkpointing does with them (issue 32), its gradients averaged in
+PyTorch's own per-block checkpointing does with them, its gradients averaged in
 the backward as backprop's are. Under DDP the step is prepared for ``ddp.module`` as for any
 model and runs *through* DDP's forward (:func:`~leangrad.engines._wrapped.through_ddp`), so
 DDP prepares its reducer and its hooks on autograd's backward average the gradients: every

@@ -1,4 +1,4 @@
-"""Fragmented recomputation along the batch (issue 31, item 1).
+"""Fragmented recomputation along the batch.
 
 Moonwalk v2's fragmental checkpointing keeps fragments and rebuilds the rest piecewise
 during the backward pass (``../shared/papers``, Moonwalk v2, section on fragmental

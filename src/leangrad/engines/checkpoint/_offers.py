@@ -54,9 +54,9 @@ without gradients, and the layers outside the blocks on the whole batch instead 
 pieces. Timed side by side, accumulate's step over the fragments' was 0.56-0.86 on every
 zoo model where both ran (quick and full size on the CPU: GPT, BERT, Llama, ViT, LSTM and
 GRU LMs, U-Net, the GPT at vocabulary 50,257; quick on CUDA; ``results/*zoo.json``), and
-0.62-0.78 in each of 45 pairs timed by full-size plans (``results/issue31/plan-wall-*``).
+0.62-0.78 in each of 45 pairs timed by full-size plans (``results/full-size/plan-wall-*``).
 Micro-batches are offered only where they are exact; where they do not fit, the fragments
-are measured as before (issue 31: fragments are for where micro-batching cannot go)."""
+are measured as before ( fragments are for where micro-batching cannot go)."""
 
 BN_PASSES = ("fragments one block fewer: each block with BatchNorm in fragments is recomputed "
              "once per pass over its fragments, 2-3 times, whole once (1.04-1.10× this step's "
@@ -67,7 +67,7 @@ block that one more fragments is recomputed whole once under ``n``, and once per
 its fragments under ``n+1`` (:mod:`leangrad.engines.checkpoint._batchnorm`: two passes and a last
 one on a ResNet basic block) — the same work with two more recomputations of it. Timed side
 by side in four full-size ResNet-18 plans, ``fragment_blocks=3`` over ``2`` was 1.04-1.10
-(8 pairs, 4 and 8 fragments; ``results/issue31/plan-wall-*``), and a tie-break by its peak
+(8 pairs, 4 and 8 fragments; ``results/full-size/plan-wall-*``), and a tie-break by its peak
 (1 MiB lower) had chosen it."""
 
 
@@ -80,7 +80,7 @@ block holds a training-mode BatchNorm (:attr:`~leangrad.engines._base.PlanOffer.
 beaten_because`): :data:`BN_PASSES` for every block past the few largest, against one
 recomputation of the stem. Timed side by side in nine full-size ResNet-18 plans, the
 every-block row over a ``fragment_blocks`` row of the same count was 1.20-1.35× (29 pairs,
-median 1.29; ``results/issue31/plan-wall-*``), and it was never chosen."""
+median 1.29; ``results/full-size/plan-wall-*``), and it was never chosen."""
 
 
 TRACED = ("recomputes a strict part of its blocks without tracing them (every block as fx code "
@@ -90,7 +90,7 @@ TRACED = ("recomputes a strict part of its blocks without tracing them (every bl
 at their last use) is beaten by plain checkpointing of the same or fewer blocks
 (:attr:`~leangrad.engines._base.PlanOffer.beaten_because`): the trace can only lower the
 peak, and it recomputes every block. Timed beside the fastest plain row of fewer blocks in
-29 full-size plans at ½ (GPT, BERT, ViT, U-Net; ``results/issue31/plan-wall-*.txt``), it
+29 full-size plans at ½ (GPT, BERT, ViT, U-Net; ``results/full-size/plan-wall-*.txt``), it
 took 0.96-1.16× its time (median 1.065×), and it was never chosen; its lower peak (on the
 GPT 282 MiB against 435 MiB) is what a budget those rows miss needs, and there it is run."""
 
@@ -243,7 +243,7 @@ def stage_modules(model: nn.Module, found: Blocks) -> list[str]:
     own (the zoo's :class:`~leangrad.zoo.UNetStage`, a diffusers down or up block). A
     U-Net's skips and resampling live in its stages: with the stages as blocks, the tensors
     kept between them are the low-resolution ones and the skips, and fragments of the
-    batch cover the rest (issue 31)."""
+    batch cover the rest."""
     if found.sequential or found.runner is not None:
         return []
     subs = dict(model.named_modules(remove_duplicate=False))

@@ -14,7 +14,7 @@ are put back, so the step itself is unchanged); the split is then the best of ev
 greedy split under a cap on segment activations, and of every equal split by count
 (so it is never estimated worse than ``checkpoint_sequential`` with any segment count).
 
-:func:`saved_inside` sizes the blocks of any model for ``fragment_blocks=n`` (issue 31):
+:func:`saved_inside` sizes the blocks of any model for ``fragment_blocks=n``:
 the bytes autograd saves inside each block during one forward, on fake tensors (shapes
 only: nothing is allocated or computed, the model's tensors are untouched).
 """

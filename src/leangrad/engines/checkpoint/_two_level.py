@@ -1,4 +1,4 @@
-"""Two-level checkpointing: the √L scheme applied to the block boundaries (issue 31, item 2).
+"""Two-level checkpointing: the √L scheme applied to the block boundaries.
 
 Per-block checkpointing (``checkpoint``) keeps every block's input — its *boundary* — for
 the whole backward pass: L boundaries for L blocks. Where the blocks' internals are cut small

@@ -1,7 +1,7 @@
 """The longest sequence the GPT at GPT-2's vocabulary (50,257) trains at batch 1 within
-backprop's memory at the zoo's sequence length (issue 31, "Targets").
+backprop's memory at the zoo's sequence length ("Targets").
 
-``python results/issue31/long_sequence.py [--check]``: the zoo's full-size ``gpt_50k``
+``python results/full-size/long_sequence.py [--check]``: the zoo's full-size ``gpt_50k``
 (d 256, 8 layers, 4 heads) at batch 1. The budget is backprop's total at the zoo's length
 (256 tokens): parameters, inputs and the step's peak with ``.grad`` allocated by the step.
 For each method, the longest length whose total fits is found by bisection on fake-tensor

@@ -1,7 +1,7 @@
-"""Full-size zoo measurements of fragments beside PyTorch's best exact options (issue 31).
+"""Full-size zoo measurements of fragments beside PyTorch's best exact options.
 
-Run alone: ``python results/issue31/full_size.py gpt [cuda]`` (or ``resnet``, ``unet``); writes
-``/tmp/full_MODEL[_cuda].json``, gathered into ``results/issue31/full-size.json``. Tracker
+Run alone: ``python results/full-size/full_size.py gpt [cuda]`` (or ``resnet``, ``unet``); writes
+``/tmp/full_MODEL[_cuda].json``, gathered into ``results/full-size/full-size.json``. Tracker
 peaks one by one (on CUDA: the caching allocator's), then times as interleaved medians of 3
 after a warm-up round, 1 thread.
 """

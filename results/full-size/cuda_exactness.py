@@ -1,6 +1,6 @@
 """Exactness of the issue-31 engines on a device (written for CUDA, runs on the CPU too).
 
-``python results/issue31/cuda_exactness.py [--device cuda] [--out FILE]``: every zoo model at
+``python results/full-size/cuda_exactness.py [--device cuda] [--out FILE]``: every zoo model at
 its ``--quick`` size, each engine variant below against autograd on the same device, in
 float64 and float32 (the global RNG reseeded before each step, so dropout draws the same
 masks), then under bf16 autocast against autograd under the same autocast. Prints one

@@ -4,7 +4,7 @@ processes, one CPU thread each, every exact engine that applies trained 3 float6
 per setting at batch 16 per process, against one process on the combined batch of 32) and
 writes its table: max |delta| of the final weights over both ranks, or the refusal.
 
-Run: .venv/bin/python results/issue32/matrix.py [--out results/issue32/matrix.md]
+Run: .venv/bin/python results/distributed/matrix.py [--out results/distributed/matrix.md]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Full-size zoo rows that plans at 1/2 tracked twice (over budget by less than FIRST_STEP_MARGIN, no estimate to
 confirm it): each row's first tracked step against its second, in one process per model
-(run as `python results/issue31/first_step_full.py <repo> > first-step-full.jsonl`, 1 thread; ratio = first / second
+(run as `python results/full-size/first_step_full.py <repo> > first-step-full.jsonl`, 1 thread; ratio = first / second
 total bytes)."""
 import json
 import sys

@@ -3,7 +3,7 @@
 process holding the whole model, measured after a backprop step and an Adam step (the
 moment all three are alive), as the storage bytes of each process's local tensors.
 
-Run: torchrun --nproc-per-node 2 results/issue32/fsdp_memory.py [--out FILE]
+Run: torchrun --nproc-per-node 2 results/distributed/fsdp_memory.py [--out FILE]
 """
 
 from __future__ import annotations

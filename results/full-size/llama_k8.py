@@ -1,6 +1,6 @@
 """Llama (zoo, full size) with 8 micro-batches on both sides: the k the 2026-11-27 zoo row
-did not give PyTorch (issue 31, "Llama with k=8"). Peaks by the tracker, times as medians of
-5 interleaved repeats, 1 thread. ``PYTHONPATH=src python results/issue31/llama_k8.py OUT.json``
+did not give PyTorch ("Llama with k=8"). Peaks by the tracker, times as medians of
+5 interleaved repeats, 1 thread. ``PYTHONPATH=src python results/full-size/llama_k8.py OUT.json``
 (about 4 minutes; run it alone: the times are spoiled by anything beside it)."""
 import json, platform, sys, time, tomllib
 from pathlib import Path

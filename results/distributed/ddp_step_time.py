@@ -1,7 +1,7 @@
 """Issue 32: step time of `leangrad.train.fit(engine="backprop")` under torchrun against a
 plain PyTorch DDP loop on the same model, data shards, optimizer and batch.
 
-Run alone: torchrun --nproc-per-node 2 results/issue32/ddp_step_time.py [--out FILE]
+Run alone: torchrun --nproc-per-node 2 results/distributed/ddp_step_time.py [--out FILE]
 
 Each round runs both, in alternating order, from freshly built models: `fit` (which logs
 the mean loss over ranks of every step and checks for a stop request: one small

@@ -1,5 +1,5 @@
 """Every exact plan candidate of every quick zoo model: its first tracked step against its second
-(run as `python results/issue31/first_step_peaks.py . > first-step-peaks.jsonl`, 1 thread, 2026-11-28 after 8c532c0;
+(run as `python results/full-size/first_step_peaks.py . > first-step-peaks.jsonl`, 1 thread, 2026-11-28 after 8c532c0;
 ratio = first / second total bytes)."""
 import sys, tomllib, json, time, warnings
 from pathlib import Path
