@@ -193,20 +193,7 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     steps = {m.label: as_call(run.engines[m.label], run.model, run.x, run.loss_fn) for m in ok}
     times = time_interleaved(steps, repeats=ctx.repeats, warmup=1, reference="backprop")
     lap("timing")
-    fixed = 2 * sum(p.numel() * p.element_size() for p in run.model.parameters())  # + grads
-    factor = int(ctx.get("max_batch_factor", 16))
-    relative = int(ctx.get("max_batch_tracker_relative", 0)) or None
-    batches = {}
-    for m in ok:
-        say(f"max batch of {m.label}")
-        prof = run.prof[m.label]
-        try:
-            batches[m.label] = _max_batch(
-                name, size, m, prof, bp.total_bytes, factor, fixed, relative=relative,
-                device=run.ctx.device,
-            )  # fmt: skip
-        except Exception as err:  # a method failing at another batch is a finding, not a crash
-            batches[m.label] = {"max_batch_failed": f"{type(err).__name__}: {str(err)[:300]}"}
+    batches = _max_batches(run, ok, say)
     lap("max batch")
     say("fresh-process RSS and torch.compile")
     worker = fresh_process(name, size, ok, run.prof, ctx)
@@ -236,6 +223,27 @@ def _run_model(name: str, size: dict[str, Any], ctx: Context, bar: Any) -> list[
     return out
 
 
+def _max_batches(run: _ModelRun, ok: list[Any], say: Callable[[str], None],
+                 ) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each measured method's largest batch within backprop's memory (or why it failed:
+    a method failing at another batch is a finding, not a crash)."""
+    ctx, bp = run.ctx, run.prof["backprop"]
+    fixed = 2 * sum(p.numel() * p.element_size() for p in run.model.parameters())  # + grads
+    factor = int(ctx.get("max_batch_factor", 16))
+    relative = int(ctx.get("max_batch_tracker_relative", 0)) or None
+    batches = {}
+    for m in ok:
+        say(f"max batch of {m.label}")
+        try:
+            batches[m.label] = _max_batch(
+                run.name, run.size, m, run.prof[m.label], bp.total_bytes, factor, fixed,
+                relative=relative, device=ctx.device,
+            )  # fmt: skip
+        except Exception as err:
+            batches[m.label] = {"max_batch_failed": f"{type(err).__name__}: {str(err)[:300]}"}
+    return batches
+
+
 def _profile_fields(p: StepProfile, bp: StepProfile) -> dict[str, Any]:
     """A measured method's tracker fields, its peak as a ratio to backprop's."""
     return {
@@ -259,7 +267,7 @@ class _ModelRun:
     ) -> None:
         wl = build(name, size, device=ctx.device)
         self.model, self.x, self.loss_fn = wl.model, wl.inputs, wl.loss_fn
-        self.ctx, self.say = ctx, say
+        self.name, self.size, self.ctx, self.say = name, size, ctx, say
         self.methods, self.skipped = methods_for(name, self.model, ctx, loss_fn=self.loss_fn,
                                                  inputs=self.x)  # fmt: skip
         self.engines = {m.label: m.make() for m in self.methods}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
@@ -141,6 +142,13 @@ def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
         return Watched(why)
     if n < 2 or any(is_fake(x) for x in xs):  # a fake tensor has no values to compare
         return Watched(None, draws)
+    return Watched(_mixing(both, alone, pieces=pieces, option=option), draws)
+
+
+def _mixing(both: Any, alone: list[Any], *, pieces: str, option: str) -> str | None:
+    """Why the outputs of two examples run at once (``both``) are not those of each run
+    alone joined along the batch (plain floating tensors with a batch row each; others,
+    and non-finite ones, are not compared), or ``None``."""
     for i, (b, x, y) in enumerate(zip(*(pytree.tree_leaves(o) for o in (both, *alone)),
                                       strict=False)):  # fmt: skip
         if not (type(b) is torch.Tensor and b.is_floating_point() and b.dim()
@@ -151,9 +159,8 @@ def watched_coupling(model: nn.Module, xs: tuple[torch.Tensor, ...], *,
             continue
         diff = float((b - torch.cat([x, y])).abs().max())
         if not diff <= _tolerance(b.dtype) * (float(b.abs().max()) + 1e-30):
-            why = MIXES_EXAMPLES.format(index=i, diff=diff, pieces=pieces, option=option)
-            return Watched(why)
-    return Watched(None, draws)
+            return MIXES_EXAMPLES.format(index=i, diff=diff, pieces=pieces, option=option)
+    return None
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -232,14 +232,8 @@ def choose(
                                   {lb: v for lb, v in scaled.items() if lb in alive},
                                   reference)  # fmt: skip
 
-    def rest() -> dict[str, Callable[[], object]]:
-        fns = {lb: steps[lb] for lb in alive if lb in steps}
-        if any(lb in scaled for lb in alive):
-            fns[reference] = steps[reference]
-        return fns
-
     for r in range(1, repeats):
-        _add(samples, _round(timer, rest(), r))
+        _add(samples, _round(timer, _steps_of(alive, steps, scaled, reference), r))
         if r == 1 and r + 1 < repeats and racing and race_two is not None:  # the second cut
             two = now()
             lead = two[min(two, key=lambda lb: two[lb].median)]
@@ -252,17 +246,9 @@ def choose(
     near = contenders(timings)
     if len(near) == 1:
         return Choice(near[0], seconds, raced=raced, raced_in=raced_in)
-    again = {lb: steps[lb] for lb in near if lb in steps}
-    if any(lb in scaled for lb in near):
-        again[reference] = steps[reference]
     if progress is not None:
         progress(f"timing the {len(near)} within noise of the fastest again, interleaved")
-    pooled = {lb: list(samples[lb]) for lb in again}  # their first round's, then more
-    for r in range(repeats, max(RETIME_REPEATS, 2 * repeats)):
-        _add(pooled, _round(timer, again, r))
-    retimed = _candidate_timings(_timings(pooled), near,
-                                 {lb: scaled[lb] for lb in near if lb in scaled},
-                                 reference)  # fmt: skip
+    retimed = _retimed(near, steps, samples, scaled, reference, repeats, timer)
     seconds.update({lb: t.median for lb, t in retimed.items()})
     best = min(near, key=lambda lb: seconds[lb])  # the first of equal medians: stable
     tied = [lb for lb in near if seconds[lb] <= (1 + TIE) * seconds[best]]
@@ -273,6 +259,30 @@ def choose(
                        for lb in tied if lb != chosen)  # fmt: skip
     return Choice(chosen, seconds, tuple(near), WITHIN_NOISE.format(others=others, rule=rule),
                   raced, raced_in)  # fmt: skip
+
+
+def _retimed(near: Sequence[str], steps: Mapping[str, Callable[[], object]],
+             samples: Mapping[str, list[float]], scaled: Mapping[str, float], reference: str,
+             repeats: int, timer: Timer) -> dict[str, Timing]:  # fmt: skip
+    """The second round: the contenders ``near`` (and the reference, where one of them is
+    scaled from it) timed again, interleaved, their first round's samples pooled in."""
+    again = _steps_of(near, steps, scaled, reference)
+    pooled = {lb: list(samples[lb]) for lb in again}  # their first round's, then more
+    for r in range(repeats, max(RETIME_REPEATS, 2 * repeats)):
+        _add(pooled, _round(timer, again, r))
+    return _candidate_timings(_timings(pooled), near,
+                              {lb: scaled[lb] for lb in near if lb in scaled},
+                              reference)  # fmt: skip
+
+
+def _steps_of(names: Sequence[str], steps: Mapping[str, Callable[[], object]],
+              scaled: Mapping[str, float], reference: str) -> dict[str, Callable[[], object]]:
+    """The steps of ``names`` timed in this process, and the reference where one of them
+    is a compiled row scaled from it."""
+    fns = {lb: steps[lb] for lb in names if lb in steps}
+    if any(lb in scaled for lb in names):
+        fns[reference] = steps[reference]
+    return fns
 
 
 def _round(timer: Timer, fns: Mapping[str, Callable[[], object]], r: int) -> Mapping[str, Timing]:

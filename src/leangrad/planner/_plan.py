@@ -358,7 +358,9 @@ def _plan(
     reuse: Plan | None = None,
 ) -> Plan:
     """:func:`plan`'s search, its arguments checked (each step under ``autocast``, in a
-    context of its own, where given)."""
+    context of its own, where given): every candidate measured (:class:`_Search`), the ones
+    that fit timed side by side (:func:`_timed`), the fastest re-checked where ``exact``,
+    and the table built from it all."""
     start = time.perf_counter()
     made_for = fingerprint(model, xs)  # what Plan.load checks a model and batch against
     device = xs[0].device if xs else next(model.parameters()).device
@@ -366,15 +368,7 @@ def _plan(
     setting = (exact, optimizer, autocast, None if engines is None else repr(list(engines)),
                compile)  # fmt: skip
     prior = _prior(reuse, model, xs, setting)
-    user_model = model
-    if prior is not None:
-        model = prior.model  # the user's, or the copy its optimizer stepped
-    elif optimizer is not None:
-        try:
-            model = copy.deepcopy(model)  # stepped by the optimizer: never the user's
-        except Exception as err:  # any reason a module cannot be copied
-            raise errors.EngineInputError(NOT_COPYABLE.format(why=err)) from err
-    tried: list[Tried] = []
+    user_model, model = model, _stepped_model(model, prior, optimizer)
     first = ([PlanOffer(n, o) for n, o in engines] if engines is not None
              else _offered(model, exact=exact, loss_fn=loss_fn))  # fmt: skip
     shown = Progress(progress, total=len(first) + 1)  # each candidate, then the timing
@@ -385,74 +379,48 @@ def _plan(
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
                   too_big(model, xs, loss_fn, limit), autocast,
                   screen=fake_is_stepwise(model) is None)  # fmt: skip
-    rows: dict[str, list[Tried]] = {}  # each candidate's, kept for a later plan's reuse=
-
-    def take(key: str, fresh: Callable[[], None]) -> int:
-        """The rows under ``key``: the earlier plan's, judged again, or ``fresh()``'s (a
-        row the earlier plan did not run as beaten is decided again); how many."""
-        before, old = len(tried), prior.rows.get(key) if prior else None
-        if old is None or any(t.beaten for t in old):
-            fresh()
-        else:
-            revisit(old, ctx, tried)
-        rows[key] = tried[before:]
-        return len(rows[key])
-
-    # a candidate's key -> the fitting row that beats what it beats, and why where that row
-    # is not a strict part of the work (along the chain, else the link's own: beaters())
-    winners: dict[str, tuple[str, str | None]] = {}
-    beat = beaters(first, pieces=engines is None)
-
-    def candidate(c: PlanOffer) -> None:  # the bar advances per candidate
-        k = row_key(c.name, c.options)
-        won = next(((winners[b][0], winners[b][1] or why) for b, why in beat.get(k, [])
-                    if b in winners), None)  # fmt: skip
-        if won is not None:
-            by, why = won
-            take(k, lambda: not_run(c.name, c.options, ctx, tried, by=by, why=why))
-            winners[k] = (by, why)
-        elif take(k, lambda: measure([(c.name, c.options)], ctx, tried)) and all(
-                t.fits for t in rows[k]):  # fmt: skip
-            winners[k] = (rows[k][0].label, None)
-        shown.advance()
-
-    for c in beaters_first(first, pieces=engines is None):
-        candidate(c)
-    tried[:] = [t for k in dict.fromkeys(row_key(c.name, c.options) for c in first)
-                for t in rows[k]]  # the offers' order (least recomputation first) again
-    if engines is None and not any(t.fits for t in tried):
-        rest = _last_resorts(model)
-        shown.grow(len(rest))
-        for c in rest:
-            candidate(c)
-    if compile:  # after the others: its workers never share the CPU with a measurement here
-        from ._compile import measure_compiled
-
-        for _ in range(take(COMPILED, lambda: measure_compiled(
-                ctx, tried, repeats=repeats, autocast=autocast is not None))):  # fmt: skip
-            shown.advance()
+    search = _Search(ctx, prior, first, shown, pieces=engines is None)
+    search.run(last_resorts=engines is None,
+               compiled=(repeats, autocast is not None) if compile else None)  # fmt: skip
+    tried = search.tried
     fitting = {t.label: t.engine for t in tried if t.engine is not None and t.verdict == "fits"}
     scaled = {t.label: t.time_ratio for t in tried if t.fits and t.time_ratio is not None}
-    choice = Choice(None, {})
-    if prior is not None and prior.choice is not None and prior.choice.label in fitting \
-            and budget <= prior.budget:  # fmt: skip
-        shown("the earlier plan's fastest fits: its timing stands")
-        choice = _still(prior.choice, set(fitting) | set(scaled))
-    elif fitting or scaled:
-        shown(f"timing {len(fitting)} candidates side by side")
-        steps = {label: as_call(e, model, xs, loss_fn) for label, e in fitting.items()}
-        if scaled and BACKPROP not in steps:  # the reference compiled rows are scaled from
-            steps[BACKPROP] = as_call(engine_named(BACKPROP), model, xs, loss_fn)
-        with untouched(model, xs):  # the timer is looked up here: tests replace it
-            for label in steps.keys() - fitting.keys():  # the reference, made just now: the
-                steps[label]()  # rounds run no warm-up (the candidates' is their peak's)
-            choice = choose(steps, fitting=list(fitting), scaled=scaled, reference=BACKPROP,
-                            rows=tried, repeats=repeats, timer=time_interleaved,
-                            progress=shown)  # fmt: skip
+    choice = _timed(ctx, prior, fitting, scaled, tried, shown, repeats)
+    verdicts = dict(prior.checked) if prior is not None else {}
+    result, choice = _decided(ctx, choice, fitting, scaled, tried, shown, verdicts)
+    shown.advance()
+    shown.close()
+    measured = Measured(model, xs, setting, search.rows, of=user_model, budget=budget,
+                        choice=choice, checked=verdicts)  # fmt: skip
+    return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
+                               made_for=made_for, measured=measured)  # fmt: skip
+
+
+def _stepped_model(model: nn.Module, prior: Measured | None,
+                   optimizer: MakeOptimizer | None) -> nn.Module:  # fmt: skip
+    """The model the plan steps: an earlier plan's (the user's, or the copy its optimizer
+    stepped), a copy where an optimizer steps it (never the user's), else the user's."""
+    if prior is not None:
+        return prior.model
+    if optimizer is None:
+        return model
+    try:
+        return copy.deepcopy(model)
+    except Exception as err:  # any reason a module cannot be copied
+        raise errors.EngineInputError(NOT_COPYABLE.format(why=err)) from err
+
+
+def _decided(ctx: Context, choice: Choice, fitting: dict[str, Any], scaled: dict[str, float],
+             tried: list[Tried], shown: Progress,
+             verdicts: dict[str, str | None]) -> tuple[Plan, Choice]:  # fmt: skip
+    """The plan from the timed ``choice``: under ``exact``, the fastest row that also
+    leaves what ``loss.backward()`` leaves (:func:`_checked`; ``verdicts`` gains each
+    check); where nothing fitting could run here, the first fitting estimate; the table
+    with every row's verdict and time. With the choice as it stands after the check."""
+    model, xs, loss_fn = ctx.model, ctx.xs, ctx.loss_fn
     times, chosen = choice.seconds, choice.label
     checked = ""
-    verdicts = dict(prior.checked) if prior is not None else {}
-    if exact and chosen is not None and not ctx.estimate_only and chosen in fitting:
+    if ctx.exact and chosen is not None and not ctx.estimate_only and chosen in fitting:
         before = chosen
         chosen, checked = _checked(chosen, fitting, times, tried, model, xs, loss_fn, shown,
                                    verdicts)  # fmt: skip
@@ -467,15 +435,99 @@ def _plan(
     table = tuple(_candidate(t, times.get(t.label), chosen, inner, choice.tie_break,
                              raced_note(choice, t.label)) for t in tried)  # fmt: skip
     row = next((c for c in table if c.engine is not None), None)
-    result = _result(table, row, step, budget, exact, model, xs, loss_fn)
+    result = _result(table, row, step, ctx.budget, ctx.exact, model, xs, loss_fn)
     if checked and result.engine is not None:
         result = dataclasses.replace(result, message=result.message + checked)
-    shown.advance()
-    shown.close()
-    measured = Measured(model, xs, setting, rows, of=user_model, budget=budget, choice=choice,
-                        checked=verdicts)  # fmt: skip
-    return dataclasses.replace(result, wall_seconds=time.perf_counter() - start,
-                               made_for=made_for, measured=measured)  # fmt: skip
+    return result, choice
+
+
+class _Search:
+    """Every candidate of one plan measured, in the order that lets a fitting row spare
+    the rows it beats (:func:`beaters_first`): ``tried`` (the rows, in the offers' order)
+    and ``rows`` (each candidate's, kept for a later plan's ``reuse=``)."""
+
+    def __init__(self, ctx: Context, prior: Measured | None, first: list[PlanOffer],
+                 shown: Progress, *, pieces: bool) -> None:  # fmt: skip
+        self.ctx, self.prior, self.first, self.pieces = ctx, prior, first, pieces
+        self.shown = shown
+        self.tried: list[Tried] = []
+        self.rows: dict[str, list[Tried]] = {}
+        # a candidate's key -> the fitting row that beats what it beats, and why where that
+        # row is not a strict part of the work (along the chain, else the link's own)
+        self.winners: dict[str, tuple[str, str | None]] = {}
+        self.beat = beaters(first, pieces=pieces)
+
+    def run(self, *, last_resorts: bool, compiled: tuple[int, bool] | None) -> None:
+        """The offers, then (``last_resorts``, where none fits) the engines offered only
+        then, then (``compiled``: repeats and autocast) the compiled rows."""
+        for c in beaters_first(self.first, pieces=self.pieces):
+            self.candidate(c)
+        order = dict.fromkeys(row_key(c.name, c.options) for c in self.first)
+        self.tried[:] = [t for k in order for t in self.rows[k]]  # the offers' order again
+        if last_resorts and not any(t.fits for t in self.tried):
+            rest = _last_resorts(self.ctx.model)
+            self.shown.grow(len(rest))
+            for c in rest:
+                self.candidate(c)
+        if compiled is not None:  # last: its workers never share the CPU with a measurement
+            from ._compile import measure_compiled
+
+            repeats, autocast = compiled
+            for _ in range(self.take(COMPILED, lambda: measure_compiled(
+                    self.ctx, self.tried, repeats=repeats, autocast=autocast))):  # fmt: skip
+                self.shown.advance()
+
+    def take(self, key: str, fresh: Callable[[], None]) -> int:
+        """The rows under ``key``: the earlier plan's, judged again, or ``fresh()``'s (a
+        row the earlier plan did not run as beaten is decided again); how many."""
+        before = len(self.tried)
+        old = self.prior.rows.get(key) if self.prior else None
+        if old is None or any(t.beaten for t in old):
+            fresh()
+        else:
+            revisit(old, self.ctx, self.tried)
+        self.rows[key] = self.tried[before:]
+        return len(self.rows[key])
+
+    def candidate(self, c: PlanOffer) -> None:
+        """One offer: not run where a fitting row beats it, else measured; the progress
+        bar advances per candidate."""
+        k, ctx, tried = row_key(c.name, c.options), self.ctx, self.tried
+        won = next(((self.winners[b][0], self.winners[b][1] or why)
+                    for b, why in self.beat.get(k, []) if b in self.winners), None)  # fmt: skip
+        if won is not None:
+            by, why = won
+            self.take(k, lambda: not_run(c.name, c.options, ctx, tried, by=by, why=why))
+            self.winners[k] = (by, why)
+        elif self.take(k, lambda: measure([(c.name, c.options)], ctx, tried)) and all(
+                t.fits for t in self.rows[k]):  # fmt: skip
+            self.winners[k] = (self.rows[k][0].label, None)
+        self.shown.advance()
+
+
+def _timed(ctx: Context, prior: Measured | None, fitting: dict[str, Any],
+           scaled: dict[str, float], tried: list[Tried], shown: Progress,
+           repeats: int) -> Choice:  # fmt: skip
+    """The fastest of the rows that fit, timed side by side (medians of interleaved
+    rounds; compiled rows ``scaled`` from backprop's time beside them) — or the earlier
+    plan's choice, where it still fits at this budget or less."""
+    if prior is not None and prior.choice is not None and prior.choice.label in fitting \
+            and ctx.budget <= prior.budget:  # fmt: skip
+        shown("the earlier plan's fastest fits: its timing stands")
+        return _still(prior.choice, set(fitting) | set(scaled))
+    if not (fitting or scaled):
+        return Choice(None, {})
+    model, xs, loss_fn = ctx.model, ctx.xs, ctx.loss_fn
+    shown(f"timing {len(fitting)} candidates side by side")
+    steps = {label: as_call(e, model, xs, loss_fn) for label, e in fitting.items()}
+    if scaled and BACKPROP not in steps:  # the reference compiled rows are scaled from
+        steps[BACKPROP] = as_call(engine_named(BACKPROP), model, xs, loss_fn)
+    with untouched(model, xs):  # the timer is looked up here: tests replace it
+        for label in steps.keys() - fitting.keys():  # the reference, made just now: the
+            steps[label]()  # rounds run no warm-up (the candidates' is their peak's)
+        return choose(steps, fitting=list(fitting), scaled=scaled, reference=BACKPROP,
+                      rows=tried, repeats=repeats, timer=time_interleaved,
+                      progress=shown)  # fmt: skip
 
 
 CHECKED = "; re-checked against loss.backward() on this model and batch (one step each)"

@@ -141,6 +141,12 @@ def add_train_parser(sub: Any) -> None:
         "gradients and optimizer state; backprop only)", choices=("ddp", "fsdp"))  # fmt: skip
     opt("--test-fraction", "test_fraction", "held-out share for test accuracy, in [0, 1)",
         type=cli_types.fraction)  # fmt: skip
+    _add_run_arguments(t)
+
+
+def _add_run_arguments(t: Any) -> None:
+    """``train``'s options outside the training settings: the engine from a plan, the run
+    directory and resuming, device and threads, what is measured and shown."""
     t.add_argument("--budget", default=None, type=cli_types.size,
                    help="plan the step instead of naming an engine: train with the fastest "
                    "exact engine whose memory fits, e.g. 64MiB (see `leangrad plan`)")
@@ -334,6 +340,12 @@ def add_plan_parser(sub: Any) -> None:
     a.add_argument("--engines", default=None,
                    help="comma-separated engines to try, e.g. backprop,checkpoint+fad "
                    "(default: every one that applies)")
+    _add_plan_settings(a)
+
+
+def _add_plan_settings(a: Any) -> None:
+    """``plan``'s options beyond the model, data and budget: timing, device and precision,
+    which candidates, the optimizer, saving, and the per-process estimate."""
     a.add_argument("--repeats", type=cli_types.positive_int, default=3, help="timed repeats")
     a.add_argument("--max-step-seconds", type=_retired_max_step_seconds, default=None,
                    help=argparse.SUPPRESS)  # the old advise's; refused with the fix

@@ -313,13 +313,10 @@ def fit(
     _check_settings(epochs=epochs, batch_size=batch_size, max_steps=max_steps,
                     checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                     track_memory_every=track_memory_every, test_fraction=test_fraction,
-                    lr=lr)  # fmt: skip
-    autocast_dtype(precision)  # a bad precision is refused before any work
-    check_parallel(parallel)
-    if resume is not None and overwrite:
-        raise snapshot.RunDirectoryError(snapshot.RESUME_AND_OVERWRITE)
-    if plan is not None and budget is not None and resume is None:
-        raise errors.OptionError(PLAN_AND_BUDGET)
+                    lr=lr, precision=precision, parallel=parallel,
+                    resume=resume is not None, overwrite=overwrite,
+                    plan_and_budget=plan is not None and budget is not None and resume is None,
+                    )  # fmt: skip
     dev = _device(device)
     ctx = distributed.init_distributed(dev)
     if out is not None:
@@ -336,21 +333,9 @@ def fit(
         world_size=ctx.world_size,
         plan=None if plan is None else "<Plan>" if isinstance(plan, Plan) else str(plan),
     )  # fmt: skip
-    torch.manual_seed(seed)
-    ds = load_data(data, **cfg.data_options) if isinstance(data, str) else data
-    net = model
-    if isinstance(model, str):
-        net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
-    planned: Engine | None = None  # the engine object a plan measured, trained as it is
-    saving: GradMemory | None = None  # what its per-layer steps save, as the plan measured
-    if budget is not None and resume is None:
-        cfg, planned, saving = _planned(cfg, net, ds, dev, budget,  # type: ignore[arg-type]
-                                        progress=progress, engines=plan_engines,
-                                        ctx=ctx)  # fmt: skip
-    if plan is not None and resume is None:
-        cfg, planned = _from_plan(cfg, net, ds, dev, plan)  # type: ignore[arg-type]
-    run = _Run(cfg, net, ds, dev, ctx, engine=planned)  # type: ignore[arg-type]
-    run.grad_memory = saving
+    run = _new_run(cfg, model, data, dev, ctx, budget=None if resume is not None else budget,
+                   plan=None if resume is not None else plan, plan_engines=plan_engines,
+                   progress=progress)  # fmt: skip
     if resume is not None:
         run.resume(resume)
     else:
@@ -365,9 +350,50 @@ def fit(
     return run.finish(plots=plots)
 
 
+def _new_run(cfg: TrainConfig, model: str | nn.Module, data: str | Dataset,
+             dev: torch.device, ctx: distributed.DistContext, *, budget: int | str | None,
+             plan: Plan | str | Path | None, plan_engines: Sequence[str] | None,
+             progress: bool) -> _Run:  # fmt: skip
+    """The run: its data and model built (from ``cfg.seed``), its engine named, planned
+    within ``budget`` or taken from ``plan`` (``cfg`` then records it)."""
+    torch.manual_seed(cfg.seed)
+    ds = load_data(data, **cfg.data_options) if isinstance(data, str) else data
+    net = model
+    if isinstance(model, str):
+        net = build_model(model, data_info(cfg.data, ds), **cfg.model_options)
+    planned: Engine | None = None  # the engine object a plan measured, trained as it is
+    saving: GradMemory | None = None  # what its per-layer steps save, as the plan measured
+    if budget is not None:
+        cfg, planned, saving = _planned(cfg, net, ds, dev, budget,  # type: ignore[arg-type]
+                                        progress=progress, engines=plan_engines,
+                                        ctx=ctx)  # fmt: skip
+    if plan is not None:
+        cfg, planned = _from_plan(cfg, net, ds, dev, plan)  # type: ignore[arg-type]
+    run = _Run(cfg, net, ds, dev, ctx, engine=planned)  # type: ignore[arg-type]
+    run.grad_memory = saving
+    return run
+
+
+def _checked_engine(cfg: TrainConfig, net: nn.Module, engine: Engine | None) -> Engine:
+    """A plan's measured ``engine`` as it is, else one built from the config; refused
+    (naming why) where an option value or the model is not the engine's."""
+    try:
+        made = engine if engine is not None else _engine_for(cfg.engine, cfg.engine_options)
+    except (ValueError, TypeError) as err:  # an option value the engine refuses
+        if isinstance(err, errors.LeangradError):
+            raise
+        raise errors.OptionError(f"--engine-opt (engine {cfg.engine!r}): {err}") from None
+    if (reason := made.supports(net)) is not None:
+        raise errors.EngineInputError(UNSUPPORTED.format(engine=made.label, model=cfg.model,
+                                                    reason=reason))  # fmt: skip
+    return made
+
+
 def _check_settings(*, epochs: int, batch_size: int, max_steps: int | None,
                     checkpoint_every: int | None, keep_checkpoints: int,
-                    track_memory_every: int, test_fraction: float, lr: float) -> None:  # fmt: skip
+                    track_memory_every: int, test_fraction: float, lr: float, precision: str,
+                    parallel: str, resume: bool, overwrite: bool,
+                    plan_and_budget: bool) -> None:  # fmt: skip
     """Settings that make no sense are refused before anything runs (not run as no-ops)."""
     at_least_1 = {"epochs": epochs, "batch_size": batch_size, "keep_checkpoints": keep_checkpoints,
                   "max_steps": max_steps, "checkpoint_every": checkpoint_every}  # fmt: skip
@@ -386,6 +412,12 @@ def _check_settings(*, epochs: int, batch_size: int, max_steps: int | None,
         raise errors.OptionError(
             BAD_SETTING.format(name="lr", value=lr, want="a finite number > 0")
         )
+    autocast_dtype(precision)  # a bad precision is refused before any work
+    check_parallel(parallel)
+    if resume and overwrite:
+        raise snapshot.RunDirectoryError(snapshot.RESUME_AND_OVERWRITE)
+    if plan_and_budget:
+        raise errors.OptionError(PLAN_AND_BUDGET)
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -541,17 +573,7 @@ class _Run:
         frac = cfg.test_fraction
         self.test: Dataset | None
         self.train, self.test = ds.split(1 - frac, seed=cfg.seed) if frac > 0 else (ds, None)
-        try:  # a plan's measured engine as it is, else one built from the config
-            self.engine: Engine = (engine if engine is not None
-                                   else _engine_for(cfg.engine, cfg.engine_options))
-        except (ValueError, TypeError) as err:  # an option value the engine refuses
-            if isinstance(err, errors.LeangradError):
-                raise
-            raise errors.OptionError(f"--engine-opt (engine {cfg.engine!r}): {err}") from None
-        if (reason := self.engine.supports(self.net)) is not None:
-            label = self.engine.label
-            raise errors.EngineInputError(UNSUPPORTED.format(engine=label, model=cfg.model,
-                                                        reason=reason))  # fmt: skip
+        self.engine = _checked_engine(cfg, self.net, engine)
         self.make_opt = _make_optimizer(cfg.optimizer, cfg.lr)
         self.sharded = ctx.enabled and cfg.parallel == "fsdp"
         if self.sharded:  # rank 0's weights everywhere, then 1/N of them on each rank

@@ -624,34 +624,52 @@ class Checkpoint(Engine):
         if self.levels == 2 and found.sequential:
             return self._two_level_sequence(model, found, via, inputs, loss_fn, params,
                                             on_grad)  # fmt: skip
+        step = (inputs, loss_fn, params, on_grad)
         if not found.sequential or self.time_chunks is not None:  # the model as written
-            for name, rnn in self._chunked(model, found):
-                if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
-                    raise errors.EngineInputError(why)
-            wrapped = self._wrapped.get(model, lambda m: self._wrap(m, found))
-            chain: TwoLevel | None = wrapped.__dict__.get("_two_level")
-            # under DDP, ddp.module's own __call__ runs the hooks: the copy's forward alone
-            run_model = wrapped if wrapper is None else via(wrapped.forward)
-            with chain.forward() if chain is not None else _no_stats() as stats:
-                loss = forward_loss(self.label, run_model, inputs, loss_fn)
-            with grad_hooks(params, on_grad):
-                loss.backward()
-            info: dict[str, Any] = {"blocks": len(found),
-                                    "checkpointed": len(self.recomputed(found))}  # fmt: skip
-            on_copies = [m.__dict__["block_name"] for m in wrapped.modules()
-                         if isinstance(m, _Checkpointed) and m.__dict__["writes"].last]
-            if on_copies:
-                info["input_copied"] = on_copies  # blocks writing their input in place
-            if stats is not None:
-                info.update(levels=2, **stats.info())
-            if self.time_chunks is not None:
-                info["time_chunked"] = len(self._chunked(model, found))
-            if self.fragments is not None:
-                info["whole"] = {n: m.fragmenter.last for n, m in wrapped.named_modules()
-                                 if isinstance(m, _Checkpointed) and m.fragmenter is not None
-                                 and m.fragmenter.last is not None}  # fmt: skip
-                info.update(_chosen_info(chosen, info["whole"]))
-            return self._result(loss, **info)
+            return self._as_written(model, found, via if wrapper is not None else None,
+                                    chosen, *step)  # fmt: skip
+        return self._in_segments(model, found, via, chosen, *step)
+
+    def _as_written(self, model: nn.Module, found: Blocks, via: Callable[..., Any] | None,
+                    chosen: _Chosen | None, inputs: tuple[torch.Tensor, ...], loss_fn: LossFn,
+                    params: dict[str, nn.Parameter], on_grad: OnGrad | None,
+                    ) -> StepResult:  # fmt: skip
+        """The model's own forward, its blocks replaced by checkpointed wrappers (fused
+        recurrent modules in time chunks); ``via`` runs it through DDP where wrapped."""
+        for name, rnn in self._chunked(model, found):
+            if (why := unchunkable(name or type(model).__name__, rnn)) is not None:
+                raise errors.EngineInputError(why)
+        wrapped = self._wrapped.get(model, lambda m: self._wrap(m, found))
+        chain: TwoLevel | None = wrapped.__dict__.get("_two_level")
+        # under DDP, ddp.module's own __call__ runs the hooks: the copy's forward alone
+        run_model = wrapped if via is None else via(wrapped.forward)
+        with chain.forward() if chain is not None else _no_stats() as stats:
+            loss = forward_loss(self.label, run_model, inputs, loss_fn)
+        with grad_hooks(params, on_grad):
+            loss.backward()
+        info: dict[str, Any] = {"blocks": len(found),
+                                "checkpointed": len(self.recomputed(found))}  # fmt: skip
+        on_copies = [m.__dict__["block_name"] for m in wrapped.modules()
+                     if isinstance(m, _Checkpointed) and m.__dict__["writes"].last]
+        if on_copies:
+            info["input_copied"] = on_copies  # blocks writing their input in place
+        if stats is not None:
+            info.update(levels=2, **stats.info())
+        if self.time_chunks is not None:
+            info["time_chunked"] = len(self._chunked(model, found))
+        if self.fragments is not None:
+            info["whole"] = {n: m.fragmenter.last for n, m in wrapped.named_modules()
+                             if isinstance(m, _Checkpointed) and m.fragmenter is not None
+                             and m.fragmenter.last is not None}  # fmt: skip
+            info.update(_chosen_info(chosen, info["whole"]))
+        return self._result(loss, **info)
+
+    def _segment_blocks(self, model: nn.Module, found: Blocks,
+                        inputs: tuple[torch.Tensor, ...],
+                        ) -> tuple[list[Any], list[range]]:  # fmt: skip
+        """A sequence's blocks as they run (copies cut along the sequence, traced
+        recomputations) and their segments (``"auto"``: from measured block sizes, once
+        per input shape)."""
         mods: list[Any] = [found.modules[n] for n in found.names]
         groups = self._groups(len(mods))
         if self.sequence_fragments is not None:  # copies of the recomputed blocks
@@ -670,7 +688,15 @@ class Checkpoint(Engine):
             traces = self._traces.get(model, lambda _m: [_Traced(b) for b in mods])
             last = set(groups[-1])
             mods = [b if j in last else traces[j]() for j, b in enumerate(mods)]
+        return mods, groups
 
+    def _in_segments(self, model: nn.Module, found: Blocks, via: Callable[..., Any],
+                     chosen: _Chosen | None, inputs: tuple[torch.Tensor, ...],
+                     loss_fn: LossFn, params: dict[str, nn.Parameter],
+                     on_grad: OnGrad | None) -> StepResult:  # fmt: skip
+        """A sequence of blocks run segment by segment, every segment but the last
+        checkpointed (in fragments of the batch where asked)."""
+        mods, groups = self._segment_blocks(model, found, inputs)
         frags = self._fragmenters.get(model, lambda _m: {})
         probes = self._writes.get(model, lambda _m: {})
         whole: dict[str, str] = {}
@@ -687,7 +713,6 @@ class Checkpoint(Engine):
                 if i == len(groups) - 1:
                     out = seg(*args)
                     continue
-
                 names = [found.names[j] for j in group]
                 key = tuple(id(b) for b in seg.blocks)
                 writes = probes.get(key)
@@ -703,17 +728,15 @@ class Checkpoint(Engine):
                 skip = chosen is not None and not any(chosen.allows(n) for n in names)
                 if self.fragments is None or skip:
                     out = plain(*args)
-                    if writes.last:
-                        copied.append(",".join(names))
-                    continue
-                frag = frags.get(key)
-                if frag is None:
-                    frag = frags[key] = Fragmenter(seg.blocks, fragments=self.fragments)
-                out = frag(run_seg, plain, *args)
+                else:
+                    frag = frags.get(key)
+                    if frag is None:
+                        frag = frags[key] = Fragmenter(seg.blocks, fragments=self.fragments)
+                    out = frag(run_seg, plain, *args)
+                    if frag.last is not None:
+                        whole[",".join(names)] = frag.last
                 if writes.last:
                     copied.append(",".join(names))
-                if frag.last is not None:
-                    whole[",".join(found.names[j] for j in group)] = frag.last
             return out
 
         loss = forward_loss(self.label, via(lambda *xs: run(xs)), inputs, loss_fn)

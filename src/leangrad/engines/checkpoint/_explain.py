@@ -73,25 +73,7 @@ def block_lines(base: CheckpointLike, model: nn.Module, *,
                                                else f"as written: {why}")  # fmt: skip
             (traced if why is None else written).append(name)
     if base.fragments is not None:
-        chosen, whole = base.fragment_choice(model)
-        for name in recomputed:
-            if name in whole:  # fragment_blocks left it out
-                status[name] += f", whole: {whole[name]}"
-                continue
-            block = [found.modules[name]]
-            split = split_reason(block)
-            if split is not None:
-                status[name] += f", whole: {split}"
-                continue
-            status[name] += f", in {base.fragments} fragments of the batch"
-            if isinstance(base.fragment_blocks, int) and chosen is None:
-                status[name] += (f" if among the {base.fragment_blocks} blocks saving the most "
-                                 "bytes inside (sized on fake tensors at the first step)")
-            elif isinstance(base.fragment_blocks, int):
-                status[name] += f" (among the {base.fragment_blocks} largest)"
-            if static_reason(block, random=False) is not None:  # BatchNorm: frozen statistics
-                status[name] += (" (training-mode BatchNorm: its statistics frozen, its "
-                                 "backward's batch sums gathered in extra passes)")  # fmt: skip
+        _fragment_status(base, model, found, recomputed, status)
     if base.sequence_fragments is not None:
         for name in recomputed:
             kids = position_children(found.modules[name])
@@ -113,6 +95,31 @@ def block_lines(base: CheckpointLike, model: nn.Module, *,
         out.append(f"recomputed as written (reasons above; a block called with keyword "
                    f"arguments runs as written too): {', '.join(written)}")  # fmt: skip
     return out
+
+
+def _fragment_status(base: CheckpointLike, model: nn.Module, found: Blocks,
+                     recomputed: set[str], status: dict[str, str]) -> None:
+    """With ``fragments``: each recomputed block's status gains whether it runs in
+    fragments of the batch, and why not where it runs whole."""
+    chosen, whole = base.fragment_choice(model)
+    for name in recomputed:
+        if name in whole:  # fragment_blocks left it out
+            status[name] += f", whole: {whole[name]}"
+            continue
+        block = [found.modules[name]]
+        split = split_reason(block)
+        if split is not None:
+            status[name] += f", whole: {split}"
+            continue
+        status[name] += f", in {base.fragments} fragments of the batch"
+        if isinstance(base.fragment_blocks, int) and chosen is None:
+            status[name] += (f" if among the {base.fragment_blocks} blocks saving the most "
+                             "bytes inside (sized on fake tensors at the first step)")
+        elif isinstance(base.fragment_blocks, int):
+            status[name] += f" (among the {base.fragment_blocks} largest)"
+        if static_reason(block, random=False) is not None:  # BatchNorm: frozen statistics
+            status[name] += (" (training-mode BatchNorm: its statistics frozen, its "
+                             "backward's batch sums gathered in extra passes)")  # fmt: skip
 
 
 def _two_level_lines(base: CheckpointLike, names: tuple[str, ...],

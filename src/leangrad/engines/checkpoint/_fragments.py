@@ -451,6 +451,21 @@ class Fragmenter:
         call.overwritten = self._overwritten.get(key, frozenset())
         return self.last
 
+    def _draws(self, probe: _Call, tensors: list[torch.Tensor], seen: Draws, start: Any,
+               devices: list[int], frozen: Callable[[], Any],
+               ) -> tuple[tuple[Drawn, ...], str | None]:  # fmt: skip
+        """The draws of the probe's two examples (``seen``) laid out for replay in pieces:
+        one example run alone from the same generator states (``start``), each draw's
+        shape compared (:func:`~leangrad.engines._batch_draws.layout`); with why they
+        cannot be replayed, or ``None``. The generators are left at ``start``."""
+        set_rng_states(start, devices)
+        with torch.no_grad(), frozen(), Draws(self.modules, root_name="the block") as single:
+            probe.run(probe.piece(tensors, 0, 1))
+        draws, why = layout(seen.shapes, single.shapes, n_whole=2, n_piece=1,
+                            pieces="fragments", option="fragments=")  # fmt: skip
+        set_rng_states(start, devices)
+        return draws, why
+
     def _probe(self, call: _Call, tensors: list[torch.Tensor], params: list[nn.Parameter], *,
                pair: int) -> tuple[str | None, tuple[int, ...], tuple[Drawn, ...]]:  # fmt: skip
         """Why this call cannot run in fragments (module docstring), or ``None``, each
@@ -499,14 +514,7 @@ class Fragmenter:
 
                 if drawn is not None and d == 0:  # replayed, where each draw's shape allows
                     after = rng_states(devices)
-                    set_rng_states(start, devices)
-                    with torch.no_grad(), frozen(), Draws(self.modules,
-                                                          root_name="the block") as single:
-                        probe.run(probe.piece(tensors, 0, 1))
-                    draws, why = layout(seen.shapes, single.shapes, n_whole=2, n_piece=1,
-                                        pieces="fragments", option="fragments=")  # fmt: skip
-                    drawn = why
-                    set_rng_states(start, devices)
+                    draws, drawn = self._draws(probe, tensors, seen, start, devices, frozen)
                 replay = BatchDraws(draws, edges=(0, 1, 2), forward_only=False) if draws else None
                 watch: Any = (Draws(self.modules, root_name="the block") if replay is None
                               else contextlib.nullcontext())  # fmt: skip
@@ -529,38 +537,56 @@ class Fragmenter:
             first = (str(err).strip().splitlines() or [""])[0][:120]
             return FAILED.format(error=f"{type(err).__name__}: {first}"), (), ()
         finally:
-            changed = [n for (n, _), (b, v, _) in zip(buffers, saved, strict=True)
-                       if b._version != v and id(b) not in own]  # fmt: skip
-            with torch.no_grad():
-                for b, _, value in saved:
-                    b.copy_(value)
-                for t, value in whole:  # only what changed: a copy would bump versions
-                    if not torch.equal(t, value):
-                        t.copy_(value)
+            changed = _put_back(buffers, saved, whole, own)
         if drawn is not None:
             return drawn, (), ()
         if changed:
             return BUFFERS.format(names=", ".join(changed[:3])), (), ()
         if outside:
             return OUTSIDE.format(count=outside), (), ()
-        dims: list[int] = []
-        for i, (b, x, y) in enumerate(zip(both, one, other, strict=True)):
-            at = _batch_dim(b.shape, x.shape)
-            if at is None:
-                return NOT_BATCH.format(index=i, shape=tuple(b.shape)), (), ()
-            dims.append(at)
-            if is_fake(b):  # a memory estimate on fake tensors: shapes only, no values
-                continue
-            apart = torch.cat([x.detach(), y], dim=at)
-            if not b.is_floating_point():
-                if not torch.equal(b, apart):
-                    return MIXES.format(diff=float("nan")), (), ()
-                continue
-            diff = float((b - apart).abs().max())
-            scale = float(b.abs().max()) + 1e-30
-            if not diff <= _tolerance(b.dtype) * scale:  # NaN differences fail too
-                return MIXES.format(diff=diff), (), ()
-        return None, tuple(dims), draws
+        why, dims = _apart(both, one, other)
+        return (why, (), ()) if why is not None else (None, dims, draws)
+
+
+def _put_back(buffers: list[tuple[str, torch.Tensor]],
+              saved: list[tuple[torch.Tensor, int, torch.Tensor]],
+              whole: list[tuple[torch.Tensor, torch.Tensor]], own: set[int]) -> list[str]:
+    """The buffers and the arguments passed whole as they were before the probe; the names
+    of the buffers it changed (but ``own``: a BatchNorm's, which advance in the forward)."""
+    changed = [n for (n, _), (b, v, _) in zip(buffers, saved, strict=True)
+               if b._version != v and id(b) not in own]  # fmt: skip
+    with torch.no_grad():
+        for b, _, value in saved:
+            b.copy_(value)
+        for t, value in whole:  # only what changed: a copy would bump versions
+            if not torch.equal(t, value):
+                t.copy_(value)
+    return changed
+
+
+def _apart(both: Sequence[torch.Tensor], one: Sequence[torch.Tensor],
+           other: Sequence[torch.Tensor]) -> tuple[str | None, tuple[int, ...]]:  # fmt: skip
+    """Why the outputs of two examples run at once (``both``) are not those of each run
+    alone (``one``, ``other``) joined along a batch dimension, or ``None``; with each
+    output's batch dimension."""
+    dims: list[int] = []
+    for i, (b, x, y) in enumerate(zip(both, one, other, strict=True)):
+        at = _batch_dim(b.shape, x.shape)
+        if at is None:
+            return NOT_BATCH.format(index=i, shape=tuple(b.shape)), ()
+        dims.append(at)
+        if is_fake(b):  # a memory estimate on fake tensors: shapes only, no values
+            continue
+        apart = torch.cat([x.detach(), y], dim=at)
+        if not b.is_floating_point():
+            if not torch.equal(b, apart):
+                return MIXES.format(diff=float("nan")), ()
+            continue
+        diff = float((b - apart).abs().max())
+        scale = float(b.abs().max()) + 1e-30
+        if not diff <= _tolerance(b.dtype) * scale:  # NaN differences fail too
+            return MIXES.format(diff=diff), ()
+    return None, tuple(dims)
 
 
 def _piece(replay: BatchDraws | None, index: int) -> contextlib.AbstractContextManager[None]:
