@@ -1,4 +1,4 @@
-# Two set-up commands on a fresh machine: `make demo` and `make test`.
+# Two set-up commands on a fresh machine: `make demo` and `make test` (`make test-all`: every test).
 # torch is pinned first so pip takes the CPU wheel instead of a multi-GB CUDA build.
 PYTHON ?= python3
 VENV := .venv
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test lint install install-dev bench-baselines bench-gpu report clean fuzz corpus
+.PHONY: demo test test-all lint install install-dev bench-baselines bench-gpu report clean fuzz corpus
 
 $(VENV)/.installed: pyproject.toml benchmarks/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,19 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(VENV)/bin/leangrad demo
 
-test: install-dev
+# A contributor's loop: every test but the long end-to-end runs (suites, full plans,
+# torchrun matrices, the Hypothesis fuzz; marked `slow`), on every core (pytest-xdist).
+# `make test-all` runs every test; CI runs it.
+PYTEST_WORKERS ?= auto
+test: install-dev lint
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+
+test-all: install-dev lint
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
+
+lint: install-dev
 	$(VENV)/bin/ruff check src benchmarks tests tools
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
 
 # The engine fuzz test's long profile: 2,000 drawn models, every engine against
 # autograd. FUZZ_COLLECT=1 logs every failure and goes on (the summary counts them);

@@ -352,6 +352,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.path.abspath(src)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [(["train", "--batch-size", "0"], "argument --batch-size"),

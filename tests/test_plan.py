@@ -88,6 +88,7 @@ def test_plan_fits_half_of_backprops_step_memory_exactly() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_plan_says_when_nothing_fits_and_names_the_smallest_peak() -> None:
     model, idx, loss_fn = _gpt()
     p = leangrad.plan(model, idx, loss_fn, budget=1024, repeats=1)
@@ -107,6 +108,7 @@ def test_plan_adds_estimators_only_when_asked() -> None:
     assert {"backprop", "checkpoint", "fad", "checkpoint+fad"} <= exact
 
 
+@pytest.mark.slow
 def test_plan_on_a_chain_tries_moonwalk() -> None:
     torch.manual_seed(0)
     model = leangrad.models.submersive_cnn(2, 3, depth=2, classes=3)
@@ -123,6 +125,7 @@ def test_plan_refuses_a_bad_budget(budget: object) -> None:
         leangrad.plan(model, idx, loss_fn, budget=budget)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_fit_with_a_budget_trains_with_the_planned_engine(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -133,6 +136,7 @@ def test_fit_with_a_budget_trains_with_the_planned_engine(
     assert res.config.engine in leangrad.available() or "+" in res.config.engine
 
 
+@pytest.mark.slow
 def test_fit_with_a_budget_nothing_fits_or_engine_options_given() -> None:
     with pytest.raises(leangrad.EngineInputError, match="nothing fits 1 KiB"):
         leangrad.train.fit("mlp", "digits", budget=1024, max_steps=1, progress=False,
@@ -142,6 +146,7 @@ def test_fit_with_a_budget_nothing_fits_or_engine_options_given() -> None:
                            max_steps=1, progress=False, plots=False)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_plan_suite_runs_side_by_side_and_renders(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The plan suite on tiny models: per budget a leangrad, a PyTorch-eager and a
     torch.compile row, each within the budget when it fits; the smallest peak per side; the
@@ -194,6 +199,7 @@ def _sgd(ps):  # type: ignore[no-untyped-def]
     return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
 
 
+@pytest.mark.slow
 def test_plan_with_an_optimizer_steps_per_layer_below_every_full_step() -> None:
     """Per-layer steps free each gradient once used: the plan reaches a budget no
     candidate with the optimizer stepped after backward fits, and leaves the user's model,
@@ -281,6 +287,7 @@ def test_plan_raises_when_backprop_itself_fails() -> None:
         leangrad.plan(model, x, bad_loss, budget=2**30, repeats=1)
 
 
+@pytest.mark.slow
 def test_plan_offers_the_loss_without_logits_where_they_dominate() -> None:
     """A GPT whose vocabulary dwarfs its width: only cross-entropy that never computes the
     logits fits ¼ of backprop's step peak; the plan finds it, and the chosen step is exact.

@@ -181,6 +181,7 @@ def test_more_blocks_are_not_run_where_fewer_fit(
     assert "checkpoint(fragments=2)" in _real(counted)
 
 
+@pytest.mark.slow
 def test_they_are_run_where_fewer_do_not_fit_and_a_reusing_plan_runs_them(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip
@@ -234,6 +235,7 @@ def test_time_chunks_are_not_run_beside_the_same_step_that_fits(
     assert rows["accumulate"].verdict.startswith(("fits", "chosen"))
 
 
+@pytest.mark.slow
 def test_fragments_are_not_run_where_as_many_micro_batches_fit(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip

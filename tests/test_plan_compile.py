@@ -34,6 +34,7 @@ def _mlp(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.Tensor, A
     return model, x, functools.partial(F.cross_entropy, target=y)  # picklable
 
 
+@pytest.mark.slow
 def test_plan_with_compile_has_compiled_rows_and_a_chosen_row_within_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

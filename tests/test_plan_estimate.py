@@ -50,6 +50,7 @@ def test_estimate_step_equals_the_real_tracker_and_leaves_the_model_alone(name: 
         assert torch.equal(v, before[k]) and not isinstance(v, torch._subclasses.FakeTensor)
 
 
+@pytest.mark.slow
 def test_plan_estimates_every_candidate_when_backprop_cannot_be_allocated() -> None:
     """allocate_limit=0: nothing is run for real; every row is an estimate equal to the
     real plan's measured peak, nothing is timed, the chosen row says so."""
@@ -169,6 +170,7 @@ def test_plan_refuses_nonsense_settings_before_measuring(kwargs: dict, fragment:
         leangrad.plan(model, idx, loss_fn, budget=2**30, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("cell", "dtype", "stepwise"), [
     ("gru", torch.float32, True), ("lstm", torch.float32, False), ("lstm", torch.float64, True),
 ])  # fmt: skip

@@ -138,6 +138,7 @@ def test_bad_files_and_unsaveable_options_are_refused(tmp_path: Path) -> None:
         unsaveable.save(tmp_path / "odd.json")
 
 
+@pytest.mark.slow
 def test_progress_true_shows_a_bar_and_a_callback_still_hears_every_step(capsys) -> None:
     model, x, loss_fn = _step()
     heard: list[str] = []

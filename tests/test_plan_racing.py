@@ -191,6 +191,7 @@ ENGINES = [("backprop", {}), ("checkpoint", {"blocks": ["blocks.0"]}),
            ("checkpoint", {"fragments": 2})]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_plan_runs_a_candidate_only_where_a_step_decides(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip
@@ -240,6 +241,7 @@ def test_a_row_over_budget_by_more_than_the_margin_on_its_estimate_is_not_run(
     assert counted[(B01, "real")] == 0 and counted[(B01, "fake")] == 1
 
 
+@pytest.mark.slow
 def test_fragments_are_estimated_where_real_steps_cost_far_more_than_fake_ones(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip
@@ -349,6 +351,7 @@ def test_an_estimate_decides_nothing_where_it_counts_what_a_warm_step_does_not(
     assert counted[("backprop", "real")] == counted[(B0, "real")] == 2 * 2  # 2 kinds, 2 steps
 
 
+@pytest.mark.slow
 def test_the_estimate_that_skips_a_candidate_is_the_real_trackers() -> None:
     """The shortcut rests on this: on the tiny GPT every candidate's fake-tensor estimate
     equals its real peak, fragments (which probe on their first step) included."""

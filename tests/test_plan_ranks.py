@@ -175,6 +175,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_hold_what_the_estimate_counts(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path, str(WIDTH))
     est = _estimate(_mlp())

@@ -114,6 +114,7 @@ def _sequence() -> tuple[nn.Module, torch.Tensor, Any]:
     return model, x, functools.partial(F.cross_entropy, target=y)
 
 
+@pytest.mark.slow
 def test_plan_measures_a_regional_row_in_a_fresh_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -37,6 +37,7 @@ def _rows(p: leangrad.Plan) -> dict[str, tuple[str, int | None]]:
             for c in p.table}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("budget", "again_steps", "fresh_steps"),
                          [(768_000, 1, 2), (720_000, 0, 0)])  # fmt: skip
 def test_a_lower_budget_reuses_every_peak_and_steps_only_what_it_judges_anew(
@@ -77,6 +78,7 @@ def test_a_lower_budget_reuses_every_peak_and_steps_only_what_it_judges_anew(
     assert _rows(again)["checkpoint"][0] == "over budget"
 
 
+@pytest.mark.slow
 def test_a_higher_budget_measures_the_rows_its_estimate_no_longer_rules_out(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip

@@ -155,6 +155,7 @@ def test_bad_option_compared_through_the_agent_store() -> None:
     assert host.check(["leangrad/error/0/0", "leangrad/error-done/0/1"])  # compared there
 
 
+@pytest.mark.slow
 def test_process_group_same_error_once_different_errors_both(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(PG_WORKER)

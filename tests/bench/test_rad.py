@@ -6,6 +6,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+import pytest
+
 from leangrad_bench import _rad, _rad_paper
 from leangrad_bench._models import rad_network
 from leangrad_bench._suites import RunSettings, load_suite
@@ -87,6 +89,7 @@ def test_pde_runner(tmp_path: Path) -> None:
     assert any("| RAD 0.1 |" in line and "[" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_peer_suite_rows_crossover_and_report(monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Without the official code its row is skipped, saying how to get it; the crossover is
     the first batch where RAD's tracker peak is below backprop's (checked against a scan)."""

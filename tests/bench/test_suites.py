@@ -64,6 +64,7 @@ def test_build_rejects_unknown_model_and_dtype() -> None:
         build({**TINY, "dtype": "float8"})
 
 
+@pytest.mark.slow
 def test_measure_config_records_have_the_schema() -> None:
     specs = [
         EngineSpec("backprop"),
@@ -243,6 +244,7 @@ def test_cli_list_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["report", str(tmp_path)]) == 2
 
 
+@pytest.mark.slow
 def test_cli_demo_prints_the_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -323,6 +325,7 @@ def test_best_pytorch_is_the_fastest_timed_option_within_the_budget() -> None:
     assert best_pytorch([], 37 * mib) is None
 
 
+@pytest.mark.slow
 def test_only_reruns_some_series_and_merges_them(tmp_path: Path) -> None:
     """``run_suite(only=...)`` replaces the records of the series it ran and keeps the others;
     a file of the other mode is refused rather than mixed; an unknown series is named."""

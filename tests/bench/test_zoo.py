@@ -75,6 +75,7 @@ def test_suite_file_names_every_zoo_model_and_its_hooks() -> None:
     assert suite.resolve_runner() is run_zoo
 
 
+@pytest.mark.slow
 def test_records_are_saved_after_each_model(records: list[dict[str, Any]]) -> None:
     """A stopped run of hours keeps the models it finished: ``save`` gets the records so far
     after each model, each call a prefix of the next, the last one all of them."""
@@ -190,6 +191,7 @@ def test_relative_max_batch_brackets_the_boundary_with_fewer_probes() -> None:
         assert len(got.probes) <= len(exact.probes)
 
 
+@pytest.mark.slow
 def test_max_batch_on_real_estimates_is_monotone_in_budget() -> None:
     ck = Method("checkpoint", "leangrad", True, {"engine": "checkpoint", "options": {}})
     totals = {b: footprint("gpt", GPT, ck, b, estimate=True).total for b in range(1, 13)}

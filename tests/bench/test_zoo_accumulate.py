@@ -106,6 +106,7 @@ def test_hf_batch_losses_are_per_example_where_claimed() -> None:
             torch.testing.assert_close(total, before, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "vit", "lstm_lm", "highway_gru_lm"])
 def test_accumulate_rows_give_backprops_gradient(name: str) -> None:
     """PyTorch's hand-written accumulation (alone and with per-block checkpointing inside each
@@ -213,6 +214,7 @@ def test_headline_picks_an_accumulate_row_as_pytorchs_best() -> None:
     )
 
 
+@pytest.mark.slow
 def test_suite_run_records_and_renders_accumulation_rows() -> None:
     """The runner on a tiny GPT with only backprop and the accumulation rows (no plans, no
     compile): each is measured, exact, timed for the whole batch and in the report."""

@@ -29,6 +29,7 @@ def test_suite_sizes_every_timm_model_and_keeps_them_opt_in() -> None:
         assert not set(suite.setting("models", quick)) & set(TIMM_MODELS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["timm_convnext_tiny", "timm_vit_small"])
 def test_timm_checkpointing_row_gives_autograds_gradient(name: str) -> None:
     size = {**load_suite("zoo").setting("timm_models", True)[name], "image": 32, "batch": 2}

@@ -208,6 +208,7 @@ def test_plan_offers_pytorchs_per_block_loop_and_it_is_exact() -> None:
     assert res.info["checkpointed"] == 1 and res.info["micro_batches"] == 3
 
 
+@pytest.mark.slow
 def test_plan_chooses_it_at_a_budget_only_micro_batches_meet() -> None:
     model, x, loss_fn = _gpt(batch=16, dtype=torch.float32)
     bp = profile_step(leangrad.engine("backprop"), model, x, loss_fn, repeats=0)

@@ -231,6 +231,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_gradients_equal_one_process_backprop(ranks: list[dict]) -> None:
     for rank in ranks:
         assert len(rank["cases"]) == 16

@@ -405,6 +405,7 @@ def test_projforward_per_coordinate_variance(distribution: str) -> None:
     torch.testing.assert_close(sample_var, theory, rtol=0.25, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
 def test_projforward_variance_falls_with_samples(distribution: str) -> None:
     """samples=16 has ~1/16 the variance of samples=1, and the bias of the mean shrinks

@@ -84,6 +84,7 @@ def test_first_step_leaves_nothing_alive(case: str) -> None:
     assert left == 0, f"{case}: {left} bytes the first step made are still alive"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_first_step_peaks_where_later_steps_do(case: str) -> None:
     make, options = CASES[case]

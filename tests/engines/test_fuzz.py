@@ -144,6 +144,7 @@ def _check(spec: fm.Spec) -> list[tuple[fm.Outcome, fm.Known]]:
     return known
 
 
+@pytest.mark.slow
 @_profile()
 @given(spec=fm.specs())
 def test_every_engine_keeps_the_contract_on_drawn_models(spec: dict[str, Any]) -> None:

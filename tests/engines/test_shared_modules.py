@@ -370,6 +370,7 @@ _GROUPNORM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_groupnorm_channels_last_moonwalk_does_not_crash() -> None:
     """The issue's reproduction, in a subprocess: it segfaulted in Phase III."""
     run = subprocess.run(

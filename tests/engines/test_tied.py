@@ -45,6 +45,7 @@ def _any_module_engines() -> list[str]:
     return [n for n in leangrad.available() if leangrad.engine(n).supports(model) is None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _any_module_engines())
 def test_tied_gpt_under_every_engine(name: str) -> None:
     model, x, loss_fn = _tied_gpt()
@@ -68,6 +69,7 @@ def test_tied_gpt_under_every_engine(name: str) -> None:
             assert _rel(p.grad, want[n]) <= TOL, (n, _rel(p.grad, want[n]))
 
 
+@pytest.mark.slow
 def test_tied_gpt_under_plan() -> None:
     model, x, loss_fn = _tied_gpt()
     want = _autograd(model, x, loss_fn)

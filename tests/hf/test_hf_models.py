@@ -146,6 +146,7 @@ def test_engine_is_exact_or_refuses(model_name: str, name: str) -> None:
     _run(model_name, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", MODELS)
 def test_plan_never_raises_and_its_choice_is_exact(model_name: str) -> None:
     """A budget just under backprop's step (95% of its peak): the plan chooses a step that

@@ -198,6 +198,7 @@ def _console(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300, check=False)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_factory_in_the_current_directory_returning_a_model_output(tmp_path) -> None:
     (tmp_path / "mymodels.py").write_text(_FACTORIES)
     base = ["train", "--data", "digits", "--max-steps", "2", "--batch-size", "8",

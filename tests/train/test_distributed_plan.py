@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from two_processes import run_two
 
 WORKER = r'''
@@ -42,6 +44,7 @@ dist.destroy_process_group()
 
 
 
+@pytest.mark.slow
 def test_rank_zero_plans_and_every_rank_trains_its_choice(tmp_path: Path) -> None:
     logs = run_two(WORKER, tmp_path, "1GiB")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

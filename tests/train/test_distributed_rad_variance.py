@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +69,7 @@ def _one_process_draws() -> torch.Tensor:
     return torch.stack(draws)
 
 
+@pytest.mark.slow
 def test_rad_variance_falls_by_the_number_of_ranks(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path, str(DRAWS))
     two = torch.load(tmp_path / "draws.pt", weights_only=True)

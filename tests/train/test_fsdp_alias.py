@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from two_processes import run_two
 
 WORKER = r'''
@@ -112,6 +114,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_aliased_blocks_are_left_to_the_root_and_gradients_are_exact(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path)
     units = {"mlp": ["", "layers.0", "layers.2"], "gpt": ["", "g.blocks.2"]}

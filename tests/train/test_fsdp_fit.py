@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from leangrad import models, train
@@ -53,6 +54,7 @@ dist.destroy_process_group()
 
 
 
+@pytest.mark.slow
 def test_fsdp_shards_trains_like_one_process_and_resumes(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -64,6 +65,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_buckets_average_while_the_backward_runs(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -252,6 +253,7 @@ def table(rows: list[Row], skipped: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_every_engine_equals_one_process_or_refuses_clearly(tmp_path: Path) -> None:
     rows, skipped = run_matrix(tmp_path)
     text = table(rows, skipped)

@@ -140,6 +140,7 @@ def _whole(runs: Path) -> dict[str, list[float]]:
     return dict(json.loads((runs / "rank0.json").read_text())["whole"])
 
 
+@pytest.mark.slow
 def test_resume_and_resume_after_sigkill_end_bit_equal(runs: Path) -> None:
     ranks = [json.loads((runs / f"rank{r}.json").read_text()) for r in range(2)]
     whole = ranks[0]["whole"]
@@ -166,6 +167,7 @@ def test_one_process_checkpoint_resumes_sharded(runs: Path) -> None:
                                    atol=1e-12)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_one_process(runs: Path) -> None:
     ckpt = runs / "whole" / "checkpoints" / "step-000003.dcp"
     one = _fit_one(ckpt, runs / "one")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +74,7 @@ dist.destroy_process_group()
 
 
 
+@pytest.mark.slow
 def test_backprop_through_ddp_and_refusals_elsewhere(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
