@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import leangrad.fad as fad
+from fad_chains import random_chain
 from leangrad.fad import _errors as E
 from leangrad.fad._primitives import PRIMITIVES, Dual, lookup
-from leangrad.fad._testing import random_chain
 from leangrad.measure import MemoryTracker, saved_tensor_bytes
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}

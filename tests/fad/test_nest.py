@@ -24,7 +24,7 @@ from fad_cases import (
     rel,
     swish,
 )
-from leangrad.fad._testing import random_chain
+from fad_chains import random_chain
 from leangrad.measure import saved_tensor_bytes
 
 
