@@ -37,7 +37,7 @@ test: install-dev lint
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
 
 test-all: install-dev lint
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
+	LEANGRAD_TEST_ALL=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check src benchmarks tests tools

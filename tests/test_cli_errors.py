@@ -191,9 +191,10 @@ def _fill(items: list[str], places: dict[str, str]) -> list[str]:
     return [s.format(**places) for s in items]
 
 
-@pytest.mark.parametrize(
-    ("args", "fragment"), CASES, ids=[" ".join(a) or "<none>" for a, _ in CASES]
-)
+@pytest.mark.parametrize(("args", "fragment"), [
+    pytest.param(a, f, id=" ".join(a) or "<none>",
+                 marks=[pytest.mark.slow] if "--budget" in a else [])  # a whole plan: ~40 s
+    for a, f in CASES])  # fmt: skip
 def test_user_error_is_one_line_exit_2(
     args: list[str], fragment: str, places: dict[str, str], tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

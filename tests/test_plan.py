@@ -63,6 +63,7 @@ def test_profile_step_peak_is_the_trackers_and_compares_gradients() -> None:
     assert prof.kept_bytes is not None and 0 < prof.kept_bytes <= prof.peak_bytes
 
 
+@pytest.mark.slow
 def test_plan_fits_half_of_backprops_step_memory_exactly() -> None:
     model, idx, loss_fn = _gpt()
     prof = profile_step(leangrad.engine("backprop"), model, idx, loss_fn, repeats=0)

@@ -274,6 +274,7 @@ def test_fragments_are_not_run_where_as_many_micro_batches_fit(
                                                                  why=MORE_PIECES)}, more
 
 
+@pytest.mark.slow
 def test_more_batchnorm_blocks_in_fragments_are_not_run_where_fewer_fit(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip
@@ -305,6 +306,7 @@ def test_more_batchnorm_blocks_in_fragments_are_not_run_where_fewer_fit(
         assert rows[label].peak_bytes is None and label not in _real(counted)
 
 
+@pytest.mark.slow
 def test_the_same_step_in_more_pieces_is_not_run_where_fewer_fit(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip

@@ -119,6 +119,7 @@ def test_other_errors_are_not_taken_for_running_out_of_memory(monkeypatch) -> No
         leangrad.plan(model, idx, loss_fn, budget=2**30, engines=[("backprop", {})])
 
 
+@pytest.mark.slow
 def test_near_equal_candidates_are_timed_again_longer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Medians within 5% of the fastest get a second, longer round that decides (one
     timed round a call: the race and the first round's second, then three more for the

@@ -177,6 +177,7 @@ def _gpt():  # type: ignore[no-untyped-def]
     return model, idx, lambda out: zoo.GPT.loss(out, tgt)
 
 
+@pytest.mark.slow
 def test_plan_reports_the_tie_break_in_row_message_table_and_file(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:  # fmt: skip

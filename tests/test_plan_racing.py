@@ -275,6 +275,7 @@ def test_fragments_are_estimated_where_real_steps_cost_far_more_than_fake_ones(
     assert steps() == {(B01, "fake"): 1, (FRAG, "real"): 1, (four, "fake"): 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("budget", "steps"), [(678_000, 2), (672_000, 1), (600_000, 1)])
 def test_a_first_step_a_little_over_budget_is_tracked_again_warm(
     counted: collections.Counter[tuple[str, str]], budget: int, steps: int,
@@ -317,6 +318,7 @@ def test_an_engine_that_probes_but_estimates_cheaply_is_estimated_first(
     assert counted[(fragged, "real")] == 1 and counted[(fragged, "fake")] == 0
 
 
+@pytest.mark.slow
 def test_plan_reports_a_raced_out_row(monkeypatch: pytest.MonkeyPatch,
                                       counted: collections.Counter[tuple[str, str]],
                                       ) -> None:  # fmt: skip
@@ -335,6 +337,7 @@ def test_plan_reports_a_raced_out_row(monkeypatch: pytest.MonkeyPatch,
     assert p.engine is not None and p.engine.label == "checkpoint"
 
 
+@pytest.mark.slow
 def test_an_estimate_decides_nothing_where_it_counts_what_a_warm_step_does_not(
     counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip

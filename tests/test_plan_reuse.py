@@ -167,6 +167,7 @@ def test_a_compiled_row_is_judged_anew_by_its_fresh_process_peak() -> None:
     assert tried[0].verdict == "fits (RSS-scaled)"
 
 
+@pytest.mark.slow
 def test_a_lower_budget_where_the_earlier_choice_still_fits_keeps_its_timing(
     monkeypatch: pytest.MonkeyPatch, counted: collections.Counter[tuple[str, str]],
 ) -> None:  # fmt: skip

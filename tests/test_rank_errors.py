@@ -138,6 +138,7 @@ BAD_OPTION = [sys.executable, "-m", "leangrad", "train", "--batch-size", "0"]
 BAD_OPTION_LINE = "leangrad: error: argument --batch-size: must be at least 1, got 0"
 
 
+@pytest.mark.slow
 def test_bad_option_on_two_processes_prints_once() -> None:
     codes, errs = _two(BAD_OPTION, _env())  # no store: rank 0 alone prints
     assert codes == [2, 2], errs
@@ -171,6 +172,7 @@ def test_process_group_same_error_once_different_errors_both(tmp_path: Path) -> 
     assert lines[1][0].startswith("[rank 1] leangrad: error: unknown model 'nope1'"), errs
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_bad_option_prints_once() -> None:
     env = {**_env(), "WORLD_SIZE": "", "RANK": ""}
     env = {k: v for k, v in env.items() if v}

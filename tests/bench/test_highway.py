@@ -56,6 +56,7 @@ def test_rnn_suite_records_and_report(tmp_path: Path) -> None:
     assert "| step speedup | step speedup (2 thr) |" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runner", [run_train, run_convergence])
 def test_training_suites_records_and_report(runner, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     name = "highway-train" if runner is run_train else "highway-convergence"

@@ -137,6 +137,7 @@ def _tiny_suite():  # type: ignore[no-untyped-def]
     return dataclasses.replace(suite, series=series, settings=settings)
 
 
+@pytest.mark.slow
 def test_the_suite_runs_end_to_end_and_its_report_reads_its_records(tmp_path: Path) -> None:
     suite = _tiny_suite()
     recs = run_transformer(suite, RunSettings(quick=True, progress=False, threads=[1, 2]))

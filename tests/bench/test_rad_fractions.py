@@ -55,6 +55,7 @@ def test_fraction_one_without_replacement_is_backprop_bit_for_bit(kind: str) -> 
     assert not all(torch.equal(below[n], ref[n]) for n in ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_fraction_point_two_is_unbiased(kind: str) -> None:
     """RAD 0.2 "different" without replacement (the suite's estimator), float64, at fixed

@@ -33,6 +33,7 @@ def test_zoo_mode_measures_each_methods_rss() -> None:
     assert out["compile"] == {} and out["rss"]["backprop"] > 0
 
 
+@pytest.mark.slow
 def test_plan_engine_mode_measures_the_step_and_eager_backprop() -> None:
     size = {"width": 64, "layers": 3, "batch": 32, "features": 16}
     out = run_json_worker(WORKER, {"mode": "plan-engine", "kind": "mlp", "size": size,

@@ -234,6 +234,7 @@ def test_every_engine_is_exact_or_refuses(name: str, options: dict[str, Any], ex
         assert res.info["dropped"] > 0 and res.info["rebuilt"] > 0, res.info
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_every_plan_offer_is_exact(kind: str) -> None:
     """What :func:`leangrad.plan` may choose among (exact and randomized offers, gradient

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 import warnings
 
@@ -79,11 +80,19 @@ def _exact_configs() -> list[object]:
         for kind in MODEL_KINDS:
             if eng.supports(make_problem(kind, torch.float64).model) is None:
                 ident = f"{name}({label})-{kind}" if opts else f"{name}-{kind}"
-                configs.append(pytest.param(name, opts, kind, id=ident))
+                # fx tracing and forward mode by chunks of coordinates are the slowest
+                # variants: two models here, every one in test-all
+                costly = opts.get("trace") or (name == "forward" and "chunk_size" in opts)
+                slow = costly and kind not in ("mlp", "cnn")
+                configs.append(pytest.param(name, opts, kind, id=ident,
+                                            marks=[pytest.mark.slow] if slow else []))
     return configs
 
 
 EXACT_CONFIGS = _exact_configs()
+EXAMPLES = 5 if os.environ.get("LEANGRAD_TEST_ALL") else 3
+"""Drawn problems per engine, model and dtype: 5 in ``make test-all`` (CI), 3 in ``make
+test`` (the same first three: the draws are derandomized)."""
 
 
 def test_every_exact_engine_is_tested_on_some_model() -> None:
@@ -107,7 +116,7 @@ def _mlp_problem(dtype: torch.dtype = torch.float64, **sizes: int):  # type: ign
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize(("name", "options", "kind"), EXACT_CONFIGS)
 @settings(
-    max_examples=5,
+    max_examples=EXAMPLES,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
@@ -376,6 +385,7 @@ def test_rad_engine_is_unbiased(mode: str) -> None:
             torch.testing.assert_close(g, exact[n], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
 def test_projforward_per_coordinate_variance(distribution: str) -> None:
     """Per-coordinate variance ‖g‖² + g_j² (Gaussian) vs ‖g‖² − g_j² (Rademacher).

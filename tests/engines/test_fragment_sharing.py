@@ -407,6 +407,7 @@ class TiedLM(nn.Module):
         return self.head(h)
 
 
+@pytest.mark.slow
 def test_regional_compile_under_checkpoint_with_a_tied_head_and_a_block_twice() -> None:
     """One compile (~25 s on 2 cores): ``Compiled(regions="checkpoint")`` compiles each
     block in a copy sharing the model's tensors; the block at two places and the tied head

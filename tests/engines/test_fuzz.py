@@ -151,6 +151,7 @@ def test_every_engine_keeps_the_contract_on_drawn_models(spec: dict[str, Any]) -
     _check(spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [s for _, s in REGRESSIONS], ids=[n for n, _ in REGRESSIONS])
 def test_regression_examples(spec: fm.Spec) -> None:
     known = _check(spec)

@@ -210,6 +210,7 @@ def test_compositions_on_a_model_split_by_fx_equal_autograd(
         torch.testing.assert_close(p.grad, r.grad, rtol=TOL64, atol=TOL64)
 
 
+@pytest.mark.slow
 def test_plan_checkpoints_a_fused_lstm_along_time() -> None:
     torch.manual_seed(0)
     model = zoo.rnn_lm("lstm", vocab=32, embed=16, hidden=64)

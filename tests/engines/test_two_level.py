@@ -380,6 +380,7 @@ def test_explain_shows_the_two_levels() -> None:
 # 5. memory: where the boundaries dominate, two levels lower the peak
 
 
+@pytest.mark.slow
 def test_peak_falls_below_plain_checkpoint_on_a_deep_narrow_gpt() -> None:
     """16 layers of width 16 on 16 x 32 tokens: each block's input (32 KiB) is small
     beside its internals, but sixteen of them are most of what per-block checkpointing

@@ -22,6 +22,7 @@ def test_exact_adjoint_matches_autograd_float64() -> None:
     assert got.stored_values == (p.steps + 1) * p.n**2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replace", [False, True])
 def test_rad_gradient_unbiased(replace: bool) -> None:
     # tolerance as in tests/rad/test_layers.py: mean z^2 near 1, |z| under a Bonferroni bound

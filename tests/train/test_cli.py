@@ -80,6 +80,7 @@ RUN = ["--model", "mlp", "--data", "synthetic", "--batch-size", "16", "--epochs"
        "--no-progress", "--no-plots"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path) -> None:
     """SIGKILL a training process mid-run: every checkpoint on disk loads, at most one
@@ -225,7 +226,7 @@ def test_train_budget_plans_among_the_engines_named(tmp_path, capsys) -> None:
     assert "plan_engines=checkpoint " in text
     # Every checkpoint candidate fits 2 GiB; the fastest wins, and which one that is
     # depends on the machine's load: any of checkpoint's options is right.
-    assert re.search(r"\nchosen: checkpoint(\([^)]*\))? — ", text), text
+    assert re.search(r"\nchosen: checkpoint(\([^)]*\))?(, step per layer)? — ", text), text
     assert main([*base, "--engines", "checkpoint", "--out", str(tmp_path / "b")]) == 2
     assert "--engines lists the engines a plan may choose from and needs --budget" in (
         capsys.readouterr().err)

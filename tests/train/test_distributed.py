@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +78,7 @@ def batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_on_the_combined_batch(tmp_path) -> None:
     run_two(WORKER, tmp_path, str(Path(__file__).resolve().parent))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from two_processes import run_two
 
 WORKER = r'''
@@ -59,6 +61,7 @@ dist.destroy_process_group()
 
 
 
+@pytest.mark.slow
 def test_ranks_draw_their_own_masks_and_resume_their_own_streams(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
