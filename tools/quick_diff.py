@@ -6,7 +6,8 @@ Run as a file, so the same command runs a suite from another checkout's sources:
     python tools/quick_diff.py --base OLD_CHECKOUT [--suites blocks,fad] [--out DIR]
 
 Each suite runs ``leangrad bench SUITE --quick --no-progress`` twice with this interpreter:
-with ``PYTHONPATH`` at ``OLD_CHECKOUT/src`` and at this checkout's ``src``. Records are
+with ``PYTHONPATH`` at ``OLD_CHECKOUT``'s ``src`` (and ``benchmarks``, where it has them
+apart) and at this checkout's. Records are
 matched by what names them (:data:`KEY`: suite, kind, series, engine, ``x``, seed, threads,
 model, method, label, fraction — those present), in order where several share a name, and
 every field whose name matches :data:`COMPARED` must be equal; times, timestamps, the
@@ -35,9 +36,11 @@ IGNORED = re.compile(r"^rss_|seconds|time|created|machine")
 HERE = Path(__file__).resolve().parent.parent
 
 
-def run(src: Path, suite: str, out: Path) -> list[dict[str, Any]]:
-    """``suite``'s quick records, run from the sources at ``src`` into ``out``."""
-    env = {**os.environ, "PYTHONPATH": str(src)}
+def run(root: Path, suite: str, out: Path) -> list[dict[str, Any]]:
+    """``suite``'s quick records, run from the checkout at ``root`` into ``out``: its
+    ``src`` and, where it has them apart from the library, its ``benchmarks``."""
+    paths = [root / "src", *[root / "benchmarks"] * (root / "benchmarks").is_dir()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
     cmd = [sys.executable, "-m", "leangrad", "bench", suite, "--quick", "--no-progress",
            "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -86,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for suite in suites:
         try:
-            old = run(args.base / "src", suite, args.out / "base")
-            new = run(HERE / "src", suite, args.out / "head")
+            old = run(args.base, suite, args.out / "base")
+            new = run(HERE, suite, args.out / "head")
         except subprocess.CalledProcessError as err:
             print(f"{suite}: failed ({err})")
             failed += 1
