@@ -34,7 +34,7 @@ from leangrad.highway import (
     cumsumprod_parallel,
     cumsumprod_sequential,
 )
-from leangrad.highway._protocol import (
+from leangrad.layers._highway import (
     BAD_GAMMA,
     BAD_K_SHAPE,
     BAD_K_STRUCTURE,

@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from .. import _errors as errors
-from ..highway._protocol import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
-from ..highway._scan import SCANS, Scan, cumsumprod
+from ..layers._highway import NOT_HIGHWAY, HighwayError, HighwayNet, HighwayStack, Trace
 from ._base import (
     Engine,
     LossFn,
@@ -43,6 +42,7 @@ from ._base import (
 )
 from ._catalog import register
 from ._contract import forward_end
+from ._scan import SCANS, Scan, cumsumprod
 
 if TYPE_CHECKING:
     from ._blocks import Blocks
@@ -81,7 +81,7 @@ class Highway(Engine):
             J-vjp and one scan per iteration; the error falls as paths through more
             blocks are added (Theorem 2).
         scan: ``"parallel"`` (Hillis-Steele, O(log L) depth), ``"sequential"`` (O(L)
-            loop) or ``"auto"`` (by state size; see :mod:`leangrad.highway._scan`).
+            loop) or ``"auto"`` (by state size; see :mod:`leangrad.engines._scan`).
         baseline: ``"highway"`` or ``"fpi"`` (fixed-point iteration, K = 0).
         tol: stop early when the update's relative norm is below ``tol``.
     """

@@ -8,9 +8,8 @@ Layers are written as ``f(x) = r(x, g(x))`` with a cheap ``K = ∂r/∂x`` (Tabl
 (stem -> stacks -> head) is what ``leangrad.engine("highway", k=...)`` differentiates.
 """
 
-from ._blocks import PostLNSublayer, PostReLUBlock, PreActBlock, PreLNSublayer, ResidualStack
-from ._diagnostics import KPoint, KSchedule, convergence, suggest_k
-from ._protocol import (
+from ..engines._scan import cumsumprod, cumsumprod_parallel, cumsumprod_sequential
+from ..layers._highway import (
     K_STRUCTURES,
     HighwayBlock,
     HighwayError,
@@ -20,8 +19,9 @@ from ._protocol import (
     Trace,
     check_block,
 )
+from ._blocks import PostLNSublayer, PostReLUBlock, PreActBlock, PreLNSublayer, ResidualStack
+from ._diagnostics import KPoint, KSchedule, convergence, suggest_k
 from ._recurrent import GRULayer, LSTMLayer
-from ._scan import cumsumprod, cumsumprod_parallel, cumsumprod_sequential
 
 __all__ = [
     "K_STRUCTURES",

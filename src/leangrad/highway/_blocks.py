@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._protocol import (
+from ..layers._highway import (
     BLOCK_WIDTH,
     MISMATCHED_SIZES,
     HighwayBlock,

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._protocol import HighwayError
+from ..engines import engine
+from ..layers._highway import HighwayError
 
 __all__ = ["BAD_SCHEDULE", "KPoint", "KSchedule", "convergence", "suggest_k"]
 
@@ -84,10 +85,6 @@ def convergence(
     left as they were. BatchNorm running statistics are updated by each run, as by any
     training step; pass a copy to keep them.
     """
-    # Lazy on purpose: the highway engine (leangrad.engines) imports this package's
-    # protocol, and convergence, public here, is this package's one use of the engines.
-    from ..engines import engine
-
     exact = reference if reference is not None else _grad_of(
         model, engine("backprop"), inputs, loss_fn
     )

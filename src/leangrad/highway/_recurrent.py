@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ._protocol import MISMATCHED_SIZES, SHORT_SEQUENCE, HighwayError, HighwayStack, Trace
+from ..layers._highway import MISMATCHED_SIZES, SHORT_SEQUENCE, HighwayError, HighwayStack, Trace
 
 __all__ = ["CHUNK_ROWS", "GRULayer", "LSTMLayer"]
 
