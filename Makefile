@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-all lint install install-dev bench-baselines bench-gpu report clean fuzz corpus
+.PHONY: demo test test-slow test-all lint install install-dev bench-baselines bench-gpu report clean fuzz corpus
 
 $(VENV)/.installed: pyproject.toml benchmarks/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +31,14 @@ demo: install
 
 # A contributor's loop: every test but the long end-to-end runs (suites, full plans,
 # torchrun matrices, the Hypothesis fuzz; marked `slow`), on every core (pytest-xdist).
-# `make test-all` runs every test; CI runs it.
+# `make test-all` runs every test; CI runs `make test`, then `make test-slow`.
 PYTEST_WORKERS ?= auto
 test: install-dev lint
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
+
+# The tests `make test` leaves out (CI runs them after `make test`).
+test-slow: install-dev
+	LEANGRAD_TEST_ALL=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m slow
 
 test-all: install-dev lint
 	LEANGRAD_TEST_ALL=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS)

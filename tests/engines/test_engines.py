@@ -91,8 +91,8 @@ def _exact_configs() -> list[object]:
 
 EXACT_CONFIGS = _exact_configs()
 EXAMPLES = 5 if os.environ.get("LEANGRAD_TEST_ALL") else 3
-"""Drawn problems per engine, model and dtype: 5 in ``make test-all`` (CI), 3 in ``make
-test`` (the same first three: the draws are derandomized)."""
+"""Drawn problems per engine, model and dtype: 5 in ``make test-all``, 3 in ``make test``
+and so in CI (the same first three: the draws are derandomized)."""
 
 
 def test_every_exact_engine_is_tested_on_some_model() -> None:
