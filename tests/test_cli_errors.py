@@ -156,6 +156,7 @@ CASES: list[tuple[list[str], str]] = [
     (["report", "{emptylist}"], "(x.json is an empty list)"),
     (["report", "{values}"], "(x.json is a list of values, not of records (objects))"),
     (["report", "{nofield}"], "x.json: a record has no field 'config', which the report of suite"),
+    (["report", "{nosuite}"], "(x.json holds records of no suite (no 'suite' field))"),
     # no command
     ([], "the following arguments are required: command"),
     (["nope"], "argument command: invalid choice: 'nope'"),
@@ -169,7 +170,9 @@ def places(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "empty-dir").mkdir()
     out = {"file": str(file), "dir": str(tmp_path / "empty-dir"), "tmp": str(tmp_path)}
     for name, text in (("bad", "{"), ("empty", ""), ("notlist", '{"a": 1}'), ("emptylist", "[]"),
-                       ("values", "[1, 2]"), ("nofield", '[{"engine": "backprop", "x": 1}]')):
+                       ("values", "[1, 2]"),
+                       ("nofield", '[{"suite": "x", "engine": "backprop", "x": 1}]'),
+                       ("nosuite", '[{"model": "resnet18", "fraction": 0.5}]')):
         d = tmp_path / name
         d.mkdir()
         (d / "x.json").write_text(text)

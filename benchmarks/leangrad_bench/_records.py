@@ -14,6 +14,8 @@ from typing import Any
 
 from leangrad import _errors as errors
 
+from ._suites import list_suites
+
 __all__ = ["BAD_JSON", "NOT_A_DIRECTORY", "UNREADABLE", "at_threads", "extra_threads",
            "load_records", "scan_records"]  # fmt: skip
 
@@ -65,6 +67,8 @@ def scan_records(directory: Path) -> tuple[dict[str, list[dict[str, Any]]], list
             skipped.append(f"{path.name} is an empty list")
         elif not all(isinstance(r, dict) for r in data):
             skipped.append(f"{path.name} is a list of values, not of records (objects)")
+        elif not any("suite" in r for r in data) and path.stem not in list_suites():
+            skipped.append(f"{path.name} holds records of no suite (no 'suite' field)")
         else:
             out[path.stem] = data
     return out, skipped

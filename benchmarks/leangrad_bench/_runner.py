@@ -280,7 +280,8 @@ def measure_config(
     of interleaved repeats, ratio to ``reference`` (which must be among specs), at every
     torch thread count of ``threads`` side by side (``by_threads``; the record's time
     fields and ``threads`` are the first count's). Gradients: compared with autograd's
-    float64 gradient of the same step.
+    float64 gradient of the same step. ``repeats=0`` measures memory and gradients only
+    (the time fields stay ``None``).
     """
 
     def tick(msg: str) -> None:
@@ -302,7 +303,7 @@ def measure_config(
         steps[rec["engine"]] = step_of(engine, wl)
         _measure_memory(rec, spec, engine, wl, ref_grads=ref_grads, rss=rss, device=device,
                         tick=tick)  # fmt: skip
-    if steps:
+    if steps and repeats > 0:
         _measure_time(records, steps, reference=reference, repeats=repeats, warmup=warmup,
                       threads=list(threads), tick=tick)  # fmt: skip
     return list(records.values())

@@ -55,6 +55,27 @@ def test_mixed_moonwalk_keeps_only_bit_masks() -> None:
     assert live < 0.05 * _forward_live("backprop", model, x, loss_fn)
 
 
+@pytest.mark.parametrize("stem_chunks", [1, 4])
+def test_moonwalk_seeded_at_h1_keeps_only_bit_masks(stem_chunks: int) -> None:
+    """Behind a parameter-free stem Phase I starts at x1 = f1(x0); x1 is dropped once the
+    second layer has run, as x0 is on the other path (a reference the seed kept to x1 once
+    held a full-size activation through Phase II: 0.41x -> 0.56x of backprop's peak)."""
+    torch.manual_seed(0)
+    model = models.submersive_cnn(3, 8, 3, 5, stem="repeat")
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4,))
+    live = _forward_live(
+        "moonwalk", model, x, lambda out: F.cross_entropy(out, y), stem_chunks=stem_chunks
+    )
+    with torch.no_grad():
+        h, bits = model.stem(x), 0
+        for layer in model.layers:
+            h = layer(h)
+            if isinstance(layer, LeakyReLU):
+                bits += (h.numel() + 7) // 8
+    x1_bytes = 4 * 8 * 16 * 16 * 4
+    assert bits <= live <= bits + 4 * 1024 < x1_bytes
+
+
 def test_moonwalk_segments_keep_less_than_every_residual() -> None:
     """Couplings keep half their input each; with ⌈√L⌉ segments only the segment inputs
     are kept (v2 Appendix 11, "Moonwalk + checkpoint"). Bit masks, by contrast, are

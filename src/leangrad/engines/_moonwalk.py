@@ -426,7 +426,7 @@ class Moonwalk(ChainEngine):
         chain, stem, sink = run.chain, run.stem, run.sink
         head_rng = None
         if self.mode == "mixed":
-            loss, h0, kept = self._phase_one_two(run, layers, stem.take(), keep=keep)
+            loss, h0, kept = self._phase_one_two(run, layers, [stem.take()], keep=keep)
             info = self._kept_info(kept)
         else:
             info = {}
@@ -459,10 +459,11 @@ class Moonwalk(ChainEngine):
         chain, stem, sink = run.chain, run.stem, run.sink
         chunks, chunk_info = self._chunks(chain, layers)
         # x1 = f1(x0) with x0 made chunk by chunk: the full-size x0 never lives whole.
-        # (Passed as a temporary, so Phase I can drop it once layer 2 has run.)
         with torch.no_grad():
             x1, chunks, chunk_info = self._x1(stem, layers[0], chunks, chunk_info)
-            loss, h1, kept = self._phase_one_two(run, layers[1:], x1, keep=keep)
+            handed = [x1]
+            del x1  # Phase I takes the only reference and drops it once layer 2 has run
+            loss, h1, kept = self._phase_one_two(run, layers[1:], handed, keep=keep)
         info = {**self._kept_info(kept), **chunk_info}
         x = self._first_layer(stem, layers[0], h1, sink, chunks=chunks)
         state = [x, h1]
@@ -497,10 +498,15 @@ class Moonwalk(ChainEngine):
 
     # -- Phase I + II: h0 through minimal residuals ------------------------------
     def _phase_one_two(
-        self, run: _Run, layers: list[ChainLayer], x0: torch.Tensor, *, keep: Collection[int] = ()
+        self, run: _Run, layers: list[ChainLayer], handed: list[torch.Tensor], *,
+        keep: Collection[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-        """Loss, the cotangent of ``x0`` (the input of ``layers``) and what each layer keeps
-        of its output cotangent for Phase III (``fragment=``; ``keep``: the whole one)."""
+        """Loss, the cotangent of x₀ (the input of ``layers``) and what each layer keeps
+        of its output cotangent for Phase III (``fragment=``; ``keep``: the whole one).
+
+        x₀ comes as the one item of ``handed``, which this empties: the caller holds no
+        reference, so x₀ is freed once the first layer has run (a local variable in the
+        caller would keep a full-size activation alive through Phase II)."""
         n = len(layers)
         keep_all = self.segments is None  # else: keep segment inputs, recompute residuals
         if self.segments is None:
@@ -511,8 +517,7 @@ class Moonwalk(ChainEngine):
         residuals: list[Any] = [None] * n
         kept: list[Any] = [None] * n
         boundary: list[torch.Tensor | None] = [None] * len(groups)
-        x = x0
-        del x0  # replayed from the stem for Phase III, not kept
+        x = handed.pop()  # replayed from the stem for Phase III, not kept
         with torch.no_grad():
             for gi, group in enumerate(groups):
                 if not keep_all:

@@ -1,0 +1,55 @@
+"""The headline guard: every figure of ``headlines.toml`` recomputed from today's code
+equals the committed quick results within the stated tolerances, and the guard fails
+when a headline moves (a Moonwalk that holds one activation too long)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from leangrad.engines._moonwalk import Moonwalk
+from leangrad_bench._headlines import Figure, Tolerance, check_figure, load_figures, moved
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+FIGURES, TOLERANCE = load_figures()
+
+
+def test_the_guard_covers_the_papers_memory_headlines() -> None:
+    suites = {f.suite for f in FIGURES}
+    assert {"moonwalk-v2-cnn", "fragmental-1d", "moonwalk-v1-revnet"} <= suites
+    assert TOLERANCE == Tolerance(memory=0.02, grad_error=4.0)
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=[f.name for f in FIGURES])
+def test_headline_figures_match_the_committed_results(figure: Figure) -> None:
+    checks = check_figure(figure, RESULTS, tolerance=TOLERANCE)
+    assert len(checks) == 3 * len(figure.engines)
+    assert not moved(checks), (
+        "a headline moved; re-run `leangrad bench "
+        f"{figure.suite} --quick --out results` and commit the results with the change:\n"
+        + "\n".join(moved(checks))
+    )
+
+
+def test_the_guard_fails_when_a_headline_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reintroduce a regression the guard exists for: Moonwalk's seed keeps a second
+    reference to x1 through Phases I and II (0.42x -> 0.45x of backprop's peak here)."""
+    phase_one_two = Moonwalk._phase_one_two
+
+    def holding(self: Moonwalk, run: Any, layers: Any, handed: list[Any], **kw: Any) -> Any:
+        held = list(handed)
+        try:
+            return phase_one_two(self, run, layers, handed, **kw)
+        finally:
+            del held
+
+    monkeypatch.setattr(Moonwalk, "_phase_one_two", holding)
+    figure = Figure("moonwalk-v2-cnn", "repeat-stem", 6, ("backprop", "moonwalk"))
+    checks = check_figure(figure, RESULTS, tolerance=TOLERANCE)
+    failed = {(c.engine, c.what) for c in checks if not c.ok}
+    assert failed == {("moonwalk", "peak"), ("moonwalk", "kept")}
+    peak = next(c for c in checks if (c.engine, c.what) == ("moonwalk", "peak"))
+    assert peak.committed is not None and peak.now is not None
+    assert peak.now > 1.05 * peak.committed
