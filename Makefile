@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow test-all lint install install-dev bench-baselines bench-gpu report clean fuzz corpus
+.PHONY: demo test test-slow test-all lint install install-dev bench-baselines bench-gpu report clean fuzz corpus reproduce
 
 $(VENV)/.installed: pyproject.toml benchmarks/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ fuzz: install-dev
 # BatchNorm double update, into results/model-corpus.{json,md}.
 corpus: install-dev
 	$(PY) tests/model_corpus.py --all --out results/model-corpus
+
+# Every published number from today's code, alone on the machine: each suite's quick run
+# into results/, results/report.md, and the README's and docs/'s generated tables.
+# SUITES=a,b runs some; FULL=gpt,resnet re-runs those zoo models at full size (one at a time).
+SUITES ?=
+FULL ?=
+reproduce: install-dev
+	$(PY) tools/reproduce.py $(if $(SUITES),--suites $(SUITES)) $(if $(FULL),--full $(FULL))
 
 bench-baselines: install
 	$(VENV)/bin/leangrad bench baselines --quick --out results

@@ -8,8 +8,9 @@ does — one tracked step each, gradients against float64 autograd, no timing an
 and compares, per engine, the tracker peak and kept bytes (ratios to the suite's
 reference engine; the reference's own in bytes) and the float32 gradient error with the
 quick run's records in ``results/SUITE.json``. Memory must agree within
-``tolerance.memory`` of the committed value either way (a zero stays zero) (a saving that grew is a stale headline too); an error may
-fall, but not rise past ``tolerance.grad_error`` times the committed one.
+``tolerance.memory`` of the committed value either way (a zero stays zero; a saving that
+grew is a stale headline too); an error may fall, but not rise past
+``tolerance.grad_error`` times the committed one.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ FIGURES, TOLERANCE = load_figures()
 def test_the_guard_covers_the_papers_memory_headlines() -> None:
     suites = {f.suite for f in FIGURES}
     assert {"moonwalk-v2-cnn", "fragmental-1d", "moonwalk-v1-revnet"} <= suites
-    assert TOLERANCE == Tolerance(memory=0.02, grad_error=4.0)
+    assert Tolerance(memory=0.02, grad_error=4.0) == TOLERANCE
 
 
 @pytest.mark.parametrize("figure", FIGURES, ids=[f.name for f in FIGURES])
