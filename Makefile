@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-slow test-all lint install install-dev bench-baselines bench-gpu report clean fuzz corpus reproduce
+.PHONY: demo test test-slow test-all lint install install-dev bench-baselines bench-gpu report clean fuzz corpus reproduce docs
 
 $(VENV)/.installed: pyproject.toml benchmarks/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,19 +33,23 @@ demo: install
 # torchrun matrices, the Hypothesis fuzz; marked `slow`), on every core (pytest-xdist).
 # `make test-all` runs every test; CI runs `make test`, then `make test-slow`.
 PYTEST_WORKERS ?= auto
-test: install-dev lint
+test: install-dev lint docs
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow"
 
 # The tests `make test` leaves out (CI runs them after `make test`).
 test-slow: install-dev
 	LEANGRAD_TEST_ALL=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m slow
 
-test-all: install-dev lint
+test-all: install-dev lint docs
 	LEANGRAD_TEST_ALL=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check src benchmarks tests tools
 	$(VENV)/bin/mypy
+
+# The documentation site: docs/ built by MkDocs (mkdocs.yml) into site/; any warning fails it.
+docs: install-dev
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 # The engine fuzz test's long profile: 2,000 drawn models, every engine against
 # autograd. FUZZ_COLLECT=1 logs every failure and goes on (the summary counts them);

@@ -1,7 +1,7 @@
-"""``leangrad demo``: the headline — the deepest network each engine trains in one budget,
-a zoo GPT planned to half its memory beside PyTorch's best exact option at that budget
-(:mod:`leangrad_bench._demo_headline`) — then every engine on small models on real
-digits, one table that fits 100 columns."""
+"""``leangrad demo``: the headline — a language model with GPT-2's vocabulary planned to ⅛
+of its memory beside PyTorch's exact options and torch.compile at that budget, then the
+deepest network each engine trains in one budget (:mod:`leangrad_bench._demo_headline`) —
+then every engine on small models on real digits, one table that fits 100 columns."""
 
 from __future__ import annotations
 
@@ -137,10 +137,11 @@ def run_demo(
     progress: bool = True,
     stream: TextIO | None = None,
 ) -> list[dict[str, Any]]:
-    """The headline (deepest network per engine in one budget; a zoo GPT planned to half
-    its memory, beside PyTorch's best exact option at the same budget), then every engine on
-    the demo workloads; print the tables; write ``demo.json``, ``demo.png`` (depth),
-    ``demo-plan.png`` (plan vs PyTorch: memory and time) and ``demo-engines.png``."""
+    """The headline (a GPT-2-vocabulary LM planned to ⅛ of its memory beside PyTorch's exact
+    options and torch.compile at the same budget; the deepest network per engine in one
+    budget), then every engine on the demo workloads; print the tables; write
+    ``demo.json``, ``demo-plan.png`` (plan vs PyTorch: memory and time), ``demo-depth.png``
+    and ``demo-engines.png``."""
     from . import _demo_headline as headline
 
     out = Path(out)
@@ -154,10 +155,10 @@ def run_demo(
     def say(msg: str) -> None:
         bar.set_postfix_str(msg, refresh=True)
 
-    depth = headline.deepest(progress=say)
-    bar.update()
     with num_threads(1):
-        planned = headline.plan_half(repeats=repeats, progress=say)
+        planned = headline.plan_lm(repeats=repeats, progress=say)
+    bar.update()
+    depth = headline.deepest(progress=say)
     bar.update()
     records: list[dict[str, Any]] = []
     for model, config in DEMO_CONFIGS.items():
@@ -168,19 +169,19 @@ def run_demo(
         records += recs
         bar.update()
     bar.close()
-    print(headline.format_depth(depth), file=stream)
-    print(file=stream)
     print(headline.format_plan(planned), file=stream)
+    print(file=stream)
+    print(headline.format_depth(depth), file=stream)
     print(file=stream)
     print(format_table(records), file=stream)
     extra = [{**r, "kind": "depth_at_budget", "series": "depth", **common} for r in depth]
-    extra.append({**planned, "kind": "plan_half", "series": "plan", **common})
+    extra.append({**planned, "kind": "plan_lm", "series": "plan", **common})
     write_records(records + extra, out / "demo.json")
     try:
-        headline.plot_depth(depth, out / "demo.png")
         headline.plot_plan(planned, out / "demo-plan.png")
+        headline.plot_depth(depth, out / "demo-depth.png")
         _plot(records, out / "demo-engines.png")
-        print(f"wrote {out / 'demo.json'}, demo.png, demo-plan.png and demo-engines.png",
+        print(f"wrote {out / 'demo.json'}, demo-plan.png, demo-depth.png and demo-engines.png",
               file=stream)  # fmt: skip
     except ImportError:
         print(f"wrote {out / 'demo.json'} (install leangrad[plot] for the PNGs)", file=stream)

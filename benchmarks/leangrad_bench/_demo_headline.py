@@ -1,17 +1,20 @@
 """The demo's headline: what leangrad buys, in two measurements and two figures.
 
-1. **The deepest network each engine trains in one budget** — Moonwalk v2 §6.3's
+1. **A language model with a real vocabulary planned to ⅛ of its memory** — the zoo's
+   GPT-2-style transformer at GPT-2's 50,257-token vocabulary (the ``zoo`` suite's quick
+   ``gpt_50k``), ``leangrad.plan(budget=parameters + inputs + ⅛ × backprop's step peak)``,
+   its choice timed against backprop and beside PyTorch's exact options at the same budget
+   (:func:`pytorch_options`: ``torch.utils.checkpoint`` per block, selective
+   checkpointing, ``checkpoint_sequential``, gradient accumulation alone and with per-block
+   checkpointing — the fastest that fits, else the lowest) and ``torch.compile`` with
+   ``activation_memory_budget=0`` (its peak by fresh-process RSS, as the zoo suite
+   measures it: inductor's buffers are invisible to the tracker). Where the logits are
+   most of the step, only a loss that never holds them fits.
+2. **The deepest network each engine trains in one budget** — Moonwalk v2 §6.3's
    experiment scaled to a few seconds: the fragmental 1D CNN, one training step under a
    tracker that refuses any allocation past the budget (parameters, inputs, gradients and
    activations all count), deepest depth by doubling and bisection
    (:func:`leangrad_bench._fragmental.deepest_fitting`).
-2. **A zoo model planned to half its memory** — the GPT-2-style transformer of
-   :mod:`leangrad.zoo`, ``leangrad.plan(budget=parameters + inputs + ½ × backprop's step
-   peak)``, its choice timed against backprop and against PyTorch's best exact option at
-   the same budget (:func:`best_pytorch`: the fastest of the ``zoo`` suite's PyTorch-only
-   exact recipes — ``torch.utils.checkpoint`` per block, selective checkpointing,
-   ``checkpoint_sequential``, gradient accumulation alone and with per-block
-   checkpointing — whose step fits), side by side.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from ._report import fmt_bytes
 from ._runner import EngineSpec
 from ._zoo_methods import Method, pytorch_methods
 
-__all__ = ["DEPTH_BUDGET", "DEPTH_CONFIG", "DEPTH_ENGINES", "PLAN_SIZE", "PYTORCH_OPTIONS",
-           "best_pytorch", "deepest", "format_depth", "format_plan", "plan_half",
-           "plot_depth", "plot_plan", "pytorch_options"]  # fmt: skip
+__all__ = ["DEPTH_BUDGET", "DEPTH_CONFIG", "DEPTH_ENGINES", "PLAN_FRACTION", "PLAN_SIZE",
+           "PYTORCH_OPTIONS", "best_pytorch", "compile_lowest", "deepest", "format_depth",
+           "format_plan", "lowest_pytorch", "plan_lm", "plot_depth", "plot_plan",
+           "pytorch_options"]  # fmt: skip
 
 DEPTH_CONFIG: dict[str, Any] = {
     "model": "frag1d", "stem": "conv", "in_channels": 3, "channels": 32, "length": 128,
@@ -56,15 +60,19 @@ moonwalk keeping whole cotangents (full) or fragments of blocks of B positions."
 _LEGEND = ("checkpoint: ⌈√L⌉ segments · moonwalk: keeps whole cotangents · "
            "B=k: keeps fragments\nof k-position blocks (Moonwalk v2 §5) · "
            "+: the search's cap")  # fmt: skip
-PLAN_SIZE: dict[str, int] = {"dim": 128, "layers": 6, "heads": 4, "context": 128,
-                             "vocab": 256, "batch": 8}  # fmt: skip
-"""The zoo GPT the demo plans to half its memory."""
-PYTORCH_OPTIONS: dict[str, list[int]] = {"segments": [2, 3], "micro_batches": [2, 4, 8]}
+PLAN_SIZE: dict[str, int] = {"vocab": 50257, "dim": 64, "layers": 4, "heads": 4,
+                             "context": 64, "batch": 8}  # fmt: skip
+"""The zoo GPT the demo plans: the ``zoo`` suite's quick ``gpt_50k`` (GPT-2's vocabulary)."""
+PLAN_FRACTION = 1 / 8
+"""The plan's budget: parameters and inputs plus this share of backprop's step peak."""
+COMPILE_BUDGET = 0.0
+"""``torch.compile``'s ``activation_memory_budget`` beside the plan: its lowest setting."""
+PYTORCH_OPTIONS: dict[str, list[int]] = {"segments": [2], "micro_batches": [4, 8]}
 """PyTorch's exact recipes tried beside the plan (the ``zoo`` suite's, :func:`pytorch_methods`):
 per-block and selective checkpointing, ``checkpoint_sequential`` with these segments, and
 gradient accumulation over these micro-batch counts, alone and with per-block checkpointing."""
-NO_COMPILE = ("torch.compile is not tried here: its memory is seen only by a fresh process's "
-              "RSS (the zoo suite's table has it)")  # fmt: skip
+COMPILE_NOTE = ("torch.compile(activation_memory_budget=0): peak by fresh-process RSS as a "
+                "share of eager backprop's there, drawn at that share of backprop's memory")
 
 
 def _probe_depth(spec: EngineSpec, depth: int) -> Any:
@@ -87,11 +95,18 @@ def deepest(*, progress: Any = None) -> list[dict[str, Any]]:
     return out
 
 
-def plan_half(*, repeats: int = 3, progress: Any = None) -> dict[str, Any]:
-    """Plan the zoo GPT to half of backprop's step memory; measure PyTorch's exact options at
-    the same budget (:func:`pytorch_options`); time the plan's choice and every PyTorch
-    option that fits against backprop, interleaved (:func:`best_pytorch` picks the fastest)."""
+def plan_lm(*, repeats: int = 3, progress: Any = None, compile_model: bool = True
+            ) -> dict[str, Any]:  # fmt: skip
+    """Plan the zoo GPT of :data:`PLAN_SIZE` to :data:`PLAN_FRACTION` of backprop's step
+    memory; measure PyTorch's exact options at the same budget (:func:`pytorch_options`) and
+    ``torch.compile`` at its lowest activation budget (:func:`compile_lowest`, in a fresh
+    process; ``compile_model=False`` skips it); time the plan's choice and every PyTorch
+    option that fits against backprop, interleaved."""
     import leangrad
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress(msg)
 
     torch.manual_seed(0)
     size = dict(PLAN_SIZE)
@@ -99,19 +114,18 @@ def plan_half(*, repeats: int = 3, progress: Any = None) -> dict[str, Any]:
     model = zoo.gpt(**size)
     idx, loss_fn = zoo.batch("gpt", model, batch, length=size["context"])
     ref = profile_step(leangrad.engine("backprop"), model, idx, loss_fn, repeats=0)
-    budget = ref.baseline_bytes + ref.peak_bytes // 2
-    if progress is not None:
-        progress("plan the GPT to half its memory")
+    budget = ref.baseline_bytes + int(ref.peak_bytes * PLAN_FRACTION)
+    say(f"plan the GPT to {_fraction(PLAN_FRACTION)} of its memory")
     p = leangrad.plan(model, idx, loss_fn, budget=budget, repeats=repeats)
-    if progress is not None:
-        progress("PyTorch's exact options at the same budget")
+    say("PyTorch's exact options at the same budget")
     options = pytorch_options(model, idx, loss_fn, budget=budget)
-    rec: dict[str, Any] = {"model": "gpt", "size": PLAN_SIZE, "budget_bytes": budget,
-                           "backprop_total_bytes": ref.total_bytes,
+    rec: dict[str, Any] = {"model": "gpt", "size": PLAN_SIZE, "fraction": PLAN_FRACTION,
+                           "budget_bytes": budget, "backprop_total_bytes": ref.total_bytes,
                            "choice": None if p.engine is None else p.engine.label,
                            "plan_total_bytes": p.peak_bytes, "time_ratio": None,
                            "message": p.message, "pytorch": options,
-                           "pytorch_best": None, "pytorch_note": NO_COMPILE}  # fmt: skip
+                           "pytorch_best": None, "pytorch_lowest": None,
+                           "compile": None, "compile_note": COMPILE_NOTE}  # fmt: skip
 
     def step(e: Any) -> Callable[[], None]:
         return as_call(e, model, idx, loss_fn)
@@ -119,15 +133,53 @@ def plan_half(*, repeats: int = 3, progress: Any = None) -> dict[str, Any]:
     steps = {"backprop": step(leangrad.engine("backprop"))}
     if p.engine is not None:
         steps["plan"] = step(p.engine)
+    lowest = lowest_pytorch(options)
+    timed = [o for o in options if o["fits"] or o is lowest]
     steps.update({o["label"]: step(Method(o["label"], "pytorch", True, o["spec"]).make())
-                  for o in options if o["fits"]})  # fmt: skip
+                  for o in timed})  # fmt: skip
     t = time_interleaved(steps, repeats=repeats, warmup=1, reference="backprop")
     rec["time_ratio"] = t["plan"].ratio if "plan" in t else None
     for o in options:
         o["time_ratio"] = t[o["label"]].ratio if o["label"] in t else None
     rec["pytorch_best"] = best_pytorch(options, budget)
+    rec["pytorch_lowest"] = lowest
     model.zero_grad(set_to_none=True)
+    if compile_model:
+        say("torch.compile(activation_memory_budget=0), in a fresh process")
+        rec["compile"] = compile_lowest(repeats=min(repeats, 2))  # a cold compile: ~40 s
     return rec
+
+
+def compile_lowest(*, repeats: int = 3) -> dict[str, Any]:
+    """``torch.compile`` of the :data:`PLAN_SIZE` GPT with ``activation_memory_budget =``
+    :data:`COMPILE_BUDGET`, in a fresh process (the zoo suite's worker, cold inductor
+    cache): ``peak_ratio`` (RSS, over eager backprop's in that process), ``time_ratio``,
+    ``compile_seconds`` and the gradient error; ``{"failed": why}`` if it did not run."""
+    from leangrad.measure._rss import run_json_worker
+
+    size = dict(PLAN_SIZE)
+    payload = {"mode": "zoo", "model": "gpt_50k", "size": size, "compile": [COMPILE_BUDGET],
+               "repeats": repeats}  # fmt: skip
+    try:
+        out = run_json_worker("leangrad_bench._worker", payload, timeout=600.0)
+        c = dict(out["compile"][str(COMPILE_BUDGET)])
+    except Exception as err:  # the figure says why the bar is missing
+        return {"failed": f"{type(err).__name__}: {str(err)[-300:]}"}
+    if "failed" in c:
+        return {"failed": c["failed"]}
+    return {"budget": COMPILE_BUDGET, "peak_ratio": c["rss"] / c["rss_eager"],
+            "time_ratio": c["t"] / c["t_eager"], "compile_seconds": c["compile_s"],
+            "grad_max_rel_err": c["grad_max_rel_err"]}  # fmt: skip
+
+
+def lowest_pytorch(options: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The PyTorch option with the smallest step, fitting or not (``None``: none ran)."""
+    ran = [o for o in options if o.get("total_bytes") is not None]
+    return min(ran, key=lambda o: o["total_bytes"]) if ran else None
+
+
+def _fraction(f: float) -> str:
+    return {0.5: "½", 0.25: "¼", 0.125: "⅛"}.get(f, f"{f:g}×")
 
 
 def pytorch_options(
@@ -181,24 +233,42 @@ def format_depth(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _option_line(what: str, o: dict[str, Any] | None, rec: dict[str, Any]) -> str:
+    if o is None:
+        return f"  {what}: none ran"
+    fits = "fits" if o["total_bytes"] <= rec["budget_bytes"] else "over budget"
+    t = "—" if o.get("time_ratio") is None else f"{o['time_ratio']:.2f}× time"
+    return f"  {what}: {o['label']}: {fmt_bytes(o['total_bytes'])} ({fits}), {t}"
+
+
 def format_plan(rec: dict[str, Any]) -> str:
-    """The plan summary beside PyTorch's best exact option, under 100 columns."""
+    """The plan beside PyTorch's exact options and torch.compile, under 100 columns."""
     ratio = "—" if rec["time_ratio"] is None else f"{rec['time_ratio']:.2f}× backprop's time"
-    best = rec.get("pytorch_best")
-    tried = len(rec.get("pytorch", []))
-    torch_line = (f"  PyTorch's best exact option: none of {tried} fits" if best is None else
-                  f"  PyTorch's best exact option: {best['label']}: "
-                  f"{fmt_bytes(best['total_bytes'])}, {best['time_ratio']:.2f}× backprop's time")
-    return "\n".join([
-        f"GPT-2-style transformer (zoo.gpt, {rec['size']['layers']} layers, d="
-        f"{rec['size']['dim']}, T={rec['size']['context']}, batch {rec['size']['batch']}) "
-        "planned to half its memory:",
-        f"  backprop needs {fmt_bytes(rec['backprop_total_bytes'])}; budget "
-        f"{fmt_bytes(rec['budget_bytes'])}",
+    size, best = rec["size"], rec.get("pytorch_best")
+    lines = [
+        f"GPT-2-style LM at GPT-2's vocabulary (zoo.gpt, vocab {size['vocab']:,}, "
+        f"{size['layers']} layers, d={size['dim']}, T={size['context']}, "
+        f"batch {size['batch']})",
+        f"planned to {_fraction(rec['fraction'])} of its memory: backprop needs "
+        f"{fmt_bytes(rec['backprop_total_bytes'])}; budget {fmt_bytes(rec['budget_bytes'])}",
         f"  leangrad.plan chose {_short(rec['choice'])}: "
         f"{fmt_bytes(rec['plan_total_bytes'])}, {ratio}",
-        torch_line,
-    ])  # fmt: skip
+    ]  # fmt: skip
+    if best is not None:
+        lines.append(_option_line("PyTorch's best exact", best, rec))
+    else:
+        tried = len(rec.get("pytorch", []))
+        lines.append(f"  PyTorch's best exact: none of {tried} fits")
+        lines.append(_option_line("PyTorch's lowest exact", rec.get("pytorch_lowest"), rec))
+    c = rec.get("compile")
+    if c is None:
+        pass
+    elif "failed" in c:
+        lines.append(f"  torch.compile(activation_memory_budget=0): failed ({c['failed'][:40]})")
+    else:
+        lines.append(f"  torch.compile(activation_memory_budget=0): {c['peak_ratio']:.2f}× "
+                     f"backprop's peak (RSS), {c['time_ratio']:.2f}× its time")  # fmt: skip
+    return "\n".join(lines)
 
 
 def plot_depth(records: list[dict[str, Any]], path: Path) -> None:
@@ -227,36 +297,49 @@ def plot_depth(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-_GRAY, _ORANGE, _GREEN = "tab:gray", "tab:orange", "tab:green"
+_GRAY, _ORANGE, _GREEN, _PURPLE = "tab:gray", "tab:orange", "tab:green", "tab:purple"
 
 
 def plot_plan(rec: dict[str, Any], path: Path) -> None:
-    """One message, on one slide: at the same budget (half of backprop's step memory),
-    leangrad's plan beside PyTorch's best exact option — memory on the left, time on the
-    right, backprop for scale."""
+    """One message, on one slide: at the same budget (⅛ of backprop's step memory),
+    leangrad's plan beside PyTorch's exact options (the fastest that fits, else the lowest)
+    and torch.compile's lowest activation budget — memory on the left, time on the right,
+    backprop for scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mib = 2**20
-    best = rec.get("pytorch_best")
+    mib, total = 2**20, rec["backprop_total_bytes"]
+    best, low, c = rec.get("pytorch_best"), rec.get("pytorch_lowest"), rec.get("compile")
+    torch_row = best or low
+    over = torch_row is not None and torch_row["total_bytes"] > rec["budget_bytes"]
     names = ["backprop (no saving)",
-             "PyTorch's best:\n" + (best["label"] if best else "nothing exact fits"),
-             "leangrad.plan:\n" + _short(rec["choice"])]  # fmt: skip
-    totals = [rec["backprop_total_bytes"], best["total_bytes"] if best else None,
-              rec["plan_total_bytes"]]  # fmt: skip
-    times = [1.0, best["time_ratio"] if best else None, rec["time_ratio"]]
-    colors = [_GRAY, _ORANGE, _GREEN]
+             ("PyTorch's lowest exact:\n" if over else "PyTorch's best exact:\n")
+             + (torch_row["label"] if torch_row else "none ran")]  # fmt: skip
+    totals = [total, torch_row["total_bytes"] if torch_row else None]
+    times = [1.0, torch_row.get("time_ratio") if torch_row else None]
+    colors = [_GRAY, _ORANGE]
+    if c is not None:
+        ok = "failed" not in c
+        names.append("torch.compile\n(activation_memory_budget=0)" + ("" if ok else ": failed"))
+        totals.append(int(c["peak_ratio"] * total) if ok else None)
+        times.append(c["time_ratio"] if ok else None)
+        colors.append(_PURPLE)
+    names.append("leangrad.plan:\n" + _short(rec["choice"]))
+    totals.append(rec["plan_total_bytes"])
+    times.append(rec["time_ratio"])
+    colors.append(_GREEN)
     size = rec["size"]
-    fig, (mem, tim) = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True,
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True,
                                    gridspec_kw={"width_ratios": [3, 2]})  # fmt: skip
     bars = mem.barh(names, [(v or 0) / mib for v in totals], color=colors)
     mem.bar_label(bars, labels=[fmt_bytes(v) if v else "—" for v in totals], padding=3)
+    frac = _fraction(rec["fraction"])
     mem.axvline(rec["budget_bytes"] / mib, color="tab:red", ls="--", lw=1.4,
                 label=f"budget {fmt_bytes(rec['budget_bytes'])}: parameters, inputs "
-                      "+ ½ backprop's peak")  # fmt: skip
-    mem.set_xlim(0, rec["backprop_total_bytes"] / mib * 1.3)
+                      f"+ {frac} backprop's peak")  # fmt: skip
+    mem.set_xlim(0, total / mib * 1.3)
     mem.set_xlabel("memory one training step needs (MiB)")
     mem.set_title("Memory (lower is better)")
     mem.legend(loc="lower right", fontsize=8)
@@ -269,16 +352,16 @@ def plot_plan(rec: dict[str, Any], path: Path) -> None:
     for ax in (mem, tim):
         ax.grid(alpha=0.3, axis="x")
     mem.invert_yaxis()
-    fig.suptitle(f"Same budget, exact gradients: leangrad.plan vs PyTorch's best — zoo.gpt "
-                 f"({size['layers']} layers, d={size['dim']}, T={size['context']}, "
-                 f"batch {size['batch']})")  # fmt: skip
+    fig.suptitle(f"A real vocabulary in {frac} of the memory, exact: zoo.gpt at vocab "
+                 f"{size['vocab']:,} ({size['layers']} layers, d={size['dim']}, "
+                 f"T={size['context']}, batch {size['batch']})")  # fmt: skip
     tried = textwrap.fill("PyTorch options tried: "
                           + ", ".join(o["label"] for o in rec.get("pytorch", [])) + ".",
                           width=190)  # fmt: skip
     fig.text(0.01, 0.01, f"Memory: parameters, inputs and the step's tracked peak. Time: "
              "medians of interleaved repeats, 1 thread. Exact: the same gradient as "
-             f"backprop's.\n{tried}\n"
-             f"{rec.get('pytorch_note', '')}.", fontsize=7, color="dimgray")  # fmt: skip
+             f"backprop's.\n{tried}\n{rec.get('compile_note', '')}.",
+             fontsize=7, color="dimgray")  # fmt: skip
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

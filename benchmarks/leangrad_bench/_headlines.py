@@ -1,4 +1,4 @@
-"""The headline guard: the machine-independent figures behind the README's headlines
+"""The headline guard: the machine-independent figures behind the docs' headlines
 (``headlines.toml``), recomputed from today's code and compared with the committed
 results.
 

@@ -149,7 +149,7 @@ def reproduction_table(suites: Mapping[str, list[Record]], *,
 
 def reproduction_markdown(directory: str | Path) -> str:
     """:func:`reproduction_table` of the suite results in ``directory`` (``leangrad report
-    DIR --reproduction``; the README's ``## Reproduction`` table is this of ``results/``)."""
+    DIR --reproduction``; the table of ``docs/reproduction.md`` is this of ``results/``)."""
     return reproduction_table(load_records(Path(directory)))
 
 

@@ -1,5 +1,5 @@
-"""The ``zoo`` suite's section of ``leangrad report``, and the README's opening table
-(:func:`headline_table`)."""
+"""The ``zoo`` suite's section of ``leangrad report``, and the results page's opening
+table (``docs/results.md``, :func:`headline_table`)."""
 
 from __future__ import annotations
 
@@ -127,8 +127,8 @@ def headline_table(
     reaches (:func:`largest_batch`), each with the option (``≥N``: the search stopped at
     its cap, so the option reaches at least ``N``).
 
-    The README's opening table is ``leangrad report results --headline``
-    (:func:`zoo_headline`).
+    The results page's opening table (``docs/results.md``) is ``leangrad report results
+    --headline`` (:func:`zoo_headline`).
 
     Args:
         records: the ``zoo`` suite's records (``results/zoo.json``).
@@ -174,7 +174,7 @@ def headline_table(
 
 def zoo_headline(directory: str | Path) -> str:
     """:func:`headline_table` of ``directory/zoo.json``, headed by what was run (quick or
-    full sizes, machine, date) — the README's opening table.
+    full sizes, machine, date) — the tables of the results page, ``docs/results.md``.
 
     Raises:
         LeangradError: the directory has no zoo records.

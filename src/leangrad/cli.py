@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d.add_argument("--out", default="leangrad-demo", type=cli_types.out_dir,
-                   help="directory for demo.json and demo.png")  # fmt: skip
+                   help="directory for demo.json and its figures (PNG)")  # fmt: skip
     d.add_argument(
         "--repeats", type=cli_types.positive_int, default=3, help="timed repeats per engine"
     )
@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("dir", help="directory holding suite JSON files")
     table = r.add_mutually_exclusive_group()
     table.add_argument("--headline", action="store_true",
-                       help="print the README's opening table from DIR/zoo.json")  # fmt: skip
+                       help="print the results page's opening table from DIR/zoo.json")  # fmt: skip
     table.add_argument("--reproduction", action="store_true",
                        help="print the papers' numbers beside ours, from DIR/*.json")  # fmt: skip
     for sp in (d, b):

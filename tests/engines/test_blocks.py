@@ -382,7 +382,7 @@ def test_highway_gru_lm_is_the_gru_lm_with_leangrads_layers() -> None:
 def test_cli_trains_a_class_based_model_from_a_factory(
     model: str, data: list[str], engine: str, tmp_path, capsys  # type: ignore[no-untyped-def]
 ) -> None:
-    """The README's custom-model path: ``--model package.module:factory`` with
+    """The custom-model path of docs/training.md: ``--model package.module:factory`` with
     ``input_shape``/``num_classes`` passed by keyword, synthetic images from
     ``--data-opt shape=C,H,W``, text windows — trained as written by engines that take
     any module."""
