@@ -10,7 +10,7 @@ from ._run import run_suite, timing_threads
 from ._runner import RECORD_FIELDS, EngineSpec, Record, machine_info, measure_config, new_record
 from ._suites import RunSettings, Suite, list_suites, load_suite
 from ._workloads import Workload, build
-from ._zoo_report import zoo_headline
+from ._zoo_report import wins_table, zoo_headline
 
 __all__ = [
     "RECORD_FIELDS",
@@ -30,5 +30,6 @@ __all__ = [
     "run_demo",
     "run_suite",
     "timing_threads",
+    "wins_table",
     "zoo_headline",
 ]

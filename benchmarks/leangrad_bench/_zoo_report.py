@@ -3,6 +3,7 @@ table (``docs/results.md``, :func:`headline_table`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -15,12 +16,14 @@ from ._report import fmt, load_records
 
 __all__ = [
     "LEANGRAD_SIDES",
+    "NO_WINS",
     "NO_ZOO",
     "PYTORCH_SIDES",
     "best_within",
     "headline_table",
     "largest_batch",
     "render",
+    "wins_table",
     "zoo_headline",
 ]
 
@@ -291,3 +294,91 @@ def _model_table(series: str, rs: list[dict[str, Any]]) -> list[str]:
             "",
         ]
     return lines
+
+
+WIN_MODELS: tuple[tuple[str, str, str], ...] = (
+    ("zoo.json", "gpt_50k", "GPT at GPT-2's vocabulary, 50,257 (`gpt_50k`, quick)"),
+    ("zoo.json", "llama", "Llama, vocabulary 32,000 (`llama`, quick)"),
+    ("zoo.json", "resnet", "ResNet-18 with BatchNorm (`resnet`, quick)"),
+    ("full/zoo.json", "resnet", "ResNet-18 with BatchNorm (`resnet`, full size)"),
+    ("model-corpus-zoo.json", "timm_convnext_tiny",
+     "timm ConvNeXt-T (`timm_convnext_tiny`, 224², batch 10)"),
+)  # fmt: skip
+"""The README's "where it wins" rows: (file under the results directory, model, label)."""
+NO_WINS = "{directory}: none of the files behind the README's wins table ({files}) is there"
+
+
+def _lowest(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row with the lowest peak (the faster of equal peaks); ``None`` for none."""
+    return min(rows, key=lambda r: (r["peak_ratio"], r["time_ratio"])) if rows else None
+
+
+def _zoo_sides(records: list[dict[str, Any]], model: str) -> tuple[Any, Any, Any]:
+    """backprop's record and each side's lowest exact, measured, timed record."""
+    bp = next((r for r in records if r["series"] == model and r["engine"] == "backprop"
+               and _measured(r)), None)  # fmt: skip
+
+    def side(sides: Sequence[str]) -> dict[str, Any] | None:
+        rows = [r for r in _exact_rows(records, model, sides) if r.get("time_ratio") is not None]
+        return _lowest(rows)
+
+    return bp, side(LEANGRAD_SIDES), side(PYTORCH_SIDES)
+
+
+def _corpus_sides(rows: list[dict[str, Any]], model: str) -> tuple[Any, Any, Any]:
+    """The corpus zoo rows (``tests/model_corpus.py --zoo-rows``) in the zoo's terms:
+    ``leangrad ...`` rows on leangrad's side, the library's own recipe on PyTorch's."""
+    mine = [r for r in rows if r["model"] == model and r.get("peak_vs_backprop") is not None]
+    as_zoo = [{"engine": r["row"].removeprefix("leangrad "), "peak_ratio": r["peak_vs_backprop"],
+               "time_ratio": r["time_vs_backprop"], "peak_mib": r["peak_mib"],
+               "leangrad": r["row"].startswith("leangrad ")} for r in mine]  # fmt: skip
+    bp = next((r for r in as_zoo if r["engine"] == "backprop"), None)
+    others = [r for r in as_zoo if r["engine"] != "backprop"]
+    return (bp, _lowest([r for r in others if r["leangrad"]]),
+            _lowest([r for r in others if not r["leangrad"]]))  # fmt: skip
+
+
+def wins_table(directory: str | Path) -> str:
+    """The README's "where it wins" table: per row of :data:`WIN_MODELS`, the lowest peak
+    each side reaches with an exact gradient — leangrad (an engine or a plan) beside
+    PyTorch alone (its checkpointing, accumulation and compile recipes; a library's own
+    recipe for a downloaded model) — as ratios to backprop's peak, with each one's time.
+    Rows whose results file is missing are left out.
+
+    Raises:
+        LeangradError: none of the files is there.
+    """
+    directory = Path(directory)
+    lines = ["| model | backprop peak | leangrad, lowest exact peak | peak | time "
+             "| PyTorch alone, lowest exact peak | peak | time |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    loaded: dict[str, Any] = {}
+    for file, model, label in WIN_MODELS:
+        path = directory / file
+        if not path.exists():
+            continue
+        if file not in loaded:
+            loaded[file] = json.loads(path.read_text())
+        data = loaded[file]
+        if Path(file).name == "zoo.json":
+            bp, ours, theirs = _zoo_sides(data, model)
+            bp_peak = fmt(bp["peak_bytes"], "gib") if bp else "—"
+        else:
+            bp, ours, theirs = _corpus_sides(data, model)
+            bp_peak = f"{bp['peak_mib']:.0f} MiB" if bp else "—"
+        if bp is None:
+            continue
+
+        def cells(r: dict[str, Any] | None, *, bold: bool) -> str:
+            if r is None:
+                return "— | — | —"
+            peak = f"**{r['peak_ratio']:.2f}×**" if bold else f"{r['peak_ratio']:.2f}×"
+            return f"{_how(r)} | {peak} | {r['time_ratio']:.2f}×"
+
+        win = ours is not None and (theirs is None or ours["peak_ratio"] < theirs["peak_ratio"])
+        lines.append(f"| {label} | {bp_peak} | {cells(ours, bold=win)} | "
+                     f"{cells(theirs, bold=False)} |")  # fmt: skip
+    if len(lines) == 2:
+        files = ", ".join(sorted({f for f, _, _ in WIN_MODELS}))
+        raise errors.LeangradError(NO_WINS.format(directory=directory, files=files))
+    return "\n".join(lines)

@@ -5,7 +5,7 @@
 leangrad demo [--out DIR]
 leangrad bench --list
 leangrad bench SUITE [--quick] [--out DIR] [--no-rss] [--threads 1,cores]
-leangrad report DIR [--headline | --reproduction]
+leangrad report DIR [--headline | --reproduction | --wins]
 leangrad train [--model NAME] [--data DATA] [--engine NAME | --budget SIZE | --plan FILE] ...
 leangrad plan --model NAME --batch-size B --budget 2GiB [--save FILE]      (alias: advise)
 leangrad plan ... --nproc N [--parallel ddp|fsdp]      (what each of N processes holds)
@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="print the results page's opening table from DIR/zoo.json")  # fmt: skip
     table.add_argument("--reproduction", action="store_true",
                        help="print the papers' numbers beside ours, from DIR/*.json")  # fmt: skip
+    table.add_argument("--wins", action="store_true",
+                       help="print the README's table of where leangrad wins, from "
+                            "DIR/zoo.json, DIR/full/zoo.json, DIR/model-corpus-zoo.json")
     for sp in (d, b):
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
     from .train._cli import add_plan_parser, add_train_parser
@@ -211,6 +214,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.reproduction:
         print(bench.reproduction_markdown(args.dir))
+        return 0
+    if args.wins:
+        print(bench.wins_table(args.dir))
         return 0
     path = bench.render_report(args.dir)
     print(f"wrote {path}")

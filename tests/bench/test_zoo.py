@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from leangrad import zoo
+from leangrad import LeangradError, zoo
 from leangrad.cli import main
 from leangrad_bench import RECORD_FIELDS, RunSettings, load_suite
 from leangrad_bench._models import build
@@ -422,3 +423,26 @@ def test_zoo_workloads_follow_the_device_asked_for() -> None:
     assert torch.equal(a.inputs, b.inputs)  # drawn on the CPU from the same seed either way
     targets = a.loss_fn.targets  # type: ignore[attr-defined]
     assert all(t.device == a.inputs.device for t in targets)
+
+
+def test_wins_table_is_each_sides_lowest_exact_peak(tmp_path: Path) -> None:
+    """``leangrad report DIR --wins``: per model, the lowest exact peak of each side with
+    its time; leangrad's cell is bold where it is lower; a missing file leaves its rows
+    out, no file at all is one error."""
+    from leangrad_bench._zoo_report import wins_table
+
+    root = Path(__file__).resolve().parents[2] / "results"
+    table = wins_table(root)
+    rows = table.splitlines()[2:]
+    assert len(rows) == 5
+    assert all(row.count("**") == 2 for row in rows)  # leangrad lower on every row
+    zoo = json.loads((root / "zoo.json").read_text())
+    exact = [r for r in zoo if r["series"] == "gpt_50k" and r.get("exact") and not r.get("estimate")
+             and r.get("side") in ("pytorch", "compile") and r.get("peak_ratio") is not None
+             and r.get("time_ratio") is not None and not r.get("skipped")]  # fmt: skip
+    lowest = min(exact, key=lambda r: (r["peak_ratio"], r["time_ratio"]))
+    assert f"| {lowest['engine']} | {lowest['peak_ratio']:.2f}× |" in rows[0]
+    (tmp_path / "zoo.json").write_text((root / "zoo.json").read_text())
+    assert len(wins_table(tmp_path).splitlines()) == 2 + 3  # the quick rows only
+    with pytest.raises(LeangradError, match="none of the files behind the README's wins table"):
+        wins_table(tmp_path / "nothing")
