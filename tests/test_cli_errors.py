@@ -157,6 +157,7 @@ CASES: list[tuple[list[str], str]] = [
     (["report", "{values}"], "(x.json is a list of values, not of records (objects))"),
     (["report", "{nofield}"], "x.json: a record has no field 'config', which the report of suite"),
     (["report", "{nosuite}"], "(x.json holds records of no suite (no 'suite' field))"),
+    (["report", "{dir}", "--wins"], "none of the files behind the README's wins table"),
     # no command
     ([], "the following arguments are required: command"),
     (["nope"], "argument command: invalid choice: 'nope'"),
