@@ -4,6 +4,7 @@ when a headline moves (a Moonwalk that holds one activation too long)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +54,34 @@ def test_the_guard_fails_when_a_headline_moves(monkeypatch: pytest.MonkeyPatch) 
     peak = next(c for c in checks if (c.engine, c.what) == ("moonwalk", "peak"))
     assert peak.committed is not None and peak.now is not None
     assert peak.now > 1.05 * peak.committed
+
+
+def test_rad_saved_bytes_match_the_committed_results() -> None:
+    """RAD App. A's headline ("saved 8.2x" at batch 150, fraction 0.1): every rad-variance
+    record's saved bytes, measured again by today's code, as a ratio to the exact batch-150
+    step's within the memory tolerance."""
+    from leangrad_bench._rad import _load, _network, memory_of, randomized
+
+    records = [r for r in json.loads((RESULTS / "rad-variance.json").read_text())
+               if r.get("kind") == "rad-variance"]  # fmt: skip
+    train, _ = _load(records[0]["config"]["dataset"], records[0]["config"]["seed"])
+    moved_rows = []
+    for kind in dict.fromkeys(r["model"] for r in records):
+        rows = [r for r in records if r["model"] == kind]
+        seed = rows[0]["config"]["seed"]
+        base = _network(kind, train.x.shape[-1], seed, "cpu")
+        ref = next(r for r in rows if r["fraction"] is None and r["batch"] == 150)
+        now: dict[int, int] = {}
+        for i, r in enumerate(rows):
+            model = randomized(base, r["fraction"], r["mode"], seed + 1)
+            now[i] = memory_of(model, train.x[: r["batch"]], train.y[: r["batch"]])["saved_bytes"]
+        ref_now = now[rows.index(ref)]
+        for i, r in enumerate(rows):
+            committed, measured = r["saved_bytes"] / ref["saved_bytes"], now[i] / ref_now
+            if abs(measured - committed) > TOLERANCE.memory * committed:
+                moved_rows.append(f"{kind} {r['engine']}: {committed:.4f} -> {measured:.4f}")
+    assert not moved_rows, moved_rows
+    rad01 = next(r for r in records if r["model"] == "mlp" and r["fraction"] == 0.1)
+    mlp150 = next(r for r in records if r["model"] == "mlp" and r["fraction"] is None
+                  and r["batch"] == 150)  # fmt: skip
+    assert mlp150["saved_bytes"] / rad01["saved_bytes"] > 8  # the headline itself
