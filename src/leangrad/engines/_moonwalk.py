@@ -36,13 +36,11 @@ functions of their input (no dropout): Phase III recomputes them.
 
 Precision: Phase III rebuilds h_i from h₀ as stored, and a LeakyReLU's vijp divides by
 its slope where x ≤ 0 only, so after channel-mixing layers the rounding error of h₀
-comes back amplified by about Π √(1/slope) (estimate; worst case Π 1/slope): in float32,
-``submersive_cnn(3, 4, 8, 3)`` at 256×256 with slope 0.1 measured up to 4e-4 relative
-(float32 autograd: 4e-6), and with slope 0.01 the gradient was lost. Mixed mode therefore
-keeps Phase II's own output cotangent at the layers
-``leangrad.layers._base.precision_keep_points`` names (where the estimate would pass
-1/16 of the warning limit; for that CNN at slope 0.1 a 32×32 and a 4×4 cotangent, 6% of
-h₁'s bytes), which measured ≤ 1.9x float32 autograd's error. Pure mode has no backward
+comes back amplified by about Π √(1/slope) (estimate; worst case Π 1/slope): in float32
+through deep LeakyReLU chains the gradient can lose most of its digits. Mixed mode
+therefore keeps Phase II's own output cotangent at the few small layers
+``leangrad.layers._base.precision_keep_points`` names (measured in ``docs/layers.md``:
+back to autograd's error for a few percent of h₁'s bytes). Pure mode has no backward
 pass to keep from: it emits a :class:`~leangrad.layers._base.PrecisionWarning` (once per
 condition) when the estimate exceeds 256x autograd's error and 3e-5; the fixes: float64,
 a slope closer to 1, mode="mixed", or the ``checkpoint`` engine.
@@ -340,8 +338,7 @@ class Moonwalk(ChainEngine):
         """Mixed mode: the chain positions whose output cotangent Phase II keeps for Phase
         III, so that no run of vijps amplifies rounding errors past 1/16 of the
         :class:`~leangrad.layers._base.PrecisionWarning` limit (float32 through deep
-        LeakyReLU chains; ``submersive_cnn(3, 4, 8, 3)`` at 256², slope 0.1: a 32×32 and
-        a 4×4 cotangent, 6% of h₁'s bytes, error 4e-4 → 3.6e-6)."""
+        LeakyReLU chains; measured in ``docs/layers.md``)."""
         dtype = chain_dtype(layers, inputs)
         if self.mode != "mixed" or dtype is None:
             return set()

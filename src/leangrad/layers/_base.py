@@ -366,11 +366,7 @@ def precision_keep_points(
     ``dtype`` / :data:`KEEP_MARGIN`: 16 in float32).
 
     In a downsampling CNN the amplification builds up in the deep layers, whose
-    cotangents are small. Measured with Moonwalk keeping these cotangents in Phase II, on
-    ``submersive_cnn(3, 4, 8, 3, stem="repeat")`` at 256×256, float32, worst of 40 seeds
-    (float32 autograd ≤ 4e-6): slope 0.1, a 32×32 and a 4×4 cotangent (6% of the
-    largest), 4e-4 → 3.6e-6 (1.0x autograd's); slope 0.01, every second level (27%),
-    25 → 3.8e-6 (1.1x).
+    cotangents are small, so the points are few and small (measured: ``docs/layers.md``).
     """
     eps = torch.finfo(dtype).eps
     cap = (

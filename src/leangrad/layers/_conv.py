@@ -36,43 +36,12 @@ zeroes the centre-tap entries with ``c ≤ c'``) plus the diagonal
 ``1 + 0.5·tanh(diag_raw)`` ∈ (0.5, 1.5) at ``(c', c', p, p)`` (init 1, the
 paper's normalisation in Algorithm 2 and eq. (15)). Why bounded: the vijp's
 error grows with ``κ(A)``; a floor keeps the diagonal from drifting to 0 and
-a ceiling caps its own spread at a factor 3 of ``κ``. Measured float32
-relative error of the top cotangent ``h_8`` recovered by 8 chained vijps from
-``h_0`` (float64 reference, 16 channels, batch 2, max over 3 seeds), default
-init → diagonal drifted by ``diag_raw ~ N(0, 3²)``:
-
-================================  =========  ===================  ===================
-diagonal map                      κ₂(A) max  3×3/s2/p1 parallel   3×3/s1/p0 wavefront
-                                  drifted    (256² → 1²)          (40² → 24²)
-================================  =========  ===================  ===================
-``1 + 0.5·tanh`` (used)           4.0        1.3e-7 → 3.9e-7      1.3e-6 → 4.2e-4
-``0.5 + softplus`` (no ceiling)   22         1.4e-7 → 2.4e-6      1.3e-6 → 1.8e-3
-``exp`` (no floor)                1.9e10     1.3e-7 → 1.1e6       1.3e-6 → nan
-================================  =========  ===================  ===================
-
-The parallel path's error is set by ``κ(A)`` alone. The wavefront path's
-also grows with the off-centre taps relative to the diagonal and with the
-spatial size, because eq. (14) is a causal 2D recursion that propagates
-rounding errors (default init, 3×3/s1/p0, 16 channels: 1.3e-6 at 24² outputs,
-1.5e-6 at 56²; with ``diag_raw ~ N(0, 1)``: 1.6e-5 and 8.0e-5). Both paths
-multiply by the explicit ``A⁻¹`` (one GEMM; same error as
-``solve_triangular`` in float32 up to κ ≈ 1e10). ``vijp`` warns when
-``κ₁(A)·eps`` exceeds ``COND_WARN_RTOL`` (large off-diagonal weights); it
-does not test the wavefront recursion's stability.
-
-Channels-last, measured (CPU, 1 thread, batch 32, 64→64 channels, 32×32
-input, median of ``torch.utils.benchmark``):
-
-- ``forward`` 3×3/s2/p1: 8.1 ms NCHW, 12.6 ms when converting ``x`` to
-  channels-last first (7.3 ms if the caller's ``x`` already is): not
-  converted — ``forward`` keeps the caller's format.
-- ``vjp_input`` (``conv_transpose2d``): 22.6 ms NCHW vs 7.3 ms converting
-  ``h'`` to channels-last first (3×3/s1/p0: 34.7 vs 21.7 ms): converted,
-  and the result is returned in channels-last strides (converting it back
-  costs 11 ms).
-- ``vijp``: the solve's natural output layout is channels-last, returned
-  without a copy: 3×3/s2/p1 parallel 1.7 ms (4.8 ms when made NCHW-contiguous);
-  3×3/s1/p0 wavefront 43 ms with NCHW ``h``, 51 ms channels-last (forward: 22 ms).
+a ceiling caps its own spread at a factor 3 of ``κ``. The parallel path's error is set
+by ``κ(A)`` alone; the wavefront path's also grows with the off-centre taps and the
+spatial size (eq. (14) is a causal 2D recursion). ``vijp`` warns when ``κ₁(A)·eps``
+exceeds ``COND_WARN_RTOL``. ``forward`` keeps the caller's memory format; ``vjp_input``
+and ``vijp`` return channels-last strides (their faster layout on the CPU). The
+measurements behind these choices are in ``docs/layers.md``.
 """
 
 from __future__ import annotations
