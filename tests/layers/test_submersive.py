@@ -172,7 +172,7 @@ def _chain_error(cfg: Cfg, n: int, *, depth: int = 8, c: int = 8) -> float:
 )
 def test_float32_chained_vijp_error_at_depth_8(cfg: Cfg, n: int, bound: float) -> None:
     """Moonwalk's Phase III in float32 at default init (measured: ~1e-7 parallel,
-    ~1e-6 wavefront; the module docstring of ``_conv`` has the table)."""
+    ~1e-6 wavefront; docs/layers.md has the table)."""
     assert _chain_error(cfg, n) <= bound
 
 
