@@ -261,11 +261,9 @@ def format_plan(rec: dict[str, Any]) -> str:
         lines.append(f"  PyTorch's best exact: none of {tried} fits")
         lines.append(_option_line("PyTorch's lowest exact", rec.get("pytorch_lowest"), rec))
     c = rec.get("compile")
-    if c is None:
-        pass
-    elif "failed" in c:
+    if c is not None and "failed" in c:
         lines.append(f"  torch.compile(activation_memory_budget=0): failed ({c['failed'][:40]})")
-    else:
+    elif c is not None:
         lines.append(f"  torch.compile(activation_memory_budget=0): {c['peak_ratio']:.2f}× "
                      f"backprop's peak (RSS), {c['time_ratio']:.2f}× its time")  # fmt: skip
     return "\n".join(lines)

@@ -59,20 +59,24 @@ def command_output(command: str, *, cwd: Path) -> str:
     return out.getvalue().strip() + "\n"
 
 
+class _Outputs(dict[str, str]):
+    """Command -> its output, each command run once (on first lookup)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, command: str) -> str:
+        out = self[command] = command_output(command, cwd=self.root)
+        return out
+
+
 def regenerate(paths: Iterable[Path], *, root: Path) -> list[Path]:
     """Rewrite every generated block of ``paths`` from its command; the files changed."""
-    changed: list[Path] = []
-    cache: dict[str, str] = {}
+    outputs, changed = _Outputs(root), []
     for path in paths:
         text = path.read_text()
-
-        def fill(m: re.Match[str]) -> str:
-            cmd = m["command"]
-            if cmd not in cache:
-                cache[cmd] = command_output(cmd, cwd=root)
-            return m["open"] + cache[cmd] + m["close"]
-
-        new = BLOCK.sub(fill, text)
+        new = BLOCK.sub(lambda m: m["open"] + outputs[m["command"]] + m["close"], text)
         if new != text:
             path.write_text(new)
             changed.append(path)
@@ -82,13 +86,8 @@ def regenerate(paths: Iterable[Path], *, root: Path) -> list[Path]:
 def stale_blocks(paths: Iterable[Path], *, root: Path) -> list[str]:
     """``path: command`` for every generated block whose text its command does not print
     now (regenerate with ``make reproduce`` or ``python tools/reproduce.py --docs-only``)."""
-    cache: dict[str, str] = {}
-    stale: list[str] = []
+    outputs, stale = _Outputs(root), []
     for path in paths:
-        for block in blocks(path):
-            if block.command not in cache:
-                cache[block.command] = command_output(block.command, cwd=root)
-            if block.body != cache[block.command]:
-                where = path.relative_to(root) if path.is_relative_to(root) else path
-                stale.append(f"{where}: {block.command}")
+        where = path.relative_to(root) if path.is_relative_to(root) else path
+        stale += [f"{where}: {b.command}" for b in blocks(path) if b.body != outputs[b.command]]
     return stale
