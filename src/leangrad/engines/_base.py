@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import _errors as errors
+from .._keywords import positional
 from ._blocks import Blocks
 from ._blocks import blocks as find_blocks
 from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
@@ -43,7 +44,7 @@ __all__ = [
     "trainable_parameters",
 ]
 
-Inputs: TypeAlias = "torch.Tensor | Sequence[torch.Tensor]"
+Inputs: TypeAlias = "torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any]"
 OnGrad: TypeAlias = Callable[[str, nn.Parameter], None]
 """Called as ``on_grad(name, param)`` once ``param.grad`` holds this step's gradient.
 
@@ -319,8 +320,9 @@ class Engine(abc.ABC):
         """Compute the loss and fill ``p.grad`` of every trainable parameter of ``model``.
 
         Args:
-            model: the network; called as ``model(*inputs)``.
-            inputs: a tensor or a sequence of tensors.
+            model: the network; called as ``model(*inputs)``, or ``model(**inputs)``.
+            inputs: a tensor, a sequence of tensors, or a mapping of names to tensors
+                (a Hugging Face batch; values that are not tensors are passed as they are).
             loss_fn: maps the model output to a scalar loss (closes over targets).
             on_grad: optional ``on_grad(name, param)``, called for each parameter as
                 soon as its gradient is final for this step.
@@ -328,7 +330,8 @@ class Engine(abc.ABC):
         Returns:
             A :class:`StepResult` with the detached loss.
         """
-        xs = as_input_tuple(inputs)
+        model, flat = positional(model, inputs)
+        xs = as_input_tuple(flat)
         params = trainable_parameters(model)
         _check_inputs(xs, params)
         wrapper = wrapped_by(model)
@@ -473,7 +476,7 @@ def autocast_on(xs: tuple[torch.Tensor, ...]) -> str | None:
     return None
 
 
-def as_input_tuple(inputs: Inputs) -> tuple[torch.Tensor, ...]:
+def as_input_tuple(inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Normalise ``inputs`` to a tuple of tensors, naming the first non-tensor."""
     xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     for i, x in enumerate(xs):

@@ -374,8 +374,10 @@ class _Nested(Wrapper):
             out = self.inner(*args, **kwargs)
             # A chain value leaving the block would reach the loss after the mode ended
             # (its derivative never attached): pass each output tensor through one
-            # non-element-wise op inside the block.
-            return _tree_map(lambda t: torch.cat([t]) if t.requires_grad else t, out)
+            # non-element-wise op inside the block (a 0-d one, such as a loss the model
+            # computes from ``labels=``, as a 1-element row and back).
+            return _tree_map(lambda t: torch.cat([t.reshape(-1)]).reshape(t.shape)
+                             if t.requires_grad else t, out)  # fmt: skip
 
 
 class BitsTransform(Transform):

@@ -26,6 +26,8 @@ from typing import Any
 
 from torch import nn
 
+from .._keywords import underlying
+
 __all__ = ["DDP", "FSDP1", "FSDP2", "WRAPPED", "forward_replaced", "through_ddp", "wrapped_by"]
 
 DDP = "DistributedDataParallel"
@@ -49,6 +51,7 @@ def wrapped_by(model: nn.Module) -> tuple[str, str] | None:
 
     if not (dist.is_available() and dist.is_initialized()):  # no process group: no wrapper
         return None
+    model = underlying(model)
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._keywords import positional
 from ._grads import compare_grads
 from ._memory import MemoryReport, MemoryTracker
 from ._timer import time_interleaved
@@ -110,7 +111,7 @@ def untouched(model: nn.Module, inputs: Sequence[torch.Tensor] = ()) -> Iterator
 def profile_step(
     engine: Any,
     model: nn.Module,
-    inputs: torch.Tensor | Sequence[torch.Tensor],
+    inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any],
     loss_fn: Callable[[Any], torch.Tensor],
     *,
     repeats: int = 3,
@@ -141,7 +142,8 @@ def profile_step(
         A :class:`StepProfile`. The model, its gradients, buffers and the RNG streams are
         left as they were.
     """
-    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    model, flat = positional(model, inputs)
+    xs = (flat,) if isinstance(flat, torch.Tensor) else tuple(flat)
     named = dict(model.named_parameters())
 
     def step() -> None:

@@ -65,13 +65,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .. import _errors as errors
+from .._keywords import positional
 from .._sizes import fmt_bytes, free_bytes
 from .._step import Step, as_call
 from ..engines import Engine, available, engine_class
@@ -232,7 +233,7 @@ def _last_resorts(model: nn.Module) -> list[PlanOffer]:
 
 def plan(
     model: nn.Module,
-    inputs: torch.Tensor | Sequence[torch.Tensor],
+    inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any],
     loss_fn: Callable[[Any], torch.Tensor],
     *,
     budget: int,
@@ -249,7 +250,8 @@ def plan(
     """Find the fastest engine whose measured peak fits ``budget`` bytes.
 
     Args:
-        model, inputs, loss_fn: one training step, as for ``engine.backward``.
+        model, inputs, loss_fn: one training step, as for ``engine.backward`` (inputs
+            may be a mapping, as Hugging Face passes a batch).
         budget: bytes the step may use in all: parameters, buffers and inputs plus what
             the step allocates (activations, saved tensors, gradients, scratch: the
             tracker's peak). Optimizer state is not included.
@@ -328,7 +330,8 @@ def plan(
     if (wrapper := wrapped_by(model)) is not None:
         raise errors.EngineInputError(PLAN_WRAPPED.format(wrapper=wrapper[0],
                                                           unwrap=wrapper[1]))  # fmt: skip
-    xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    model, flat = positional(model, inputs)
+    xs = (flat,) if isinstance(flat, torch.Tensor) else tuple(flat)
     if not isinstance(compile, bool):
         raise ValueError(BAD_SETTING.format(name="compile", want="True or False", value=compile))
     found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
