@@ -26,6 +26,7 @@ from . import (
     zoo,
 )
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
+from ._surrogate import surrogate_loss
 from ._version import __version__
 from .engines import Blocks, Engine, StepResult, available, blocks, engine, explain
 from .layers import Chain, ChainLayer, PrecisionWarning
@@ -61,6 +62,7 @@ __all__ = [
     "plan",
     "planner",
     "rad",
+    "surrogate_loss",
     "train",
     "zoo",
 ]

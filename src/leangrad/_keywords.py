@@ -5,8 +5,8 @@ inputs positionally (``model(*inputs)``), and the transforms split them along th
 A mapping of inputs is turned into that form once, at the entry: its tensors become the
 positional inputs, in the mapping's order, and the model is seen through a
 :class:`KeywordCall` that puts them back under their names (values that are not tensors,
-such as ``num_items_in_batch=3`` or ``use_cache=False``, are passed unchanged on every
-call, and are not split).
+such as ``use_cache=False``, and 0-d tensors that need no gradient, such as the Trainer's
+``num_items_in_batch``, are passed unchanged on every call, and are not split).
 
 A :class:`KeywordCall` is a *view* of the model, not a wrapper: it shares the model's
 submodules, parameters and buffers under the same names (``named_parameters()`` is the
@@ -88,7 +88,7 @@ def positional(
     for key, value in inputs.items():
         if not isinstance(key, str):
             raise errors.EngineInputError(BAD_KEY.format(key=key))
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and (value.dim() or value.requires_grad):
             names.append(key)
             tensors.append(value)
         else:

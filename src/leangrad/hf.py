@@ -43,10 +43,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _errors as errors
+from ._hf_trainer import Attached, attach
 
 __all__ = [
     "MODELS",
     "TINY",
+    "Attached",
+    "attach",
     "batch",
     "bert",
     "gpt2",
