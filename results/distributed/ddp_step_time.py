@@ -1,4 +1,4 @@
-"""Issue 32: step time of `leangrad.train.fit(engine="backprop")` under torchrun against a
+"""Step time of `leangrad.train.fit(engine="backprop")` under torchrun against a
 plain PyTorch DDP loop on the same model, data shards, optimizer and batch.
 
 Run alone: torchrun --nproc-per-node 2 results/distributed/ddp_step_time.py [--out FILE]

@@ -1,4 +1,4 @@
-"""Issue 32: bytes of parameters + gradients + Adam state each process holds under
+"""Bytes of parameters + gradients + Adam state each process holds under
 `leangrad train --parallel fsdp` (FSDP2 over every block and the root) against one
 process holding the whole model, measured after a backprop step and an Adam step (the
 moment all three are alive), as the storage bytes of each process's local tensors.

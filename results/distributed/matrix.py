@@ -1,4 +1,4 @@
-"""Issue 32: the engine x {DDP, FSDP2} x {whole step, per-layer} matrix, for the closing
+"""The engine x {DDP, FSDP2} x {whole step, per-layer} matrix, for the closing
 note. Runs the matrix of tests/train/test_parallel_matrix.py (the same code: 2 local gloo
 processes, one CPU thread each, every exact engine that applies trained 3 float64 SGD steps
 per setting at batch 16 per process, against one process on the combined batch of 32) and
@@ -33,7 +33,7 @@ def main() -> None:
     ran = sum(r.delta is not None for r in rows)
     refused = sum(r.refused is not None for r in rows)
     head = [
-        "# Issue 32: engines x {DDP, FSDP2} x {whole step, per-layer}",
+        "# Engines x {DDP, FSDP2} x {whole step, per-layer}",
         "",
         f"2 local processes (gloo, CPU, 1 thread each; torch {torch.__version__}). Each cell: "
         f"`leangrad.train.fit` for {matrix.FIT['max_steps']} steps in float64 "

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import _errors as errors
 
-__all__ = ["surrogate_loss"]
+__all__ = ["held_step", "surrogate_loss"]
 
 HANDED_TWICE = (
     "this surrogate loss handed its gradients over already: call backward on it once "
@@ -84,20 +84,29 @@ def surrogate_loss(
     adds the step's gradients to ``.grad`` (times what the loss was scaled by on the way).
 
     Args:
-        engine: a leangrad engine (or anything with its ``backward``, such as a
-            :class:`~leangrad.Step` without an optimizer, or a plan's ``engine``).
+        engine: a leangrad engine (or a plan's ``engine``).
         model: the model, or the model wrapped by DDP.
         inputs, loss_fn: as for ``engine.backward`` (inputs may be a mapping).
 
     Returns:
         A 0-d tensor equal to the loss, which requires grad. Call backward on it once.
     """
+    return held_step(engine, model, inputs, loss_fn)[0]
+
+
+def held_step(
+    engine: Any,
+    model: nn.Module,
+    inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> tuple[torch.Tensor, Any]:
+    """:func:`surrogate_loss` and the engine's :class:`~leangrad.StepResult`."""
     from .engines._wrapped import DDP, through_ddp, wrapped_by
 
     wrapper = wrapped_by(model)
     if wrapper is not None and wrapper[0] != DDP:
         raise errors.EngineInputError(NOT_UNDER.format(wrapper=wrapper[0]))
-    inner = model.get_submodule("module") if wrapper is not None and wrapper[0] == DDP else model
+    inner = model.get_submodule("module") if wrapper is not None else model
     params = [p for p in inner.parameters() if p.requires_grad]
     aside = [p.grad for p in params]
     for p in params:
@@ -110,12 +119,12 @@ def surrogate_loss(
             p.grad = g
     if result is None:
         raise errors.EngineInputError(NO_RESULT.format(kind=type(engine).__name__))
-    held, loss = _Held(made), result.loss
+    held = _Held(made)
 
     def hand_over(*_: Any) -> torch.Tensor:
-        out: torch.Tensor = _HandOver.apply(loss, held, *params)
+        out: torch.Tensor = _HandOver.apply(result.loss, held, *params)
         return out
 
-    if wrapper is not None and wrapper[0] == DDP:
-        return through_ddp(model, hand_over)()
-    return hand_over()
+    if wrapper is not None:
+        return through_ddp(model, hand_over)(), result
+    return hand_over(), result

@@ -108,7 +108,7 @@ for kind, (x, y) in data.items():
                         "linears": count.n}  # a half batch makes the same calls
     cases = [("ddp", {}), ("ddp", {"trace": True}), ("ddp", {"levels": 2}),
              ("ddp", {"fragments": 2}), ("ddp", {"fragments": 2, "fragment_blocks": 1}),
-             ("fsdp", {}), ("fsdp", {"trace": True})]
+             ("fsdp", {}), ("fsdp", {"trace": True}), ("fsdp", {"fragments": 2})]
     if kind == "mlp":
         cases.append(("ddp", {"segments": 2}))
     else:  # a named block on two levels (the largest-n sizing runs in the case above)
@@ -138,7 +138,7 @@ for kind, (x, y) in data.items():
         out["cases"][f"{wrapper} {kind} {json.dumps(opts, sort_keys=True)}"] = case
 
 x, y = data["mlp"]
-for opts in [{"segments": 2}, {"levels": 2}, {"fragments": 2}, {"sequence_fragments": 2},
+for opts in [{"segments": 2}, {"levels": 2}, {"sequence_fragments": 2},
              {"fragments": 2, "fragment_blocks": 1}]:
     try:
         leangrad.engine("checkpoint", **opts).backward(
@@ -234,7 +234,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.slow
 def test_gradients_equal_one_process_backprop(ranks: list[dict]) -> None:
     for rank in ranks:
-        assert len(rank["cases"]) == 16
+        assert len(rank["cases"]) == 18
         for case, got in rank["cases"].items():
             ref = rank["ref"][case.split()[1]]["grads"]
             assert set(got["grads"]) == set(ref) == set(got["seen"]), case
@@ -291,12 +291,13 @@ def test_ddp_fragment_blocks_fragments_only_the_blocks_chosen(ranks: list[dict])
 def test_fsdp2_refuses_what_it_cannot_take(ranks: list[dict]) -> None:
     for rank in ranks:
         for opts, why in rank["refused"].items():
-            option = next(iter(json.loads(opts)))
+            given = json.loads(opts)
+            option = "fragment_blocks" if "fragment_blocks" in given else next(iter(given))
             assert "FSDP2 (fully_shard)" in why and f"drop {option}=" in why, why
             assert "DistributedDataParallel" in why, why
-        # fragment_blocks needs fragments: the fix drops both, not fragments alone
-        both = rank["refused"][json.dumps({"fragments": 2, "fragment_blocks": 1})]
-        assert "drop fragments=2, fragment_blocks=1" in both, both
+        # fragments runs inside FSDP2's units; sizing fragment_blocks needs a copy
+        sized = rank["refused"][json.dumps({"fragments": 2, "fragment_blocks": 1})]
+        assert "drop fragment_blocks=1" in sized and "copied" in sized, sized
         assert "segments=2" in rank["fit_refused"], rank["fit_refused"]
 
 

@@ -25,7 +25,7 @@ from ._blocks import Blocks
 from ._blocks import blocks as find_blocks
 from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
 from ._loss_fn import LossFn, check_loss, run_forward
-from ._wrapped import WRAPPED, wrapped_by
+from ._wrapped import DDP, WRAPPED, wrapped_by
 
 __all__ = [
     "Engine",
@@ -335,6 +335,8 @@ class Engine(abc.ABC):
         params = trainable_parameters(model)
         _check_inputs(xs, params)
         wrapper = wrapped_by(model)
+        if wrapper is not None and wrapper[0] == DDP and not self.wrapped_models:
+            return self._under_ddp(model, inputs, loss_fn, on_grad)
         if wrapper is not None and not self.wrapped_models:
             raise errors.EngineInputError(WRAPPED.format(engine=self.label, wrapper=wrapper[0],
                                                          unwrap=wrapper[1]))  # fmt: skip
@@ -360,6 +362,20 @@ class Engine(abc.ABC):
             result = self._backward(model, xs, loss_fn, params, announcer)
             announcer.finish()
             return result
+
+    def _under_ddp(self, ddp: nn.Module, inputs: Inputs, loss_fn: LossFn,
+                   on_grad: OnGrad | None) -> StepResult:  # fmt: skip
+        """The step on the module DDP wraps, its gradients then handed to DDP's own
+        backward (:func:`leangrad.surrogate_loss`): DDP's hooks average them in one
+        reduction (or keep them local inside ``no_sync``), as for autograd's."""
+        from .._surrogate import held_step
+
+        loss, result = held_step(self, ddp, inputs, loss_fn)
+        loss.backward()
+        if on_grad is not None:
+            for name, p in trainable_parameters(ddp).items():
+                on_grad(name, p)
+        return StepResult(loss=result.loss, engine=result.engine, info=result.info)
 
     def wrapped_why(self, model: nn.Module, wrapper: str) -> str | None:
         """Why this engine, with its options, cannot run on ``model`` wrapped by

@@ -112,6 +112,10 @@ class Composed(Engine):
         self.transforms = transforms
         self.exact = base.exact and all(t.exact for t in transforms)  # type: ignore[misc]
         self.input_gradients = base.input_gradients  # type: ignore[misc]
+        # Transforms of the step alone (chunked_ce, accumulate) leave the modules and the
+        # backward to the base engine: a wrapped model runs as the base runs it.
+        self.wrapped_models = (base.wrapped_models  # type: ignore[misc]
+                               and all(t.scope == "step" for t in transforms))  # fmt: skip
         for t in transforms:
             pair = f"{base.name}+{t.name}"
             if base.forward_mode:
@@ -133,6 +137,10 @@ class Composed(Engine):
     @property
     def label(self) -> str:
         return "+".join([self.base.label, *(t.label for t in self.transforms)])
+
+    def wrapped_why(self, model: nn.Module, wrapper: str) -> str | None:
+        """The base engine's reason (the transforms of the step add none)."""
+        return self.base.wrapped_why(model, wrapper)
 
     @property
     def probes(self) -> bool:
@@ -240,6 +248,8 @@ class Composed(Engine):
                     raise errors.EngineInputError(INCOMPATIBLE.format(pair=self.label, why=why))
             return module
 
+        if not module_transforms:  # transforms of the step only: the model as it is
+            return model, report, self.base
         prepared, runner = self.base.apply_transforms(model, transform)
         return prepared, report, runner
 
@@ -265,7 +275,10 @@ class Composed(Engine):
 
         def once(xs: tuple[torch.Tensor, ...], lf: LossFn, og: OnGrad | None) -> StepResult:
             hand = handed if og is not None else None
-            if not checked:  # the first run (of k micro-batches) validates, as any step
+            if not checked or hand is not None:
+                # the first run (of k micro-batches) validates, as any step; the one that
+                # hands gradients over does so through the engine's own announcer (which
+                # waits for a wrapper's reduction)
                 checked.update(trainable_parameters(prepared))
                 return runner.backward(prepared, xs, lf, on_grad=hand)
             # later micro-batches: same model, same kinds of inputs; the per-call checks

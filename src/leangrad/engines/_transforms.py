@@ -41,6 +41,7 @@ from ._blocks import blocks as find_blocks
 from ._coupling import BATCH_COUPLED, RANDOM_LAYER, Watched, batch_coupling, watched_coupling
 from ._prepare import Wrapper, share_copy
 from ._signature import untraceable_signature
+from ._wrapped import gradient_sync
 
 __all__ = [
     "BAD_FAD_MODE",
@@ -554,7 +555,8 @@ class AccumulateTransform(Transform):
             for i in range(m):
                 a, b = edges[i], edges[i + 1]
                 last = i == m - 1
-                with replay.piece(i) if replay is not None else contextlib.nullcontext():
+                with (replay.piece(i) if replay is not None else contextlib.nullcontext(),
+                      gradient_sync(model, last)):  # fmt: skip
                     res = run(tuple(x[a:b] for x in xs), loss_fn.rows(a, b),
                               on_grad if last else None)  # fmt: skip
                 total = res.loss if total is None else total + res.loss

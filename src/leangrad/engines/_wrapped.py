@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -97,3 +97,28 @@ def through_ddp(ddp: nn.Module, forward: Callable[..., Any]) -> Callable[..., An
             return ddp(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Inside the block, a wrapped ``model`` reduces its gradients across processes only
+    if ``sync`` (the last micro-batch of a step): DDP's ``no_sync()`` otherwise, FSDP2's
+    ``set_requires_gradient_sync(False)`` (restored after). Gradients accumulate locally
+    until the one reduction. A model nothing wraps: nothing changes."""
+    wrapper = wrapped_by(model)
+    if sync or wrapper is None:
+        yield
+        return
+    inner = underlying(model)
+    if wrapper[0] == DDP:
+        with cast(Any, inner).no_sync():
+            yield
+        return
+    if wrapper[0] == FSDP2 and hasattr(inner, "set_requires_gradient_sync"):
+        cast(Any, inner).set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            cast(Any, inner).set_requires_gradient_sync(True)
+        return
+    yield

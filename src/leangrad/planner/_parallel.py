@@ -27,8 +27,9 @@ PARALLEL = ("ddp", "fsdp")
 BAD_PARALLEL = "parallel must be one of {names}, got {value!r}"
 FSDP_ENGINE = (
     "--parallel fsdp trains through FSDP2's own backward, which {engine} does not run "
-    "(it would keep each process's gradient shard unreduced); use --engine backprop or "
-    "checkpoint (or --budget with --engines backprop,checkpoint), or --parallel ddp"
+    "(it would keep each process's gradient shard unreduced); use --engine backprop, "
+    "checkpoint, chunked_ce, accumulate or a composition of them (checkpoint+chunked_ce), "
+    "or --parallel ddp"
 )
 
 

@@ -34,9 +34,10 @@ model each checkpointed block's own ``forward`` is checkpointed in place for the
 pass (:class:`_InPlace`): the hooks stay outside the checkpointed function, and in the
 backward FSDP's pre-backward hook gathers the block's parameters before the recomputation
 runs (torchtitan's composition: checkpoint each block, then ``fully_shard`` the blocks).
-Each block is checkpointed alone there, as its fx trace with ``trace=True``; the options
-that group blocks, run blocks again outside their FSDP unit or copy modules are refused
-(:meth:`Checkpoint.wrapped_why`).
+Each block is checkpointed alone there, as its fx trace with ``trace=True``, or in
+``fragments`` of the batch (the fragments' recomputation runs in their backward, after FSDP's
+pre-backward hook has gathered the parameters); the options that group blocks, run blocks
+again outside their FSDP unit or copy modules are refused (:meth:`Checkpoint.wrapped_why`).
 """
 
 from __future__ import annotations
@@ -109,9 +110,8 @@ FSDP2_WHY = {
               "segment's backward, before FSDP2 has gathered those blocks' parameters",
     "time_chunks": "time_chunks runs a copy of the model's modules, and a module FSDP2 "
                    "sharded (its parameters, its hooks) cannot be copied",
-    "fragments": "fragments runs each block through a function of its own whose backward "
-                 "runs the block again in pieces, which is not checked against FSDP2's "
-                 "gathering and freeing of the block's parameters",
+    "fragment_blocks": "fragment_blocks sizes its choice of blocks on a copy of the "
+                       "model's step, and a module FSDP2 sharded cannot be copied",
     "sequence_fragments": "sequence_fragments runs copies of the blocks' children, and a "
                           "module FSDP2 sharded cannot be copied",
 }  # fmt: skip
@@ -361,9 +361,9 @@ class Checkpoint(Engine):
     may not carry forward hooks (they would fire twice; the error names the module).
 
     A model wrapped by ``DistributedDataParallel`` takes every option; an FSDP2 model
-    (``fully_shard`` on the blocks and the root) takes ``blocks`` and ``trace``, each block
-    checkpointed inside its FSDP unit (module docstring; :meth:`wrapped_why` names what
-    is refused and why).
+    (``fully_shard`` on the blocks and the root) takes ``blocks``, ``trace`` and
+    ``fragments``, each block checkpointed inside its FSDP unit (module docstring;
+    :meth:`wrapped_why` names what is refused and why).
     """
 
     exact = True
@@ -568,15 +568,11 @@ class Checkpoint(Engine):
         if wrapper != FSDP2:
             return None
         given = {"segments": self.segments, "levels": None if self.levels == 1 else self.levels,
-                 "time_chunks": self.time_chunks, "fragments": self.fragments,
+                 "time_chunks": self.time_chunks, "fragment_blocks": self.fragment_blocks,
                  "sequence_fragments": self.sequence_fragments}  # fmt: skip
         for option, value in given.items():
             if value is not None:
-                named = f"{option}={value!r}"
-                if option == "fragments" and self.fragment_blocks is not None:
-                    # fragment_blocks needs fragments: the fix drops both
-                    named += f", fragment_blocks={self.fragment_blocks!r}"
-                return FSDP2_OPTION.format(option=named, why=FSDP2_WHY[option])
+                return FSDP2_OPTION.format(option=f"{option}={value!r}", why=FSDP2_WHY[option])
         try:
             found = self.blocks(model)
         except errors.EngineInputError as err:
@@ -848,7 +844,8 @@ class Checkpoint(Engine):
             seen: dict[int, nn.Module] = {}  # a block registered under two names: once
             for name in names:
                 seen.setdefault(id(found.modules[name]), found.modules[name])
-            return [(b, _InPlace(b, trace=self.trace)) for b in seen.values()]
+            return [(b, _InPlace(b, trace=self.trace, fragments=self.fragments))
+                    for b in seen.values()]  # fmt: skip
 
         with contextlib.ExitStack() as stack:
             for block, forward in self._in_place.get(model, build):
@@ -1040,20 +1037,30 @@ class _InPlace:
     (which calls the block's own ``forward``, no hooks). ``inspect.signature`` sees the
     block's own (what :func:`untraceable_signature` reads)."""
 
-    def __init__(self, block: nn.Module, *, trace: bool) -> None:
+    def __init__(self, block: nn.Module, *, trace: bool, fragments: int | None = None) -> None:
         self.block = block
         self.own: Callable[..., Any] = block.forward
         self.__wrapped__ = self.own
         self.traced = _Traced(block) if trace else None
         self.replay = generator_replay([block])  # layers' own generators, rewound
         self.writes = InputWrites([block])
+        # In fragments: the pieces' recomputation runs in the fragments' backward, after
+        # FSDP2's pre-backward hook on the block's output has gathered the parameters (the
+        # forward's, as registered on the block then, get the summed gradients).
+        self.fragmenter = None if fragments is None else Fragmenter([block], fragments=fragments)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.own(*args, **kwargs)
         run = self.traced() if self.traced is not None and not kwargs else self.own
         run = self.writes.wrap(run, args, kwargs)  # a block writing its input: on copies
-        return checkpoint(run, *args, use_reentrant=False, context_fn=self.replay, **kwargs)
+
+        def plain(*a: Any, **kw: Any) -> Any:
+            return checkpoint(run, *a, use_reentrant=False, context_fn=self.replay, **kw)
+
+        if self.fragmenter is None:
+            return plain(*args, **kwargs)
+        return self.fragmenter(run, plain, *args, **kwargs)
 
 
 def _unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
