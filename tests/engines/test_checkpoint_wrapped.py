@@ -132,7 +132,7 @@ for kind, (x, y) in data.items():
                 "linears": counts, "fragmented": res.info.get("fragmented"),
                 "whole": sorted(res.info.get("whole", {}))}
         if wrapper == "fsdp" and opts.get("trace"):  # every block ran as its fx trace
-            entries = eng._in_place._cache[model][1]
+            entries = eng._in_place._cache[model][2]
             case["traced"] = [isinstance(t, torch.fx.GraphModule) for _, f in entries
                               for t in f.traced._by_state.values()]
         out["cases"][f"{wrapper} {kind} {json.dumps(opts, sort_keys=True)}"] = case

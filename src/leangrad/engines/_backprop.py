@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -36,7 +38,7 @@ class Backprop(Engine):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         loss = forward_loss(self.label, model, inputs, loss_fn)
@@ -48,7 +50,7 @@ class Backprop(Engine):
 class grad_hooks:
     """Context manager: call ``on_grad(name, p)`` after autograd accumulates ``p.grad``."""
 
-    def __init__(self, params: dict[str, nn.Parameter], on_grad: OnGrad | None) -> None:
+    def __init__(self, params: Mapping[str, nn.Parameter], on_grad: OnGrad | None) -> None:
         self.params = params
         self.on_grad = on_grad
         self.handles: list[torch.utils.hooks.RemovableHandle] = []

@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple, TypeAlias
 
 import torch
@@ -25,6 +25,7 @@ from ._blocks import Blocks
 from ._blocks import blocks as find_blocks
 from ._contract import BufferGuard, check_batch, forward_end, refuse_hooks, refuse_input_grads
 from ._loss_fn import LossFn, check_loss, run_forward
+from ._prepare import step_scope
 from ._wrapped import DDP, WRAPPED, wrapped_by
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "PlanOffer",
     "PlanOrder",
     "StepResult",
+    "Trainable",
     "accumulate_grad",
     "as_input_tuple",
     "autocast_on",
@@ -330,10 +332,16 @@ class Engine(abc.ABC):
         Returns:
             A :class:`StepResult` with the detached loss.
         """
+        with step_scope():
+            return self._checked_backward(model, inputs, loss_fn, on_grad)
+
+    def _checked_backward(self, model: nn.Module, inputs: Inputs, loss_fn: LossFn,
+                          on_grad: OnGrad | None) -> StepResult:  # fmt: skip
+        """:meth:`backward`'s checks, then :meth:`_backward`."""
         model, flat = positional(model, inputs)
         xs = as_input_tuple(flat)
-        params = trainable_parameters(model)
-        _check_inputs(xs, params)
+        _check_inputs(xs, _first_trainable(model))
+        params = Trainable(model)
         wrapper = wrapped_by(model)
         if wrapper is not None and wrapper[0] == DDP and not self.wrapped_models:
             return self._under_ddp(model, inputs, loss_fn, on_grad)
@@ -386,7 +394,8 @@ class Engine(abc.ABC):
         del model, wrapper
         return None
 
-    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+    def revisited_parameters(self, model: nn.Module,
+                             params: Mapping[str, nn.Parameter]) -> set[int]:  # fmt: skip
         """Ids of the parameters whose gradient this engine forms in several pieces that it
         hands to ``on_grad`` one by one (a chain layer listed twice, a parameter shared by
         the stem and the head): :class:`GradAnnouncer` holds their calls back until the
@@ -408,7 +417,7 @@ class Engine(abc.ABC):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         """Engine-specific work; inputs already validated."""
@@ -453,7 +462,7 @@ class GradAnnouncer:
     def __init__(
         self,
         engine: str,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad,
         *,
         held: set[int],
@@ -515,8 +524,45 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
-def _check_inputs(xs: tuple[torch.Tensor, ...], params: dict[str, nn.Parameter]) -> None:
-    ref = next(iter(params.values()))
+class Trainable(Mapping[str, nn.Parameter]):
+    """:func:`trainable_parameters` of a model, walked on first use: a step whose engine
+    reads no parameter by name (backprop without ``on_grad``) never walks the module tree
+    (on a small model, that walk was the largest host cost of the step)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._params: dict[str, nn.Parameter] | None = None
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        if self._params is None:
+            self._params = trainable_parameters(self._model)
+        return self._params
+
+    def __getitem__(self, name: str) -> nn.Parameter:
+        return self.params[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+def _first_trainable(model: nn.Module) -> nn.Parameter:
+    """The model's first trainable parameter (the walk stops there); raises when there is
+    none, as :func:`trainable_parameters` does."""
+    if not isinstance(model, nn.Module):
+        raise errors.EngineInputError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    ref = next((p for p in model.parameters() if p.requires_grad), None)
+    if ref is None:
+        raise errors.EngineInputError(errors.NO_PARAMETERS.format(model=type(model).__name__))
+    return ref
+
+
+def _check_inputs(xs: tuple[torch.Tensor, ...], ref: nn.Parameter) -> None:
     for i, x in enumerate(xs):
         if x.is_floating_point() and x.dtype != ref.dtype:
             raise errors.EngineInputError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,7 +82,7 @@ def chain_reruns(chain: Chain, *, head: bool = False) -> list[tuple[str, nn.Modu
     return [(f"{p}.{n}" if n else p, m) for p, mod in parts for n, m in mod.named_modules()]
 
 
-def chain_revisited(model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+def chain_revisited(model: nn.Module, params: Mapping[str, nn.Parameter]) -> set[int]:
     """Ids of the trainable parameters held by more than one part of a chain (stem, each
     chain layer position, head): a chain engine hands each part's gradients over on their
     own, so these arrive in pieces (a layer listed twice, weights tied across parts) and
@@ -161,7 +161,8 @@ class ChainEngine(Engine):
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return chain_reruns(chain_of(model, self.label), head=self._reruns_head)
 
-    def revisited_parameters(self, model: nn.Module, params: dict[str, nn.Parameter]) -> set[int]:
+    def revisited_parameters(self, model: nn.Module,
+                             params: Mapping[str, nn.Parameter]) -> set[int]:  # fmt: skip
         return chain_revisited(model, params)
 
 
@@ -177,7 +178,7 @@ class GradSink:
         on_grad: called as ``on_grad(name, param)`` once ``param.grad`` is final.
     """
 
-    def __init__(self, params: dict[str, nn.Parameter], on_grad: OnGrad | None) -> None:
+    def __init__(self, params: Mapping[str, nn.Parameter], on_grad: OnGrad | None) -> None:
         self.params = params
         self.on_grad = on_grad
         self._full_name = {id(p): n for n, p in params.items()}

@@ -38,7 +38,7 @@ from ._base import (
     PlanOffer,
     PlanOrder,
     StepResult,
-    trainable_parameters,
+    Trainable,
 )
 from ._blocks import Blocks
 from ._catalog import available, engine_class, register
@@ -258,20 +258,22 @@ class Composed(Engine):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         if (reason := self.base.supports(model)) is not None:
             raise errors.EngineInputError(reason)
         # raises when the transforms cannot apply
         prepared, report, runner = self._prepared.get(model, self._build)
-        names = {id(p): n for n, p in params.items()}
+        names: dict[int, str] = {}  # the prepared model's parameters by the model's names
 
         def handed(name: str, p: nn.Parameter) -> None:
             assert on_grad is not None
+            if not names:
+                names.update({id(q): n for n, q in params.items()})
             on_grad(names.get(id(p), name), p)
 
-        checked: dict[str, nn.Parameter] = {}
+        checked: list[Mapping[str, nn.Parameter]] = []
 
         def once(xs: tuple[torch.Tensor, ...], lf: LossFn, og: OnGrad | None) -> StepResult:
             hand = handed if og is not None else None
@@ -279,14 +281,14 @@ class Composed(Engine):
                 # the first run (of k micro-batches) validates, as any step; the one that
                 # hands gradients over does so through the engine's own announcer (which
                 # waits for a wrapper's reduction)
-                checked.update(trainable_parameters(prepared))
+                checked[:] = [Trainable(prepared)]
                 return runner.backward(prepared, xs, lf, on_grad=hand)
             # later micro-batches: same model, same kinds of inputs; the per-call checks
             # cost ~10% of a small micro-batch's time (profiled), so only the buffers'
             # guard is kept
             guard = BufferGuard(prepared) if runner.reruns else contextlib.nullcontext()
             with guard:
-                return runner._backward(prepared, xs, lf, checked, hand)
+                return runner._backward(prepared, xs, lf, checked[0], hand)
 
         run: StepRun = once
 

@@ -23,7 +23,7 @@ This module holds the shared machinery:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -202,7 +202,7 @@ def used_parameters(
     model: nn.Module,
     xs: tuple[torch.Tensor, ...],
     loss_fn: LossFn,
-    params: dict[str, nn.Parameter],
+    params: Mapping[str, nn.Parameter],
     run: ModelRun,
     *,
     real: bool = False,
@@ -283,7 +283,7 @@ class _LossForward:
     model: nn.Module
     xs: tuple[torch.Tensor, ...]
     loss_fn: LossFn
-    params: dict[str, nn.Parameter]
+    params: Mapping[str, nn.Parameter]
     run: ModelRun
 
     def fake_leaves(self) -> set[str]:

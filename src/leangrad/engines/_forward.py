@@ -9,6 +9,8 @@ batched with ``torch.func.vmap`` in chunks so that memory stays bounded.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.func import jvp, vmap
@@ -79,7 +81,7 @@ class Forward(Engine):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         refuse_non_finite(self.label, inputs)

@@ -192,7 +192,7 @@ def pure_loss(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
     loss_fn: LossFn,
-    params: dict[str, nn.Parameter],
+    params: Mapping[str, nn.Parameter],
 ) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]:
     """``f(param_values, buffer_values) -> loss``, a pure function for ``torch.func``; the
     model runs by :func:`call_with` under :func:`contiguous_norms`, with attention by its

@@ -21,7 +21,7 @@ products (Appendix D).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -131,7 +131,7 @@ class Highway(Engine):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         net = _as_net(model)

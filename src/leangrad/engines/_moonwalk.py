@@ -49,7 +49,7 @@ a slope closer to 1, mode="mixed", or the ``checkpoint`` engine.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -365,7 +365,7 @@ class Moonwalk(ChainEngine):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         chain, layers = self._layers(model)

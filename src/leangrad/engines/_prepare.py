@@ -10,15 +10,16 @@ A copy is made once per model and made again only when the model's parameters, m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["PreparedCache", "Wrapper", "share_copy"]
+__all__ = ["PreparedCache", "Wrapper", "share_copy", "step_scope"]
 
 T = TypeVar("T")
 
@@ -78,21 +79,54 @@ class PreparedCache(Generic[T]):
     modules or train/eval modes change (a weak reference: dropped with the model)."""
 
     def __init__(self) -> None:
-        self._cache: weakref.WeakKeyDictionary[nn.Module, tuple[Any, T]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._cache: weakref.WeakKeyDictionary[
+            nn.Module, tuple[list[nn.Module], Any, T, int]] = weakref.WeakKeyDictionary()
 
     def get(self, model: nn.Module, build: Callable[[nn.Module], T]) -> T:
-        # Every name of every module and parameter: a module listed twice
-        # (``nn.Sequential(lin, act, lin)``) is two blocks, and swapping one of its places
-        # for another module already in the model changes no set of objects.
-        key = (
-            tuple((n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)),
-            tuple((n, id(m), m.training) for n, m in model.named_modules(remove_duplicate=False)),
-        )
         hit = self._cache.get(model)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        token = _STEP.token if _STEP.depth else -1
+        if hit is not None and ((token >= 0 and hit[3] == token)
+                                or _structure(hit[0]) == hit[1]):  # fmt: skip
+            if token >= 0 and hit[3] != token:
+                self._cache[model] = (*hit[:3], token)
+            return hit[2]
         value = build(model)
-        self._cache[model] = (key, value)
+        modules = list(model.modules())
+        self._cache[model] = (modules, _structure(modules), value, token)
         return value
+
+
+class _Step:
+    """The engine step under way (:func:`step_scope`): inside one, a cache checked once is
+    not checked again (an engine asks several times per step what a model's modules are,
+    and they do not change in the middle of it); outside, every call checks."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.token = 0
+
+
+_STEP = _Step()
+
+
+@contextlib.contextmanager
+def step_scope() -> Iterator[None]:
+    """One engine step (nested steps, such as a composition's runner, share it)."""
+    if _STEP.depth == 0:
+        _STEP.token += 1
+    _STEP.depth += 1
+    try:
+        yield
+    finally:
+        _STEP.depth -= 1
+
+
+def _structure(modules: list[nn.Module]) -> tuple[Any, ...]:
+    """Every module's children and parameters (names and objects) and train/eval mode.
+    Checked on the modules the model had when the cache was filled: any change to the
+    tree is a change to some module's own ``_modules`` (a module listed twice,
+    ``nn.Sequential(lin, act, lin)``, is two entries there), so this sees what a walk of
+    the whole tree would, at a fifth of its cost (no names are joined)."""
+    return tuple((m.training, tuple((k, id(v)) for k, v in m._modules.items()),
+                  tuple((k, id(v)) for k, v in m._parameters.items()))
+                 for m in modules)  # fmt: skip

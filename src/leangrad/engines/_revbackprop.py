@@ -14,6 +14,8 @@ drift from autograd's — which the ``moonwalk-v1-stability`` suite measures.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -52,7 +54,7 @@ class RevBackprop(ChainEngine):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         chain, layers = self._layers(model)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import functools
 import inspect
 import warnings
 import weakref
@@ -81,8 +82,8 @@ class Transform(abc.ABC):
     def __init__(self, **options: Any) -> None:
         self.options = options
 
-    @property
-    def label(self) -> str:
+    @functools.cached_property
+    def label(self) -> str:  # options are fixed when made: read the signature once
         return label(self.name, type(self), self.options)
 
     @abc.abstractmethod

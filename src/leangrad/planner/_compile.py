@@ -41,7 +41,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -189,7 +189,7 @@ class Compiled(Engine):
         return kept[1]
 
     def _backward(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: LossFn,
-                  params: dict[str, nn.Parameter],
+                  params: Mapping[str, nn.Parameter],
                   on_grad: OnGrad | None) -> StepResult:  # fmt: skip
         with _budget(self.budget):
             if self._regional is not None:

@@ -29,7 +29,7 @@ regional compilation" (``torch.compile`` of the repeated ``nn.Module``, PyTorch 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -114,7 +114,7 @@ class Regional:
         return new, runner, blocks(model).sequential
 
     def backward(self, label: str, model: nn.Module, inputs: tuple[torch.Tensor, ...],
-                 loss_fn: LossFn, params: dict[str, nn.Parameter],
+                 loss_fn: LossFn, params: Mapping[str, nn.Parameter],
                  on_grad: OnGrad | None) -> tuple[torch.Tensor, dict[str, Any]]:  # fmt: skip
         """The step's loss and info; ``.grad`` lands on ``model``'s tensors (the copy
         shares them), ``on_grad`` is called under ``model``'s parameter names."""

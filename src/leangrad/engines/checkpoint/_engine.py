@@ -48,7 +48,7 @@ import gc
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -421,6 +421,7 @@ class Checkpoint(Engine):
         self.levels = levels
         self.block_names = None if blocks is None else list(blocks)
         self._found: PreparedCache[Blocks] = PreparedCache()
+        self._reruns: PreparedCache[list[tuple[str, nn.Module]]] = PreparedCache()
         self._wrapped: PreparedCache[nn.Module] = PreparedCache()
         self._auto: PreparedCache[dict[Any, list[range]]] = PreparedCache()
         self._traces: PreparedCache[list[_Traced]] = PreparedCache()
@@ -582,7 +583,10 @@ class Checkpoint(Engine):
     def rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every module of the checkpointed blocks: recomputed during the backward pass (on
         an FSDP2 model, a block's own hooks run around its checkpoint, once: its
-        submodules)."""
+        submodules). Listed once per model (its hooks are read each step)."""
+        return self._reruns.get(model, self._rerun_modules)
+
+    def _rerun_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         found = self.blocks(model)
         if _unwrap(model)[1] == FSDP2:
             return [(n, m) for name in self.recomputed(found)
@@ -605,7 +609,7 @@ class Checkpoint(Engine):
         model: nn.Module,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         found = self.blocks(model)
@@ -628,7 +632,7 @@ class Checkpoint(Engine):
 
     def _as_written(self, model: nn.Module, found: Blocks, via: Callable[..., Any] | None,
                     chosen: _Chosen | None, inputs: tuple[torch.Tensor, ...], loss_fn: LossFn,
-                    params: dict[str, nn.Parameter], on_grad: OnGrad | None,
+                    params: Mapping[str, nn.Parameter], on_grad: OnGrad | None,
                     ) -> StepResult:  # fmt: skip
         """The model's own forward, its blocks replaced by checkpointed wrappers (fused
         recurrent modules in time chunks); ``via`` runs it through DDP where wrapped."""
@@ -688,7 +692,7 @@ class Checkpoint(Engine):
 
     def _in_segments(self, model: nn.Module, found: Blocks, via: Callable[..., Any],
                      chosen: _Chosen | None, inputs: tuple[torch.Tensor, ...],
-                     loss_fn: LossFn, params: dict[str, nn.Parameter],
+                     loss_fn: LossFn, params: Mapping[str, nn.Parameter],
                      on_grad: OnGrad | None) -> StepResult:  # fmt: skip
         """A sequence of blocks run segment by segment, every segment but the last
         checkpointed (in fragments of the batch where asked)."""
@@ -798,7 +802,7 @@ class Checkpoint(Engine):
         via: Callable[[Callable[..., Any]], Callable[..., Any]],
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         """``levels=2`` on a sequence of blocks: each block checkpointed alone, run one
@@ -832,7 +836,7 @@ class Checkpoint(Engine):
         found: Blocks,
         inputs: tuple[torch.Tensor, ...],
         loss_fn: LossFn,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         on_grad: OnGrad | None,
     ) -> StepResult:
         """An FSDP2 model: the model itself runs (its root's hooks gather and free), each
