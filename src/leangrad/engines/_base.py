@@ -265,7 +265,16 @@ class Engine(abc.ABC):
 
     @property
     def label(self) -> str:
-        """The name with its non-default options, e.g. ``checkpoint(segments=4)``."""
+        """The name with its non-default options, e.g. ``checkpoint(segments=4)`` (made
+        again only when the options changed: a step reads it twice)."""
+        made = self.__dict__.get("_label")
+        if made is not None and made[0] == self.options:
+            return str(made[1])
+        text = self._make_label()
+        self.__dict__["_label"] = (dict(self.options), text)
+        return text
+
+    def _make_label(self) -> str:
         params = _init_parameters(type(self))
         shown = {
             k: v
@@ -495,8 +504,11 @@ class GradAnnouncer:
 def autocast_on(xs: tuple[torch.Tensor, ...]) -> str | None:
     """The device type ``torch.autocast`` is on for (the inputs' devices and the CPU), or
     ``None``."""
-    for kind in sorted({x.device.type for x in xs} | {"cpu"}):
-        if torch.is_autocast_enabled(kind):
+    if torch.is_autocast_enabled("cpu"):
+        return "cpu"
+    for x in xs:  # sorted: "cpu" first, then the inputs' other devices
+        kind = x.device.type
+        if kind != "cpu" and torch.is_autocast_enabled(kind):
             return kind
     return None
 
