@@ -61,8 +61,20 @@ class LM(nn.Module):
             h = b(h)
         return self.norm(h)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.hidden(ids))
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return self.head(self.hidden(ids))
+        # The recipe's loss, inside the root's forward (where FSDP2 has gathered the head):
+        # chunks of tokens, each chunk's head matmul and cross-entropy checkpointed, so no
+        # chunk's logits outlive its own backward.
+        h, y = self.hidden(ids).flatten(0, 1), targets.flatten()
+
+        def chunk_loss(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(hc @ w.t(), yc, reduction="sum")
+
+        total = sum(checkpoint(chunk_loss, hc, self.head.weight, yc, use_reentrant=False)
+                    for hc, yc in zip(h.chunk(CHUNKS), y.chunk(CHUNKS), strict=True))
+        return total / y.numel()  # type: ignore[no-any-return]
 
 
 def sharded(*, recipe: bool) -> LM:
@@ -85,18 +97,9 @@ def _checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
 
 
 def recipe_step(model: LM, ids: torch.Tensor, tgt: torch.Tensor) -> None:
-    """The hand-written recipe: per-block checkpointing (in the model) and a chunked loss
-    whose chunks are checkpointed, so no chunk's logits outlive its own backward."""
-    h = model.hidden(ids).flatten(0, 1)
-    y = tgt.flatten()
-    weight = model.head.weight
-
-    def chunk_loss(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(hc @ w.t(), yc, reduction="sum")
-
-    total = sum(checkpoint(chunk_loss, hc, weight, yc, use_reentrant=False)
-                for hc, yc in zip(h.chunk(CHUNKS), y.chunk(CHUNKS), strict=True))  # fmt: skip
-    (total / y.numel()).backward()
+    """The hand-written recipe: per-block checkpointing (in the model) and the chunked,
+    checkpointed loss computed in the root's forward."""
+    model(ids, tgt).backward()
 
 
 def main() -> None:

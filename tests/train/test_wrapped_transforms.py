@@ -53,7 +53,7 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln(x))))
 
 class LM(nn.Module):
-    def __init__(self, vocab=50, d=16, n=3):
+    def __init__(self, vocab=1100, d=16, n=3):  # a vocabulary chunked_ce chunks (>= 1024)
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
@@ -83,8 +83,8 @@ def ce(out, t):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1))
 
 gen = torch.Generator().manual_seed(1)
-ids = torch.randint(0, 50, (8, 12), generator=gen)
-tgt = torch.randint(0, 50, (8, 12), generator=gen)
+ids = torch.randint(0, 1100, (8, 12), generator=gen)
+tgt = torch.randint(0, 1100, (8, 12), generator=gen)
 mine = slice(rank * 4, rank * 4 + 4)
 ref = made()
 leangrad.engine("backprop").backward(ref, ids, per_example(ce, tgt))
@@ -102,8 +102,9 @@ for wrap in ("ddp", "fsdp"):
             wrapped = fully_shard(model)
         seen = {}
         REDUCED[0] = 0
-        engine(name).backward(wrapped, ids[mine], per_example(ce, tgt[mine]),
-                              on_grad=lambda n, p: seen.setdefault(n, p.grad))
+        res = engine(name).backward(wrapped, ids[mine], per_example(ce, tgt[mine]),
+                                    on_grad=lambda n, p: seen.setdefault(n, p.grad))
+        chunked = bool(res.info.get("chunked_ce", {}).get("model", {}).get("swapped"))
         def full(g):
             return g.full_tensor() if hasattr(g, "full_tensor") else g
         worst = max(float((full(p.grad) - want[n]).abs().max())
@@ -111,7 +112,17 @@ for wrap in ("ddp", "fsdp"):
         handed = max(float((full(g) - want[n.removeprefix("module.")]).abs().max())
                      for n, g in seen.items())
         out[f"{wrap} {name}"] = {"worst": worst, "handed": handed, "count": len(seen),
-                                 "reductions": REDUCED[0]}
+                                 "reductions": REDUCED[0], "chunked": chunked}
+# the head as an FSDP unit of its own frees its weight after its forward: refused, named
+model = made()
+for b in model.blocks:
+    fully_shard(b)
+fully_shard(model.head)
+try:
+    engine("chunked_ce").backward(fully_shard(model), ids[mine], per_example(ce, tgt[mine]))
+    out["head unit"] = "ran"
+except leangrad.EngineInputError as err:
+    out["head unit"] = str(err)
 json.dump(out, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
 dist.barrier()
 dist.destroy_process_group()
@@ -130,6 +141,8 @@ def test_step_transforms_on_ddp_and_fsdp2_equal_one_process(tmp_path: Path) -> N
                 assert cell["handed"] <= 1e-10, (wrap, name, cell)
                 assert cell["count"] == plain["count"] > 0, (wrap, name, cell)
                 assert cell["reductions"] == plain["reductions"] > 0, (wrap, name, cell)
+                assert cell["chunked"] == ("chunked_ce" in name), (wrap, name, cell)
+        assert "FSDP unit of its own" in got["head unit"] and "'head'" in got["head unit"]
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])

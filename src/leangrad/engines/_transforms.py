@@ -456,7 +456,33 @@ class ChunkedCETransform(Transform):
         head = report.get("head")
         if head is None:
             return contextlib.nullcontext()
+        if (why := fsdp_head_why(model, head.name)) is not None:
+            raise errors.EngineInputError(why)
         return chunked_logits(head, chunk_size=self.options["chunk_size"])
+
+
+HEAD_UNIT = (
+    "chunked_ce on an FSDP2 model whose output layer {head!r} lies in an FSDP unit of its own "
+    "({unit!r}): FSDP2 frees that unit's gathered weight after its forward, before the "
+    "chunked loss reads it; shard the output layer with the root (fully_shard(model) last, "
+    "no fully_shard on the head or a module holding it), or leave chunked_ce out"
+)
+
+
+def fsdp_head_why(model: nn.Module, head: str) -> str | None:
+    """Why the chunked loss cannot read ``head``'s weight on an FSDP2 ``model`` (the head's
+    nearest ``fully_shard`` unit is not the root, which alone keeps its parameters gathered
+    after its forward), or ``None``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    parts = head.split(".")
+    for i in range(len(parts), 0, -1):
+        unit = ".".join(parts[:i])
+        if isinstance(model.get_submodule(unit), FSDPModule):
+            return HEAD_UNIT.format(head=head, unit=unit)
+    return None
 
 
 NEEDS_PER_EXAMPLE = (

@@ -143,6 +143,13 @@ class LazyLogits(torch.Tensor):
         if func in _metadata():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func is torch.Tensor.register_hook and _fsdp_hook(args[1] if len(args) > 1 else None):
+            # FSDP2's pre-backward hook on a unit's output. No gradient reaches the logits
+            # (the chunked loss differentiates the hidden states and the weight), so it does
+            # not fire; the unit is the root (ChunkedCETransform refuses any other), whose
+            # gathered weight stays until FSDP2's end-of-backward callback reduces it.
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         handler = _HANDLERS.get(func)
         lazy = next((a for a in (*args, *kwargs.values()) if isinstance(a, LazyLogits)), None)
         if handler is None or lazy is None or not isinstance(args[0] if args else None,
@@ -165,13 +172,23 @@ def _metadata() -> frozenset[Any]:
     if not LazyLogits._METADATA:
         T = torch.Tensor
         props = ("shape", "dtype", "device", "ndim", "requires_grad", "grad_fn", "is_leaf",
-                 "layout", "is_cuda", "is_sparse", "is_meta", "is_quantized", "grad")  # fmt: skip
+                 "layout", "is_cuda", "is_sparse", "is_meta", "is_quantized", "grad",
+                 "_base")  # fmt: skip
         methods = ("size", "dim", "numel", "nelement", "__len__", "is_floating_point",
                    "is_complex", "element_size", "get_device", "stride", "is_contiguous",
                    "__hash__", "ndimension", "__format__")  # fmt: skip
         LazyLogits._METADATA = frozenset(
             [getattr(T, p).__get__ for p in props] + [getattr(T, m) for m in methods])
     return LazyLogits._METADATA
+
+
+def _fsdp_hook(hook: Any) -> bool:
+    """Whether ``hook`` is a method of an FSDP2 unit's state (its pre-backward hook)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # a build without distributed support
+        return False
+    return isinstance(getattr(hook, "__self__", None), FSDPState)
 
 
 def _name(func: Any) -> str:
