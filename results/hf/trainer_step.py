@@ -53,9 +53,11 @@ def main() -> None:
     hows = ["Trainer", "TrainingArguments(gradient_checkpointing=True)",
             "leangrad.hf.attach(trainer, 'checkpoint+chunked_ce')"]  # fmt: skip
     made = {h: trainer(copy.deepcopy(base), h) for h in hows}
-    for t in made.values():
+    for t in made.values():  # what train() does first with gradient_checkpointing=True
         if t.args.gradient_checkpointing:
-            t.model.gradient_checkpointing_enable(t.args.gradient_checkpointing_kwargs)
+            enable = getattr(t.model, "activation_checkpointing_enable", None) or \
+                t.model.gradient_checkpointing_enable  # transformers < 5
+            enable(t.args.gradient_checkpointing_kwargs)
     peaks: dict[str, int] = {}
     for h, t in made.items():
         t.training_step(t.model, dict(batch))  # warm: the engine's probes, the allocator

@@ -70,3 +70,26 @@ def test_every_engine_on_a_lora_llama_is_exact_or_refuses(name: str) -> None:
         assert str(err)  # a refusal names why
         return
     assert mc.verdict(ref, got, torch.float64) == "exact"
+
+
+def test_peft_input_grad_hooks_are_understood_not_refused() -> None:
+    # PEFT users call enable_input_require_grads() beside gradient checkpointing (often
+    # twice): its hook only sets requires_grad on the embedding's output, so engines that
+    # run the embedding again are planned, not skipped; a hook of the user's still is.
+    model, ids = _lora()
+    model.enable_input_require_grads()
+    model.enable_input_require_grads()
+    batch = {"input_ids": ids, "labels": ids}
+    eng = leangrad.engine("checkpoint", blocks=["base_model"], fragments=2)
+    ref = copy.deepcopy(model)
+    ref(**batch).loss.backward()
+    got = copy.deepcopy(model)
+    eng.backward(got, batch, lambda out: out.loss)
+    for (n, p), q in zip(ref.named_parameters(), got.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=n)
+    embed = got.get_input_embeddings()
+    embed.register_forward_hook(lambda *_: None)  # the user's own: refused, named
+    with pytest.raises(LeangradError, match="forward hook would fire more than once"):
+        eng.backward(got, batch, lambda out: out.loss)

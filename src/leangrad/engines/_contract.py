@@ -128,11 +128,27 @@ class BufferGuard:
                 b.copy_(value)
 
 
+RERUN_SAFE_HOOKS = frozenset({"make_inputs_require_grad", "make_inputs_require_grads"})
+"""Forward hooks the libraries register that may fire once per run of their module:
+transformers' ``enable_input_require_grads()`` and PEFT's copies of it (which PEFT users
+call with gradient checkpointing) set ``output.requires_grad_(True)`` and nothing else, so
+a recomputation running them again changes nothing. Recognised by their function's name
+*and* the library that defines it (``transformers``, ``peft``); any other hook is the
+user's, and refused where it would fire more than once."""
+
+
+def _rerun_safe(hook: object) -> bool:
+    fn = getattr(hook, "__func__", hook)
+    module = str(getattr(fn, "__module__", "") or "")
+    return (getattr(fn, "__name__", None) in RERUN_SAFE_HOOKS
+            and module.split(".")[0] in ("transformers", "peft"))  # fmt: skip
+
+
 def _hook_kinds(module: nn.Module) -> list[str]:
     kinds = []
     if module._forward_pre_hooks:
         kinds.append("pre-hook")
-    if module._forward_hooks:
+    if any(not _rerun_safe(h) for h in module._forward_hooks.values()):
         kinds.append("hook")
     return kinds
 
