@@ -3,8 +3,9 @@ plain cross-entropy of the logits, leangrad's ``chunked_ce`` engine, torchtune's
 ``CEWithChunkedOutputLoss`` (the model's logits in 8 chunks along the sequence, each
 upcast and reduced on its own, as torchtune's recipes write it) and Cut Cross-Entropy's
 ``linear_cross_entropy(impl="torch_compile")`` (hidden states and the head's weight, no
-logits). The peers run where they import (``pip install cut-cross-entropy torchtune``;
-torchtune 0.6 needs ``torchao<0.12``); a row says why where not.
+logits). The peers run where they import (``pip install cut-cross-entropy torchtune``, in
+an environment of its own: torchtune 0.6 needs ``torchao<0.12``, which PEFT 0.21 refuses
+to import beside); a row says why where not.
 
 Peak: leangrad's tracker over the step above the model and batch; time: median of
 interleaved steps after warm-up (CCE compiles in its first), 1 thread; gradients compared
