@@ -258,7 +258,7 @@ def _check_sum(attached: Attached, model: nn.Module, call: dict[str, Any],
     if len(rows) != 1 or (n := rows.pop()) < 2:
         raise errors.EngineInputError(NOT_A_SUM.format(
             engine=label, why="its tensors do not share one batch dimension of 2 or more"))
-    inner = model.get_submodule("module") if hasattr(model, "no_sync") else model
+    inner = _unwrapped(model)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         whole = loss_fn.fn(inner(**call), *loss_fn.targets)
         parts = torch.stack([loss_fn.fn(inner(**{**call, **{k: v[s] for k, v in tensors.items()}}),
@@ -271,12 +271,21 @@ def _check_sum(attached: Attached, model: nn.Module, call: dict[str, Any],
     attached.checked_sum = True
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module DDP wraps (the Trainer hands ``compute_loss`` the wrapped model under
+    ``torchrun``), or ``model``."""
+    from .engines._wrapped import DDP, wrapped_by
+
+    wrapper = wrapped_by(model)
+    return model.get_submodule("module") if wrapper is not None and wrapper[0] == DDP else model
+
+
 def _plan_first(trainer: Any, attached: Attached, model: nn.Module, call: dict[str, Any],
                 loss_fn: Any) -> None:  # fmt: skip
     """Plan on the first batch and log the choice."""
     from .planner import plan
 
-    inner = model.get_submodule("module") if hasattr(model, "no_sync") else model
+    inner = _unwrapped(model)
     budget = attached.budget
     assert budget is not None
     if isinstance(budget, float):

@@ -259,3 +259,16 @@ def test_explain_says_what_each_transform_changed_and_left_alone_and_why() -> No
     assert "relu" in text and "< min_ops=2" in text  # the lone ReLU, and why
     text = str(leangrad.explain("rad", _model()))
     assert "rad on model: swapped 4" in text and "left exact: 1 (Swish)" in text
+
+
+def test_fads_eager_block_keeps_its_outputs_memory_format() -> None:
+    # A random draw after the block fills its mask in memory order: a channels-last output
+    # that came out contiguous would be dropped elsewhere than under autograd.
+    from leangrad.engines._transforms import _through_cat
+
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last).requires_grad_()
+    y = _through_cat(x * 1.0)
+    assert y.stride() == x.stride() and torch.equal(y, x)
+    loss = (x * 2.0).sum()
+    z = _through_cat(loss)
+    assert z.dim() == 0 and torch.equal(z, loss) and z.grad_fn is not None

@@ -58,6 +58,15 @@ def _spec(family: str, input_kind: str, stem: Any, body: Any, head: Any = (), **
 
 
 REGRESSIONS: list[tuple[str, fm.Spec]] = [
+    # fad's eager block once passed its output through a flattening copy (for 0-d model
+    # losses): channels-last activations came out contiguous, and the dropout after them
+    # filled its mask in another order than autograd's step (loss 0.334 vs 0.430).
+    ("seq-fad-channels-last-dropout", {
+        "body": [("seq", [("res", [("rad", 0.5, 0), ("bnact", "train", "silu")]),
+                          ("droppath", 0.1), ("res", [("dropout", 0.5, "bits")])])],
+        "seed": 71, "stem": ("lin", []), "channels_last": True, "input": "img",
+        "prefill": False, "eval": False, "on_grad": True, "dtype": "float32", "batch": 2,
+        "family": "seq", "head": [("act", "rad.relu")], "input_grad": False}),
     # Shared modules and tied weights in each family, on_grad and input gradients on
     # (known classes 1-3; GPT-2-style tying): pass today, must stay so.
     ("seq-shared-and-tied", _spec("seq", "vec", ("lin", []),

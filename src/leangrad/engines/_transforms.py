@@ -377,9 +377,15 @@ class _Nested(Wrapper):
             # A chain value leaving the block would reach the loss after the mode ended
             # (its derivative never attached): pass each output tensor through one
             # non-element-wise op inside the block (a 0-d one, such as a loss the model
-            # computes from ``labels=``, as a 1-element row and back).
-            return _tree_map(lambda t: torch.cat([t.reshape(-1)]).reshape(t.shape)
-                             if t.requires_grad else t, out)  # fmt: skip
+            # computes from ``labels=``, as a 1-element row and back; any other keeps its
+            # memory format, which later random draws fill in order).
+            return _tree_map(_through_cat, out)
+
+
+def _through_cat(t: Any) -> Any:
+    if not t.requires_grad:
+        return t
+    return torch.cat([t]) if t.dim() else torch.cat([t.reshape(1)]).reshape(())
 
 
 class BitsTransform(Transform):
