@@ -10,6 +10,7 @@ weights after each step to ``OUT/weights-ENGINE.pt``.
 """
 
 import argparse
+import os
 
 import lightning as L
 import torch
@@ -42,12 +43,13 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def train(engine: str) -> list[list[torch.Tensor]]:
+def train(engine: str, devices: int = 1) -> list[list[torch.Tensor]]:
     torch.manual_seed(0)
     module = Classifier(engine)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, dtype=torch.float64),
                                           torch.randint(0, 4, (64,)))
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, precision="64-true",
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=devices, precision="64-true",
+                        strategy="ddp" if devices > 1 else "auto",
                         accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
@@ -58,5 +60,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--engine", default="checkpoint")
+    parser.add_argument("--devices", type=int, default=1)  # 2: Lightning's DDP on 2 processes
     args = parser.parse_args()
-    torch.save(train(args.engine), f"{args.out}/weights-{args.engine}.pt")
+    weights = train(args.engine, args.devices)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        torch.save(weights, f"{args.out}/weights-{args.engine}.pt")

@@ -55,3 +55,17 @@ def test_the_example_runs_as_a_script(tmp_path: Path) -> None:
 def test_the_docs_page_shows_the_example_as_it_runs() -> None:
     body = EXAMPLE.read_text().split('"""', 2)[2].strip()
     assert body in PAGE.read_text()
+
+
+@pytest.mark.slow
+def test_under_lightnings_ddp_on_two_processes(tmp_path: Path) -> None:
+    for engine in ("backprop", "checkpoint+accumulate"):
+        subprocess.run([sys.executable, str(EXAMPLE), str(tmp_path), "--engine", engine,
+                        "--devices", "2"], check=True, capture_output=True,
+                       timeout=600)  # fmt: skip
+    plain = torch.load(tmp_path / "weights-backprop.pt")
+    got = torch.load(tmp_path / "weights-checkpoint+accumulate.pt")
+    assert len(plain) == 4  # each rank: half the epoch's batches
+    assert _worst(plain, got) <= 1e-12
+    assert _worst(plain[:1], plain[-1:]) > 1e-3
+
