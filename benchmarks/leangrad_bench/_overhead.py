@@ -166,7 +166,7 @@ def run_overhead(suite: Suite, settings: RunSettings) -> list[dict[str, Any]]:
             steps: dict[str, Step] = {"leangrad": functools.partial(_zeroed, model, ours),
                                       "pytorch": functools.partial(_zeroed, model, hands[pair])}
             timing = time_interleaved(steps, repeats=repeats, warmup=2, reference="pytorch")
-            ops = {side: count_ops(functools.partial(_zeroed_counted, model, fn))
+            ops = {side: count_ops(functools.partial(_zeroed, model, fn))
                    for side, fn in (("leangrad", ours), ("pytorch", hands[pair]))}  # fmt: skip
             records.append({
                 "suite": suite.name, "model": label, "pair": pair, "engine": eng.label,
@@ -187,12 +187,8 @@ def _engine_step(eng: leangrad.Engine, model: nn.Module, xs: tuple[torch.Tensor,
     eng.backward(model, xs, loss_fn)
 
 
-def _zeroed(model: nn.Module, fn: Callable[[Any], None]) -> None:
-    model.zero_grad(set_to_none=True)
-    fn(None)
-
-
-def _zeroed_counted(model: nn.Module, fn: Callable[[Any], None], counter: Any) -> None:
+def _zeroed(model: nn.Module, fn: Callable[[Any], None], counter: Any = None) -> None:
+    """``.grad`` set to ``None``, then one step (``counter``: the op counter, when counting)."""
     model.zero_grad(set_to_none=True)
     fn(counter)
 

@@ -213,30 +213,23 @@ def _step_of(original: Callable[..., Any], model: nn.Module, inputs: Mapping[str
         raise errors.EngineInputError("attach: compute_loss did not call the model")
     call = recorder.kwargs
 
-    def loss_fn(out: Any) -> torch.Tensor:
-        loss: torch.Tensor = original(_Answer(model, out), dict(inputs),
-                                      num_items_in_batch=num_items_in_batch)  # fmt: skip
-        return loss
-
-    if num_items_in_batch is None:
-        return call, loss_fn
-    # Summed over tokens and divided by the accumulated batch's count: a sum over examples.
     # What compute_loss takes from the batch but not to the model (the labels it pops for
-    # compute_loss_func or label smoothing) is split with the micro-batches.
+    # compute_loss_func or label smoothing): split with the micro-batches where they split.
     kept = [k for k, v in inputs.items()
             if k not in call and isinstance(v, torch.Tensor) and v.dim()]  # fmt: skip
-    rows = [inputs[k] for k in kept] or [v for v in call.values()
-                                         if isinstance(v, torch.Tensor) and v.dim()][:1]
 
-    def rows_loss(out: Any, *parts: torch.Tensor) -> torch.Tensor:
+    def loss_fn(out: Any, *parts: torch.Tensor) -> torch.Tensor:
         batch = {**inputs, **dict(zip(kept, parts, strict=False))}
         loss: torch.Tensor = original(_Answer(model, out), batch,
                                       num_items_in_batch=num_items_in_batch)  # fmt: skip
         return loss
 
-    if not rows:
+    rows = [inputs[k] for k in kept] or [v for v in call.values()
+                                         if isinstance(v, torch.Tensor) and v.dim()][:1]
+    if num_items_in_batch is None or not rows:
         return call, loss_fn
-    return call, per_example(rows_loss, *rows, reduction="sum")
+    # Summed over tokens and divided by the accumulated batch's count: a sum over examples.
+    return call, per_example(loss_fn, *rows, reduction="sum")
 
 
 def _splits(engine: Any) -> bool:
