@@ -43,9 +43,17 @@ def _inputs(lead: tuple[int, ...], dim: int, classes: int, *, dtype: torch.dtype
 
 def _reference(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, t: torch.Tensor,
                **kw: Any) -> torch.Tensor:  # fmt: skip
-    """Plain autograd: the logits flattened to ``(rows, classes)``, as a user writes it."""
-    z = F.linear(h, w, b)
-    out = F.cross_entropy(z.reshape(-1, w.shape[0]), t.reshape(-1), ignore_index=IGNORE, **kw)
+    """Plain autograd: the logits flattened to ``(rows, classes)``, as a user writes it; a
+    ``z_loss`` weight adds ``w * logsumexp(z)**2`` to every counted row, reduced alike."""
+    z_loss = kw.pop("z_loss", 0.0)
+    z = F.linear(h, w, b).reshape(-1, w.shape[0])
+    out = F.cross_entropy(z, t.reshape(-1), ignore_index=IGNORE, **kw)
+    if z_loss:
+        valid = t.reshape(-1) != IGNORE
+        per = z_loss * torch.logsumexp(z, dim=1).square() * valid
+        reduction = kw.get("reduction", "mean")
+        out = out + (per if reduction == "none" else per.sum() / (
+            valid.sum() if reduction == "mean" else 1))  # fmt: skip
     return out.reshape(t.shape) if kw.get("reduction") == "none" else out
 
 
@@ -103,6 +111,26 @@ def test_matches_cross_entropy_of_the_logits(
     _close(got, ref, dtype)
     if reduction == "none":
         assert got[0].shape == lead
+        assert (got[0][t == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_size", [1, 3, None], ids=lambda c: f"chunk{c}")
+def test_z_loss_matches_autograd_of_the_logits(dtype: torch.dtype, reduction: str,
+                                               smoothing: float, chunk_size: int | None,
+                                               ) -> None:  # fmt: skip
+    """The z-loss ``w * logsumexp(z)**2`` per counted row, in the value and in every
+    gradient, against autograd through the whole logits (and it does change the loss)."""
+    h, w, b, t = _inputs((2, 5), 6, 11, dtype=dtype)
+    ref, got = _both(h, w, b, t, chunk_size=chunk_size, reduction=reduction,
+                     label_smoothing=smoothing, z_loss=1e-2)  # fmt: skip
+    _close(got, ref, dtype)
+    plain, _ = _both(h, w, b, t, chunk_size=chunk_size, reduction=reduction,
+                     label_smoothing=smoothing)  # fmt: skip
+    assert not torch.allclose(plain[0], ref[0])
+    if reduction == "none":
         assert (got[0][t == IGNORE] == 0).all()
 
 
@@ -208,6 +236,7 @@ def _cases(draw: st.DrawFn) -> dict[str, Any]:
         "chunk_size": draw(st.one_of(st.none(), st.integers(1, 12))),
         "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
         "label_smoothing": draw(st.sampled_from([0.0, 0.1, 1.0])),
+        "z_loss": draw(st.sampled_from([0.0, 0.0, 1e-3, 0.5])),
     }  # fmt: skip
 
 
@@ -217,7 +246,8 @@ def test_property_matches_cross_entropy(case: dict[str, Any]) -> None:
     h, w, b, t = _inputs(case["lead"], case["dim"], case["classes"], dtype=torch.float64,
                          bias=case["bias"], ignored=case["ignored"], seed=case["seed"])  # fmt: skip
     ref, got = _both(h, w, b, t, chunk_size=case["chunk_size"], reduction=case["reduction"],
-                     label_smoothing=case["label_smoothing"], seed=case["seed"])  # fmt: skip
+                     label_smoothing=case["label_smoothing"], z_loss=case["z_loss"],
+                     seed=case["seed"])  # fmt: skip
     _close(got, ref, torch.float64)
 
 
@@ -242,6 +272,9 @@ def test_default_chunk_rows() -> None:
         ({"reduction": None}, "reduction must be"),
         ({"label_smoothing": -0.1}, "label_smoothing must be in"),
         ({"label_smoothing": 1.5}, "label_smoothing must be in"),
+        ({"z_loss": -1e-4}, "z_loss must be a float >= 0"),
+        ({"z_loss": float("nan")}, "z_loss must be a float >= 0"),
+        ({"z_loss": True}, "z_loss must be a float >= 0"),
         ({"chunk_size": 0}, "chunk_size must be a positive int"),
         ({"chunk_size": -2}, "chunk_size must be a positive int"),
         ({"chunk_size": 2.0}, "chunk_size must be a positive int"),

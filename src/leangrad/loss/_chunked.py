@@ -37,6 +37,7 @@ CHUNKS = 8
 one chunk's logits are then at most 1/8 of the whole."""
 BAD_REDUCTION = "linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {value!r}"
 BAD_SMOOTHING = "linear_cross_entropy: label_smoothing must be in [0, 1], got {value!r}"
+BAD_Z_LOSS = "linear_cross_entropy: z_loss must be a float >= 0, got {value!r}"
 BAD_CHUNK = "linear_cross_entropy: chunk_size must be a positive int or None, got {value!r}"
 TWICE = (
     "linear_cross_entropy: backward ran twice through a loss whose gradients were computed "
@@ -66,6 +67,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target)`` without the logits.
@@ -80,6 +82,10 @@ def linear_cross_entropy(
         bias: ``(V,)`` or ``None``.
         ignore_index, reduction, label_smoothing: as :func:`torch.nn.functional.cross_entropy`
             (``"mean"`` divides by the rows not ignored).
+        z_loss: weight ``w`` of the z-loss (PaLM, Chowdhery et al. 2022; Liger Kernel's
+            ``lse_square_scale``): each counted row's loss gains ``w * logsumexp(z)**2``,
+            which keeps the softmax normaliser near 1 in low-precision training. 0 (the
+            default) is plain cross-entropy.
         chunk_size: rows per chunk (default: :func:`chunk_rows`: at most 8 MiB of float32
             logits, and at least 8 chunks).
 
@@ -91,6 +97,8 @@ def linear_cross_entropy(
         raise ValueError(BAD_REDUCTION.format(value=reduction))
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(BAD_SMOOTHING.format(value=label_smoothing))
+    if isinstance(z_loss, bool) or not isinstance(z_loss, int | float) or not z_loss >= 0.0:
+        raise ValueError(BAD_Z_LOSS.format(value=z_loss))
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):  # fmt: skip
         raise ValueError(BAD_CHUNK.format(value=chunk_size))
@@ -100,7 +108,7 @@ def linear_cross_entropy(
             hidden=tuple(hidden.shape), weight=tuple(weight.shape),
             target=tuple(target.shape)))  # fmt: skip
     return _apply(hidden, weight, target, bias, ignore_index, reduction, label_smoothing,
-                  chunk_size, None)  # fmt: skip
+                  chunk_size, None, z_loss=float(z_loss))  # fmt: skip
 
 
 class GradSink:
@@ -121,12 +129,14 @@ class GradSink:
 
 def _apply(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
            bias: torch.Tensor | None, ignore_index: int, reduction: str, smoothing: float,
-           chunk_size: int | None, sink: GradSink | None) -> torch.Tensor:  # fmt: skip
+           chunk_size: int | None, sink: GradSink | None, *,
+           z_loss: float = 0.0) -> torch.Tensor:  # fmt: skip
     rows = chunk_rows(weight.shape[0], rows=target.numel(), chunk_size=chunk_size)
     grads_now = reduction != "none" and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))  # fmt: skip
     out: torch.Tensor = _LinearCrossEntropy.apply(
-        hidden, weight, bias, target, ignore_index, reduction, smoothing, rows, grads_now, sink
+        hidden, weight, bias, target, ignore_index, reduction, smoothing, rows, grads_now, sink,
+        z_loss,
     )
     return out
 
@@ -139,9 +149,12 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 def _dlogits_(p: torch.Tensor, t: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor,
-              smoothing: float) -> torch.Tensor:  # fmt: skip
+              smoothing: float, z_loss: float, lse: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """``p`` (one chunk's softmax) overwritten with d(loss)/dz: per row
-    ``scale * (softmax(z) - (1 - s) onehot(t) - s / V)``, zero on ignored rows."""
+    ``scale * ((1 + 2 w lse) softmax(z) - (1 - s) onehot(t) - s / V)``, zero on ignored
+    rows (``w`` the z-loss weight: d(w lse^2)/dz = 2 w lse softmax(z))."""
+    if z_loss:
+        p.mul_((1.0 + 2.0 * z_loss * lse)[:, None].to(p.dtype))
     rows = torch.arange(p.shape[0], device=p.device)
     p[rows, t] -= (1.0 - smoothing) * valid.to(p.dtype)
     if smoothing:
@@ -166,7 +179,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         target: torch.Tensor, ignore_index: int, reduction: str, smoothing: float, rows: int,
-        grads_now: bool, sink: GradSink | None,
+        grads_now: bool, sink: GradSink | None, z_loss: float,
     ) -> torch.Tensor:  # fmt: skip
         h = hidden.reshape(-1, hidden.shape[-1])
         t_all = target.reshape(-1)
@@ -196,11 +209,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             nll = lse_c - picked
             if mean is not None:
                 nll = (1.0 - smoothing) * nll + smoothing * (lse_c - mean)
+            if z_loss:
+                nll = nll + z_loss * lse_c.square()
             per[s:e] = nll.masked_fill(~valid, 0.0)
             lse[s:e] = lse_c
             if grads_now:
                 softmax = z.div_(total[:, None])
-                dz = _dlogits_(softmax, safe, valid, scale[s:e], smoothing).to(h.dtype)
+                dz = _dlogits_(softmax, safe, valid, scale[s:e], smoothing, z_loss,
+                               lse_c).to(h.dtype)  # fmt: skip
                 _add_grads(dz, h[s:e], weight, None if gh is None else gh[s:e], gw, gb)
             del z
         if reduction == "none":
@@ -211,6 +227,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss = (per.sum() / count).to(hidden.dtype)
         ctx.shape, ctx.rows, ctx.smoothing, ctx.reduction = hidden.shape, rows, smoothing, reduction
         ctx.has_bias, ctx.grads_now, ctx.sink = bias is not None, grads_now, sink
+        ctx.z_loss = z_loss
         if grads_now:
             ctx.pre = (gh, gw, gb)
         else:
@@ -221,7 +238,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        none = (None,) * 7
+        none = (None,) * 8
         if ctx.grads_now:
             if ctx.pre is None:
                 raise RuntimeError(TWICE)
@@ -251,7 +268,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = min(h.shape[0], s + ctx.rows)
             softmax = _logits(h[s:e], weight, bias).sub_(lse[s:e, None]).exp_()
             dz = _dlogits_(softmax, safe_all[s:e], valid_all[s:e], scale_all[s:e],
-                           ctx.smoothing).to(h.dtype)  # fmt: skip
+                           ctx.smoothing, ctx.z_loss, lse[s:e]).to(h.dtype)  # fmt: skip
             _add_grads(dz, h[s:e], weight, None if gh is None else gh[s:e], gw, gb)
             del softmax, dz
         _leave(ctx.sink, gw)
