@@ -115,6 +115,22 @@ def _check_heads(name: str, dim: int, heads: int) -> None:
         )
 
 
+def _transformers(name: str, attn: str, dim: int, heads: int) -> Any:
+    """The ``transformers`` module for factory ``name``, once ``attn`` is known and ``dim``
+    divisible by ``heads``."""
+    tf = _require("transformers", f"leangrad.hf.{name}")
+    _check_attn(attn)
+    _check_heads(name, dim, heads)
+    return tf
+
+
+def _make(cls: Callable[..., nn.Module], seed: int | None, dtype: torch.dtype | None, /,
+          *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    """``cls(*args, **kwargs)``, built under :func:`_built` and passed through :func:`_finish`."""
+    with _built(seed, dtype):
+        return _finish(cls(*args, **kwargs), dtype)
+
+
 def gpt2(
     *,
     vocab: int = 50257,
@@ -140,17 +156,14 @@ def gpt2(
         dtype: cast the parameters (``None``: torch's default dtype).
         seed: initialise under this seed (``None``: the global stream).
     """
-    tf = _require("transformers", "leangrad.hf.gpt2")
-    _check_attn(attn)
-    _check_heads("gpt2", dim, heads)
+    tf = _transformers("gpt2", attn, dim, heads)
     special = min(50256, vocab - 1)  # GPT-2's <|endoftext|>, inside a smaller vocabulary
     config = tf.GPT2Config(
         vocab_size=vocab, n_embd=dim, n_layer=layers, n_head=heads, n_positions=context,
         bos_token_id=special, eos_token_id=special, use_cache=False, attn_implementation=attn,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )  # fmt: skip
-    with _built(seed, dtype):
-        return _finish(tf.GPT2LMHeadModel(config), dtype)
+    return _make(tf.GPT2LMHeadModel, seed, dtype, config)
 
 
 def llama(
@@ -176,9 +189,7 @@ def llama(
         ffn: the SwiGLU MLP's width (``None``: Llama's 8/3 x ``dim``, rounded up to 8).
         attn, dtype, seed: as for :func:`gpt2`.
     """
-    tf = _require("transformers", "leangrad.hf.llama")
-    _check_attn(attn)
-    _check_heads("llama", dim, heads)
+    tf = _transformers("llama", attn, dim, heads)
     kv = heads if kv_heads is None else kv_heads
     if heads % kv:
         what = f"heads ({heads}) must be divisible by kv_heads ({kv})"
@@ -190,8 +201,7 @@ def llama(
         bos_token_id=min(1, vocab - 1), eos_token_id=min(2, vocab - 1), use_cache=False,
         attn_implementation=attn,
     )  # fmt: skip
-    with _built(seed, dtype):
-        return _finish(tf.LlamaForCausalLM(config), dtype)
+    return _make(tf.LlamaForCausalLM, seed, dtype, config)
 
 
 def bert(
@@ -213,16 +223,13 @@ def bert(
             (the MLP is 4 x ``dim`` wide, as BERT's).
         attn, dtype, seed: as for :func:`gpt2`.
     """
-    tf = _require("transformers", "leangrad.hf.bert")
-    _check_attn(attn)
-    _check_heads("bert", dim, heads)
+    tf = _transformers("bert", attn, dim, heads)
     config = tf.BertConfig(
         vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=4 * dim, max_position_embeddings=context,
         pad_token_id=0, attn_implementation=attn,
     )  # fmt: skip
-    with _built(seed, dtype):
-        return _finish(tf.BertForMaskedLM(config), dtype)
+    return _make(tf.BertForMaskedLM, seed, dtype, config)
 
 
 def unet(
@@ -261,14 +268,12 @@ def unet(
             f"{2 ** (len(widths) - 1)}"))  # fmt: skip
     down = ("DownBlock2D",) * (len(widths) - 1) + ("AttnDownBlock2D",)
     up = ("AttnUpBlock2D",) + ("UpBlock2D",) * (len(widths) - 1)
-    with _built(seed, dtype):
-        model = df.UNet2DModel(
-            sample_size=image, in_channels=channels, out_channels=channels,
-            down_block_types=down, up_block_types=up, block_out_channels=tuple(widths),
-            layers_per_block=layers_per_block, norm_num_groups=groups,
-            attention_head_dim=head_dim,
-        )  # fmt: skip
-        return _finish(model, dtype)
+    return _make(
+        df.UNet2DModel, seed, dtype,
+        sample_size=image, in_channels=channels, out_channels=channels,
+        down_block_types=down, up_block_types=up, block_out_channels=tuple(widths),
+        layers_per_block=layers_per_block, norm_num_groups=groups, attention_head_dim=head_dim,
+    )  # fmt: skip
 
 
 MODELS: dict[str, Callable[..., Any]] = {"gpt2": gpt2, "llama": llama, "bert": bert, "unet": unet}

@@ -8,6 +8,7 @@ layers carry the rules ``moonwalk`` and ``revbackprop`` need.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -196,9 +197,7 @@ def submersive_cnn(
     """
     from .layers import SubmersiveConv2d
 
-    def conv() -> nn.Module:
-        return SubmersiveConv2d(channels, channels, 3, stride=2, padding=1)
-
+    conv = functools.partial(SubmersiveConv2d, channels, channels, 3, stride=2, padding=1)
     return _conv_chain(conv, 2, in_channels, channels, depth, classes, negative_slope, stem)
 
 
@@ -292,11 +291,11 @@ def fragmental_cnn1d(
     negative_slope: float = 0.5,
     stem: str = "conv",
 ) -> nn.Module:
-    """The Moonwalk v2 1D network of section 6.3, scaled down: a stem upsamples the
-    channels (``stem="conv"``: a 1x1 conv; ``"repeat"``: parameter-free tiling), then
-    ``depth`` x (length-keeping stride-1 :class:`~leangrad.layers.FragmentalConv1d` +
-    LeakyReLU) — not submersive, so Moonwalk needs ``fragment=B`` — then global max
-    pooling and a linear head. Returns a :class:`leangrad.Chain`.
+    """The Moonwalk v2 1D network of section 6.3, scaled down: the channel-upsampling stem
+    of :func:`submersive_cnn` (``stem="conv"`` or ``"repeat"``), then ``depth`` x
+    (length-keeping stride-1 :class:`~leangrad.layers.FragmentalConv1d` + LeakyReLU) — not
+    submersive, so Moonwalk needs ``fragment=B`` — then global max pooling and a linear
+    head. Returns a :class:`leangrad.Chain`.
 
     ``negative_slope`` defaults to 0.5, not the usual 0.01–0.1: Moonwalk's Phase III
     divides each cotangent by the LeakyReLU slope, and the rebuild of eq. (20) spreads
@@ -306,9 +305,7 @@ def fragmental_cnn1d(
     """
     from .layers import FragmentalConv1d
 
-    def conv() -> nn.Module:
-        return FragmentalConv1d(channels, kernel_size)
-
+    conv = functools.partial(FragmentalConv1d, channels, kernel_size)
     return _conv_chain(conv, 1, in_channels, channels, depth, classes, negative_slope, stem)
 
 
@@ -327,7 +324,5 @@ def fragmental_cnn2d(
     fragments are blocks of rows; global max pooling and a linear head. A Chain."""
     from .layers import FragmentalConv2d
 
-    def conv() -> nn.Module:
-        return FragmentalConv2d(channels, kernel_size)
-
+    conv = functools.partial(FragmentalConv2d, channels, kernel_size)
     return _conv_chain(conv, 2, in_channels, channels, depth, classes, negative_slope, stem)

@@ -176,6 +176,12 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over every position: ``(N, T, V)`` logits against
+    ``(N, T)`` ids."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 class GPT(nn.Module):
     """A GPT-2-style language model; input token ids ``(N, T)``, output logits
     ``(N, T, vocab)`` (use :meth:`loss` or flatten for cross-entropy)."""
@@ -200,10 +206,7 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy over every position."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss = staticmethod(_token_ce)
 
 
 def gpt(*, vocab: int = 256, dim: int = 128, layers: int = 4, heads: int = 4,
@@ -287,26 +290,19 @@ def rnn_lm(cell: str = "lstm", *, vocab: int = 128, embed: int = 64, hidden: int
     return RNNLM(cell=cell, vocab=vocab, embed=embed, hidden=hidden, layers=layers)
 
 
-class _TimeMajor(nn.Module):
-    """(N, T) token ids -> (T, N, embed): the highway GRU layers run time-major."""
+class _Transposed(nn.Module):
+    """``layer(x)`` with its first two dimensions swapped, ``layer`` held as attribute
+    ``key``: ``(N, T)`` token ids -> ``(T, N, embed)`` into the highway GRU layers (they
+    run time-major), ``(T, N, hidden)`` -> ``(N, T, vocab)`` logits out of them (so the
+    loss matches :class:`RNNLM`'s)."""
 
-    def __init__(self, vocab: int, embed: int) -> None:
+    def __init__(self, key: str, layer: nn.Module) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, embed)
+        self.key = key
+        self.add_module(key, layer)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.embed(idx).transpose(0, 1)
-
-
-class _BatchMajor(nn.Module):
-    """(T, N, hidden) -> (N, T, vocab) logits, so the loss matches :class:`RNNLM`'s."""
-
-    def __init__(self, hidden: int, vocab: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(hidden, vocab)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lin(h).transpose(0, 1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.key)(x).transpose(0, 1)
 
 
 def highway_gru_lm(*, vocab: int = 128, embed: int = 64, hidden: int = 256,
@@ -318,7 +314,8 @@ def highway_gru_lm(*, vocab: int = 128, embed: int = 64, hidden: int = 256,
     from .highway import GRULayer, HighwayNet
 
     stacks = [GRULayer(embed if i == 0 else hidden, hidden) for i in range(layers)]
-    return HighwayNet(_TimeMajor(vocab, embed), stacks, _BatchMajor(hidden, vocab))
+    stem = _Transposed("embed", nn.Embedding(vocab, embed))
+    return HighwayNet(stem, stacks, _Transposed("lin", nn.Linear(hidden, vocab)))
 
 
 class ViT(nn.Module):
@@ -433,10 +430,7 @@ class Llama(nn.Module):
             x = block(x)
         return self.lm_head(self.norm(x))
 
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy over every position."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss = staticmethod(_token_ce)
 
 
 def _swiglu_hidden(dim: int, multiple: int = 8) -> int:
@@ -717,8 +711,3 @@ def batch(name: str, model: nn.Module, size: int, *, length: int = 64, image: in
         return idx, per_example(F.cross_entropy, cls)
     tgt = torch.randint(0, emb.num_embeddings, (size, length), generator=gen).to(dev)
     return idx, per_example(_token_ce, tgt)
-
-
-def _token_ce(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over every token of ``(N, T, V)`` logits against ``(N, T)`` ids."""
-    return F.cross_entropy(out.flatten(0, 1), tgt.flatten())

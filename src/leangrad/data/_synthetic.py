@@ -8,7 +8,7 @@ is drawn in float32 on the CPU and then moved, so labels do not depend on dtype 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -52,6 +52,24 @@ def _teacher(features: int, num_classes: int, gen: torch.Generator) -> torch.Ten
     return weight / weight.norm(dim=0, keepdim=True)
 
 
+def _teacher_labelled(name: str, n: int, sizes: tuple[int, ...], features: int,
+                      summary: Callable[[torch.Tensor], torch.Tensor], num_classes: int,
+                      seed: int, dtype: torch.dtype, device: torch.device) -> Dataset:  # fmt: skip
+    """``n`` Gaussian inputs of shape ``sizes`` (checked by :func:`_check`), each labelled
+    by the argmax of a random teacher (drawn first, from the same ``seed``) applied to
+    ``summary(x)``, its ``(n, features)`` rows; drawn in float32 on the CPU, then moved."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = _teacher(features, num_classes, gen)
+    x = torch.randn(n, *sizes, generator=gen)
+    y = (summary(x) @ teacher).argmax(dim=1)
+    return Dataset(
+        x=x.to(device=device, dtype=dtype),
+        y=y.to(device=device),
+        name=name,
+        num_classes=num_classes,
+    )
+
+
 def synthetic_classification(
     n: int,
     *,
@@ -76,16 +94,10 @@ def synthetic_classification(
     """
     shape = _shape(shape)
     dtype, device = _check(n, num_classes, shape, dtype, device, seed)
-    gen = torch.Generator().manual_seed(seed)
-    teacher = _teacher(math.prod(shape), num_classes, gen)
-    x = torch.randn(n, *shape, generator=gen)
-    y = (x.reshape(n, -1) @ teacher).argmax(dim=1)
-    return Dataset(
-        x=x.to(device=device, dtype=dtype),
-        y=y.to(device=device),
-        name="synthetic",
-        num_classes=num_classes,
-    )
+    return _teacher_labelled(
+        "synthetic", n, shape, math.prod(shape), lambda x: x.reshape(n, -1),
+        num_classes, seed, dtype, device,
+    )  # fmt: skip
 
 
 def synthetic_sequences(
@@ -104,23 +116,14 @@ def synthetic_sequences(
         n: Number of sequences.
         length: Time steps per sequence.
         features: Features per time step.
-        num_classes: Number of classes.
-        seed: Seed of inputs and teacher; the same seed gives the same data set.
-        dtype: Floating-point dtype of the inputs.
-        device: Device of inputs and targets.
+        num_classes, seed, dtype, device: as for :func:`synthetic_classification`.
 
     Returns:
         A ``Dataset`` named ``"synthetic-seq"`` with x of shape ``(n, length, features)``
         (batch first), for recurrent models.
     """
     dtype, device = _check(n, num_classes, (length, features), dtype, device, seed)
-    gen = torch.Generator().manual_seed(seed)
-    teacher = _teacher(features, num_classes, gen)
-    x = torch.randn(n, length, features, generator=gen)
-    y = (x.mean(dim=1) @ teacher).argmax(dim=1)
-    return Dataset(
-        x=x.to(device=device, dtype=dtype),
-        y=y.to(device=device),
-        name="synthetic-seq",
-        num_classes=num_classes,
-    )
+    return _teacher_labelled(
+        "synthetic-seq", n, (length, features), features, lambda x: x.mean(dim=1),
+        num_classes, seed, dtype, device,
+    )  # fmt: skip

@@ -329,34 +329,24 @@ def _p(name: str, arity: int, plain: Callable[..., Any], rule: Callable[..., Dua
     return Primitive(name, arity, tuple(params.items()), plain, rule)
 
 
+def _torch_p(rule: Callable[..., Dual], arity: int, **params: Any) -> Primitive:
+    """The primitive of ``torch.<name>`` whose rule is the function ``_<name>``."""
+    name = rule.__name__.removeprefix("_")
+    return _p(name, arity, getattr(torch, name), rule, **params)
+
+
 PRIMITIVES: dict[str, Primitive] = {
     p.name: p
     for p in (
-        _p("neg", 1, torch.neg, _neg),
-        _p("exp", 1, torch.exp, _exp),
-        _p("expm1", 1, torch.expm1, _expm1),
-        _p("log", 1, torch.log, _log),
-        _p("log1p", 1, torch.log1p, _log1p),
-        _p("sqrt", 1, torch.sqrt, _sqrt),
-        _p("rsqrt", 1, torch.rsqrt, _rsqrt),
-        _p("reciprocal", 1, torch.reciprocal, _reciprocal),
-        _p("sigmoid", 1, torch.sigmoid, _sigmoid),
-        _p("tanh", 1, torch.tanh, _tanh),
+        *(_torch_p(rule, 1) for rule in (_neg, _exp, _expm1, _log, _log1p, _sqrt, _rsqrt,
+                                         _reciprocal, _sigmoid, _tanh)),
         _p("softplus", 1, F.softplus, _softplus, beta=1.0, threshold=20.0),
-        _p("erf", 1, torch.erf, _erf),
-        _p("sin", 1, torch.sin, _sin),
-        _p("cos", 1, torch.cos, _cos),
-        _p("relu", 1, torch.relu, _relu),
-        _p("abs", 1, torch.abs, _abs),
-        _p("square", 1, torch.square, _square),
-        _p("clone", 1, torch.clone, _clone),
-        _p("add", 2, torch.add, _add, alpha=1),
-        _p("sub", 2, torch.sub, _sub, alpha=1),
-        _p("mul", 2, torch.mul, _mul),
-        _p("div", 2, torch.div, _div),
-        _p("pow", 2, torch.pow, _pow),
+        *(_torch_p(rule, 1) for rule in (_erf, _sin, _cos, _relu, _abs, _square, _clone)),
+        _torch_p(_add, 2, alpha=1),
+        _torch_p(_sub, 2, alpha=1),
+        *(_torch_p(rule, 2) for rule in (_mul, _div, _pow)),
     )
-}
+}  # fmt: skip
 """Canonical name -> primitive: the op table of paper section III-A."""
 
 
@@ -388,15 +378,19 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "mul": ("multiply",),
 }
 _DUNDER = {"add": "add", "sub": "sub", "mul": "mul", "div": "truediv", "pow": "pow"}
-_OPERATOR = {
-    "add": (operator.add, operator.iadd),
-    "sub": (operator.sub, operator.isub),
-    "mul": (operator.mul, operator.imul),
-    "div": (operator.truediv, operator.itruediv),
-    "pow": (operator.pow, operator.ipow),
-    "neg": (operator.neg, None),
-    "abs": (operator.abs, None),
-}
+_UNARY_OPERATORS = ("neg", "abs")
+"""Primitives with an ``operator`` function of their name (binary ones: of their dunder's)."""
+_EXTRA_FUNCS: tuple[tuple[Callable[..., Any], str], ...] = (
+    (F.sigmoid, "sigmoid"),
+    (torch.special.expit, "sigmoid"),
+    (F.tanh, "tanh"),
+    (F.softplus, "softplus"),
+    (torch.special.erf, "erf"),
+    (torch.special.expm1, "expm1"),
+    (torch.special.log1p, "log1p"),
+    (F.relu, "relu"),
+)
+"""Other callables of a primitive (``torch.nn.functional``'s and ``torch.special``'s)."""
 
 
 def _build_table() -> tuple[dict[Any, Call], dict[str, Call]]:
@@ -428,19 +422,12 @@ def _build_table() -> tuple[dict[Any, Call], dict[str, Call]]:
                 f"__i{d}__": Call(prim, inplace=True),
             }
             register(dunders, bases)
-        if name in _OPERATOR:
-            fn, ifn = _OPERATOR[name]
-            add(fn, Call(prim))
-            add(ifn, Call(prim, inplace=True))
-    sig, tanh = PRIMITIVES["sigmoid"], PRIMITIVES["tanh"]
-    add(F.sigmoid, Call(sig))
-    add(torch.special.expit, Call(sig))
-    add(F.tanh, Call(tanh))
-    add(F.softplus, Call(PRIMITIVES["softplus"]))
-    add(torch.special.erf, Call(PRIMITIVES["erf"]))
-    add(torch.special.expm1, Call(PRIMITIVES["expm1"]))
-    add(torch.special.log1p, Call(PRIMITIVES["log1p"]))
-    add(F.relu, Call(PRIMITIVES["relu"]))
+            add(getattr(operator, d), Call(prim))
+            add(getattr(operator, f"i{d}"), Call(prim, inplace=True))
+        elif name in _UNARY_OPERATORS:
+            add(getattr(operator, name), Call(prim))
+    for fn, name in _EXTRA_FUNCS:
+        add(fn, Call(PRIMITIVES[name]))
     add(torch.rsub, Call(PRIMITIVES["sub"], reverse=True))
     return funcs, methods
 
