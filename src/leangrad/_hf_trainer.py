@@ -281,13 +281,15 @@ def _plan_first(trainer: Any, attached: Attached, model: nn.Module, call: dict[s
     inner = _unwrapped(model)
     budget = attached.budget
     assert budget is not None
-    if isinstance(budget, float):
+    if isinstance(budget, float):  # of the plain step's peak, estimated: never run here
+        from ._keywords import positional
         from .engines import engine as engine_named
-        from .measure import profile_step
+        from .measure import estimate_step
 
-        plain = profile_step(engine_named("backprop"), inner, call, loss_fn, repeats=0)
+        viewed, flat = positional(inner, call)
+        plain = estimate_step(engine_named("backprop"), viewed, flat, loss_fn)
         budget = int(budget * plain.total_bytes)
-    found = plan(inner, call, loss_fn, budget=budget, repeats=1)
+    found = plan(inner, call, loss_fn, budget=budget, repeats=1, within_budget=True)
     if found.engine is None:
         raise errors.EngineInputError(
             f"attach: no engine fits {fmt_bytes(budget)} on this batch:\n{found}")
@@ -298,4 +300,6 @@ def _plan_first(trainer: Any, attached: Attached, model: nn.Module, call: dict[s
     if peak is not None:
         logs["leangrad_peak_mib"] = round(peak / 2**20, 3)
     LOG.info("leangrad: planned %s", logs)
+    if "NOT re-checked" in found.message:
+        LOG.warning("leangrad: %s", found.message)
     trainer.log(logs)

@@ -150,7 +150,13 @@ def test_a_budget_plans_on_the_first_batch_and_logs_it(tmp_path: Any) -> None:
     row = logged[0]
     assert row["leangrad_engine"] == trainer.leangrad.engine.label
     assert 0 < row["leangrad_peak_mib"] <= row["leangrad_budget_mib"]
-    assert trainer.leangrad.plan is not None and trainer.leangrad.engine.exact
+    plan = trainer.leangrad.plan
+    assert plan is not None and trainer.leangrad.engine.exact
+    # planned within the budget: no step over it ran (those rows are estimates), and the
+    # exactness re-check ran on what fitted (the Trainer's loss is declared per example)
+    assert all(c.verdict != "over budget" for c in plan.table)
+    assert any(c.verdict == "over budget (estimate)" for c in plan.table)
+    assert "; re-checked against loss.backward() on this model" in plan.message
 
 
 def test_evaluation_runs_as_before(tmp_path: Any) -> None:

@@ -210,6 +210,11 @@ class Context:
     (:func:`stepwise_on_fake`), which makes an estimate cost several real steps."""
     clock: Clock = dataclasses.field(default_factory=Clock)
     """How long this plan's fake and real steps took (:data:`COSTLY_FROM`)."""
+    within: bool = False
+    """The plan itself stays within the budget (``plan(within_budget=True)``): every
+    candidate is estimated on fake tensors before it runs, whatever that costs in time,
+    and runs only where the estimate fits (no margin); one fake tensors cannot run is not
+    run (:data:`UNESTIMATED`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +309,9 @@ def _measure_kind(name: str, opts: dict[str, Any], ctx: Context, per_layer: bool
     if ctx.progress is not None:
         ctx.progress(f"peak of {step.label}")
     screen = _estimate(step, name, opts, per_layer, ctx)
-    if screen is not None and screen > (1 + ESTIMATE_MARGIN) * ctx.budget:
+    if ctx.within and screen is None:
+        return row(engine=None, peak=None, verdict=UNESTIMATED)
+    if screen is not None and screen > (1 + (0 if ctx.within else ESTIMATE_MARGIN)) * ctx.budget:
         return row(engine=step, peak=screen, verdict=f"over budget ({ESTIMATED})", estimate=True,
                    screened=True)  # fmt: skip
     try:
@@ -317,6 +324,11 @@ def _measure_kind(name: str, opts: dict[str, Any], ctx: Context, per_layer: bool
         return row(engine=None, peak=None, verdict=failed_verdict(err))
     return row(engine=step, peak=peak, verdict=_verdict(peak, ctx.budget, est), estimate=est,
                warm=warm)  # fmt: skip
+
+
+UNESTIMATED = ("not run: fake tensors cannot estimate its peak, and plan(within_budget=True) "
+               "runs only steps estimated to fit")  # fmt: skip
+"""Verdict of a candidate a plan that stays within its budget could not estimate."""
 
 
 def _verdict(peak: int, budget: int, estimate: bool) -> str:
@@ -334,7 +346,7 @@ def revisit(rows: Sequence[Tried], ctx: Context, tried: list[Tried]) -> None:
         if t.engine is None or t.peak is None:  # n/a or failed: the same at any budget
             tried.append(t)
         elif t.screened:
-            if t.peak > (1 + ESTIMATE_MARGIN) * ctx.budget:
+            if t.peak > (1 + (0 if ctx.within else ESTIMATE_MARGIN)) * ctx.budget:
                 tried.append(t)
                 continue
             eng = t.engine.engine if isinstance(t.engine, Step) else t.engine
@@ -381,9 +393,11 @@ def _estimate(step: Any, name: str, opts: dict[str, Any], per_layer: bool | None
     (the module docstring says where, and why) or fake tensors cannot run the step. Above
     the budget by more than :data:`ESTIMATE_MARGIN` it rules the candidate out."""
     eng = step.engine if isinstance(step, Step) else step
-    if ctx.estimate_only or ctx.optimizer is not None or ctx.autocast or not ctx.screen:
+    if ctx.estimate_only:
         return None
-    if eng.forward_mode or (eng.costly_estimate and not ctx.clock.fakes_cheap()):
+    if not ctx.within and (ctx.optimizer is not None or ctx.autocast or not ctx.screen or
+                           eng.forward_mode or
+                           (eng.costly_estimate and not ctx.clock.fakes_cheap())):  # fmt: skip
         return None
     start = time.perf_counter()
     try:

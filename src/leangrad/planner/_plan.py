@@ -246,6 +246,7 @@ def plan(
     autocast: torch.dtype | None = None,
     compile: bool = False,
     reuse: Plan | None = None,
+    within_budget: bool = False,
 ) -> Plan:
     """Find the fastest engine whose measured peak fits ``budget`` bytes.
 
@@ -311,6 +312,13 @@ def plan(
             plan's choice still fits: every candidate that fits there was timed against it
             and lost, so it stands, timings and all. Planning at ½, ¼ and ⅛ of backprop's
             peak steps each candidate once instead of three times.
+        within_budget: the plan itself stays within ``budget``, for planning inside the
+            run that has only that much (:func:`leangrad.hf.attach`): every candidate is
+            estimated on fake tensors before it runs (slower where estimates are costly)
+            and runs only where the estimate fits; the exactness re-check steps
+            ``loss.backward()`` on the largest slice of the batch that fits, where the loss
+            is declared per example, or the message says it did not run
+            (:mod:`leangrad.planner._verify`). Not with ``compile=True``.
 
     Returns:
         A :class:`Plan`; printing it prints the table. The model, its gradients, buffers
@@ -332,12 +340,17 @@ def plan(
                                                           unwrap=wrapper[1]))  # fmt: skip
     model, flat = positional(model, inputs)
     xs = (flat,) if isinstance(flat, torch.Tensor) else tuple(flat)
-    if not isinstance(compile, bool):
-        raise ValueError(BAD_SETTING.format(name="compile", want="True or False", value=compile))
+    for name, flag in (("compile", compile), ("within_budget", within_budget)):
+        if not isinstance(flag, bool):
+            raise ValueError(BAD_SETTING.format(name=name, want="True or False", value=flag))
+    if compile and within_budget:
+        raise ValueError(BAD_SETTING.format(name="within_budget", want="False with compile=True "
+                                            "(its rows run in processes of their own)",
+                                            value=within_budget))  # fmt: skip
     found = _plan(model, xs, loss_fn, budget=budget, exact=exact, optimizer=optimizer,
                   engines=engines, repeats=repeats, allocate_limit=allocate_limit,
                   progress=progress, compile=compile, autocast=autocast,
-                  reuse=reuse)  # fmt: skip
+                  reuse=reuse, within=within_budget)  # fmt: skip
     if autocast is None:
         return found
     made_for = {**(found.made_for or {}), "autocast": str(autocast).removeprefix("torch.")}
@@ -359,6 +372,7 @@ def _plan(
     compile: bool = False,
     autocast: torch.dtype | None = None,
     reuse: Plan | None = None,
+    within: bool = False,
 ) -> Plan:
     """:func:`plan`'s search, its arguments checked (each step under ``autocast``, in a
     context of its own, where given): every candidate measured (:class:`_Search`), the ones
@@ -369,7 +383,7 @@ def _plan(
     device = xs[0].device if xs else next(model.parameters()).device
     limit = allocate_limit if allocate_limit is not None else free_bytes(device)
     setting = (exact, optimizer, autocast, None if engines is None else repr(list(engines)),
-               compile)  # fmt: skip
+               compile, within)  # fmt: skip
     prior = _prior(reuse, model, xs, setting)
     user_model, model = model, _stepped_model(model, prior, optimizer)
     first = ([PlanOffer(n, o) for n, o in engines] if engines is not None
@@ -381,7 +395,7 @@ def _plan(
         shown.grow(len(compile_candidates()))
     ctx = Context(model, xs, loss_fn, budget, exact, optimizer, shown,
                   too_big(model, xs, loss_fn, limit), autocast,
-                  screen=fake_is_stepwise(model) is None)  # fmt: skip
+                  screen=fake_is_stepwise(model) is None, within=within)  # fmt: skip
     search = _Search(ctx, prior, first, shown, pieces=engines is None)
     search.run(last_resorts=engines is None,
                compiled=(repeats, autocast is not None) if compile else None)  # fmt: skip
@@ -425,8 +439,7 @@ def _decided(ctx: Context, choice: Choice, fitting: dict[str, Any], scaled: dict
     checked = ""
     if ctx.exact and chosen is not None and not ctx.estimate_only and chosen in fitting:
         before = chosen
-        chosen, checked = _checked(chosen, fitting, times, tried, model, xs, loss_fn, shown,
-                                   verdicts)  # fmt: skip
+        chosen, checked = _checked(chosen, fitting, times, tried, ctx, shown, verdicts)
         if chosen != before:
             choice = dataclasses.replace(choice, label=chosen, tie_break=None)
     if chosen is None:  # nothing fitting could be run here: the first fitting estimate
@@ -533,21 +546,22 @@ def _timed(ctx: Context, prior: Measured | None, fitting: dict[str, Any],
                       progress=shown)  # fmt: skip
 
 
-CHECKED = "; re-checked against loss.backward() on this model and batch (one step each)"
-
-
 def _checked(chosen: str, fitting: dict[str, Any], times: dict[str, float], tried: list[Tried],
-             model: nn.Module, xs: tuple[torch.Tensor, ...],
-             loss_fn: Callable[[Any], torch.Tensor], shown: Progress,
+             ctx: Context, shown: Progress,
              verdicts: dict[str, str | None]) -> tuple[str | None, str]:  # fmt: skip
     """The fastest fitting row whose step leaves what ``loss.backward()`` leaves on this
     model (:func:`~leangrad.planner._verify.exact_why`, on a fresh engine of the row's name and
     options), starting at ``chosen``; each one that does not becomes ``inexact: <why>`` in
     ``tried`` and leaves ``fitting``. ``verdicts`` holds the rows checked already (an
     earlier plan's, under ``reuse=``) and gains this plan's. With the note for the plan's
-    message."""
-    from ._verify import exact_why
+    message. A plan within its budget checks on a slice of the batch that fits
+    (:func:`~leangrad.planner._verify.check_batch`), or says it could not check."""
+    from ._verify import check_batch, exact_why
 
+    where = check_batch(ctx.model, ctx.xs, ctx.loss_fn, ctx.budget if ctx.within else None)
+    if isinstance(where, str):
+        return chosen, where
+    xs, loss_fn, note = where
     rows = {t.label: t for t in tried}
     label: str | None = chosen
     while label is not None:
@@ -556,11 +570,11 @@ def _checked(chosen: str, fitting: dict[str, Any], times: dict[str, float], trie
             return label, ""
         if label not in verdicts:
             shown(f"re-checking {label} against loss.backward()")
-            verdicts[label] = exact_why(engine_named(row.name, **row.options), model, xs,
+            verdicts[label] = exact_why(engine_named(row.name, **row.options), ctx.model, xs,
                                         loss_fn)  # fmt: skip
         why = verdicts[label]
         if why is None:
-            return label, CHECKED
+            return label, note
         tried[:] = [dataclasses.replace(t, verdict=f"inexact: {why}", engine=None)
                     if t.label == label else t for t in tried]  # fmt: skip
         fitting.pop(label)

@@ -8,6 +8,15 @@ model and batch, from the same RNG state, and compares what each leaves: every `
 (None stays None), every buffer, the global RNG streams. A row that differs is shown as
 ``inexact: <what differed>`` and the next fastest fitting row is checked instead. The two
 steps cost about twice one step of backprop; the plan's message says the check ran.
+
+A plan that stays within its budget (``plan(within_budget=True)``, as
+:func:`leangrad.hf.attach` plans inside a run) cannot step ``loss.backward()`` on a batch
+whose backprop is over the budget: :func:`check_batch` gives the check the first half,
+quarter, ... of the batch, the largest whose backprop step is estimated to fit, where the
+loss is declared per example (:func:`leangrad.loss.per_example`, which the Trainer
+integration declares) — an engine that mishandles a layer's randomness, an in-place write
+or a coupled batch does so on any slice of it. Where no slice fits, or the loss cannot be
+sliced, the plan's message says the check did not run and why.
 """
 
 from __future__ import annotations
@@ -18,10 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._sizes import fmt_bytes
 from ..engines import engine as engine_named
+from ..loss import PerExample
+from ..measure import estimate_step
 from ..measure._profile import untouched
 
-__all__ = ["TOLERANCE", "exact_why"]
+__all__ = ["CHECKED", "TOLERANCE", "check_batch", "exact_why"]
+
+CHECKED = "; re-checked against loss.backward() on this model and batch (one step each)"
+SLICED = ("; re-checked against loss.backward() on this model and the first {n} of the "
+          "batch's {batch} examples (one step each: the whole batch's backprop, ~{peak}, "
+          "is over the budget)")  # fmt: skip
+NOT_CHECKED = ("; NOT re-checked against loss.backward(): its step on this batch (~{peak}) "
+               "is over the budget, and {why}")  # fmt: skip
+Check = tuple[tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor], str]
 
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 2e-3}
 """Largest relative difference of a gradient or buffer from autograd's that still counts as
@@ -106,3 +126,42 @@ def exact_why(step_engine: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
     if not all(torch.equal(a, b) for a, b in zip(ref[2], got[2], strict=True)):
         return "the global RNG stream ends elsewhere than after autograd's step"
     return None
+
+
+def check_batch(model: nn.Module, xs: tuple[torch.Tensor, ...],
+                loss_fn: Callable[[Any], torch.Tensor], most: int | None) -> Check | str:
+    """The inputs and loss :func:`exact_why` steps on within ``most`` bytes (``None``: no
+    limit), with the plan's note; or, where none fits, the note saying the check did not
+    run (the module docstring says how the batch is sliced)."""
+    if most is None:
+        return xs, loss_fn, CHECKED
+    peak = _estimated(model, xs, loss_fn)
+    if peak is not None and peak <= most:
+        return xs, loss_fn, CHECKED
+    shown = "?" if peak is None else fmt_bytes(peak)
+    if not isinstance(loss_fn, PerExample):
+        return NOT_CHECKED.format(peak=shown, why="the loss is not declared per example "
+                                  "(leangrad.loss.per_example), so no slice of the batch can "
+                                  "be checked instead")  # fmt: skip
+    batch, n = loss_fn.batch, loss_fn.batch // 2
+    while n >= 1:
+        # copies, not views: fake tensors cannot be made of a view of a real batch
+        part = tuple(x[:n].clone() if x.dim() and x.shape[0] == batch else x for x in xs)
+        counts = None if loss_fn.counts is None else loss_fn.counts[:n].clone()
+        sliced = PerExample(loss_fn.fn, tuple(t[:n].clone() for t in loss_fn.targets),
+                            loss_fn.reduction, counts)  # fmt: skip
+        small = _estimated(model, part, sliced)
+        if small is not None and small <= most:
+            return part, sliced, SLICED.format(n=n, batch=batch, peak=shown)
+        n //= 2
+    return NOT_CHECKED.format(peak=shown, why="so is one example's")
+
+
+def _estimated(model: nn.Module, xs: tuple[torch.Tensor, ...],
+               loss_fn: Callable[[Any], torch.Tensor]) -> int | None:  # fmt: skip
+    """Backprop's fake-tensor estimate of the step (total bytes), or ``None`` where fake
+    tensors cannot run it."""
+    try:
+        return estimate_step(engine_named("backprop"), model, xs, loss_fn).total_bytes
+    except Exception:  # an op fake tensors cannot run: not known to fit
+        return None
