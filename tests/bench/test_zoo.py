@@ -88,6 +88,7 @@ def test_records_are_saved_after_each_model(records: list[dict[str, Any]]) -> No
     assert len(SAVED[-1]) == len(records)
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_records_have_the_shared_fields(records: list[dict[str, Any]]) -> None:
     for r in records:
         assert set(RECORD_FIELDS) <= set(r) and set(SHARED) <= set(r), r["engine"]
@@ -103,6 +104,7 @@ def test_records_have_the_shared_fields(records: list[dict[str, Any]]) -> None:
     assert bp["rss_peak_bytes"] > 0 and bp["kept_bytes"] > 0
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_skipped_and_failed_rows_say_why(records: list[dict[str, Any]]) -> None:
     assert "leangrad.Chain" in _row(records, "gpt", "moonwalk")["skipped"]
     assert "forward_max_params" in _row(records, "gpt", "forward")["skipped"]
@@ -114,6 +116,7 @@ def test_skipped_and_failed_rows_say_why(records: list[dict[str, Any]]) -> None:
             assert r["peak_bytes"] is None and r["seconds_median"] is None
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_exact_methods_match_backprop(records: list[dict[str, Any]]) -> None:
     """Checkpointing (leangrad's time chunks included), the plans and PyTorch's recipes
     (time chunks included) recompute the same float32 values, up to kernel reassociation."""
@@ -127,12 +130,14 @@ def test_exact_methods_match_backprop(records: list[dict[str, Any]]) -> None:
     assert bf16["exact"] is False and 0.99 < bf16["grad_cosine"] < 1
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_plan_rows_fit_their_budget(records: list[dict[str, Any]]) -> None:
     for r in (r for r in records if r["side"] == "plan" and r.get("peak_bytes")):
         assert r["baseline_bytes"] + r["peak_bytes"] <= r["budget_bytes"]
         assert r["choice"] and r["peak_ratio"] <= r["fraction"] + 0.01
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_each_row_says_where_its_wall_time_went(records: list[dict[str, Any]]) -> None:
     """Backprop's record carries the row's seconds per phase, each plan row its planning's
     (a plan after the first takes its peaks: under 0.05 s where nothing fits it)."""
@@ -150,6 +155,7 @@ def test_each_row_says_where_its_wall_time_went(records: list[dict[str, Any]]) -
     assert first and all(r["plan_seconds"] > 0 for r in first)
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_max_batch_of_backprop_is_its_base_batch(records: list[dict[str, Any]]) -> None:
     """The budget is backprop's total at the base batch, so backprop fits exactly that."""
     for series in ("gpt", "lstm_lm", "gpt (estimate)"):
@@ -218,6 +224,7 @@ def test_forward_mode_engines_are_not_estimated() -> None:
         footprint("gpt", GPT, fwd, 4, estimate=True)
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_estimate_rows_are_labelled(records: list[dict[str, Any]]) -> None:
     rows = [r for r in records if r["series"] == "gpt (estimate)"]
     assert rows and all(r["estimate"] is True for r in rows)
@@ -348,6 +355,7 @@ def test_headline_shows_the_largest_batch_each_side_reaches_in_backprops_memory(
     )
 
 
+@pytest.mark.slow  # the records fixture runs the zoo suite: minutes
 def test_report_renders_every_model_and_the_headline(records: list[dict[str, Any]]) -> None:
     text = "\n".join(render("zoo", records, None))
     for heading in ("### gpt", "### lstm_lm", "### gpt (estimate)", "| model | backprop peak |"):

@@ -40,6 +40,7 @@ def test_the_example_equals_the_plain_loop_on_one_process(tmp_path: Path) -> Non
     assert _worst(plain[:1], plain[-1:]) > 1e-3  # it trains
 
 
+@pytest.mark.slow  # two processes: CI runs it in make test-slow
 def test_the_example_equals_the_plain_loop_under_accelerates_ddp(tmp_path: Path) -> None:
     source = EXAMPLE.read_text()
     logs = run_two(source, tmp_path, "--engine", "backprop")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from leangrad import train
@@ -52,6 +53,7 @@ os._exit(0)
 '''
 
 
+@pytest.mark.slow  # two processes: CI runs it in make test-slow
 def test_logged_losses_are_each_steps_own_and_sigint_stops_all(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path, str(Path(__file__).resolve().parent))
     lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n")

@@ -159,6 +159,7 @@ def test_resume_and_resume_after_sigkill_end_bit_equal(runs: Path) -> None:
     assert sorted(side["dcp_files"]) == files[:3] and len(side["rng_ranks"]) == 2
 
 
+@pytest.mark.slow  # its fixture runs two processes, a killed run and resumes: minutes
 def test_one_process_checkpoint_resumes_sharded(runs: Path) -> None:
     single = json.loads((runs / "rank0.json").read_text())["single"]
     assert _names(runs / "single" / "checkpoints") == ["step-000003.pt", "step-000006.dcp"]
@@ -181,6 +182,7 @@ def test_two_rank_checkpoint_resumes_on_one_process(runs: Path) -> None:
         train.fit(models.mlp(64, 32, 3, 10), **{**ONE, "batch_size": 8}, resume=ckpt)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # its fixture runs two processes, a killed run and resumes: minutes
 def test_damaged_shard_or_foreign_metadata_is_refused_naming_it(
     runs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
