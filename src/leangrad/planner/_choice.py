@@ -29,57 +29,21 @@ The rule, in two rounds (the first raced):
    **planner's order** (least recomputation first). The chosen row's ``tie_break`` says so:
    ``"within noise of chunked_ce (0.98×): chose by lower peak"``.
 
-The second round keeps the first round's rounds of its contenders: they
-are the same steps timed the same way (interleaved, one repeat each), so they are as good
-evidence as new ones, and a contender now runs
-``max(RETIME_REPEATS, 2 * repeats) - repeats`` more steps instead of
-``max(RETIME_REPEATS, 2 * repeats)`` plus a warm-up; its median is over as many rounds as
-the second round's alone was.
+The second round keeps the first round's rounds of its contenders (the same steps timed the
+same way), so a contender runs ``max(RETIME_REPEATS, 2 * repeats) - repeats`` more steps.
+No round runs a warm-up of its own: every row timed here has run before — its peak was
+measured on a real step (:mod:`leangrad.planner._measure`) — and the planner runs a row it
+has not run yet (the reference backprop when only compiled rows need it) once before the
+race.
 
-Warm-up: none of these rounds runs one of its own. Every row timed here ran before the first
-round — its peak was measured on a real step, after a warm-up step where its first step
-differs (:mod:`leangrad.planner._measure`), so the engine's first-call work (a fragment probe,
-a trace, prepared copies), the allocator and caches are done — and the planner runs a row
-it has not run yet (the reference backprop when only compiled rows need it) once before
-the race; the second round's contenders have just run the first round's. (Earlier, each
-round ran its own warm-up round: a step per candidate that decided nothing.)
-
-Why these margins: the first round is medians of a few repeats, and steps that do the same
-work differ by up to ~9% there (``results/full-size/full-size.json``: leangrad's per-block
-checkpointing of the full-size GPT at 1.06× backprop's time, PyTorch's at 0.97×, the same
-peak), so a gap under :data:`CLOSE` (10%) in that round is no evidence, and a spread that
-overlaps is none either. The second round's medians are over twice as many rounds (five at
-least), in every one of which every contender ran next to every other, so they order steps
-more reliably, but same-work pairs still differ by a few percent (the suites' "1.19× vs
-1.21×: equal within noise"): a gap under :data:`TIE` (5%) is taken as none, and then the
-lower peak, which buys headroom for the same time, decides.
-
-Why the race is safe: :data:`RACE` (1.5×) is five times the noise above. A candidate it
-drops would have had to be slowed by a third or more in its one round, or the fastest sped
-up as much, to have been a contender at all (within :data:`CLOSE` of the leader) under the
-full rule; steps that do the same work never differed by that much in one round here. It
-exists for the full-size plans: a candidate twice as slow as the fastest
-(micro-batching over 8 with checkpointing, a fragment count too fine) spent a warm-up and
-``repeats`` whole steps only to lose; now one. That noise is of steps that take seconds,
-though: where the fastest's round took less than :data:`RACE_FROM`, nothing is raced out
-(every candidate runs every round, as without the race). One round of a short step is at
-the mercy of whatever else the machine runs — on a tiny GPT (15-30 ms a step) on a 2-core
-machine busy with other processes, one round put backprop at 1.74× the fastest
-(``rad(fraction=0.25)``) where medians of nine interleaved rounds put it first, 0.5-0.7×
-rad's — and a short step's rounds are cheap to keep.
-
-The second cut (:data:`RACE_TWO`, 1.25×) asks more of the evidence and less of the gap:
-two rounds each, and the dropped candidate's *faster* round against the leader's *slower*
-one. To have been a contender by its median (within :data:`CLOSE` of the leader's, which
-is at most the leader's slower round), its median — at least its faster round — would have
-had to come down by more than 1.25 / 1.1 = 1.14× in the third round, against same-work
-noise of up to 9% in one; ``tests/test_plan_racing.py`` checks on random scenarios (±9%
-noise, candidates within 15% of the fastest and others 1.3-1.6×) that it never drops a
-contender of the full rule. It exists for the rows the first cut keeps but that cannot
-win: on the full-size BERT and GPT at ½ the fragment rows and per-block checkpointing under
-micro-batches, 1.26-1.5× the leader's slower round, each ran a third round of 4.5-5.1 s to
-lose; with the cut the plans took 151 s and 161 s instead of 181 s and 182 s, choosing the
-same (``results/full-size/plan-wall-first-step.txt``).
+Why these margins: steps that do the same work differ by up to ~9% in a first round of a
+few repeats, so a gap under :data:`CLOSE` is no evidence; the second round's medians are
+over more rounds, but same-work pairs still differ by a few percent, so a gap under
+:data:`TIE` is taken as none and the lower peak, which buys headroom for the same time,
+decides. The race's cuts (:data:`RACE`, :data:`RACE_TWO`) drop only candidates too far
+behind to have been contenders under the full rule, and only where steps take long enough
+(:data:`RACE_FROM`) for one round to mean something. The measurements behind these margins:
+docs/planner-evidence.md.
 """
 
 from __future__ import annotations
@@ -109,13 +73,14 @@ RETIME_REPEATS = 5
 (``2 * repeats`` if more), its first round's included."""
 RACE = 1.5
 """The race: a candidate whose one timed round is more than this times the fastest's is out
-(the module docstring says why that is safe)."""
+(why that is safe: docs/planner-evidence.md)."""
 RACE_FROM = 0.5
-"""Seconds: the race drops nothing where the fastest's round took less (why: the module
-docstring)."""
+"""Seconds: the race drops nothing where the fastest's round took less (one round of a
+short step is at the mercy of whatever else the machine runs: docs/planner-evidence.md)."""
 RACE_TWO = 1.25
 """The race's second cut, after two rounds: a candidate whose faster round is more than this
-times the slower round of the fastest median is out (the module docstring says why)."""
+times the slower round of the fastest median is out (why that is safe:
+docs/planner-evidence.md)."""
 RACED_OUT = "raced out: {ratio:.2f}× the fastest in {rounds}"
 """What a raced-out row's verdict adds (its time is the median of the rounds it ran;
 ``rounds``: "one round" or "2 rounds")."""

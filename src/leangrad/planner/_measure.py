@@ -4,61 +4,30 @@ after backward or per layer inside ``on_grad``), its peak — for real with
 :func:`leangrad.measure.estimate_step` where the step cannot be allocated here — and the
 row of the plan's table that records it.
 
-A candidate whose fake-tensor estimate is above the budget by more than
-:data:`ESTIMATE_MARGIN` is over budget without being run (item 6: a full-size
-plan spent most of its time stepping candidates that could never fit, two steps each);
-its row says ``over budget (estimate)``. Every other candidate is measured for real as
-before, so no decision that a measurement made (fits, or over by less than the margin)
-rests on an estimate now. Why that is safe: the estimate is the same tracker on fake
-tensors (``tests/test_plan_estimate.py``). On the quick zoo's candidates (every model,
-every engine fake tensors can run) it was the real peak to 0.1% except: 0.2-0.8× on the
-LSTM LM (fake tensors miss the fused ``nn.LSTM`` kernel's workspace), 0.92-0.96× for the
-HighwayNet GRU's fragments, 0.99× on the U-Net, and above it by at most 0.8% (gradient
-accumulation on the U-Net and the GRU LMs); on the 50 full-size rows that plans had tracked
-(GPT, BERT, ViT, Llama, ResNet-18) within 0.25%, never above by more than 0.21%. Low only
-sends a candidate to be measured; :data:`ESTIMATE_MARGIN` (2%) is 2.5 times the largest
-excess. It is not used where the
-estimate counts what a measurement's warm-up step leaves out: an optimizer's state (made
-by its first step) and autocast (not compared with real steps) — there every candidate is
-measured, as before; nor where fake tensors run a fused recurrent module one time step at
-a time (:func:`stepwise_on_fake`: an estimate there costs more than a real step); nor for
-forward-mode engines (never estimated), nor for engines whose
-estimate costs as much as a step (:attr:`~leangrad.engines.Engine.costly_estimate`):
-fragments multiply a step's operators, which is what a fake step costs, and they probe on
-their first step, so their estimate runs a fake warm-up step too — on the full-size zoo
-Llama 2.4-9.4 s each, as long as measuring them for real (about 6.5 s). Any other estimate
-there took 0.3-1.7 s (5.7 s for checkpointing with 8 micro-batches) against about 5.8 s for
-a real measurement, on one thread, the other engines that probe on their first step
-(``trace=True``, ``segments="auto"``: a fake warm-up step first) included; on small models
-an estimate costs about as much as a step, and steps are cheap there. Where a model's work
-is in its kernels instead (the ResNet-18: 15-25 s real steps, 0.13 s fake ones), such
-engines are estimated too, once the plan has seen its real steps take :data:`COSTLY_FROM`
-times its cheapest fake one.
+Screening: a candidate whose fake-tensor estimate is above the budget by more than
+:data:`ESTIMATE_MARGIN` is over budget without being run (its row says ``over budget
+(estimate)``); every other candidate is measured for real, so no decision that a
+measurement made rests on an estimate. It is safe because the estimate is the same tracker
+on fake tensors (``tests/test_plan_estimate.py``), and a low one only sends a candidate to
+be measured. No estimate screens where it counts what a measurement's warm-up step leaves
+out (an optimizer's state, autocast), where fake tensors run a fused recurrent module one
+time step at a time (:func:`stepwise_on_fake`), for forward-mode engines, nor for engines
+whose estimate costs about a step (:attr:`~leangrad.engines.Engine.costly_estimate`) unless
+this plan's real steps have taken :data:`COSTLY_FROM` times its cheapest fake one.
 
 A real measurement (:func:`~leangrad.measure.profile_step`, ``repeats=0``) tracks a step
-after a warm-up step where the first step is known to hold more than later ones: an
-optimizer (its state is made by the first step) and autocast (kept as it was measured
-before each step had its own autocast context). Any other step's first step is tracked,
-without a warm-up, and where it fits the budget its peak is the row's: one step instead of
-two. Where it does not fit, the step is tracked again — now warm, as
-after a warm-up — and that decides, as before; except on the CPU where it is over the
-budget by more than :data:`FIRST_STEP_MARGIN`, 25 times the largest first-step
-excess measured since the fixes below: over budget on its first step alone. Engines whose first step
-does extra work (:attr:`~leangrad.engines.Engine.probes`: fragments probe each block,
-``fragment_blocks=k`` sizes the blocks on fake tensors, ``trace=True`` traces,
-``segments="auto"`` measures) are tracked on their first step too: that work holds
-nothing at the step's peak (``tests/engines/test_first_step.py``, with Python's collector
-off). Before three fixes it
-did — a leak in the fragments' probe and in ``segments="auto"``, fake tensors counted by
-the CPU tracker, garbage cycles left by tracing that kept block inputs alive until the
-collector ran — 1.1-2.8× on the quick zoo, and those rows were warmed up, a whole step more
-each. Over every exact candidate of every quick zoo model tracked twice in a row (255;
-``results/full-size/first-step-peaks.jsonl``, before the tracing fix) the first step's peak
-was the second's but for ``trace=True`` on BERT (4.8%, the cycles) and the Llama's
-fragment rows (32 KiB, 0.02%). A first step that does undeclared extra work can only make a
-fitting row's peak higher than its later steps', never make a fit that a warm step would
-not. Either way the candidate has run before it is
-timed, which is the timing's warm-up (:mod:`leangrad.planner._choice` runs none of its own).
+after a warm-up step where the first step is known to hold more than later ones (an
+optimizer, whose first step makes its state; autocast). Any other step's first step is
+tracked, and where it fits the budget its peak is the row's: one step instead of two.
+Where it does not fit, a warm step is tracked and decides, except on the CPU where the first
+step is over the budget by more than :data:`FIRST_STEP_MARGIN`. Engines whose first step
+does extra work (:attr:`~leangrad.engines.Engine.probes`) are tracked on their first step
+too: that work holds nothing at the step's peak (``tests/engines/test_first_step.py``), and
+undeclared extra work could only make a fitting row's peak higher, never make a fit that a
+warm step would not. Either way the candidate has run before it is timed, which is the
+timing's warm-up (:mod:`leangrad.planner._choice` runs none of its own).
+
+The measurements behind these rules and margins: docs/planner-evidence.md.
 """
 
 from __future__ import annotations
@@ -88,36 +57,21 @@ ESTIMATED = "estimate"
 """Verdict suffix of a row measured on fake tensors (too big to allocate here, or
 confidently over budget)."""
 ESTIMATE_MARGIN = 0.02
-"""A candidate whose fake-tensor estimate is above ``(1 + this)`` × the budget is not run.
-It was 10% until the estimates of the 50 full-size zoo rows that plans had tracked (GPT,
-BERT, ViT, Llama, ResNet-18; ``results/full-size/estimate-vs-real.jsonl``) came within 0.25%
-of their tracked peaks (never above by more than 0.21%), and the quick zoo's within 0.8%:
-2% is ten times the first and 2.5 times the second. At 10% the full-size ResNet stepped
-five rows 6% over budget, 15-17 s each, to say what their estimates had said."""
+"""A candidate whose fake-tensor estimate is above ``(1 + this)`` × the budget is not run:
+2.5 times the largest excess of an estimate over the tracked peak measured on the zoo's
+candidates (the measurements behind this margin: docs/planner-evidence.md)."""
 COSTLY_FROM = 50.0
 """An engine whose estimate costs about as much as a step
 (:attr:`~leangrad.engines.Engine.costly_estimate`) is estimated all the same where this
 plan's real steps so far took at least this many times its cheapest fake step: there the
-model's work is in its kernels, which fake tensors skip, not in its operators' count. On
-the full-size ResNet-18 (real steps 15-25 s, fake 0.13 s: 115×) its fragment rows'
-estimates took 0.4-3.4 s; on the GPT, BERT, ViT and Llama (5-18×) 1.2-5.4 s, against
-4-7 s steps, and they are still measured for real only."""
+model's work is in its kernels, which fake tensors skip, not in its operators' count (the
+measurements behind this threshold: docs/planner-evidence.md)."""
 FIRST_STEP_MARGIN = 0.005
 """On the CPU, a first step whose peak is above ``(1 + this)`` × the budget is over budget
-without being tracked again, warm. The largest first-step excess measured on the quick
-zoo was 4.8% (``trace=True`` on BERT, before its fix; 0.02% since:
-``results/full-size/first-step-peaks.jsonl``), and on the 14 full-size rows that plans at ½
-tracked twice (1.5-8% over; GPT, LSTM and GRU LMs, ResNet-18) none: the first step's
-bytes were the second's to the byte (``results/full-size/first-step-full.jsonl``). 0.5% is
-25 times the largest excess since the fixes. It was 10%, then 2%; rows 0.5-10% over (on
-the full-size ResNet two 15 s rows, on the LSTM LM three 4 s rows, on the GRU LM
-``accumulate`` and ``checkpoint+accumulate``, 1.6% over, 8-12 s each) took a second step
-each to say what the first had said. Not used on other devices: CUDA's first step was not
-measured so (its libraries allocate workspaces on first use)."""
-
-
-"""The planner's former name of :class:`leangrad._step.Step` (``Step(engine, make,
-per_layer=)``), kept while ``_plan.py`` and the bench's worker still use it."""
+without being tracked again, warm: 25 times the largest first-step excess measured since the
+tracker's fixes (the measurements behind this margin: docs/planner-evidence.md). Not used on
+other devices: CUDA's first step was not measured so (its libraries allocate workspaces on
+first use)."""
 
 
 def too_big(model: nn.Module, xs: tuple[torch.Tensor, ...],
@@ -135,9 +89,7 @@ def stepwise_on_fake(model: nn.Module) -> str | None:
     that fake tensors run one time step at a time — it has no fused kernel on its device,
     so its ATen op decomposes into a few ops per step, each dispatched through Python —
     else ``None``. Found by counting the ops one layer dispatches on 2 and on 4 fake time
-    steps. On the full-size zoo GRU LM such estimates took 295 s of a 748 s plan (35 s for
-    one with 8 micro-batches, against 12 s to step it for real); the same model's LSTM
-    dispatches 34 ops whatever the length."""
+    steps (what such estimates cost: docs/planner-evidence.md)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -23,35 +23,26 @@ decided from; candidates within timing noise of the fastest are timed again, and
 they still make is broken by a stated rule (:mod:`leangrad.planner._choice`). Nothing fits:
 it says so and names the smallest peak it found.
 
-Where the time goes (item 6: a full-size zoo plan in ≤ 3 minutes): steps, a few
-seconds each at full size. A plan spends them only where they decide: a candidate whose
-fake-tensor estimate is over the budget by more than 2%
-(:data:`leangrad.planner._measure.ESTIMATE_MARGIN`: on 50 full-size zoo rows the estimate was
-the tracked peak to 0.25%) is not run, nor one that does all of a
-fitting candidate's work and more — the same checkpointing of more blocks or in two
-levels, or checkpointing where the same step without it fits (backprop, micro-batches,
-chunked cross-entropy), or blocks recomputed in k fragments of the batch where k
-micro-batches fit (:data:`leangrad.engines.checkpoint._offers.MICRO_BATCHED` says why; such
-beaters are measured first: :func:`beaters_first`)
-(:attr:`leangrad.engines._base.PlanOffer.beaten_by`: on the
-full-size BERT at ½, 9 of 17 fitting rows. Of the 20 such pairs timed in two full-size
-BERT plans and a U-Net plan, the one doing more was 1-33% slower in 19 and 1.8% faster
-in one, within noise; a row within 5% of its beater could win the tie-break by its lower
-peak, and now is not offered the chance), nor the same step in more pieces where it fits in
-fewer (more fragments, time chunks or micro-batches: :data:`MORE_PIECES` says why), nor,
-on a CNN with BatchNorm in every block, every block in fragments where the largest few in
-as many fit (:data:`leangrad.engines.checkpoint._offers.BN_EVERY`) — and one whose first
-step fits is not run twice (:mod:`leangrad.planner._measure`); the
-timing's first round is a race, one
-round for all and the rest only for those not far behind
-(:data:`leangrad.planner._choice.RACE`); the second round keeps the first round's rounds of
-its contenders; no round runs a warm-up of its own (each candidate's peak measurement
-warmed it); the chosen step's peak is re-measured without another warm-up. Counted on the
-zoo's Llama at twice the quick size's width and context (28 rows; one thread): at 0.5×
-(10 fit) 115 real steps before, 64 after and 18 fake-tensor ones; at 0.25× (8 fit) 107,
-then 47 and 18. Planning the same step at several budgets, a plan after the first takes
-the earlier one's peaks and warm engines (``reuse=``: :func:`leangrad.planner._measure.revisit`
-says which rows are stepped again), so only the timing of what fits is repeated.
+Where the time goes: steps, a few seconds each at full size, so a plan spends them only
+where they decide. A candidate is not run where its fake-tensor estimate is over the budget
+by more than :data:`leangrad.planner._measure.ESTIMATE_MARGIN`; nor where it does all of a
+fitting candidate's work and more, so it cannot be faster
+(:attr:`leangrad.engines._base.PlanOffer.beaten_by`: the same checkpointing of more blocks
+or in two levels, checkpointing where the same step without it fits, blocks recomputed in k
+fragments of the batch where k micro-batches fit,
+:data:`leangrad.engines.checkpoint._offers.MICRO_BATCHED`; such beaters are measured first:
+:func:`beaters_first`); nor as the same step in more pieces where it fits in fewer
+(:data:`MORE_PIECES`); nor, on a CNN with BatchNorm in every block, as every block in
+fragments where the largest few in as many fit
+(:data:`leangrad.engines.checkpoint._offers.BN_EVERY`). One whose first step fits is not
+run twice (:mod:`leangrad.planner._measure`); the timing's first round is a race
+(:data:`leangrad.planner._choice.RACE`), the second round keeps the first round's rounds of
+its contenders, no round runs a warm-up of its own, and the chosen step's peak is
+re-measured without another warm-up. Planning the same step at several budgets, a plan after the
+first takes the earlier one's peaks and warm engines (``reuse=``:
+:func:`leangrad.planner._measure.revisit` says which rows are stepped again), so only the
+timing of what fits is repeated. The measurements behind each rule, and the steps a plan
+takes with and without them: docs/planner-evidence.md.
 
 A step too big to allocate here (backprop's estimate above ``allocate_limit``, or a
 candidate that runs out of memory) is measured on fake tensors instead
@@ -125,13 +116,8 @@ MORE_PIECES = ("runs the same work or less in fewer pieces (more fragments, time
 (:func:`coarser`; "or less" where the one that fits beats that step in turn): it runs the
 same arithmetic in smaller pieces, so it can only lower the peak, and the plan asks for
 the fastest step that fits, a lower peak deciding only between steps within the timing's
-5% tie. Over every such pair that full-size plans at ½ had timed
-(``results/full-size/plan-wall-*.txt``: GPT, BERT, ViT, Llama, ResNet-18, LSTM and GRU LMs;
-fragments, time chunks and micro-batches), the row in more pieces took 0.91-1.62× the
-time of the row in fewer (median 1.01×, 10th percentile 0.96×; 7 of 177 below 0.95×, the
-lowest the LSTM LM's 16 time chunks over 8: 0.91-0.96× in three plans, 0.99× in three
-others). Until then such a row was stepped and timed, and lost, or won a tie by its lower
-peak. With ``engines=`` every row is run."""
+5% tie (:data:`leangrad.planner._choice.TIE`). With ``engines=`` every row is run. The
+pairs timed behind this rule: docs/planner-evidence.md."""
 
 
 def coarser(offer: PlanOffer, offers: Sequence[PlanOffer]) -> list[PlanOffer]:
@@ -267,16 +253,19 @@ def plan(
             none is skipped as beaten by another, as the engines' own offers can be).
         repeats: timed steps per fitting candidate (medians of interleaved repeats; the
             first round is a race: where steps take 0.5 s or more, a candidate more than
-            1.5× the fastest's one round is out after it, its row saying so). When the
-            fastest is within noise of others — the spreads of their repeats overlap, or
-            their medians are within 10% — it and at most two of them (the fastest
-            medians) are timed again, interleaved, until each has ``max(5, 2 * repeats)``
-            rounds (its first ``repeats`` included); nothing else is. The fastest median
-            of those wins, unless others are within 5% of it: then the tie is broken by
-            the lower peak, then the simpler engine (fewer composed parts, a per-layer
-            optimizer counting as one), then the planner's order, and the chosen row's
-            ``tie_break`` and the message say so (``"within noise of chunked_ce (0.98×):
-            chose by lower peak"``). The margins' reasons: :mod:`leangrad.planner._choice`.
+            1.5× the fastest's one round is out after it, and after a second round (a
+            third to come) one whose faster round is more than 1.25× the leader's slower
+            one, its row saying so). When the fastest is within noise of others — the
+            spreads of their repeats overlap, or their medians are within 10% — it and at
+            most two of them (the fastest medians) are timed again, interleaved, until each
+            has ``max(5, 2 * repeats)`` rounds (its first ``repeats`` included); nothing
+            else is. The fastest median of those wins, unless others are within 5% of it:
+            then the tie is broken by the lower peak, then the simpler engine (fewer
+            composed parts, a per-layer optimizer counting as one), then the planner's
+            order, and the chosen row's ``tie_break`` and the message say so (``"within
+            noise of chunked_ce (0.98×): chose by lower peak"``). The rule:
+            :mod:`leangrad.planner._choice`; the measurements behind its margins:
+            docs/planner-evidence.md.
         allocate_limit: bytes a step may allocate here; when backprop's fake-tensor
             estimate is above it, every candidate is estimated, not run (default: the
             device's free memory, :func:`leangrad._sizes.free_bytes`). A candidate that
