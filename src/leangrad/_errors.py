@@ -6,12 +6,15 @@ each names the offending object, the violated condition and the fix.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "EngineInputError",
     "LeangradError",
     "OptionError",
     "OptionalDependencyError",
     "UnknownNameError",
+    "require",
 ]
 
 
@@ -72,3 +75,15 @@ POSITIVE_INT = "{name} must be a positive int, got {value!r}"
 MISSING_EXTRA = (
     "{feature} needs the package {package!r}; install it with: pip install 'leangrad[{extra}]'"
 )
+
+
+def require(package: str, *, feature: str, extra: str, module: str | None = None) -> Any:
+    """Import ``module`` (default: ``package``) or raise :class:`OptionalDependencyError`
+    naming the extra that installs ``package``."""
+    import importlib
+
+    try:
+        return importlib.import_module(module or package)
+    except ImportError as err:
+        raise OptionalDependencyError(
+            MISSING_EXTRA.format(feature=feature, package=package, extra=extra)) from err

@@ -161,9 +161,7 @@ def attach(trainer: Any, engine: Any = None, *, budget: str | int | float | None
 
 
 def _transformers() -> Any:
-    from .hf import _require
-
-    return _require("transformers", "leangrad.hf.attach")
+    return errors.require("transformers", feature="leangrad.hf.attach", extra="hf")
 
 
 def _engine_of(engine: Any) -> Any:

@@ -71,14 +71,7 @@ TIMESTEPS = 1000
 
 def _require(package: str, feature: str) -> Any:
     """Import ``package`` or raise :class:`OptionalDependencyError` naming the extra."""
-    import importlib
-
-    try:
-        return importlib.import_module(package)
-    except ImportError as err:
-        raise errors.OptionalDependencyError(
-            errors.MISSING_EXTRA.format(feature=feature, package=package, extra="hf")
-        ) from err
+    return errors.require(package, feature=feature, extra="hf")
 
 
 @contextlib.contextmanager

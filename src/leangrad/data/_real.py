@@ -8,7 +8,6 @@ the ``data`` extra and are imported only when a loader is called.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -175,12 +174,7 @@ class Dataset:
 
 def _require(module: str, attr: str, *, feature: str, package: str) -> Any:
     """Import ``module.attr`` or raise ``OptionalDependencyError`` naming the extra."""
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except ImportError as err:
-        raise errors.OptionalDependencyError(
-            errors.MISSING_EXTRA.format(feature=feature, package=package, extra="data")
-        ) from err
+    return getattr(errors.require(package, feature=feature, extra="data", module=module), attr)
 
 
 _CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
