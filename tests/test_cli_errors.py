@@ -3,11 +3,13 @@ the option and the fix, exit code 2, no traceback — and refused before any wor
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -390,7 +392,12 @@ def test_benchmark_commands_without_the_benchmark_package_are_one_line(
 ) -> None:
     """``pip install leangrad`` alone does not carry the benchmarks (``benchmarks/``): the
     commands that run them say how to install them, in one line, exit code 2."""
-    monkeypatch.setitem(sys.modules, "leangrad_bench", None)  # import fails as if absent
+    real = importlib.metadata.entry_points
+
+    def entry_points(**kw: Any) -> Any:  # no package registered in the group, as if absent
+        return [] if kw.get("group") == cli.BENCHMARKS_GROUP else real(**kw)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err == "leangrad: error: " + cli.NO_BENCHMARKS.format(command=argv[0]) + "\n"

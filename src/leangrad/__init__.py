@@ -26,9 +26,9 @@ from . import (
     zoo,
 )
 from ._errors import EngineInputError, LeangradError, OptionalDependencyError, UnknownNameError
-from ._surrogate import surrogate_loss
 from ._version import __version__
 from .engines import Blocks, Engine, StepResult, available, blocks, engine, explain
+from .engines._surrogate import surrogate_loss
 from .layers import Chain, ChainLayer, PrecisionWarning
 from .planner import Plan, plan
 

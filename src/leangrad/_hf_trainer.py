@@ -35,7 +35,7 @@ from torch import nn
 
 from . import _errors as errors
 from ._sizes import fmt_bytes, parse_bytes
-from ._surrogate import surrogate_loss
+from .engines._surrogate import surrogate_loss
 
 __all__ = ["Attached", "attach"]
 

@@ -149,18 +149,24 @@ NO_BENCHMARKS = (
 )
 
 
+BENCHMARKS_GROUP = "leangrad.benchmarks"
+"""The entry-point group through which the benchmark package makes itself known: the
+library names no module of it (it lives above the library, and imports it)."""
+
+
 def _benchmarks(command: str) -> ModuleType:
     """The benchmark package (``leangrad_bench``: suites, demo, report), installed from the
-    repository's ``benchmarks/`` beside the library; a one-line error where it is not."""
-    try:
-        import leangrad_bench
-    except ModuleNotFoundError as err:
-        if err.name != "leangrad_bench":
-            raise
+    repository's ``benchmarks/`` beside the library and found by its entry point; a
+    one-line error where it is not installed."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=BENCHMARKS_GROUP))
+    if not found:
         from ._errors import OptionalDependencyError
 
-        raise OptionalDependencyError(NO_BENCHMARKS.format(command=command)) from None
-    return leangrad_bench
+        raise OptionalDependencyError(NO_BENCHMARKS.format(command=command))
+    module: ModuleType = found[0].load()
+    return module
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import leangrad
-from leangrad import _surrogate
 from leangrad._errors import EngineInputError
-from leangrad.engines import _wrapped
+from leangrad.engines import _surrogate
 
 
 def _model() -> torch.nn.Module:
@@ -48,7 +47,7 @@ def test_backward_of_the_scaled_surrogate_equals_autograds(engine: str) -> None:
 
 
 def test_a_model_sharded_otherwise_than_by_ddp_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_wrapped, "wrapped_by", lambda m: ("FSDP2 (fully_shard)", "..."))
+    monkeypatch.setattr(_surrogate, "wrapped_by", lambda m: ("FSDP2 (fully_shard)", "..."))
     model = copy.deepcopy(_model())
     with pytest.raises(EngineInputError, match=r"runs under DDP or on one process"):
         _surrogate.surrogate_loss(leangrad.engine("backprop"), model, torch.randn(2, 6).double(),

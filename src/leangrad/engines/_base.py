@@ -385,7 +385,7 @@ class Engine(abc.ABC):
         """The step on the module DDP wraps, its gradients then handed to DDP's own
         backward (:func:`leangrad.surrogate_loss`): DDP's hooks average them in one
         reduction (or keep them local inside ``no_sync``), as for autograd's."""
-        from .._surrogate import held_step
+        from ._surrogate import held_step
 
         loss, result = held_step(self, ddp, inputs, loss_fn)
         loss.backward()

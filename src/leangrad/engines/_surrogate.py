@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _errors as errors
+from .. import _errors as errors
+from ._wrapped import DDP, through_ddp, wrapped_by
 
 __all__ = ["held_step", "surrogate_loss"]
 
@@ -101,7 +102,6 @@ def held_step(
     loss_fn: Callable[[Any], torch.Tensor],
 ) -> tuple[torch.Tensor, Any]:
     """:func:`surrogate_loss` and the engine's :class:`~leangrad.StepResult`."""
-    from .engines._wrapped import DDP, through_ddp, wrapped_by
 
     wrapper = wrapped_by(model)
     if wrapper is not None and wrapper[0] != DDP:
