@@ -4,6 +4,7 @@ the ordinary way."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,30 @@ class DataDependent(nn.Module):
         if x.sum() > 0:
             return swish(x)
         return x
+
+
+class Untraceable(nn.Module):
+    """A Linear, then swish only where the sum is positive: control flow on the data,
+    which torch.fx cannot trace."""
+
+    def __init__(self, features: int = 3) -> None:
+        super().__init__()
+        self.lin = nn.Linear(features, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return swish(h) if h.sum() > 0 else h
+
+
+class Lambda(nn.Module):
+    """A module calling ``fn`` on its input."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
 
 
 class ResidualInPlace(nn.Module):

@@ -67,6 +67,16 @@ RNG_SEED = 1234  # the global seed both the reference and the engine start from
 
 # --- engines ----------------------------------------------------------------------------
 
+MOONWALK_VARIANTS: list[dict[str, Any]] = [
+    {},
+    {"segments": 2},
+    {"mode": "pure", "chunk_size": 7},
+    {"stem_chunks": 1},
+    {"fragment": "full"},
+]
+"""``moonwalk`` options worth a check of their own (different code paths): the contract
+test (tests/engines/test_contract.py) checks each, the fuzz these and one more."""
+
 # Option variants worth a check of their own (different code paths); modelled on
 # tests/engines/test_contract.py's VARIANTS and COMBOS, plus estimating variants.
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -74,14 +84,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "accumulate": [{"micro_batches": 2}],
     "forward": [{"chunk_size": 7}],
     "projforward": [{"samples": 2, "chunk_size": 2, "seed": 0}],
-    "moonwalk": [
-        {},
-        {"segments": 2},
-        {"mode": "pure", "chunk_size": 7},
-        {"stem_chunks": 1},
-        {"fragment": "full"},
-        {"fragment": 3},
-    ],
+    "moonwalk": [*MOONWALK_VARIANTS, {"fragment": 3}],
     "highway": [{"k": 10}, {"k": 1}],  # k >= L - 1 is exact (Theorem 2); k=1 estimates
     "rad": [{"fraction": 1.0, "seed": 0}, {"fraction": 0.5, "seed": 0}],
     "fad": [{}, {"mode": "eager"}],
@@ -170,6 +173,21 @@ class DropPath(nn.Module):
             return x
         keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.p)
         return x * keep.div_(1 - self.p)
+
+
+class Sampled(nn.Module):
+    """Draws from its input's values (``bernoulli`` of probabilities after a Linear): no
+    shape to replay the whole batch's draw by. ``residual``: adds its input."""
+
+    def __init__(self, dim: int, *, residual: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.lin(x))
+        drawn = h * torch.bernoulli(h.detach())
+        return x + drawn if self.residual else drawn
 
 
 class FunctionalDropout(nn.Module):

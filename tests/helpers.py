@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 
-from leangrad import Chain, models
+from leangrad import Chain, models, zoo
 from leangrad.layers import AdditiveCoupling, FragmentalConv2d, LeakyReLU, SpaceToDepth, Tanh
 from leangrad.loss import per_example
 
@@ -21,7 +23,12 @@ __all__ = [
     "StepHead",
     "draw_problem",
     "make_problem",
+    "next_token_loss",
     "reference_grads",
+    "reference_step",
+    "resnet_problem",
+    "seeded_autograd",
+    "tiny_gpt2",
     "trainable",
 ]
 
@@ -194,3 +201,69 @@ def reference_grads(
     loss = loss_fn(model(*inputs))
     grads = torch.autograd.grad(loss, list(params.values()))
     return loss.detach(), dict(zip(params, grads, strict=True))
+
+
+def reference_step(
+    model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Autograd's loss and the ``.grad`` its ``backward()`` leaves, by name (those not
+    None); the model's ``.grad`` are cleared before and after."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(*xs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def seeded_autograd(
+    model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The ``.grad`` autograd leaves from RNG seed 0 (the engine's step draws the same
+    dropout masks from it), by name; the model's ``.grad`` are cleared before and after."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks as the engine's step
+    loss_fn(model(*xs)).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return ref
+
+
+def resnet_problem(
+    width: int, batch: int, side: int
+) -> tuple[nn.Module, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``zoo.resnet(10, width=width)`` (training-mode BatchNorm) from seed 0, a float32
+    batch of ``batch`` RGB images ``side`` pixels square and cross-entropy over 10 classes
+    (inputs and targets drawn from the global RNG after the model)."""
+    torch.manual_seed(0)
+    model = zoo.resnet(10, width=width)
+    x = torch.randn(batch, 3, side, side)
+    y = torch.randint(0, 10, (batch,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y)
+
+    return model, x, loss_fn
+
+
+def tiny_gpt2(*, dim: int, layers: int, dropout: float = 0.0) -> nn.Module:
+    """Hugging Face's ``GPT2LMHeadModel`` from seed 0 (skips without transformers): 2 heads,
+    a vocabulary of 64, 16 positions, ``dropout`` everywhere, float64, training mode."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=dim, n_layer=layers, n_head=2, vocab_size=64, n_positions=16,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model: nn.Module = transformers.GPT2LMHeadModel(config).double().train()
+    return model
+
+
+def next_token_loss(ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Cross-entropy of logits ``(batch, length, vocab)`` against the next token of ``ids``."""
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    return loss_fn

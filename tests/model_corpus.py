@@ -177,14 +177,23 @@ class _Step:
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
           engine: leangrad.Engine | None) -> _Step:  # fmt: skip
+    return engine_step(model, x, per_example(lambda out, t: F.cross_entropy(out, t), y), engine)
+
+
+def engine_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor],
+                engine: leangrad.Engine | None, *,
+                autograd: Callable[[nn.Module], torch.Tensor] | None = None) -> _Step:  # fmt: skip
+    """One step on a deep copy of ``model`` from RNG seed 11: ``engine``'s, or (``engine``
+    None) autograd's ``backward()`` of ``autograd(copy)``, by default
+    ``loss_fn(copy(inputs))``. What :func:`verdict` compares: the copy's ``.grad`` (None
+    kept), its buffers and the global RNG state after; and the step's ``info``."""
     m = copy.deepcopy(model)
-    loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), y)
     torch.manual_seed(11)
     info: dict[str, Any] = {}
     if engine is None:
-        loss_fn(m(x)).backward()
+        (loss_fn(m(inputs)) if autograd is None else autograd(m)).backward()
     else:
-        info = engine.backward(m, x, loss_fn).info
+        info = engine.backward(m, inputs, loss_fn).info
     return _Step({n: None if p.grad is None else p.grad.detach()
                   for n, p in m.named_parameters()},
                  {n: b.detach().clone() for n, b in m.named_buffers()},

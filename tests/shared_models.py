@@ -49,6 +49,22 @@ class SharedMLP(nn.Module):
         return g.head(g.ln_f(x + self.extra(x)))
 
 
+class SharedList(nn.Module):
+    """A ModuleList holding one block twice (``block``, ``other``, ``block``), run twice
+    through a second name for the whole list (``again``), then a Linear head."""
+
+    def __init__(self, block: nn.Module, other: nn.Module, width: int, classes: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([block, other, block])
+        self.again = self.layers
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in [*self.layers, *self.again]:
+            x = layer(x)
+        return self.head(x)
+
+
 def beside_autograd(model: nn.Module, x: torch.Tensor,
                     loss_fn: Callable[[torch.Tensor], torch.Tensor], step: Callable[[], Any],
                     ) -> tuple[Any, torch.Tensor, nn.Module]:  # fmt: skip

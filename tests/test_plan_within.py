@@ -11,13 +11,13 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_plan_verify import _data, _Net
 from torch import nn
 
 import leangrad
 from leangrad.loss import per_example
 from leangrad.measure import MemoryTracker, profile_step
 from leangrad.planner._measure import UNESTIMATED
+from test_plan_verify import _data, _Net
 
 ENGINES = [("backprop", {}), ("checkpoint", {})]
 

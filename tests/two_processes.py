@@ -4,11 +4,13 @@ package's ``src`` and ``tests`` on its path and a free port; both must exit 0.""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
@@ -37,3 +39,22 @@ def run_two(worker: str, tmp_path: Path, *args: str, timeout: float = 300) -> li
     logs = [p.communicate(timeout=timeout)[0].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
     return logs
+
+
+def finish(result: Any) -> None:
+    """The end of a worker run by :func:`run_two`: write ``result`` as JSON to
+    ``rank<r>.json`` in its first argument (``tmp_path``), then leave the process group
+    once every rank is done (no rank tears its connections down while another still uses
+    them)."""
+    import torch.distributed as dist
+
+    with open(Path(sys.argv[1]) / f"rank{dist.get_rank()}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_two_json(worker: str, tmp_path: Path) -> list[Any]:
+    """:func:`run_two`, then what each rank's worker handed to :func:`finish`, by rank."""
+    run_two(worker, tmp_path)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

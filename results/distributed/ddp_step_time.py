@@ -21,9 +21,7 @@ comparison.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import statistics
 import time
 from typing import Any
@@ -35,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from leangrad import data, models, train
 from leangrad.train import _fit
+from leangrad_bench._script import out_option, show_and_save
 
 STEPS, ROUNDS, WARMUP, BATCH, WIDTH, DEPTH = 40, 21, 3, 64, 512, 4
 stamps: list[float] = []
@@ -74,9 +73,7 @@ def _stamped(update: Any) -> Any:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    out = out_option()
     torch.set_num_threads(1)
     _fit._Run._update = _stamped(_fit._Run._update)  # type: ignore[method-assign]
     ctx = train.init_distributed(torch.device("cpu"))
@@ -92,19 +89,16 @@ def main() -> None:
             steps[name] += [b - a for a, b in itertools.pairwise(stamps[WARMUP:])]
     step = {k: statistics.median(v) for k, v in steps.items()}
     loop = {k: statistics.median(v) for k, v in loops.items()}
-    out = {"world_size": ctx.world_size, "steps": STEPS, "rounds": ROUNDS, "warmup": WARMUP,
-           "batch_per_rank": BATCH, "model": f"mlp(64, {WIDTH}, {DEPTH}, 10)",
-           "threads_per_rank": 1, "step_seconds_median": step,
-           "step_ratio_fit_over_plain": step[names[1]] / step[names[0]],
-           "loop_seconds_per_step_median": loop,
-           "loop_ratio_fit_over_plain": loop[names[1]] / loop[names[0]],
-           "loop_seconds_per_step": loops, "torch": torch.__version__}  # fmt: skip
+    report = {"world_size": ctx.world_size, "steps": STEPS, "rounds": ROUNDS, "warmup": WARMUP,
+              "batch_per_rank": BATCH, "model": f"mlp(64, {WIDTH}, {DEPTH}, 10)",
+              "threads_per_rank": 1, "step_seconds_median": step,
+              "step_ratio_fit_over_plain": step[names[1]] / step[names[0]],
+              "loop_seconds_per_step_median": loop,
+              "loop_ratio_fit_over_plain": loop[names[1]] / loop[names[0]],
+              "loop_seconds_per_step": loops, "torch": torch.__version__}  # fmt: skip
     if ctx.rank == 0:
-        print(json.dumps({k: v for k, v in out.items() if k != "loop_seconds_per_step"},
-                         indent=1))  # fmt: skip
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+        show_and_save(report, out, newline=False,
+                      shown={k: v for k, v in report.items() if k != "loop_seconds_per_step"})
     dist.barrier()
     dist.destroy_process_group()
 

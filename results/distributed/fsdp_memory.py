@@ -8,9 +8,6 @@ Run: torchrun --nproc-per-node 2 results/distributed/fsdp_memory.py [--out FILE]
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,6 +15,7 @@ import torch.nn.functional as F
 import leangrad
 from leangrad import models, train
 from leangrad.train._sharded import local, shard
+from leangrad_bench._script import out_option, show_and_save
 
 WIDTH, DEPTH = 1024, 8
 
@@ -44,9 +42,7 @@ def step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    out = out_option()
     ctx = train.init_distributed(torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
@@ -61,14 +57,11 @@ def main() -> None:
     dist.all_gather_object(ranks, mine)
     if ctx.rank == 0:
         total = {r: sum(v.values()) for r, v in enumerate(ranks)}  # type: ignore[union-attr]
-        out = {"model": f"mlp(64, {WIDTH}, {DEPTH}, 10)", "world_size": ctx.world_size,
-               "one_process": whole, "per_rank": ranks,
-               "ratio_per_rank": {r: t / sum(whole.values()) for r, t in total.items()},
-               "torch": torch.__version__}  # fmt: skip
-        print(json.dumps(out, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+        report = {"model": f"mlp(64, {WIDTH}, {DEPTH}, 10)", "world_size": ctx.world_size,
+                  "one_process": whole, "per_rank": ranks,
+                  "ratio_per_rank": {r: t / sum(whole.values()) for r, t in total.items()},
+                  "torch": torch.__version__}  # fmt: skip
+        show_and_save(report, out, newline=False)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,8 +13,6 @@ Run alone: torchrun --nproc-per-node 2 results/distributed/fsdp_recipe.py [--out
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Callable
 
@@ -28,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 import leangrad
 from leangrad.loss import per_example
 from leangrad.measure import MemoryTracker
+from leangrad_bench._script import out_option, show_and_save
 
 VOCAB, DIM, LAYERS, SEQ, BATCH = 8192, 256, 4, 128, 8  # BATCH per rank
 CHUNKS = 8
@@ -103,9 +102,7 @@ def recipe_step(model: LM, ids: torch.Tensor, tgt: torch.Tensor) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    out = out_option()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -162,11 +159,7 @@ def main() -> None:
         report = {"model": f"LM vocab {VOCAB}, d {DIM}, {LAYERS} blocks, seq {SEQ}, batch "
                            f"{BATCH} per rank, float32", "torch": torch.__version__,
                   "processes": dist.get_world_size(), "repeats": REPEATS, "ranks": gathered}
-        text = json.dumps(report, indent=1)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        show_and_save(report, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,8 +16,6 @@ Run alone: .venv/bin/python results/hf/loss_head.py [--out results/hf/loss-head.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,21 +24,18 @@ import torch
 import torch.nn.functional as F
 
 import leangrad
-import leangrad.hf as hf
 from leangrad.measure import MemoryTracker
+from leangrad_bench._script import out_option, show_and_save
 
-SIZE = {"vocab": 50257, "dim": 256, "layers": 4, "heads": 4, "context": 128}
-BATCH, LENGTH, REPEATS, CHUNKS = 4, 128, 5, 8
+from _gpt2 import BATCH, MODEL, gpt2_and_ids  # results/hf/_gpt2.py, beside this script
+
+REPEATS, CHUNKS = 5, 8
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    out = out_option()
     torch.set_num_threads(1)
-    model = hf.gpt2(**SIZE, seed=0, dropout=0.0)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, SIZE["vocab"], (BATCH, LENGTH), generator=gen)
+    model, ids = gpt2_and_ids()
     tgt = ids[:, 1:]
 
     def ce(out: Any) -> torch.Tensor:
@@ -109,13 +104,9 @@ def main() -> None:
                      "seconds": med, "time_vs_plain": med / plain_time,
                      "grad_rel_diff_vs_plain": rel})  # fmt: skip
     rows += [{"loss": n, "not_run": why} for n, why in missing.items()]
-    report = {"model": f"GPT-2 (transformers) {SIZE}, batch {BATCH} x {LENGTH}, float32",
+    report = {"model": MODEL,
               "torch": torch.__version__, "repeats": REPEATS, "threads": 1, "rows": rows}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    show_and_save(report, out)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ Run alone: .venv/bin/python results/hf/trainer_step.py [--out results/hf/trainer
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import tempfile
 import time
 from typing import Any
@@ -23,9 +21,11 @@ import transformers
 
 import leangrad.hf as hf
 from leangrad.measure import MemoryTracker
+from leangrad_bench._script import out_option, show_and_save
 
-SIZE = {"vocab": 50257, "dim": 256, "layers": 4, "heads": 4, "context": 128}
-BATCH, LENGTH, REPEATS = 4, 128, 5
+from _gpt2 import BATCH, MODEL, gpt2_and_ids  # results/hf/_gpt2.py, beside this script
+
+REPEATS = 5
 
 
 def trainer(model: torch.nn.Module, how: str) -> Any:
@@ -42,13 +42,9 @@ def trainer(model: torch.nn.Module, how: str) -> Any:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    out = out_option()
     torch.set_num_threads(1)
-    base = hf.gpt2(**SIZE, seed=0, dropout=0.0)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, SIZE["vocab"], (BATCH, LENGTH), generator=gen)
+    base, ids = gpt2_and_ids()
     batch = {"input_ids": ids, "labels": ids}
     hows = ["Trainer", "TrainingArguments(gradient_checkpointing=True)",
             "leangrad.hf.attach(trainer, 'checkpoint+chunked_ce')"]  # fmt: skip
@@ -80,14 +76,10 @@ def main() -> None:
                      "peak_vs_trainer": peaks[h] / peaks["Trainer"], "seconds": med,
                      "time_vs_trainer": med / sorted(times["Trainer"])[REPEATS // 2],
                      "grad_max_diff_vs_trainer": worst})  # fmt: skip
-    report = {"model": f"GPT-2 (transformers) {SIZE}, batch {BATCH} x {LENGTH}, float32",
+    report = {"model": MODEL,
               "torch": torch.__version__, "transformers": transformers.__version__,
               "repeats": REPEATS, "threads": 1, "rows": rows}  # fmt: skip
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    show_and_save(report, out)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,14 @@ naming why, everywhere else. Nothing here asserts a time."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from fuzz_models import DropPath  # stochastic depth as timm writes it
+from fuzz_models import DropPath, Sampled  # DropPath: stochastic depth as timm writes it
+from helpers import reference_step
 from leangrad import zoo
 from leangrad._errors import EngineInputError
 from leangrad.loss import PerExample, per_example
@@ -33,21 +32,11 @@ def _gpt(batch: int = 5, dtype: torch.dtype = torch.float64) -> tuple[nn.Module,
     return model, x, per_example(lambda out, t: zoo.GPT.loss(out, t), y)
 
 
-def _reference(model: nn.Module, xs: tuple[torch.Tensor, ...],
-               loss_fn: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model(*xs))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 @pytest.mark.parametrize("name", ENGINES)
 def test_exact_against_autograd_with_uneven_micro_batches(name: str, k: int) -> None:
     model, x, loss_fn = _gpt(batch=5)
-    ref_loss, ref = _reference(model, (x,), loss_fn)
+    ref_loss, ref = reference_step(model, (x,), loss_fn)
     res = leangrad.engine(name, micro_batches=k).backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(got) == set(ref)
@@ -77,7 +66,7 @@ def test_sum_reduction_and_several_inputs_and_targets() -> None:
     loss_fn = per_example(
         lambda out, t, s: (F.cross_entropy(out, t, reduction="none") * s).sum(), y, w,
         reduction="sum")  # fmt: skip
-    ref_loss, ref = _reference(model, (a, b), loss_fn)
+    ref_loss, ref = reference_step(model, (a, b), loss_fn)
     a_ref = a.grad.clone()  # type: ignore[union-attr]
     a.grad = None
     res = leangrad.engine("accumulate", micro_batches=3).backward(model, (a, b), loss_fn)
@@ -89,7 +78,7 @@ def test_sum_reduction_and_several_inputs_and_targets() -> None:
 
 def test_adds_to_an_existing_grad_and_calls_on_grad_once_with_the_whole_gradient() -> None:
     model, x, loss_fn = _gpt(batch=4)
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     seen: dict[str, torch.Tensor] = {}
 
     def on_grad(name: str, p: nn.Parameter) -> None:
@@ -112,7 +101,7 @@ def test_with_chunked_cross_entropy_inside_each_micro_batch() -> None:
     model = zoo.gpt(vocab=2048, dim=16, layers=2, heads=2, context=8).double()
     x = torch.randint(0, 2048, (4, 8))
     loss_fn = per_example(lambda out, t: zoo.GPT.loss(out, t), torch.randint(0, 2048, (4, 8)))
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     eng = leangrad.engine("checkpoint+chunked_ce+accumulate", micro_batches=2)
     eng.backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -153,7 +142,7 @@ def test_refuses_a_loss_not_declared_per_example() -> None:
 
 def test_a_short_batch_runs_one_example_per_micro_batch_and_rows_must_match() -> None:
     model, x, loss_fn = _gpt(batch=3)
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     res = leangrad.engine("accumulate", micro_batches=4).backward(model, x, loss_fn)
     assert res.info["micro_batches"] == 3
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -200,7 +189,7 @@ def test_plan_offers_pytorchs_per_block_loop_and_it_is_exact() -> None:
     assert {"blocks": but_last, "micro_batches": 4} in offered
     assert {"blocks": but_last} in [o for n, o in candidates(model, loss_fn=loss_fn)
                                      if n == "checkpoint"]  # fmt: skip
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     eng = leangrad.engine("checkpoint+accumulate", micro_batches=3, blocks=but_last)
     res = eng.backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -215,7 +204,7 @@ def test_plan_chooses_it_at_a_budget_only_micro_batches_meet() -> None:
     plan = leangrad.plan(model, x, loss_fn, budget=bp.baseline_bytes + bp.peak_bytes // 4,
                          repeats=1)  # fmt: skip
     assert plan.engine is not None and "accumulate" in plan.engine.label, str(plan)
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     plan.engine.backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert compare_grads(got, ref).max_rel_err <= 1e-5
@@ -232,7 +221,7 @@ def test_plan_offers_time_chunks_inside_micro_batches_and_they_are_exact(cell: s
     offered = [o for n, o in candidates(model, loss_fn=loss_fn) if n == "checkpoint+accumulate"]
     assert {"time_chunks": 16, "micro_batches": 4} in offered
     assert {"time_chunks": 4, "micro_batches": 2} in offered
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     eng = leangrad.engine("checkpoint+accumulate", time_chunks=4, micro_batches=3)
     res = eng.backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -263,7 +252,7 @@ def test_a_mean_over_tokens_weighs_each_micro_batch_by_its_counted_tokens(
     share of the batch's mean is its share of those tokens, not of the examples."""
     model, x, y = _padded()
     loss_fn = per_example(_token_mean, y, ignore_index=-100)
-    ref_loss, ref = _reference(model, (x,), loss_fn)
+    ref_loss, ref = reference_step(model, (x,), loss_fn)
     res = leangrad.engine(name, micro_batches=k).backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert compare_grads(got, ref).max_rel_err <= 1e-10
@@ -274,7 +263,7 @@ def test_a_micro_batch_without_a_counted_token_adds_nothing() -> None:
     model, x, y = _padded()
     y[1:3] = -100  # micro-batch 1 of 5 x 1 holds no counted token: its own mean is 0/0
     loss_fn = per_example(_token_mean, y, ignore_index=-100)
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     res = leangrad.engine("accumulate", micro_batches=5).backward(model, x, loss_fn)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert compare_grads(got, ref).max_rel_err <= 1e-10
@@ -337,7 +326,7 @@ def test_random_draws_are_replayed_as_the_whole_batch_draws_them(name: str,
     loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), torch.arange(7) % 3)
     for k in (2, 3, 7):
         torch.manual_seed(5)
-        _, ref = _reference(model, (x,), loss_fn)
+        _, ref = reference_step(model, (x,), loss_fn)
         after = torch.get_rng_state()
         torch.manual_seed(5)
         leangrad.engine(name, micro_batches=k).backward(model, x, loss_fn)
@@ -346,7 +335,7 @@ def test_random_draws_are_replayed_as_the_whole_batch_draws_them(name: str,
         assert torch.equal(torch.get_rng_state(), after), k
         model.zero_grad(set_to_none=True)
     torch.manual_seed(6)  # another draw: another gradient (the draws matter)
-    _, other = _reference(model, (x,), loss_fn)
+    _, other = reference_step(model, (x,), loss_fn)
     assert compare_grads(other, ref).max_rel_err > 1e-3
 
 
@@ -361,7 +350,7 @@ def test_every_kind_of_draw_is_replayed(name: str, dtype: torch.dtype) -> None:
     x = torch.randn(6, 3, 4, 4, dtype=dtype, requires_grad=True)
     loss_fn = per_example(lambda out, t: F.cross_entropy(out, t), torch.arange(6) % 3)
     torch.manual_seed(3)
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     ref_x, x.grad = x.grad, None
     after = torch.get_rng_state()
     torch.manual_seed(3)
@@ -371,18 +360,6 @@ def test_every_kind_of_draw_is_replayed(name: str, dtype: torch.dtype) -> None:
     assert compare_grads(got, ref).max_rel_err <= tol
     torch.testing.assert_close(x.grad, ref_x, rtol=tol, atol=tol)
     assert torch.equal(torch.get_rng_state(), after)
-
-
-class _Sampled(nn.Module):
-    """Draws from its input's values (``bernoulli`` of probabilities): no shape to replay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.sigmoid(self.fc(x))
-        return h * torch.bernoulli(h.detach())
 
 
 class _OwnCheckpoint(nn.Module):
@@ -402,7 +379,7 @@ def test_draws_that_cannot_be_replayed_are_refused_naming_the_module() -> None:
     torch.manual_seed(0)
     x, y = torch.randn(4, 4), torch.tensor([0, 1, 0, 1])
     loss_fn = per_example(F.cross_entropy, y)
-    model = nn.Sequential(nn.Linear(4, 4), _Sampled(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), Sampled(4), nn.Linear(4, 2))
     with pytest.raises(EngineInputError, match=r"'1' draws random numbers with bernoulli"
                                                r".*depends on its input's values"):
         leangrad.engine("accumulate").backward(model, x, loss_fn)

@@ -15,6 +15,7 @@ from torch import nn
 
 import leangrad
 import leangrad._step
+from helpers import resnet_problem
 from leangrad import zoo
 from leangrad._errors import EngineInputError
 from leangrad.loss import per_example
@@ -70,14 +71,7 @@ def test_checked_engines_equal_autograd_under_the_same_autocast(name: str,
 
 
 def test_batchnorm_fragments_under_autocast_stay_close() -> None:
-    torch.manual_seed(0)
-    model = zoo.resnet(10, width=4)
-    x = torch.randn(6, 3, 8, 8)
-    y = torch.randint(0, 10, (6,))
-
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out, y)
-
+    model, x, loss_fn = resnet_problem(width=4, batch=6, side=8)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     _under_autocast(lambda: loss_fn(model(x)).backward())
     ref = _grads(model)

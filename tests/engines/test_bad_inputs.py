@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import leangrad
+from fad_cases import Lambda, Untraceable
 from leangrad import _errors as E
 from leangrad import fad, rad
 from leangrad import layers as L
@@ -162,7 +163,7 @@ RAISES: list[tuple[str, Callable[[], object], type[BaseException], str]] = [
     ("fad engine mode", lambda: leangrad.engine("fad", mode="lazy"), ValueError,
      "fad mode must be 'auto', 'fx' or 'eager'"),
     ("fad fx on untraceable", lambda: leangrad.engine("fad", mode="fx").backward(
-        _Untraceable(), torch.randn(2, 3), lambda o: o.sum()), E.LeangradError,
+        Untraceable(), torch.randn(2, 3), lambda o: o.sum()), E.LeangradError,
      "torch.fx cannot trace"),
     # measure
     ("tracker budget 0", lambda: MemoryTracker(budget_bytes=0), ValueError,
@@ -266,16 +267,6 @@ def _escaped_chain() -> None:
     y.sum().backward()  # outside the block, never through a non-element-wise op
 
 
-class _Untraceable(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        return h * torch.sigmoid(h) if h.sum() > 0 else h
-
-
 @pytest.mark.parametrize(("name", "call", "error", "fragment"), RAISES,
                          ids=[r[0] for r in RAISES])  # fmt: skip
 def test_bad_input_names_the_input_and_the_fix(
@@ -299,15 +290,6 @@ class _Swish(nn.Module):
         return x * torch.sigmoid(x)
 
 
-class _Fn(nn.Module):
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
-
-
 # (id, the layer after the chain, train mode): writes by inplace= (keyword or position),
 # by a trailing-underscore function, and through a view or a detached alias of the chain value
 SAME_AS_AUTOGRAD: list[tuple[str, Callable[[], nn.Module], bool]] = [
@@ -317,15 +299,15 @@ SAME_AS_AUTOGRAD: list[tuple[str, Callable[[], nn.Module], bool]] = [
     ("ELU", lambda: nn.ELU(inplace=True), True),
     ("Dropout-train", lambda: nn.Dropout(0.3, inplace=True), True),
     ("Dropout-eval", lambda: nn.Dropout(0.3, inplace=True), False),
-    ("relu-keyword", lambda: _Fn(lambda x: F.relu(x, inplace=True)), True),
-    ("threshold-positional", lambda: _Fn(lambda x: F.threshold(x, 0.1, 0.0, True)), True),
-    ("relu_", lambda: _Fn(F.relu_), True),
-    ("hardswish", lambda: _Fn(lambda x: F.hardswish(x, inplace=True)), True),
-    ("silu", lambda: _Fn(lambda x: F.silu(x, inplace=True)), True),
-    ("dropout1d-positional", lambda: _Fn(lambda x: F.dropout1d(x, 0.3, True, True)), True),
-    ("clamp_", lambda: _Fn(lambda x: x.clamp_(-0.1, 0.5)), True),
-    ("view-then-relu_", lambda: _Fn(lambda x: x.view(-1).relu_().view(x.shape)), True),
-    ("detach-then-relu_", lambda: _Fn(lambda x: (x.detach().relu_(), x)[1]), True),
+    ("relu-keyword", lambda: Lambda(lambda x: F.relu(x, inplace=True)), True),
+    ("threshold-positional", lambda: Lambda(lambda x: F.threshold(x, 0.1, 0.0, True)), True),
+    ("relu_", lambda: Lambda(F.relu_), True),
+    ("hardswish", lambda: Lambda(lambda x: F.hardswish(x, inplace=True)), True),
+    ("silu", lambda: Lambda(lambda x: F.silu(x, inplace=True)), True),
+    ("dropout1d-positional", lambda: Lambda(lambda x: F.dropout1d(x, 0.3, True, True)), True),
+    ("clamp_", lambda: Lambda(lambda x: x.clamp_(-0.1, 0.5)), True),
+    ("view-then-relu_", lambda: Lambda(lambda x: x.view(-1).relu_().view(x.shape)), True),
+    ("detach-then-relu_", lambda: Lambda(lambda x: (x.detach().relu_(), x)[1]), True),
 ]  # fmt: skip
 
 

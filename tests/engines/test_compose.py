@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
+from fad_cases import Untraceable
 from leangrad import _errors as E
 from leangrad.engines._compose import AMBIGUOUS, BASE_FIRST, INCOMPATIBLE, TWICE, Composed
 from leangrad.train._snapshot import load_engine_state
@@ -135,19 +136,8 @@ def test_prepared_once_per_model_and_again_after_a_mode_switch() -> None:
 
 
 def test_fad_reports_its_eager_fallback_and_why() -> None:
-    class Untraceable(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(6, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.lin(x)
-            if h.sum() > 0:  # data-dependent control flow: fx cannot trace it
-                h = h * torch.sigmoid(h)
-            return h
-
     torch.manual_seed(0)
-    model = Untraceable().double()
+    model = Untraceable(6).double()  # data-dependent control flow: fx cannot trace it
     x, y = _data()
     with torch.no_grad():  # take the branch: the output is an element-wise chain's value
         model.lin.bias.fill_(10.0)

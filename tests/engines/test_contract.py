@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
+from fuzz_models import MOONWALK_VARIANTS
 from helpers import StepHead
 from leangrad import _errors as E
 from leangrad import models
@@ -41,13 +42,7 @@ VARIANTS: dict[str, list[dict[str, object]]] = {
                    {"levels": 2, "fragments": 2}, {"fragments": 2, "fragment_blocks": 1}],
     "forward": [{"chunk_size": 7}],
     "projforward": [{"samples": 3, "chunk_size": 2, "seed": 0}],
-    "moonwalk": [
-        {},
-        {"segments": 2},
-        {"mode": "pure", "chunk_size": 7},
-        {"stem_chunks": 1},
-        {"fragment": "full"},
-    ],
+    "moonwalk": MOONWALK_VARIANTS,
     "highway": [{"k": 10}],  # k >= L - 1: exact (Theorem 2)
     # Seeded: rad's samples come from a generator of its own, so the global stream must
     # advance as under autograd (seed=None draws them from the global stream, as

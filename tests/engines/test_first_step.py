@@ -16,8 +16,7 @@ the collector off).
 from __future__ import annotations
 
 import gc
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,11 +30,8 @@ from leangrad.measure import MemoryTracker, profile_step
 Case = tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+# warnings about the tiny models are not findings
+pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _zoo(name: str, batch: int) -> Case:

@@ -42,7 +42,7 @@ from leangrad.engines.checkpoint import _fragments
 from leangrad.engines.checkpoint._offers import stage_modules
 from leangrad.planner import _compile as pc
 from leangrad.planner._plan import candidates
-from shared_models import CallsTwice, SharedMLP, beside_autograd
+from shared_models import CallsTwice, SharedList, SharedMLP, beside_autograd
 
 LossFn = Callable[[Any], torch.Tensor]
 Case = tuple[nn.Module, torch.Tensor, LossFn]
@@ -120,25 +120,10 @@ def _seq_twice(dt: torch.dtype) -> Case:
     return model, torch.randn(6, 5, 4, dtype=dt), _square
 
 
-class SharedList(nn.Module):
-    """A ModuleList holding one block twice, run twice through a second name for the list."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        blk = Residual(4, unused=True)
-        self.layers = nn.ModuleList([blk, Residual(4), blk])
-        self.again = self.layers
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in [*self.layers, *self.again]:
-            x = layer(x)
-        return self.head(x)
-
-
 def _shared_list(dt: torch.dtype) -> Case:
     torch.manual_seed(0)
-    return SharedList().to(dt), torch.randn(6, 5, 4, dtype=dt), _square
+    model = SharedList(Residual(4, unused=True), Residual(4), 4, 3)
+    return model.to(dt), torch.randn(6, 5, 4, dtype=dt), _square
 
 
 def _calls_twice(dt: torch.dtype) -> Case:

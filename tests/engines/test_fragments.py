@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
-from fuzz_models import DropPath  # stochastic depth as timm writes it
+from fuzz_models import DropPath, Sampled  # DropPath: stochastic depth as timm writes it
+from helpers import next_token_loss, reference_step, resnet_problem, tiny_gpt2
 from leangrad import zoo
 from leangrad.engines.checkpoint import _fragments
 from leangrad.engines.checkpoint._fragments import fragment_edges
@@ -33,17 +34,6 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 # ---------------------------------------------------------------------------------------
 # helpers
-
-
-def _reference(model: nn.Module, xs: tuple[torch.Tensor, ...],
-               loss_fn: LossFn) -> tuple[torch.Tensor, Grads]:  # fmt: skip
-    """Autograd's loss and gradients (``.grad`` put back to None)."""
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model(*xs))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def _grads(model: nn.Module) -> Grads:
@@ -61,7 +51,7 @@ def _check(model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: LossFn, *,
     dtype = next(model.parameters()).dtype
     if seed is not None:
         torch.manual_seed(seed)
-    ref_loss, ref = _reference(model, xs, loss_fn)
+    ref_loss, ref = reference_step(model, xs, loss_fn)
     if seed is not None:
         torch.manual_seed(seed)
     res = leangrad.engine("checkpoint", **options).backward(model, xs, loss_fn)
@@ -77,7 +67,7 @@ def _check_rng(model: nn.Module, xs: tuple[torch.Tensor, ...], loss_fn: LossFn, 
                seed: int, **options: Any) -> leangrad.StepResult:  # fmt: skip
     """:func:`_check`, and the global RNG after the step where autograd's step leaves it."""
     torch.manual_seed(seed)
-    _reference(model, xs, loss_fn)
+    reference_step(model, xs, loss_fn)
     after_autograd = torch.get_rng_state()
     res = _check(model, xs, loss_fn, seed=seed, **options)
     assert torch.equal(torch.get_rng_state(), after_autograd)
@@ -303,9 +293,9 @@ def test_second_step_with_another_batch_size_adds_to_grad(spy: _Spy) -> None:
     """The probe's verdict is kept per kind of call, not per batch size: a later step with 5
     rows instead of 7 is exact and adds to ``.grad`` as ``loss.backward()`` does."""
     model, x, loss_fn = _sequential(batch=7)
-    _, ref7 = _reference(model, (x,), loss_fn)
+    _, ref7 = reference_step(model, (x,), loss_fn)
     x5, y5 = x[:5].clone(), torch.randn(5, 8, dtype=torch.float64)
-    _, ref5 = _reference(model, (x5,), _mse(y5))
+    _, ref5 = reference_step(model, (x5,), _mse(y5))
     eng = leangrad.engine("checkpoint", fragments=3)
     eng.backward(model, x, loss_fn)
     res = eng.backward(model, x5, _mse(y5))
@@ -341,7 +331,7 @@ def test_input_gradient_of_a_conv_net_with_groupnorm(spy: _Spy) -> None:
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y)
 
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     x_ref = x.grad.clone()  # type: ignore[union-attr]
     x.grad = None
     res = leangrad.engine("checkpoint", fragments=3).backward(model, x, loss_fn)
@@ -356,7 +346,7 @@ def test_input_gradient_of_a_conv_net_with_groupnorm(spy: _Spy) -> None:
 def test_input_gradient_of_vit() -> None:
     model, x, loss_fn = _zoo("vit", 5, torch.float64)
     x.requires_grad_(True)
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     x_ref = x.grad.clone()  # type: ignore[union-attr]
     x.grad = None
     leangrad.engine("checkpoint", fragments=2).backward(model, x, loss_fn)
@@ -395,7 +385,7 @@ def test_batchnorm_blocks_run_in_fragments_exactly_with_running_stats_as_autogra
     (_fragments_bn); the running statistics advance once, as under autograd."""
     model, x, loss_fn = _resnet_batch()
     start = copy.deepcopy(model.state_dict())
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     ref_buffers = _buffers(model)
     model.load_state_dict(start)
     res = leangrad.engine("checkpoint", fragments=k).backward(model, x, loss_fn)
@@ -411,7 +401,7 @@ def test_batchnorm_blocks_run_in_fragments_exactly_with_running_stats_as_autogra
 def test_batchnorm_fragments_in_float32_and_with_input_gradients() -> None:
     model, x, loss_fn = _resnet_batch(torch.float32, batch=6)
     x.requires_grad_(True)
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     assert x.grad is not None
     ref_x = x.grad.clone()
     x.grad = None
@@ -438,7 +428,7 @@ class BnMlp(nn.Module):
 def test_batchnorm1d_options_in_fragments(bn: dict[str, Any]) -> None:
     model, x, loss_fn = _sequential(BnMlp(8, **bn).double(), batch=7)
     start = copy.deepcopy(model.state_dict())
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     ref_buffers = _buffers(model)
     model.load_state_dict(start)
     res = leangrad.engine("checkpoint", fragments=3).backward(model, x, loss_fn)
@@ -460,14 +450,7 @@ def test_batchnorm_beside_dropout_runs_in_fragments_with_the_draws_replayed() ->
 
 
 def test_batchnorm_fragments_lower_the_peak() -> None:
-    torch.manual_seed(0)
-    model = zoo.resnet(10, width=8)
-    x = torch.randn(16, 3, 16, 16)
-    y = torch.randint(0, 10, (16,))
-
-    def loss_fn(out: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(out, y)
-
+    model, x, loss_fn = resnet_problem(width=8, batch=16, side=16)
     plain = profile_step(leangrad.engine("checkpoint"), model, x, loss_fn, repeats=0)
     cut = profile_step(leangrad.engine("checkpoint", fragments=4), model, x, loss_fn, repeats=0)
     assert cut.peak_bytes <= 0.9 * plain.peak_bytes
@@ -484,20 +467,8 @@ def test_a_dropout_block_runs_in_fragments_too(spy: _Spy) -> None:
     assert res.info["whole"] == {}
 
 
-class _Sampled(nn.Module):
-    """Draws from its input's values: no shape to replay the whole batch's draw by."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.sigmoid(self.lin(x))
-        return x + h * torch.bernoulli(h.detach())
-
-
 def test_a_draw_that_cannot_be_replayed_runs_whole_named() -> None:
-    model, x, loss_fn = _sequential(_Sampled().double(), batch=6)
+    model, x, loss_fn = _sequential(Sampled(8, residual=True).double(), batch=6)
     res = _check_rng(model, (x,), loss_fn, seed=6, fragments=2)
     assert set(res.info["whole"]) == {"1"}
     assert "bernoulli.default" in res.info["whole"]["1"]
@@ -553,7 +524,7 @@ def test_a_block_reading_another_modules_parameter_runs_whole() -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 8, generator=gen, dtype=torch.float64)
     loss_fn = _mse(torch.randn(5, 8, generator=gen, dtype=torch.float64))
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     res = leangrad.engine("checkpoint", fragments=2).backward(model, x, loss_fn)
     got = _grads(model)
     assert compare_grads(got, ref).max_rel_err <= 1e-10
@@ -582,11 +553,11 @@ class Counting(nn.Module):
 def test_a_block_updating_a_buffer_runs_whole_and_the_buffer_advances_once() -> None:
     counting = Counting(8).double()
     model, x, loss_fn = _sequential(counting, batch=5)
-    _reference(model, (x,), loss_fn)
+    reference_step(model, (x,), loss_fn)
     assert int(counting.calls) == 1  # autograd: one forward
     eng = leangrad.engine("checkpoint", fragments=2)
     for step in (2, 3):  # the first step probes, the second reuses the verdict
-        _, ref = _reference(copy.deepcopy(model), (x,), loss_fn)
+        _, ref = reference_step(copy.deepcopy(model), (x,), loss_fn)
         res = eng.backward(model, x, loss_fn)
         assert compare_grads(_grads(model), ref).max_rel_err <= 1e-10
         assert int(counting.calls) == step
@@ -620,7 +591,7 @@ class Tied(nn.Module):
 
 def _on_grad_check(model: nn.Module, x: torch.Tensor, loss_fn: LossFn, **options: Any) -> None:
     """Exact, and ``on_grad`` called once per parameter with its final gradient."""
-    _, ref = _reference(model, (x,), loss_fn)
+    _, ref = reference_step(model, (x,), loss_fn)
     calls: dict[str, list[torch.Tensor]] = {}
 
     def on_grad(name: str, p: nn.Parameter) -> None:
@@ -723,13 +694,7 @@ def test_keyword_arguments_with_and_without_a_batch_dimension(spy: _Spy) -> None
 
 
 def test_hugging_face_gpt2_with_an_attention_mask(spy: _Spy) -> None:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    gpt2 = transformers.GPT2LMHeadModel(config).double().train()
+    gpt2 = tiny_gpt2(dim=32, layers=2)
 
     class WithMask(nn.Module):
         def __init__(self) -> None:
@@ -745,11 +710,7 @@ def test_hugging_face_gpt2_with_an_attention_mask(spy: _Spy) -> None:
     mask = torch.ones(5, 8, dtype=torch.long)
     mask[1, :3] = 0  # left padding on two rows
     mask[3, :2] = 0
-
-    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-
-    res = _check(WithMask(), (ids, mask), loss_fn, fragments=2)
+    res = _check(WithMask(), (ids, mask), next_token_loss(ids), fragments=2)
     assert res.info["whole"] == {}
     assert len(spy.edges) == 2 and all(e == fragment_edges(5, 2) for e in spy.edges)
 
@@ -791,7 +752,7 @@ def test_composed_with_transforms(name: str, spy: _Spy) -> None:
     torch.manual_seed(0)
     model = zoo.gpt(vocab=1024, dim=16, layers=2, heads=2, context=8).double()
     x, loss_fn = zoo.batch("gpt", model, 5, length=8)
-    ref_loss, ref = _reference(model, (x,), loss_fn)
+    ref_loss, ref = reference_step(model, (x,), loss_fn)
     eng = leangrad.engine(name, fragments=2)
     assert eng.label.startswith("checkpoint(fragments=2)+")
     res = eng.backward(model, x, loss_fn)
@@ -1002,7 +963,7 @@ def test_batchnorm_followed_by_an_in_place_activation_stays_exact(act: str, k: i
     x = torch.randn(6, 3, 6, 6, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 5, (6,), generator=gen)
     start = copy.deepcopy(model.state_dict())
-    _, ref = _reference(model, (x,), lambda out: F.cross_entropy(out, y))
+    _, ref = reference_step(model, (x,), lambda out: F.cross_entropy(out, y))
     ref_buffers = _buffers(model)
     model.load_state_dict(start)
     res = leangrad.engine("checkpoint", fragments=k).backward(

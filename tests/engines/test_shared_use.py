@@ -28,7 +28,7 @@ import leangrad
 from leangrad import layers as L
 from leangrad import zoo
 from leangrad.engines import engine_class
-from shared_models import CallsTwice
+from shared_models import CallsTwice, SharedList
 
 LossFn = Callable[[Any], torch.Tensor]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -105,20 +105,9 @@ def _shared_batchnorm(dt: torch.dtype) -> nn.Module:
     return nn.Sequential(lin, bn, nn.Tanh(), nn.Linear(3, 3), lin, bn, nn.Tanh()).to(dt)
 
 
-class _SharedList(nn.Module):
-    """A ModuleList holding one block twice, and a second name for the whole list."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        blk = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-        self.layers = nn.ModuleList([blk, nn.Sequential(nn.Linear(3, 3), nn.Tanh()), blk])
-        self.again = self.layers
-        self.head = nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in [*self.layers, *self.again]:
-            x = layer(x)
-        return self.head(x)
+def _shared_list() -> SharedList:
+    return SharedList(nn.Sequential(nn.Linear(3, 3), nn.Tanh()),
+                      nn.Sequential(nn.Linear(3, 3), nn.Tanh()), 3, 2)  # fmt: skip
 
 
 SEQUENTIAL: dict[str, Callable[[torch.dtype], nn.Module]] = {
@@ -183,7 +172,7 @@ def test_checkpoint_on_a_model_calling_a_module_twice(options: dict[str, Any]) -
 )  # fmt: skip
 def test_a_list_holding_a_block_twice(name: str, options: dict[str, Any]) -> None:
     torch.manual_seed(0)
-    model = _SharedList().double()
+    model = _shared_list().double()
     _check(model, torch.randn(4, 3, dtype=torch.float64), _square, name, **options)
 
 
@@ -203,7 +192,7 @@ def test_blocks_and_explain_name_every_use() -> None:
     assert "3 blocks" in text
     assert "fad on 1" in str(leangrad.explain("checkpoint+fad", nested))
     # a container reached by two names holds each block once
-    shared = leangrad.blocks(_SharedList())
+    shared = leangrad.blocks(_shared_list())
     assert shared.names == ("layers.0", "layers.1", "layers.2")
 
 

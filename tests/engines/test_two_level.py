@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import leangrad
+from helpers import next_token_loss, tiny_gpt2
 from leangrad import _errors as E
 from leangrad import zoo
 from leangrad.engines.checkpoint import _fragments
@@ -147,14 +148,7 @@ def test_resnet_batchnorm_statistics_advance_once() -> None:
 
 
 def _gpt2(dropout: float) -> tuple[nn.Module, torch.Tensor, LossFn]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_embd=16, n_layer=5, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=dropout,
-        embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False, bos_token_id=0,
-        eos_token_id=0,
-    )  # fmt: skip
-    gpt2 = transformers.GPT2LMHeadModel(config).double().train()
+    gpt2 = tiny_gpt2(dim=16, layers=5, dropout=dropout)
 
     class LM(nn.Module):
         def __init__(self) -> None:
@@ -166,11 +160,7 @@ def _gpt2(dropout: float) -> tuple[nn.Module, torch.Tensor, LossFn]:
             return logits
 
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-
-    return LM(), ids, loss_fn
+    return LM(), ids, next_token_loss(ids)
 
 
 @pytest.mark.parametrize("fragments", [None, 2])
@@ -213,13 +203,21 @@ class DropNet(nn.Module):
         return self.head(h)
 
 
-def test_dropout_and_layer_generators_replayed_and_left_where_autograd_leaves_them() -> None:
+def _mse_problem(build: Callable[[], nn.Module], features: int,
+                 outputs: int) -> tuple[nn.Module, torch.Tensor, LossFn]:  # fmt: skip
+    """``build()`` in float64 from seed 0, a batch of 5 that wants its gradient and an MSE
+    loss against random targets."""
     torch.manual_seed(0)
-    model = DropNet().double()
-    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(5, 3, dtype=torch.float64)
+    model = build().double()
+    x = torch.randn(5, features, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(5, outputs, dtype=torch.float64)
+    return model, x, lambda out: F.mse_loss(out, y)
+
+
+def test_dropout_and_layer_generators_replayed_and_left_where_autograd_leaves_them() -> None:
+    model, x, loss_fn = _mse_problem(DropNet, 4, 3)
     ref = copy.deepcopy(model)
-    res = _check(model, (x,), lambda out: F.mse_loss(out, y), seed=5)
+    res = _check(model, (x,), loss_fn, seed=5)
     assert res.info["segments"] == 3 and res.info["dropped"] == 4
     for a, b in zip(model.blocks, ref.blocks, strict=True):  # one draw each, as autograd
         torch.rand((5, 6), generator=b.gen, dtype=torch.float64)
@@ -289,11 +287,8 @@ class Between(nn.Module):
 
 
 def test_inputs_that_are_not_the_previous_output_are_kept() -> None:
-    torch.manual_seed(0)
-    model = Between().double()
-    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(5, 2, dtype=torch.float64)
-    res = _check(model, (x,), lambda out: F.mse_loss(out, y), segments=1)
+    model, x, loss_fn = _mse_problem(Between, 6, 2)
+    res = _check(model, (x,), loss_fn, segments=1)
     # one outer segment by count, cut where blocks.2 takes h * 2: 7 calls in 2 chains, 5
     # inputs dropped (blocks.3's second call takes its first call's output: rebuilt by
     # running that call again)

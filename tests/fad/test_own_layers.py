@@ -20,7 +20,7 @@ from torch import fx, nn
 
 import leangrad
 import leangrad.fad as fad
-from fad_cases import Double, rel
+from fad_cases import Double, Lambda, rel
 from leangrad.fad import _errors as E
 from leangrad.measure import saved_tensor_bytes
 
@@ -53,15 +53,6 @@ REFERENCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "elementwise": F.mish,
 }
 """The same activation written with PyTorch's own operators (the autograd reference)."""
-
-
-class Lambda(nn.Module):
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
 
 
 class Mixed(nn.Module):

@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 import leangrad
+from helpers import seeded_autograd
 from leangrad import hf
 from leangrad._errors import LeangradError
 from leangrad.engines._transforms import TRANSFORMS
@@ -101,21 +102,12 @@ def _problem(name: str, *, wider: bool = False) -> Problem:
     return _BUILT[name, wider]
 
 
-def _autograd(model: nn.Module, x: tuple[torch.Tensor, ...], loss_fn: Any) -> dict[str, Any]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)  # the same dropout masks as the engine's step
-    loss_fn(model(*x)).backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return ref
-
-
 def _check(
     eng: Any, model: nn.Module, x: tuple[torch.Tensor, ...], loss_fn: Any, tol: float = 1e-9
 ) -> None:
     """Run ``eng`` and hold it to autograd: exact, or (estimators) a grad on every parameter
     autograd gives one."""
-    ref = _autograd(model, x, loss_fn)
+    ref = seeded_autograd(model, x, loss_fn)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(0)
     try:

@@ -6,7 +6,6 @@ weights are random (nothing zero-initialised hides a wrong gradient)."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -50,16 +49,7 @@ def _loss(out: Any) -> torch.Tensor:
 
 def _step(model: torch.nn.Module, batch: dict[str, Any], engine: leangrad.Engine | None,
           loss_fn: Any = _loss) -> mc._Step:  # fmt: skip
-    m = copy.deepcopy(model)
-    torch.manual_seed(11)
-    if engine is None:
-        m(**batch).loss.backward()
-    else:
-        engine.backward(m, batch, loss_fn)
-    return mc._Step({n: None if p.grad is None else p.grad.detach()
-                     for n, p in m.named_parameters()},
-                    {n: b.detach().clone() for n, b in m.named_buffers()},
-                    torch.get_rng_state())  # fmt: skip
+    return mc.engine_step(model, batch, loss_fn, engine, autograd=lambda m: m(**batch).loss)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

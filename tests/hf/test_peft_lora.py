@@ -45,17 +45,7 @@ def _loss(out: Any, tgt: torch.Tensor) -> torch.Tensor:
 
 def _step(model: torch.nn.Module, ids: torch.Tensor,
           engine: leangrad.Engine | None) -> mc._Step:  # fmt: skip
-    m = copy.deepcopy(model)
-    loss_fn = per_example(_loss, ids[:, 1:])
-    torch.manual_seed(11)
-    if engine is None:
-        loss_fn(m(ids)).backward()
-    else:
-        engine.backward(m, ids, loss_fn)
-    return mc._Step({n: None if p.grad is None else p.grad.detach()
-                     for n, p in m.named_parameters()},
-                    {n: b.detach().clone() for n, b in m.named_buffers()},
-                    torch.get_rng_state())  # fmt: skip
+    return mc.engine_step(model, ids, per_example(_loss, ids[:, 1:]), engine)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

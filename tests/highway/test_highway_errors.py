@@ -129,32 +129,32 @@ class _UserBlock(HighwayBlock):
         return w
 
 
+def _width_error(engine: str, blocks: list[nn.Module], x: torch.Tensor, msg: str, *,
+                 fix: str) -> HighwayError:  # fmt: skip
+    """The error ``engine``'s step on a stack of ``blocks`` raises on ``x``, which must
+    say ``msg`` and name the ``fix``."""
+    net = HighwayNet(None, [ResidualStack(blocks)], None)
+    with pytest.raises(HighwayError, match=re.escape(msg)) as info:
+        leangrad.engine(engine).backward(net, x, _sum)
+    assert fix in str(info.value)
+    return info.value
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_undeclared_widths_are_named_when_the_block_fails(engine: str) -> None:
     """The issue's case: PyTorch's ``running_mean should contain 4 elements not 8``."""
-    net = HighwayNet(None, [ResidualStack([_UserBlock(4), _UserBlock(8)])], None)
-    x = torch.randn(2, 4, 6, 6)
-    msg = (
-        "ResidualStack: block 1 (_UserBlock) expects width 8 but receives width 4 (the "
-        "output of block 0 (_UserBlock), shape (2, 4, 6, 6))"
-    )
-    with pytest.raises(HighwayError, match=re.escape(msg)) as info:
-        leangrad.engine(engine).backward(net, x, _sum)
-    assert "build block 1 with width 4 like block 0" in str(info.value)
-    assert isinstance(info.value.__cause__, RuntimeError)  # PyTorch's error, kept as cause
+    err = _width_error(engine, [_UserBlock(4), _UserBlock(8)], torch.randn(2, 4, 6, 6),
+                       "ResidualStack: block 1 (_UserBlock) expects width 8 but receives "
+                       "width 4 (the output of block 0 (_UserBlock), shape (2, 4, 6, 6))",
+                       fix="build block 1 with width 4 like block 0")
+    assert isinstance(err.__cause__, RuntimeError)  # PyTorch's error, kept as cause
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_stack_input_of_another_width_names_block_0(engine: str) -> None:
-    net = HighwayNet(None, [ResidualStack([PreActBlock(4), PreActBlock(4)])], None)
-    x = torch.randn(2, 8, 6, 6)
-    msg = (
-        "ResidualStack: block 0 (PreActBlock) expects width 4 but receives width 8 (the "
-        "stack's input, shape (2, 8, 6, 6))"
-    )
-    with pytest.raises(HighwayError, match=re.escape(msg)) as info:
-        leangrad.engine(engine).backward(net, x, _sum)
-    assert "give the stack inputs of width 4" in str(info.value)
+    _width_error(engine, [PreActBlock(4), PreActBlock(4)], torch.randn(2, 8, 6, 6),
+                 "ResidualStack: block 0 (PreActBlock) expects width 4 but receives width 8 "
+                 "(the stack's input, shape (2, 8, 6, 6))", fix="give the stack inputs of width 4")
 
 
 def test_other_block_failures_are_not_blamed_on_widths() -> None:

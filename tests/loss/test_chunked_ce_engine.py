@@ -10,8 +10,7 @@ logits never exist. Nothing here asserts a time.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 import leangrad
+from helpers import seeded_autograd
 from leangrad import zoo
 from leangrad._errors import EngineInputError
 from leangrad.engines import Composed
@@ -31,12 +31,8 @@ VOCAB = 2048
 Problem = tuple[nn.Module, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    """transformers warns about tiny configurations; not findings."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+# transformers warns about tiny configurations; not findings
+pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _gpt(vocab: int = VOCAB, dtype: torch.dtype = torch.float64) -> Problem:
@@ -49,15 +45,6 @@ def _gpt(vocab: int = VOCAB, dtype: torch.dtype = torch.float64) -> Problem:
     return model, (idx,), lambda out: zoo.GPT.loss(out, y)
 
 
-def _autograd(model: nn.Module, x: tuple[torch.Tensor, ...], loss_fn: Any) -> dict[str, Any]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)  # the same dropout masks as the engine's step
-    loss_fn(model(*x)).backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return ref
-
-
 def _composed(name: str, **options: Any) -> Composed:
     eng = leangrad.engine(name, **options)
     assert isinstance(eng, Composed)
@@ -68,7 +55,7 @@ def _check(eng: Any, model: nn.Module, x: tuple[torch.Tensor, ...], loss_fn: Any
            tol: float = 1e-10) -> None:  # fmt: skip
     """``eng``'s ``.grad`` are autograd's (no more, no fewer), the model is left as found
     and its head returns real logits again after the step."""
-    ref = _autograd(model, x, loss_fn)
+    ref = seeded_autograd(model, x, loss_fn)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(0)
     try:
@@ -217,7 +204,7 @@ _BUILT: dict[str, Problem] = {}
 
 def _hf(name: str) -> Problem:
     """The tiny model in float64 at a 2,048-token vocabulary, in training mode (dropout:
-    :func:`_autograd` and :func:`_check` seed both steps alike); built once."""
+    :func:`helpers.seeded_autograd` and :func:`_check` seed both steps alike); built once."""
     pytest.importorskip("transformers")
     from leangrad import hf
 

@@ -6,21 +6,20 @@ FSDP2's own backward is refused."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from leangrad import models, train
-from two_processes import run_two
+from two_processes import run_two_json
 
 WORKER = r'''
-import json, sys
+import sys
 from pathlib import Path
 import torch
-import torch.distributed as dist
 from leangrad import models, train, _errors as errors
+from two_processes import finish
 
 torch.set_num_threads(1)
 out_dir = Path(sys.argv[1])
@@ -45,19 +44,15 @@ try:
 except errors.LeangradError as err:
     refused = str(err)
 planned = train.fit(build(), max_steps=1, budget="64MiB", **kw).config
-json.dump({"planned": [planned.engine, planned.step_per_layer], "local": local, "full": full,
-           "resumed": resumed, "refused": refused,
-           "ckpts": [p.name for p in ckpt]}, open(out_dir / f"rank{ctx.rank}.json", "w"))
-dist.barrier()  # no rank tears its connections down while another still uses them
-dist.destroy_process_group()
+finish({"planned": [planned.engine, planned.step_per_layer], "local": local, "full": full,
+        "resumed": resumed, "refused": refused, "ckpts": [p.name for p in ckpt]})
 '''
 
 
 
 @pytest.mark.slow
 def test_fsdp_shards_trains_like_one_process_and_resumes(tmp_path: Path) -> None:
-    run_two(WORKER, tmp_path)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_two_json(WORKER, tmp_path)
     torch.manual_seed(0)
     one = train.fit(models.mlp(64, 32, 3, 10), "synthetic", data_options={"n": 160},
                     optimizer="adam", lr=0.01, progress=False, track_memory_every=0,

@@ -8,7 +8,6 @@ the model, instead of leaving each process its own local gradient in silence."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,9 @@ import torch.nn.functional as F
 
 import leangrad
 from leangrad import models
-from two_processes import run_two
+from two_processes import run_two_json
 
 WORKER = r'''
-import json, sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import leangrad
 from leangrad import models, _errors as errors
 from leangrad.loss import per_example
+from two_processes import finish
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
@@ -70,17 +69,14 @@ except errors.EngineInputError as err:
     out["fsdp"] = str(err)
 except Exception as err:  # FSDP2 not usable on this CPU build: the refusal is not reached
     out["fsdp"] = f"unavailable: {type(err).__name__}: {err}"
-json.dump(out, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
-dist.barrier()  # no rank tears its connections down while another still uses them
-dist.destroy_process_group()
+finish(out)
 '''
 
 
 
 @pytest.mark.slow
 def test_every_engine_through_ddp_and_refusals_elsewhere(tmp_path: Path) -> None:
-    run_two(WORKER, tmp_path)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_two_json(WORKER, tmp_path)
     torch.manual_seed(0)
     model = models.mlp(32, 16, 2, 10).double()
     gen = torch.Generator().manual_seed(1)
