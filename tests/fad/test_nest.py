@@ -11,19 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fad_cases as cases
 import leangrad.fad as fad
-from fad_cases import (
-    Acts,
-    Branchy,
-    DataDependent,
-    Head,
-    InPlaceModuleBetween,
-    ResidualInPlace,
-    WritesSource,
-    gelu_tanh,
-    rel,
-    swish,
-)
 from fad_chains import random_chain
 from leangrad.measure import saved_tensor_bytes
 
@@ -38,14 +27,14 @@ def assert_same_grads(model: nn.Module, nested: nn.Module, x: torch.Tensor, what
     ref, got = grads_of(model, x), grads_of(nested, x)
     assert len(ref) == len(got)
     for a, b in zip(got, ref, strict=True):
-        assert rel(a, b) < 1e-12, what
+        assert cases.rel(a, b) < 1e-12, what
 
 
 @pytest.mark.parametrize("seed", range(16))
 def test_random_chains_nest(seed: int) -> None:
     chain = random_chain(seed + 100, length=8)
     torch.manual_seed(seed)
-    model = Head(chain.fn, chain.outputs).double()
+    model = cases.Head(chain.fn, chain.outputs).double()
     nested = fad.nest(model)
     fused = [r for r in nested.fad_regions if r.name is not None]
     assert fused, chain.text
@@ -54,7 +43,7 @@ def test_random_chains_nest(seed: int) -> None:
 
 def test_branches_multiple_consumers_inplace_noncontiguous() -> None:
     torch.manual_seed(0)
-    model = Branchy().double()
+    model = cases.Branchy().double()
     nested = fad.nest(model, builtins=False)  # every chain nested (gelu_tanh is F.gelu's)
     fused = {r.source: r for r in nested.fad_regions if r.name is not None}
     assert set(fused) == {"conv", "transpose"}
@@ -68,11 +57,11 @@ def test_branches_multiple_consumers_inplace_noncontiguous() -> None:
 
 @pytest.mark.parametrize(
     ("act", "eager_tensors"),
-    [(swish, 2), (lambda h: h * torch.tanh(F.softplus(h)), 2), (gelu_tanh, 4)],
+    [(cases.swish, 2), (lambda h: h * torch.tanh(F.softplus(h)), 2), (cases.gelu_tanh, 4)],
 )
 def test_nest_saves_one_tensor_per_chain(act, eager_tensors: int) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
-    model = Acts(act)
+    model = cases.Acts(act)
     nested = fad.nest(model)
     x = torch.randn(64, 16)
     one = 64 * 32 * 4
@@ -95,7 +84,7 @@ def test_nest_maps_activation_modules() -> None:
     assert_same_grads(model, nested, torch.randn(3, 4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("make", [WritesSource, InPlaceModuleBetween])
+@pytest.mark.parametrize("make", [cases.WritesSource, cases.InPlaceModuleBetween])
 def test_chain_with_a_write_in_between_is_left_to_autograd(make) -> None:  # type: ignore[no-untyped-def]
     model = make().double()
     nested = fad.nest(model)
@@ -107,12 +96,12 @@ def test_chain_with_a_write_in_between_is_left_to_autograd(make) -> None:  # typ
 
 def test_untraceable_model_points_to_eager_mode() -> None:
     with pytest.raises(fad.FadTraceError) as info:
-        fad.nest(DataDependent())
+        fad.nest(cases.DataDependent())
     msg = str(info.value)
     assert msg.startswith("fad.nest: torch.fx cannot trace DataDependent (")
     assert "`with leangrad.fad.nested(): loss = loss_fn(model(x))`" in msg
     with pytest.raises(fad.FadTraceError, match="'Proxy' object does not support item assign"):
-        fad.nest(ResidualInPlace())
+        fad.nest(cases.ResidualInPlace())
 
 
 class ComplexChain(nn.Module):
@@ -128,18 +117,18 @@ def test_dtype_without_rule_falls_back_with_warning() -> None:
     with pytest.warns(UserWarning, match=msg):
         (g,) = torch.autograd.grad(nested(z).sum(), z)
     (gr,) = torch.autograd.grad(ComplexChain()(z).sum(), z)
-    assert rel(g, gr) < 1e-12
+    assert cases.rel(g, gr) < 1e-12
 
 
 def test_no_warning_for_float_chains() -> None:
-    nested = fad.nest(Acts(swish))
+    nested = fad.nest(cases.Acts(cases.swish))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         nested(torch.randn(2, 16)).sum().backward()
 
 
 def test_inplace_write_into_chain_output() -> None:
-    model = ResidualInPlace(setitem=False).double()
+    model = cases.ResidualInPlace(setitem=False).double()
     nested = fad.nest(model)
     assert any(r.name is not None for r in nested.fad_regions)
     assert_same_grads(model, nested, torch.randn(3, 4, dtype=torch.float64))

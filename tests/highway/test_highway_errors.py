@@ -21,19 +21,8 @@ from torch import nn
 
 import leangrad
 from leangrad import EngineInputError
+from leangrad import highway as hw
 from leangrad.engines._contract import EMPTY_BATCH
-from leangrad.highway import (
-    GRULayer,
-    HighwayBlock,
-    HighwayError,
-    HighwayNet,
-    LSTMLayer,
-    PostLNSublayer,
-    PostReLUBlock,
-    PreActBlock,
-    PreLNSublayer,
-    ResidualStack,
-)
 from leangrad.highway._blocks import block_width
 from leangrad.measure import compare_grads, grads_of
 
@@ -49,11 +38,11 @@ def _sum(out: torch.Tensor) -> torch.Tensor:
 
 def _recurrent_nets() -> list[tuple[str, nn.Module, torch.Tensor]]:
     return [
-        ("GRULayer(4, 4", HighwayNet(None, [GRULayer(4, 4)], None), torch.randn(0, 2, 4)),
-        ("LSTMLayer(4, 5", LSTMLayer(4, 5), torch.randn(0, 3, 4)),  # a bare stack
+        ("GRULayer(4, 4", hw.HighwayNet(None, [hw.GRULayer(4, 4)], None), torch.randn(0, 2, 4)),
+        ("LSTMLayer(4, 5", hw.LSTMLayer(4, 5), torch.randn(0, 3, 4)),  # a bare stack
         (
             "GRULayer(6, 6",
-            HighwayNet(nn.Embedding(10, 6), [GRULayer(6, 6)], nn.Linear(6, 10)),
+            hw.HighwayNet(nn.Embedding(10, 6), [hw.GRULayer(6, 6)], nn.Linear(6, 10)),
             torch.zeros(0, 3, dtype=torch.long),  # token ids (L, batch)
         ),
     ]
@@ -73,7 +62,7 @@ def test_sequence_length_0_is_named_as_such(engine: str, case: int) -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_batch_of_no_sequences_is_still_an_empty_batch(engine: str) -> None:
-    net = HighwayNet(None, [GRULayer(4, 4)], None)
+    net = hw.HighwayNet(None, [hw.GRULayer(4, 4)], None)
     x = torch.randn(5, 0, 4)
     msg = EMPTY_BATCH.format(index=0, shape=(5, 0, 4))
     with pytest.raises(EngineInputError, match=re.escape(msg)):
@@ -82,7 +71,7 @@ def test_a_batch_of_no_sequences_is_still_an_empty_batch(engine: str) -> None:
 
 def test_an_unknown_stem_leaves_the_generic_message() -> None:
     """A stem that may reorder dimensions: the net cannot say which one is empty."""
-    net = HighwayNet(nn.Linear(4, 4), [GRULayer(4, 4)], None)
+    net = hw.HighwayNet(nn.Linear(4, 4), [hw.GRULayer(4, 4)], None)
     x = torch.randn(0, 2, 4)
     with pytest.raises(EngineInputError, match=re.escape("an empty batch")):
         leangrad.engine("highway").backward(net, x, _sum)
@@ -94,15 +83,15 @@ def test_an_unknown_stem_leaves_the_generic_message() -> None:
 @pytest.mark.parametrize(
     ("blocks", "index", "want", "got"),
     [
-        (lambda: [PreActBlock(4), PreActBlock(8)], 1, 8, 4),
-        (lambda: [PostReLUBlock(3), PostReLUBlock(3), PostReLUBlock(5)], 2, 5, 3),
-        (lambda: [PreLNSublayer(8), PostLNSublayer(6)], 1, 6, 8),
+        (lambda: [hw.PreActBlock(4), hw.PreActBlock(8)], 1, 8, 4),
+        (lambda: [hw.PostReLUBlock(3), hw.PostReLUBlock(3), hw.PostReLUBlock(5)], 2, 5, 3),
+        (lambda: [hw.PreLNSublayer(8), hw.PostLNSublayer(6)], 1, 6, 8),
     ],
     ids=["preact", "postrelu", "transformer"],
 )
 def test_declared_widths_are_checked_at_construction(blocks, index, want, got) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(HighwayError) as info:
-        ResidualStack(blocks())
+    with pytest.raises(hw.HighwayError) as info:
+        hw.ResidualStack(blocks())
     msg = str(info.value)
     assert f"block {index} (" in msg
     assert f"expects width {want} but receives width {got}" in msg
@@ -111,7 +100,7 @@ def test_declared_widths_are_checked_at_construction(blocks, index, want, got) -
     assert "running_mean" not in msg
 
 
-class _UserBlock(HighwayBlock):
+class _UserBlock(hw.HighwayBlock):
     """A block that does not declare its width: BatchNorm first, as in PreActBlock."""
 
     def __init__(self, channels: int) -> None:
@@ -130,11 +119,11 @@ class _UserBlock(HighwayBlock):
 
 
 def _width_error(engine: str, blocks: list[nn.Module], x: torch.Tensor, msg: str, *,
-                 fix: str) -> HighwayError:  # fmt: skip
+                 fix: str) -> hw.HighwayError:  # fmt: skip
     """The error ``engine``'s step on a stack of ``blocks`` raises on ``x``, which must
     say ``msg`` and name the ``fix``."""
-    net = HighwayNet(None, [ResidualStack(blocks)], None)
-    with pytest.raises(HighwayError, match=re.escape(msg)) as info:
+    net = hw.HighwayNet(None, [hw.ResidualStack(blocks)], None)
+    with pytest.raises(hw.HighwayError, match=re.escape(msg)) as info:
         leangrad.engine(engine).backward(net, x, _sum)
     assert fix in str(info.value)
     return info.value
@@ -152,7 +141,7 @@ def test_undeclared_widths_are_named_when_the_block_fails(engine: str) -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_stack_input_of_another_width_names_block_0(engine: str) -> None:
-    _width_error(engine, [PreActBlock(4), PreActBlock(4)], torch.randn(2, 8, 6, 6),
+    _width_error(engine, [hw.PreActBlock(4), hw.PreActBlock(4)], torch.randn(2, 8, 6, 6),
                  "ResidualStack: block 0 (PreActBlock) expects width 4 but receives width 8 "
                  "(the stack's input, shape (2, 8, 6, 6))", fix="give the stack inputs of width 4")
 
@@ -162,14 +151,14 @@ def test_other_block_failures_are_not_blamed_on_widths() -> None:
         def g(self, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("something else")
 
-    stack = ResidualStack([Broken(4)])
+    stack = hw.ResidualStack([Broken(4)])
     with pytest.raises(RuntimeError, match="something else"):
         stack(torch.randn(2, 4, 6, 6))
 
 
 def test_block_width_reads_declared_then_guesses() -> None:
-    assert block_width(PreActBlock(5)) == (5, 1)
-    assert block_width(PreLNSublayer(6)) == (6, -1)
+    assert block_width(hw.PreActBlock(5)) == (5, 1)
+    assert block_width(hw.PreLNSublayer(6)) == (6, -1)
     assert block_width(_UserBlock(3)) == (3, 1)  # BatchNorm2d(3): channels at dim 1
     assert block_width(_UserBlock(3), declared_only=True) is None
     assert block_width(nn.ReLU()) is None
@@ -178,8 +167,8 @@ def test_block_width_reads_declared_then_guesses() -> None:
 def test_matching_widths_still_match_autograd() -> None:
     """The checks change nothing for a valid stack: float64 gradients equal autograd's."""
     torch.manual_seed(0)
-    stack = ResidualStack([PreActBlock(3), _UserBlock(3), PostReLUBlock(3)]).double()
-    net = HighwayNet(None, [stack], nn.Flatten()).double()
+    stack = hw.ResidualStack([hw.PreActBlock(3), _UserBlock(3), hw.PostReLUBlock(3)]).double()
+    net = hw.HighwayNet(None, [stack], nn.Flatten()).double()
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     ref = copy.deepcopy(net)
     _sum(ref(x)).backward()
