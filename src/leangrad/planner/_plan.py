@@ -545,19 +545,22 @@ def _checked(chosen: str, fitting: dict[str, Any], times: dict[str, float], trie
     earlier plan's, under ``reuse=``) and gains this plan's. With the note for the plan's
     message. A plan within its budget checks on a slice of the batch that fits
     (:func:`~leangrad.planner._verify.check_batch`), or says it could not check."""
-    from ._verify import check_batch, exact_why
+    from ._verify import CHECKED, check_batch, exact_why
 
-    where = check_batch(ctx.model, ctx.xs, ctx.loss_fn, ctx.budget if ctx.within else None)
-    if isinstance(where, str):
-        return chosen, where
-    xs, loss_fn, note = where
+    most = ctx.budget if ctx.within else None
     rows = {t.label: t for t in tried}
     label: str | None = chosen
+    note = CHECKED
     while label is not None:
         row = rows.get(label)
         if row is None or row.name == BACKPROP:
             return label, ""
         if label not in verdicts:
+            where = check_batch(ctx.model, ctx.xs, ctx.loss_fn, most,
+                                engine_named(row.name, **row.options))  # fmt: skip
+            if isinstance(where, str):  # no batch to check it on within the budget
+                return label, where
+            xs, loss_fn, note = where
             shown(f"re-checking {label} against loss.backward()")
             verdicts[label] = exact_why(engine_named(row.name, **row.options), ctx.model, xs,
                                         loss_fn)  # fmt: skip

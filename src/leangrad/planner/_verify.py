@@ -21,7 +21,7 @@ sliced, the plan's message says the check did not run and why.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -129,39 +129,66 @@ def exact_why(step_engine: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
 
 
 def check_batch(model: nn.Module, xs: tuple[torch.Tensor, ...],
-                loss_fn: Callable[[Any], torch.Tensor], most: int | None) -> Check | str:
-    """The inputs and loss :func:`exact_why` steps on within ``most`` bytes (``None``: no
-    limit), with the plan's note; or, where none fits, the note saying the check did not
-    run (the module docstring says how the batch is sliced)."""
+                loss_fn: Callable[[Any], torch.Tensor], most: int | None,
+                step_engine: Any) -> Check | str:  # fmt: skip
+    """The inputs and loss :func:`exact_why` steps ``step_engine`` (a fresh one) and
+    backprop on within ``most`` bytes (``None``: no limit), with the plan's note; or, where
+    none fits, the note saying the check did not run (the module docstring says how the
+    batch is sliced). Both steps' estimates count what the check holds beside them: a copy
+    of the reference's gradients and two of the buffers (:func:`_held_bytes`)."""
     if most is None:
         return xs, loss_fn, CHECKED
-    peak = _estimated(model, xs, loss_fn)
-    if peak is not None and peak <= most:
-        return xs, loss_fn, CHECKED
-    shown = "?" if peak is None else fmt_bytes(peak)
+    held = _held_bytes(model)
+    whole: int | None = None
+    for n, part, sliced in _slices(xs, loss_fn):
+        peaks = [_estimated(e, model, part, sliced)
+                 for e in (engine_named("backprop"), step_engine)]  # fmt: skip
+        whole = peaks[0] if whole is None else whole
+        if all(p is not None and p + held <= most for p in peaks):
+            if part is xs:
+                return xs, loss_fn, CHECKED
+            batch = loss_fn.batch  # type: ignore[attr-defined]
+            return part, sliced, SLICED.format(n=n, batch=batch, peak=_shown(whole))
     if not isinstance(loss_fn, PerExample):
-        return NOT_CHECKED.format(peak=shown, why="the loss is not declared per example "
-                                  "(leangrad.loss.per_example), so no slice of the batch can "
-                                  "be checked instead")  # fmt: skip
-    batch, n = loss_fn.batch, loss_fn.batch // 2
-    while n >= 1:
+        return NOT_CHECKED.format(peak=_shown(whole), why="the loss is not declared per "
+                                  "example (leangrad.loss.per_example), so no slice of the "
+                                  "batch can be checked instead")  # fmt: skip
+    return NOT_CHECKED.format(peak=_shown(whole), why="so is one example's")
+
+
+def _slices(xs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+            ) -> Iterator[tuple[int, tuple[torch.Tensor, ...], Callable[[Any], torch.Tensor]]]:
+    """The whole batch, then (a loss declared per example) its first half, quarter, ...
+    down to one example, each with its rows of the loss's targets."""
+    if not isinstance(loss_fn, PerExample):
+        yield 0, xs, loss_fn
+        return
+    batch, n = loss_fn.batch, loss_fn.batch
+    yield n, xs, loss_fn
+    while (n := n // 2) >= 1:
         # copies, not views: fake tensors cannot be made of a view of a real batch
         part = tuple(x[:n].clone() if x.dim() and x.shape[0] == batch else x for x in xs)
         counts = None if loss_fn.counts is None else loss_fn.counts[:n].clone()
-        sliced = PerExample(loss_fn.fn, tuple(t[:n].clone() for t in loss_fn.targets),
-                            loss_fn.reduction, counts)  # fmt: skip
-        small = _estimated(model, part, sliced)
-        if small is not None and small <= most:
-            return part, sliced, SLICED.format(n=n, batch=batch, peak=shown)
-        n //= 2
-    return NOT_CHECKED.format(peak=shown, why="so is one example's")
+        yield n, part, PerExample(loss_fn.fn, tuple(t[:n].clone() for t in loss_fn.targets),
+                                  loss_fn.reduction, counts)  # fmt: skip
 
 
-def _estimated(model: nn.Module, xs: tuple[torch.Tensor, ...],
+def _held_bytes(model: nn.Module) -> int:
+    """What :func:`exact_why` holds beside a step: the reference's gradients, and the
+    buffers as they started and as the reference left them."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return grads + 2 * sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def _shown(peak: int | None) -> str:
+    return "?" if peak is None else fmt_bytes(peak)
+
+
+def _estimated(step_engine: Any, model: nn.Module, xs: tuple[torch.Tensor, ...],
                loss_fn: Callable[[Any], torch.Tensor]) -> int | None:  # fmt: skip
-    """Backprop's fake-tensor estimate of the step (total bytes), or ``None`` where fake
+    """The engine's fake-tensor estimate of the step (total bytes), or ``None`` where fake
     tensors cannot run it."""
     try:
-        return estimate_step(engine_named("backprop"), model, xs, loss_fn).total_bytes
+        return estimate_step(step_engine, model, xs, loss_fn).total_bytes
     except Exception:  # an op fake tensors cannot run: not known to fit
         return None
