@@ -34,6 +34,7 @@ def test_char_corpus_reads_the_standard_library() -> None:
     assert len(set(ids.tolist())) > 20  # real text, not one repeated symbol
 
 
+@pytest.mark.slow  # a suite run end to end: make test-slow
 def test_rnn_suite_records_and_report(tmp_path: Path) -> None:
     suite = _tiny("highway-rnn", hidden=8, batch=2, vocab=11, ks=[0, 7], quick_repeats=1)
     recs = run_rnn(suite, RunSettings(quick=True, progress=False, threads=[1, 2]))

@@ -64,6 +64,7 @@ def test_the_counter_splits_at_the_forwards_end() -> None:
     assert fwd == tf and abs(bwd - tb) <= 10  # the same ops, up to a stated constant
 
 
+@pytest.mark.slow  # 101 timed repeats per row: make test-slow
 def test_a_quick_run_writes_records_the_report_renders(tmp_path: Path) -> None:
     suite = load_suite("overhead")
     records = run_overhead(suite, RunSettings(quick=True, progress=False))

@@ -93,6 +93,7 @@ def _band_fields_ok(bands: list[dict[str, Any]], seeds: int) -> None:
             assert lo <= mid <= hi
 
 
+@pytest.mark.slow  # a suite run end to end: make test-slow
 def test_suite_end_to_end_records_per_seed_curves_and_bands(tmp_path: Path) -> None:
     suite = _tiny(
         "rad-fractions", dataset="digits", fractions=[0.2, 1.0],

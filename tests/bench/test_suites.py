@@ -132,6 +132,7 @@ def test_run_suite_then_report(tmp_path: Path) -> None:
     assert (out / "plots" / "tiny-mlp.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # a sweep over thread counts: make test-slow
 def test_a_sweep_times_every_thread_count_side_by_side(tmp_path: Path) -> None:
     """``threads`` times each step at every count in one run: a record's own time fields are
     the first count's, ``by_threads`` has each count's (ratios at that count), and the

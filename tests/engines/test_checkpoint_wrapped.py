@@ -243,6 +243,7 @@ def test_gradients_equal_one_process_backprop(ranks: list[dict]) -> None:
                 assert _close(got["seen"][n], want), (case, n)  # on_grad: averaged
 
 
+@pytest.mark.slow  # its fixture runs two processes
 def test_fsdp2_blocks_writing_their_input_in_place_run_on_copies(ranks: list[dict]) -> None:
     """Each block begins with ``LeakyReLU(inplace=True)`` on its input: checkpointed inside
     its FSDP2 unit, it runs on a copy of its input, and the gradients are one process's
@@ -254,6 +255,7 @@ def test_fsdp2_blocks_writing_their_input_in_place_run_on_copies(ranks: list[dic
             assert _close(got[n], want), n
 
 
+@pytest.mark.slow  # its fixture runs two processes
 def test_blocks_are_recomputed(ranks: list[dict]) -> None:
     # linear calls of one step: the forward's, plus those of the recomputed blocks
     recomputed = {"mlp": 2, "net": 9}  # mlp: blocks 0 and 1 (not the last); net: 3 x 3
@@ -271,6 +273,7 @@ def test_blocks_are_recomputed(ranks: list[dict]) -> None:
             assert traced == [True] * (2 if kind == "mlp" else 3), traced
 
 
+@pytest.mark.slow  # its fixture runs two processes
 def test_ddp_fragment_blocks_fragments_only_the_blocks_chosen(ranks: list[dict]) -> None:
     """Under DDP ``fragment_blocks`` picks its blocks as on the bare model (the largest, sized
     on fake tensors of ``ddp.module``; or the one named) and the others run whole; the
@@ -288,6 +291,7 @@ def test_ddp_fragment_blocks_fragments_only_the_blocks_chosen(ranks: list[dict])
         assert named["whole"] == ["blocks.0", "blocks.2"]
 
 
+@pytest.mark.slow  # its fixture runs two processes
 def test_fsdp2_refuses_what_it_cannot_take(ranks: list[dict]) -> None:
     for rank in ranks:
         for opts, why in rank["refused"].items():
@@ -301,6 +305,7 @@ def test_fsdp2_refuses_what_it_cannot_take(ranks: list[dict]) -> None:
         assert "segments=2" in rank["fit_refused"], rank["fit_refused"]
 
 
+@pytest.mark.slow  # its fixture runs two processes
 def test_checkpoint_holds_less_activation_memory_on_fsdp2(ranks: list[dict]) -> None:
     for rank in ranks:
         bp, ck = rank["memory"]["backprop"], rank["memory"]["checkpoint"]
@@ -309,6 +314,7 @@ def test_checkpoint_holds_less_activation_memory_on_fsdp2(ranks: list[dict]) -> 
         assert ck["peak"] < bp["peak"], (ck, bp)
 
 
+@pytest.mark.slow  # its fixture runs two processes
 def test_fit_fsdp_trains_with_checkpoint(ranks: list[dict]) -> None:
     for rank in ranks:
         bp, ck = rank["fit"]["backprop"], rank["fit"]["checkpoint"]

@@ -65,9 +65,15 @@ so does its rotary embedding: an exact method that orders the arithmetic differe
 (forward mode) differs from autograd at float32 rounding (6e-8 measured), not float64's."""
 
 
+LONG = {("unet", "forward")}
+"""Cases of a minute's CPU and more (one jvp per parameter of the UNet): make test-slow."""
+
+
 def _case(model: str, name: str) -> Any:
     why = KNOWN.get((model, name))
     marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+    if (model, name) in LONG:
+        marks.append(pytest.mark.slow)
     return pytest.param(model, name, marks=marks, id=f"{model}-{name}")
 
 

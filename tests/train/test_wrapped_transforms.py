@@ -129,6 +129,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow  # two processes: make test-slow
 def test_step_transforms_on_ddp_and_fsdp2_equal_one_process(tmp_path: Path) -> None:
     run_two(WORKER, tmp_path, ",".join(ENGINES))
     for rank in range(2):
