@@ -168,6 +168,12 @@ class Context:
     and runs only where the estimate fits (no margin); one fake tensors cannot run is not
     run (:data:`UNESTIMATED`)."""
 
+    @property
+    def screen_above(self) -> float:
+        """Bytes above which an estimate rules a candidate out: the budget plus
+        :data:`ESTIMATE_MARGIN`, or the budget itself where the plan stays within it."""
+        return (1 + (0 if self.within else ESTIMATE_MARGIN)) * self.budget
+
 
 @dataclasses.dataclass(frozen=True)
 class Tried:
@@ -263,7 +269,7 @@ def _measure_kind(name: str, opts: dict[str, Any], ctx: Context, per_layer: bool
     screen = _estimate(step, name, opts, per_layer, ctx)
     if ctx.within and screen is None:
         return row(engine=None, peak=None, verdict=UNESTIMATED)
-    if screen is not None and screen > (1 + (0 if ctx.within else ESTIMATE_MARGIN)) * ctx.budget:
+    if screen is not None and screen > ctx.screen_above:
         return row(engine=step, peak=screen, verdict=f"over budget ({ESTIMATED})", estimate=True,
                    screened=True)  # fmt: skip
     try:
@@ -298,7 +304,7 @@ def revisit(rows: Sequence[Tried], ctx: Context, tried: list[Tried]) -> None:
         if t.engine is None or t.peak is None:  # n/a or failed: the same at any budget
             tried.append(t)
         elif t.screened:
-            if t.peak > (1 + (0 if ctx.within else ESTIMATE_MARGIN)) * ctx.budget:
+            if t.peak > ctx.screen_above:
                 tried.append(t)
                 continue
             eng = t.engine.engine if isinstance(t.engine, Step) else t.engine

@@ -139,11 +139,12 @@ def check_batch(model: nn.Module, xs: tuple[torch.Tensor, ...],
     if most is None:
         return xs, loss_fn, CHECKED
     held = _held_bytes(model)
-    whole: int | None = None
-    for n, part, sliced in _slices(xs, loss_fn):
+    whole: int | None = None  # backprop's estimate on the whole batch, for the notes
+    for i, (n, part, sliced) in enumerate(_slices(xs, loss_fn)):
         peaks = [_estimated(e, model, part, sliced)
                  for e in (engine_named("backprop"), step_engine)]  # fmt: skip
-        whole = peaks[0] if whole is None else whole
+        if i == 0:
+            whole = peaks[0]
         if all(p is not None and p + held <= most for p in peaks):
             if part is xs:
                 return xs, loss_fn, CHECKED
